@@ -1,0 +1,139 @@
+//! Splitting inputs into chunks along the batch dimension and putting them back together.
+//!
+//! The gradient cache only needs to know how many rows an input has and how to take a
+//! contiguous range of rows; the functional helpers also concatenate micro-batches. The
+//! [`Batch`] trait says exactly that, and is implemented for plain tensors (rows along
+//! dim 0) and for tokenized text ([`TokenBatch`]).
+
+use candle_core::Tensor;
+
+use crate::{Error, Result};
+
+/// An input that can be cut into row ranges and concatenated along the batch dimension.
+pub trait Batch: Sized {
+    /// Number of examples (rows).
+    fn rows(&self) -> usize;
+
+    /// Rows `start..start + len` (a view where the backend allows it, not a copy).
+    fn slice(&self, start: usize, len: usize) -> Result<Self>;
+
+    /// Concatenates batches along the batch dimension.
+    fn cat(parts: &[Self]) -> Result<Self>;
+
+    /// Splits into consecutive chunks of at most `chunk` rows; the last may be shorter.
+    fn chunks(&self, chunk: usize) -> Result<Vec<Self>> {
+        let rows = self.rows();
+        let chunk = chunk.max(1);
+        (0..rows)
+            .step_by(chunk)
+            .map(|start| self.slice(start, chunk.min(rows - start)))
+            .collect()
+    }
+}
+
+impl Batch for Tensor {
+    fn rows(&self) -> usize {
+        self.dims().first().copied().unwrap_or(0)
+    }
+
+    fn slice(&self, start: usize, len: usize) -> Result<Self> {
+        Ok(self.narrow(0, start, len)?)
+    }
+
+    fn cat(parts: &[Self]) -> Result<Self> {
+        if parts.is_empty() {
+            return Err(Error::Concat("no tensors to concatenate".into()));
+        }
+        Ok(Tensor::cat(parts, 0)?)
+    }
+}
+
+/// A tokenized batch as BERT-style encoders take it: `[rows, seq_len]` integer tensors.
+#[derive(Debug, Clone)]
+pub struct TokenBatch {
+    /// Token ids, `[rows, seq_len]`, u32.
+    pub input_ids: Tensor,
+    /// 1 for real tokens, 0 for padding, `[rows, seq_len]`, u32.
+    pub attention_mask: Tensor,
+    /// Segment ids, `[rows, seq_len]`, u32.
+    pub token_type_ids: Tensor,
+}
+
+impl TokenBatch {
+    /// Checks that the three tensors are `[rows, seq_len]` of one shape.
+    pub fn new(input_ids: Tensor, attention_mask: Tensor, token_type_ids: Tensor) -> Result<Self> {
+        if input_ids.rank() != 2
+            || attention_mask.shape() != input_ids.shape()
+            || token_type_ids.shape() != input_ids.shape()
+        {
+            return Err(Error::Concat(format!(
+                "a token batch needs three [rows, seq_len] tensors of one shape, got input_ids \
+                 {:?}, attention_mask {:?}, token_type_ids {:?}",
+                input_ids.dims(),
+                attention_mask.dims(),
+                token_type_ids.dims()
+            )));
+        }
+        Ok(Self {
+            input_ids,
+            attention_mask,
+            token_type_ids,
+        })
+    }
+
+    /// Sequence length (columns).
+    pub fn seq_len(&self) -> usize {
+        self.input_ids.dims().get(1).copied().unwrap_or(0)
+    }
+
+    fn pad_to(&self, len: usize) -> Result<Self> {
+        let pad = len - self.seq_len();
+        if pad == 0 {
+            return Ok(self.clone());
+        }
+        let right = |t: &Tensor| -> Result<Tensor> {
+            let zeros = Tensor::zeros((self.rows(), pad), t.dtype(), t.device())?;
+            Ok(Tensor::cat(&[t, &zeros], 1)?)
+        };
+        Ok(Self {
+            input_ids: right(&self.input_ids)?,
+            attention_mask: right(&self.attention_mask)?,
+            token_type_ids: right(&self.token_type_ids)?,
+        })
+    }
+}
+
+impl Batch for TokenBatch {
+    fn rows(&self) -> usize {
+        self.input_ids.dims().first().copied().unwrap_or(0)
+    }
+
+    fn slice(&self, start: usize, len: usize) -> Result<Self> {
+        Ok(Self {
+            input_ids: self.input_ids.narrow(0, start, len)?,
+            attention_mask: self.attention_mask.narrow(0, start, len)?,
+            token_type_ids: self.token_type_ids.narrow(0, start, len)?,
+        })
+    }
+
+    /// Concatenates along rows. Parts of different sequence lengths are right-padded to the
+    /// longest with id 0, mask 0 and token type 0, which a masked encoder ignores.
+    fn cat(parts: &[Self]) -> Result<Self> {
+        let Some(len) = parts.iter().map(TokenBatch::seq_len).max() else {
+            return Err(Error::Concat("no token batches to concatenate".into()));
+        };
+        let padded = parts
+            .iter()
+            .map(|p| p.pad_to(len))
+            .collect::<Result<Vec<_>>>()?;
+        let field = |f: fn(&TokenBatch) -> &Tensor| -> Result<Tensor> {
+            let ts: Vec<Tensor> = padded.iter().map(|p| f(p).clone()).collect();
+            Ok(Tensor::cat(&ts, 0)?)
+        };
+        Ok(Self {
+            input_ids: field(|b| &b.input_ids)?,
+            attention_mask: field(|b| &b.attention_mask)?,
+            token_type_ids: field(|b| &b.token_type_ids)?,
+        })
+    }
+}

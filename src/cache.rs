@@ -1,0 +1,444 @@
+//! The gradient cache (Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under
+//! Memory Limited Setup").
+//!
+//! A step runs in three phases, each consuming the value the previous one returned, so
+//! they cannot run out of order or twice:
+//!
+//! 1. [`Representations`]: every chunk is encoded without a graph; only its input, its
+//!    dropout seeds and its representation are kept.
+//! 2. [`GradientCache`]: the loss is computed over *all* representations, and its gradient
+//!    with respect to each representation is cached.
+//! 3. [`StepOutput`]: each chunk is replayed with its slice of the cache and the parameter
+//!    gradients are summed across chunks and towers.
+//!
+//! The parameter gradients equal those of one forward/backward over the whole batch, while
+//! activation memory is that of one chunk. [`GradCache::cache_step`] runs the three phases;
+//! [`cached`] and [`Representations::push`] are the functional form (the reference's
+//! `cached` / `cat_input_tensor`) for loops that collect many micro-batches into one loss.
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+use crate::batch::Batch;
+use crate::dropout::{ChunkSeed, Ctx};
+use crate::encoder::Encoder;
+use crate::loss::{group_size, scalar, InfoNce, Loss};
+use crate::params::{Gradients, Params};
+use crate::{Error, Result, Side};
+
+/// One chunk's representation, detached, with the means to replay it later.
+pub struct Cached<'a> {
+    side: Side,
+    rep: Tensor,
+    replay: Box<dyn FnOnce(&Tensor) -> Result<Gradients> + 'a>,
+}
+
+/// Encodes `input` without a graph and keeps what is needed to replay it: the functional
+/// form of the gradient cache (the reference's `cached` decorator). The representation must
+/// be a `[rows, width]` matrix with one row per input row.
+pub fn cached<'a, E>(encoder: &'a E, side: Side, input: E::Input, ctx: Ctx) -> Result<Cached<'a>>
+where
+    E: Encoder,
+    E::Input: 'a,
+{
+    let rep = encoder.encode(&input, &ctx)?.detach();
+    let dims = rep.dims();
+    if dims.len() != 2 {
+        return Err(Error::NotAMatrix {
+            side,
+            shape: dims.to_vec(),
+        });
+    }
+    if dims[0] != input.rows() {
+        return Err(Error::RowMismatch {
+            side,
+            expected: input.rows(),
+            got: dims[0],
+        });
+    }
+    Ok(Cached {
+        side,
+        rep,
+        replay: Box::new(move |cotangent| encoder.replay(&input, cotangent, &ctx)),
+    })
+}
+
+impl Cached<'_> {
+    /// The detached representation `[rows, width]`.
+    pub fn rep(&self) -> &Tensor {
+        &self.rep
+    }
+
+    /// Which side this chunk belongs to.
+    pub fn side(&self) -> Side {
+        self.side
+    }
+
+    /// Back-propagates `cotangent` (dL/d this representation) into parameter gradients.
+    pub fn replay(self, cotangent: &Tensor) -> Result<Gradients> {
+        (self.replay)(cotangent)
+    }
+}
+
+/// Concatenates cached representations along rows (the reference's `cat_input_tensor`).
+pub fn cat_reps(chunks: &[Cached<'_>]) -> Result<Tensor> {
+    let reps: Vec<Tensor> = chunks.iter().map(|c| c.rep.clone()).collect();
+    <Tensor as Batch>::cat(&reps)
+}
+
+/// Phase 1: the representations of every chunk of both sides, without graphs.
+///
+/// Built by [`GradCache::represent`], or by hand with [`Representations::push`] to collect
+/// micro-batches of a training loop into one big-batch loss.
+#[derive(Default)]
+pub struct Representations<'a> {
+    queries: Vec<Cached<'a>>,
+    passages: Vec<Cached<'a>>,
+}
+
+impl<'a> Representations<'a> {
+    /// An empty collection.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Encodes one chunk (or micro-batch) of `side` and keeps it for the loss.
+    pub fn push<E>(&mut self, encoder: &'a E, side: Side, input: E::Input, ctx: Ctx) -> Result<()>
+    where
+        E: Encoder,
+        E::Input: 'a,
+    {
+        let c = cached(encoder, side, input, ctx)?;
+        self.push_cached(c);
+        Ok(())
+    }
+
+    /// Keeps an already cached chunk.
+    pub fn push_cached(&mut self, c: Cached<'a>) {
+        match c.side {
+            Side::Query => self.queries.push(c),
+            Side::Passage => self.passages.push(c),
+        }
+    }
+
+    /// All query representations `[Q, d]`, in push order.
+    pub fn queries(&self) -> Result<Tensor> {
+        self.side_reps(Side::Query)
+    }
+
+    /// All passage representations `[P, d]`, in push order.
+    pub fn passages(&self) -> Result<Tensor> {
+        self.side_reps(Side::Passage)
+    }
+
+    fn side_reps(&self, side: Side) -> Result<Tensor> {
+        let chunks = match side {
+            Side::Query => &self.queries,
+            Side::Passage => &self.passages,
+        };
+        if chunks.is_empty() {
+            return Err(Error::EmptyBatch { side });
+        }
+        cat_reps(chunks)
+    }
+
+    /// Phase 2: computes `loss` over all representations and caches its gradient with
+    /// respect to each of them. Fails on a non-finite loss before any gradient is computed
+    /// for a parameter.
+    pub fn into_cache(self, loss: &dyn Loss) -> Result<GradientCache<'a>> {
+        let q = self.queries()?;
+        let p = self.passages()?;
+        group_size(q.dim(0)?, p.dim(0)?)?;
+        let (qw, pw) = (q.dim(1)?, p.dim(1)?);
+        if qw != pw {
+            return Err(Error::WidthMismatch {
+                query: qw,
+                passage: pw,
+            });
+        }
+        let value = loss.value_and_grads(&q, &p)?;
+        if !value.loss.is_finite() {
+            return Err(Error::NonFiniteLoss { value: value.loss });
+        }
+        let mut pending = Vec::with_capacity(self.queries.len() + self.passages.len());
+        for (chunks, grads) in [
+            (self.queries, &value.grad_queries),
+            (self.passages, &value.grad_passages),
+        ] {
+            let mut start = 0;
+            for c in chunks {
+                let rows = c.rep.dim(0)?;
+                pending.push((c, grads.narrow(0, start, rows)?));
+                start += rows;
+            }
+        }
+        Ok(GradientCache {
+            loss: value.loss,
+            grad_queries: value.grad_queries,
+            grad_passages: value.grad_passages,
+            pending,
+        })
+    }
+}
+
+/// Phase 2: the loss and its gradient with respect to every representation.
+pub struct GradientCache<'a> {
+    loss: f32,
+    grad_queries: Tensor,
+    grad_passages: Tensor,
+    pending: Vec<(Cached<'a>, Tensor)>,
+}
+
+impl GradientCache<'_> {
+    /// The loss over the whole batch.
+    pub fn loss(&self) -> f32 {
+        self.loss
+    }
+
+    /// dL/d query representations `[Q, d]`.
+    pub fn grad_queries(&self) -> &Tensor {
+        &self.grad_queries
+    }
+
+    /// dL/d passage representations `[P, d]`.
+    pub fn grad_passages(&self) -> &Tensor {
+        &self.grad_passages
+    }
+
+    /// Phase 3: replays every chunk with its slice of the cache and sums the parameter
+    /// gradients across chunks and towers (a shared tower accumulates both sides).
+    pub fn replay(self) -> Result<StepOutput> {
+        let mut grads = Gradients::default();
+        for (chunk, cotangent) in self.pending {
+            grads.accumulate(chunk.replay(&cotangent)?)?;
+        }
+        Ok(StepOutput {
+            loss: self.loss,
+            grads,
+        })
+    }
+}
+
+/// What a step returns: the loss over the whole batch and the accumulated parameter
+/// gradients. The optimizer step is the caller's.
+#[derive(Debug, Clone)]
+pub struct StepOutput {
+    /// The loss over the whole batch.
+    pub loss: f32,
+    /// Parameter gradients, keyed by name.
+    pub grads: Gradients,
+}
+
+/// The gradient cache: one shared tower or two towers, a chunk size per side, a loss.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use gradcache::toy::{Mlp, MlpConfig};
+/// use gradcache::{GradCache, InfoNce, ParamStore, Tower};
+///
+/// # fn main() -> gradcache::Result<()> {
+/// let store = ParamStore::new(42, DType::F32, &Device::Cpu);
+/// let cfg = MlpConfig { input: 16, hidden: 32, output: 8, dropout: 0.1 };
+/// let tower = Tower::build(&store, "", |vb| Mlp::new(&cfg, vb))?;
+/// let mut gc = GradCache::shared(tower, 4, InfoNce::new(0.05)?)?;
+///
+/// let queries = Tensor::randn(0f32, 1., (10, 16), &Device::Cpu)?;
+/// let passages = Tensor::randn(0f32, 1., (10, 16), &Device::Cpu)?;
+/// let out = gc.cache_step(&queries, &passages)?; // chunks of 4, one loss over all 10 pairs
+/// assert!(out.loss.is_finite());
+/// assert_eq!(out.grads.len(), store.params().len());
+/// # Ok(()) }
+/// ```
+pub struct GradCache<Q: Encoder, P: Encoder = Q, L: Loss = InfoNce> {
+    query: Arc<Q>,
+    passage: Arc<P>,
+    params: Params,
+    query_chunk: usize,
+    passage_chunk: usize,
+    loss: L,
+    seed: u64,
+    rank: u32,
+    step: u64,
+    dropout: bool,
+}
+
+impl<E: Encoder, L: Loss> GradCache<E, E, L> {
+    /// One encoder for queries and passages, chunks of `chunk` rows on both sides.
+    pub fn shared(encoder: E, chunk: usize, loss: L) -> Result<Self> {
+        let encoder = Arc::new(encoder);
+        Self::new(Arc::clone(&encoder), encoder, chunk, chunk, loss)
+    }
+}
+
+impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
+    /// A query tower and a passage tower, each with its own chunk size. The towers' parameter
+    /// names must not collide unless they are the same variable.
+    pub fn two_towers(
+        query: Q,
+        passage: P,
+        query_chunk: usize,
+        passage_chunk: usize,
+        loss: L,
+    ) -> Result<Self> {
+        Self::new(
+            Arc::new(query),
+            Arc::new(passage),
+            query_chunk,
+            passage_chunk,
+            loss,
+        )
+    }
+
+    fn new(
+        query: Arc<Q>,
+        passage: Arc<P>,
+        query_chunk: usize,
+        passage_chunk: usize,
+        loss: L,
+    ) -> Result<Self> {
+        for (side, chunk) in [(Side::Query, query_chunk), (Side::Passage, passage_chunk)] {
+            if chunk == 0 {
+                return Err(Error::ZeroChunkSize { side });
+            }
+        }
+        let params = query.params().union(passage.params())?;
+        Ok(Self {
+            query,
+            passage,
+            params,
+            query_chunk,
+            passage_chunk,
+            loss,
+            seed: 0,
+            rank: 0,
+            step: 0,
+            dropout: true,
+        })
+    }
+
+    /// Sets the run seed that dropout masks derive from (default 0).
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Sets the process rank that dropout masks derive from (default 0).
+    pub fn with_rank(mut self, rank: u32) -> Self {
+        self.rank = rank;
+        self
+    }
+
+    /// Turns dropout on (training, the default) or off.
+    pub fn with_dropout(mut self, dropout: bool) -> Self {
+        self.dropout = dropout;
+        self
+    }
+
+    /// Sets the step counter, e.g. when resuming.
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// The step the next [`Self::cache_step`] will run as.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Every trainable parameter of both towers, sorted by name.
+    pub fn params(&self) -> &Params {
+        &self.params
+    }
+
+    /// The query encoder.
+    pub fn query_encoder(&self) -> &Q {
+        &self.query
+    }
+
+    /// The passage encoder (the same as the query encoder for a shared tower).
+    pub fn passage_encoder(&self) -> &P {
+        &self.passage
+    }
+
+    /// The loss.
+    pub fn loss(&self) -> &L {
+        &self.loss
+    }
+
+    /// The forward context of chunk `chunk` of `side` at `step`.
+    pub fn ctx(&self, step: u64, side: Side, chunk: usize) -> Ctx {
+        if !self.dropout {
+            return Ctx::eval();
+        }
+        Ctx::train(ChunkSeed {
+            run: self.seed,
+            step,
+            rank: self.rank,
+            tower: side.index(),
+            chunk: chunk as u32,
+        })
+    }
+
+    /// One gradient-cache step over the whole batch at the current step, then advances the
+    /// step counter. Returns the loss and the gradients; does not touch the weights.
+    pub fn cache_step(&mut self, queries: &Q::Input, passages: &P::Input) -> Result<StepOutput> {
+        let out = self
+            .represent(self.step, queries, passages)?
+            .into_cache(&self.loss)?
+            .replay()?;
+        self.step += 1;
+        Ok(out)
+    }
+
+    /// Phase 1 of a step: checks the batch, then encodes every chunk without a graph.
+    pub fn represent(
+        &self,
+        step: u64,
+        queries: &Q::Input,
+        passages: &P::Input,
+    ) -> Result<Representations<'_>> {
+        group_size(queries.rows(), passages.rows())?;
+        let mut reps = Representations::new();
+        for (i, chunk) in queries.chunks(self.query_chunk)?.into_iter().enumerate() {
+            reps.push(
+                &*self.query,
+                Side::Query,
+                chunk,
+                self.ctx(step, Side::Query, i),
+            )?;
+        }
+        for (i, chunk) in passages.chunks(self.passage_chunk)?.into_iter().enumerate() {
+            let ctx = self.ctx(step, Side::Passage, i);
+            reps.push(&*self.passage, Side::Passage, chunk, ctx)?;
+        }
+        Ok(reps)
+    }
+
+    /// A plain step for reference: one forward with a graph over the whole batch per side,
+    /// the loss, one backward. Memory grows with the batch; the gradients are what
+    /// [`Self::cache_step`] must reproduce. Dropout uses the masks of chunk 0 at `step`.
+    pub fn full_batch_step(
+        &self,
+        step: u64,
+        queries: &Q::Input,
+        passages: &P::Input,
+    ) -> Result<StepOutput> {
+        group_size(queries.rows(), passages.rows())?;
+        let q = self
+            .query
+            .forward(queries, &self.ctx(step, Side::Query, 0))?;
+        let p = self
+            .passage
+            .forward(passages, &self.ctx(step, Side::Passage, 0))?;
+        let loss = self.loss.forward(&q, &p)?;
+        let value = scalar(&loss)?;
+        if !value.is_finite() {
+            return Err(Error::NonFiniteLoss { value });
+        }
+        let store = loss.backward()?;
+        Ok(StepOutput {
+            loss: value,
+            grads: self.params.grads_from(&store),
+        })
+    }
+}

@@ -1,0 +1,110 @@
+//! Dropout whose masks come from explicit seeds, so they can be replayed bit for bit.
+//!
+//! The gradient cache runs every chunk twice (representation pass, then replay) and
+//! checkpointing runs every segment twice again; the dropout masks of those runs must be
+//! identical or the gradients are wrong. candle cannot snapshot or even seed the CPU RNG,
+//! so a mask here is a pure function of the tuple
+//! `(run seed, step, rank, tower, chunk, layer, site)`: the engine hands each chunk a
+//! [`ChunkSeed`] naming the first five, and the model names the layer and the site
+//! (which dropout inside the layer) when it applies [`Dropout`].
+
+use candle_core::Tensor;
+
+use crate::rng;
+use crate::{Error, Result};
+
+/// Where a chunk sits in training: everything a dropout mask depends on except the
+/// layer and the site inside the layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ChunkSeed {
+    /// The run's seed (from the config).
+    pub run: u64,
+    /// Optimizer step.
+    pub step: u64,
+    /// Process rank in distributed runs (0 otherwise).
+    pub rank: u32,
+    /// Tower (side) id: 0 for queries, 1 for passages, also when one encoder is shared.
+    pub tower: u32,
+    /// Index of the chunk within the tower's batch.
+    pub chunk: u32,
+}
+
+impl ChunkSeed {
+    /// The seed of the mask at `(layer, site)` of this chunk.
+    pub fn mask_seed(&self, layer: u32, site: u32) -> u64 {
+        rng::derive_seed(&[
+            self.run,
+            self.step,
+            u64::from(self.rank),
+            u64::from(self.tower),
+            u64::from(self.chunk),
+            u64::from(layer),
+            u64::from(site),
+        ])
+    }
+}
+
+/// Per-forward context handed to encoders: `dropout` is `Some` in training (masks are drawn
+/// from it) and `None` in evaluation (dropout is the identity).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Ctx {
+    /// Seeds for this chunk's dropout masks; `None` disables dropout.
+    pub dropout: Option<ChunkSeed>,
+}
+
+impl Ctx {
+    /// Evaluation: no dropout.
+    pub fn eval() -> Self {
+        Self { dropout: None }
+    }
+
+    /// Training with the masks of `seed`.
+    pub fn train(seed: ChunkSeed) -> Self {
+        Self {
+            dropout: Some(seed),
+        }
+    }
+}
+
+/// Inverted dropout with probability `p`, masks drawn from the context's [`ChunkSeed`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Dropout {
+    p: f32,
+}
+
+impl Dropout {
+    /// Dropout with drop probability `p` in `[0, 1)`.
+    pub fn new(p: f32) -> Result<Self> {
+        if !(0.0..1.0).contains(&p) {
+            return Err(Error::InvalidConfig {
+                field: "dropout",
+                value: p.to_string(),
+                reason: "the drop probability must be in [0, 1)",
+            });
+        }
+        Ok(Self { p })
+    }
+
+    /// The drop probability.
+    pub fn p(&self) -> f32 {
+        self.p
+    }
+
+    /// Applies dropout to `x` with the mask of `(layer, site)` in the context's chunk.
+    /// Identity in evaluation or when `p == 0`.
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx, layer: u32, site: u32) -> Result<Tensor> {
+        match ctx.dropout {
+            Some(seed) if self.p > 0.0 => {
+                let mask = rng::dropout_mask(
+                    seed.mask_seed(layer, site),
+                    self.p,
+                    x.shape(),
+                    x.dtype(),
+                    x.device(),
+                )?;
+                Ok(x.mul(&mask)?)
+            }
+            _ => Ok(x.clone()),
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! The library's one error type.
+//!
+//! Every fallible function in `gradcache` returns [`Result`]. Messages name the offending
+//! value so that a user can fix the input without reading the source.
+
+use std::fmt;
+
+/// Which side of a contrastive pair a tower, batch or chunk belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Side {
+    /// The query side (anchors).
+    Query,
+    /// The passage side (positives and hard negatives).
+    Passage,
+}
+
+impl Side {
+    /// Stable numeric id, used in dropout seeds: queries are tower 0, passages tower 1.
+    pub fn index(self) -> u32 {
+        match self {
+            Side::Query => 0,
+            Side::Passage => 1,
+        }
+    }
+}
+
+impl fmt::Display for Side {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Side::Query => "query",
+            Side::Passage => "passage",
+        })
+    }
+}
+
+/// Errors raised by `gradcache`.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A chunk size of zero was configured.
+    #[error("chunk size of the {side} tower must be at least 1, got 0")]
+    ZeroChunkSize { side: Side },
+
+    /// A batch with no rows was passed to a step.
+    #[error("empty batch: the {side} batch has no rows")]
+    EmptyBatch { side: Side },
+
+    /// The passage count is not a whole multiple of the query count.
+    #[error(
+        "passages ({passages}) must be a multiple of queries ({queries}): each query needs one \
+         positive and the same number k of hard negatives, so passages = queries * (k+1)"
+    )]
+    PassagesNotMultiple { queries: usize, passages: usize },
+
+    /// The two towers produce representations of different widths.
+    #[error(
+        "towers return representations of different widths: queries have {query} columns, \
+         passages have {passage}"
+    )]
+    WidthMismatch { query: usize, passage: usize },
+
+    /// The loss is NaN or infinite; detected before any gradient is returned.
+    #[error("non-finite loss ({value}); no gradient was computed or returned")]
+    NonFiniteLoss { value: f32 },
+
+    /// An encoder returned a representation whose row count differs from its input chunk.
+    #[error("the {side} encoder returned {got} rows for a chunk of {expected} inputs")]
+    RowMismatch {
+        side: Side,
+        expected: usize,
+        got: usize,
+    },
+
+    /// An encoder returned something that is not a `[rows, width]` matrix.
+    #[error("the {side} encoder must return a [rows, width] matrix, got shape {shape:?}")]
+    NotAMatrix { side: Side, shape: Vec<usize> },
+
+    /// A cotangent handed to a replay does not match the shape of the replayed output.
+    #[error("replay: the cotangent has shape {cotangent:?} but the output has shape {output:?}")]
+    CotangentShape {
+        output: Vec<usize>,
+        cotangent: Vec<usize>,
+    },
+
+    /// Two towers own distinct parameters under one name, so their gradients would be mixed.
+    #[error(
+        "parameter `{name}` exists in both towers as two different variables; give the towers \
+         distinct name prefixes (e.g. `query.` and `passage.`) or share one tower"
+    )]
+    DuplicateParameter { name: String },
+
+    /// A configuration value is out of range.
+    #[error("invalid value for `{field}`: {value} ({reason})")]
+    InvalidConfig {
+        field: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+
+    /// Parts of a batch could not be put together.
+    #[error("cannot concatenate batches: {0}")]
+    Concat(String),
+
+    /// An error from candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// `Result` with the library's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,276 @@
+//! Contrastive losses over query and passage representations.
+//!
+//! The gradient cache needs from a loss its value and its gradient with respect to every
+//! representation ([`Loss::value_and_grads`]); a plain training step needs a
+//! differentiable scalar ([`Loss::forward`]). [`InfoNce`] provides both, with in-batch and
+//! hard negatives, a temperature, dot or cosine similarity, an optional symmetric term, and
+//! a row-block mode in which the `B x B(k+1)` logits matrix never exists at once (as in
+//! sentence-transformers' cached losses). [`FnLoss`] turns any differentiable closure into a
+//! loss, like the `loss_fn` of the reference GradCache.
+
+use std::ops::Range;
+
+use candle_core::{DType, Tensor, Var, D};
+
+use crate::batch::Batch;
+use crate::{Error, Result};
+
+/// A loss's value and its gradients with respect to the representations, detached.
+#[derive(Debug, Clone)]
+pub struct LossValue {
+    /// The scalar loss.
+    pub loss: f32,
+    /// dL/d queries, `[queries, width]`.
+    pub grad_queries: Tensor,
+    /// dL/d passages, `[passages, width]`.
+    pub grad_passages: Tensor,
+}
+
+/// A contrastive loss over query representations `[Q, d]` and passage representations
+/// `[P, d]`.
+pub trait Loss {
+    /// The loss as a differentiable scalar (the graph is kept), for plain training steps.
+    fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor>;
+
+    /// The loss value and its gradients with respect to both inputs, detached. The default
+    /// back-propagates [`Loss::forward`] once over copies of the inputs.
+    fn value_and_grads(&self, queries: &Tensor, passages: &Tensor) -> Result<LossValue> {
+        let q = Var::from_tensor(&queries.detach())?;
+        let p = Var::from_tensor(&passages.detach())?;
+        let loss = self.forward(q.as_tensor(), p.as_tensor())?;
+        let value = scalar(&loss)?;
+        let store = loss.backward()?;
+        let grad = |v: &Var| -> Result<Tensor> {
+            Ok(match store.get(v.as_tensor()) {
+                Some(g) => g.detach(),
+                None => v.as_tensor().zeros_like()?.detach(),
+            })
+        };
+        Ok(LossValue {
+            loss: value,
+            grad_queries: grad(&q)?,
+            grad_passages: grad(&p)?,
+        })
+    }
+}
+
+/// How query and passage representations are compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Similarity {
+    /// Inner product (DPR).
+    #[default]
+    Dot,
+    /// Cosine: inner product of L2-normalised vectors.
+    Cosine,
+}
+
+/// InfoNCE (cross-entropy over similarities) with in-batch and hard negatives.
+///
+/// With `Q` queries and `P = Q * (k+1)` passages laid out as `[pos_0, neg_0_1..neg_0_k,
+/// pos_1, ...]`, the target of query `i` is passage `i * (k+1)`; every other passage of the
+/// batch is a negative. Logits are `sim(q, p) / temperature`. The symmetric term scores each
+/// positive passage against all queries (target: its own query) and the loss becomes the
+/// mean of both directions.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InfoNce {
+    temperature: f64,
+    similarity: Similarity,
+    symmetric: bool,
+    block_rows: Option<usize>,
+}
+
+impl InfoNce {
+    /// Dot-product InfoNCE with the given temperature (> 0), one block, not symmetric.
+    pub fn new(temperature: f64) -> Result<Self> {
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(Error::InvalidConfig {
+                field: "temperature",
+                value: temperature.to_string(),
+                reason: "the temperature must be a finite number greater than 0",
+            });
+        }
+        Ok(Self {
+            temperature,
+            similarity: Similarity::Dot,
+            symmetric: false,
+            block_rows: None,
+        })
+    }
+
+    /// Sets the similarity.
+    pub fn with_similarity(mut self, similarity: Similarity) -> Self {
+        self.similarity = similarity;
+        self
+    }
+
+    /// Adds (or removes) the passage-to-query term.
+    pub fn with_symmetric(mut self, symmetric: bool) -> Self {
+        self.symmetric = symmetric;
+        self
+    }
+
+    /// Computes the loss in blocks of `rows` anchor rows so that at most `rows x P` logits
+    /// exist at once; `None` computes it in one block.
+    pub fn with_block_rows(mut self, rows: Option<usize>) -> Result<Self> {
+        if rows == Some(0) {
+            return Err(Error::InvalidConfig {
+                field: "block_rows",
+                value: "0".into(),
+                reason: "a row block must hold at least one row",
+            });
+        }
+        self.block_rows = rows;
+        Ok(self)
+    }
+
+    /// The temperature.
+    pub fn temperature(&self) -> f64 {
+        self.temperature
+    }
+
+    /// Normalises for cosine similarity, leaves as is for dot.
+    fn prepare(&self, x: &Tensor) -> Result<Tensor> {
+        match self.similarity {
+            Similarity::Dot => Ok(x.clone()),
+            Similarity::Cosine => {
+                let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
+                Ok(x.broadcast_div(&norm)?)
+            }
+        }
+    }
+
+    /// The loss terms: each is (anchors, candidates, target of anchor row r, weight).
+    /// q2p: queries against all passages, target `i * group`; p2q (symmetric): positive
+    /// passages against all queries, target `i`. Each term is a mean over its anchors.
+    fn terms(&self, q: &Tensor, p: &Tensor) -> Result<Vec<Term>> {
+        let queries = q.rows();
+        let group = group_size(queries, p.rows())?;
+        let (q, p) = (self.prepare(q)?, self.prepare(p)?);
+        let weight = if self.symmetric { 0.5 } else { 1.0 } / queries as f64;
+        let mut terms = vec![Term {
+            anchors: q.clone(),
+            candidates: p.clone(),
+            target_stride: group,
+            weight,
+        }];
+        if self.symmetric {
+            let positives = if group == 1 {
+                p
+            } else {
+                let d = p.dim(1)?;
+                p.reshape((queries, group, d))?
+                    .narrow(1, 0, 1)?
+                    .squeeze(1)?
+            };
+            terms.push(Term {
+                anchors: positives,
+                candidates: q,
+                target_stride: 1,
+                weight,
+            });
+        }
+        Ok(terms)
+    }
+
+    /// Sum over anchor rows `rows` of the cross-entropy of one term, times its weight.
+    fn term_loss(&self, term: &Term, rows: Range<usize>) -> Result<Tensor> {
+        let anchors = term.anchors.narrow(0, rows.start, rows.len())?;
+        let logits = (anchors.matmul(&term.candidates.t()?)? / self.temperature)?;
+        let targets: Vec<u32> = rows.map(|r| (r * term.target_stride) as u32).collect();
+        let n = targets.len();
+        let targets = Tensor::from_vec(targets, (n, 1), logits.device())?;
+        let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+        let picked = log_probs.gather(&targets, D::Minus1)?;
+        Ok((picked.sum_all()? * (-term.weight))?)
+    }
+}
+
+struct Term {
+    anchors: Tensor,
+    candidates: Tensor,
+    target_stride: usize,
+    weight: f64,
+}
+
+impl Loss for InfoNce {
+    fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
+        let mut total: Option<Tensor> = None;
+        for term in self.terms(queries, passages)? {
+            let l = self.term_loss(&term, 0..term.anchors.rows())?;
+            total = Some(match total {
+                Some(t) => (t + l)?,
+                None => l,
+            });
+        }
+        total.ok_or_else(|| Error::EmptyBatch {
+            side: crate::Side::Query,
+        })
+    }
+
+    /// Back-propagates one row block at a time: only `block_rows x P` logits (and their
+    /// graph) exist at once. Gives the same value and gradients as the one-block form up to
+    /// float summation order.
+    fn value_and_grads(&self, queries: &Tensor, passages: &Tensor) -> Result<LossValue> {
+        let q = Var::from_tensor(&queries.detach())?;
+        let p = Var::from_tensor(&passages.detach())?;
+        let mut loss = 0f64;
+        let mut grad_q = q.as_tensor().zeros_like()?;
+        let mut grad_p = p.as_tensor().zeros_like()?;
+        for term in self.terms(q.as_tensor(), p.as_tensor())? {
+            let rows = term.anchors.rows();
+            let block = self.block_rows.unwrap_or(rows).max(1);
+            for start in (0..rows).step_by(block) {
+                let l = self.term_loss(&term, start..rows.min(start + block))?;
+                loss += f64::from(scalar(&l)?);
+                let store = l.backward()?;
+                if let Some(g) = store.get(q.as_tensor()) {
+                    grad_q = (grad_q + g)?;
+                }
+                if let Some(g) = store.get(p.as_tensor()) {
+                    grad_p = (grad_p + g)?;
+                }
+            }
+        }
+        Ok(LossValue {
+            loss: loss as f32,
+            grad_queries: grad_q.detach(),
+            grad_passages: grad_p.detach(),
+        })
+    }
+}
+
+/// Any differentiable closure `(queries, passages) -> scalar` as a [`Loss`].
+pub struct FnLoss<F>(pub F);
+
+impl<F> Loss for FnLoss<F>
+where
+    F: Fn(&Tensor, &Tensor) -> Result<Tensor>,
+{
+    fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
+        (self.0)(queries, passages)
+    }
+}
+
+/// `passages / queries`, the group size `k + 1`, checking that it is a whole number.
+pub fn group_size(queries: usize, passages: usize) -> Result<usize> {
+    if queries == 0 {
+        return Err(Error::EmptyBatch {
+            side: crate::Side::Query,
+        });
+    }
+    if passages == 0 {
+        return Err(Error::EmptyBatch {
+            side: crate::Side::Passage,
+        });
+    }
+    if passages % queries != 0 {
+        return Err(Error::PassagesNotMultiple { queries, passages });
+    }
+    Ok(passages / queries)
+}
+
+/// A scalar tensor's value as f32.
+pub(crate) fn scalar(t: &Tensor) -> Result<f32> {
+    Ok(t.to_dtype(DType::F32)?.to_scalar::<f32>()?)
+}

@@ -1,0 +1,390 @@
+//! Where trainable parameters live, and the gradients computed for them.
+//!
+//! [`ParamStore`] wraps a candle [`VarMap`] (so candle-nn optimizers and its safetensors
+//! save/load keep working) and initialises new variables from a seed instead of candle's
+//! unseeded RNG: a parameter's initial value is a pure function of (store seed, name), so
+//! two runs with one seed start from identical weights whatever the construction order.
+//!
+//! [`Params`] is a view of some variables sorted by name; [`Gradients`] maps names to
+//! detached gradient tensors and accumulates across chunks, towers and micro-batches.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::init::NormalOrUniform;
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder, VarMap};
+
+use crate::rng;
+use crate::{Error, Result};
+
+/// Trainable variables keyed by name, with seeded initialisation.
+#[derive(Clone)]
+pub struct ParamStore {
+    varmap: VarMap,
+    seed: u64,
+    dtype: DType,
+    device: Device,
+}
+
+impl ParamStore {
+    /// An empty store; variables are created on first request through [`Self::var_builder`].
+    pub fn new(seed: u64, dtype: DType, device: &Device) -> Self {
+        Self {
+            varmap: VarMap::new(),
+            seed,
+            dtype,
+            device: device.clone(),
+        }
+    }
+
+    /// A `VarBuilder` that returns the store's variables (tracked by autograd), creating
+    /// missing ones with the requested `Init` drawn from the store's seed.
+    pub fn var_builder(&self) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(self.clone()), self.dtype, self.device.clone())
+    }
+
+    /// The underlying candle `VarMap`, e.g. for `candle_nn::AdamW::new(store.varmap().all_vars(), ..)`.
+    pub fn varmap(&self) -> &VarMap {
+        &self.varmap
+    }
+
+    /// The variable named `name`, if the store has it.
+    pub fn get(&self, name: &str) -> Option<Var> {
+        self.lock().get(name).cloned()
+    }
+
+    /// Every variable in the store, sorted by name.
+    pub fn params(&self) -> Params {
+        Params::new(self.lock().iter().map(|(n, v)| (n.clone(), v.clone())))
+    }
+
+    /// The dtype new variables are created with.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device variables live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Var>> {
+        // A poisoned lock only means another thread panicked while holding it; the map
+        // itself is still consistent (inserts are single operations).
+        self.varmap
+            .data()
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn init(&self, name: &str, shape: &Shape, init: Init, dtype: DType) -> Result<Tensor> {
+        let seed = rng::derive_seed(&[self.seed, rng::hash_str(name)]);
+        let dev = &self.device;
+        let t = match init {
+            Init::Const(v) => Tensor::ones(shape, dtype, dev)?.affine(v, 0.)?,
+            Init::Randn { mean, stdev } => rng::normal(seed, mean, stdev, shape, dtype, dev)?,
+            Init::Uniform { lo, up } => rng::uniform(seed, lo, up, shape, dtype, dev)?,
+            Init::Kaiming {
+                dist,
+                fan,
+                non_linearity,
+            } => {
+                let std = non_linearity.gain() / (fan.for_shape(shape) as f64).sqrt();
+                match dist {
+                    NormalOrUniform::Uniform => {
+                        let bound = 3f64.sqrt() * std;
+                        rng::uniform(seed, -bound, bound, shape, dtype, dev)?
+                    }
+                    NormalOrUniform::Normal => rng::normal(seed, 0., std, shape, dtype, dev)?,
+                }
+            }
+        };
+        Ok(t)
+    }
+}
+
+impl SimpleBackend for ParamStore {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        _dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        if let Some(var) = self.get(name) {
+            if var.shape() != &s {
+                candle_core::bail!(
+                    "parameter `{name}` has shape {:?} but shape {:?} was requested",
+                    var.shape(),
+                    s
+                );
+            }
+            return Ok(var.as_tensor().clone());
+        }
+        let value = self
+            .init(name, &s, h, dtype)
+            .map_err(candle_core::Error::wrap)?;
+        let var = Var::from_tensor(&value)?;
+        let tensor = var.as_tensor().clone();
+        self.lock().insert(name.to_string(), var);
+        Ok(tensor)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        match self.get(name) {
+            Some(var) => Ok(var.as_tensor().clone()),
+            None => candle_core::bail!("no parameter named `{name}` in the store"),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.lock().contains_key(name)
+    }
+}
+
+/// A set of trainable variables sorted by name.
+#[derive(Clone, Default)]
+pub struct Params {
+    vars: Vec<(String, Var)>,
+}
+
+impl Params {
+    /// Collects `(name, var)` pairs, sorted by name.
+    pub fn new(vars: impl IntoIterator<Item = (String, Var)>) -> Self {
+        let mut vars: Vec<_> = vars.into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        vars.dedup_by(|a, b| a.0 == b.0);
+        Self { vars }
+    }
+
+    /// `(name, var)` pairs in name order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Var)> {
+        self.vars.iter().map(|(n, v)| (n.as_str(), v))
+    }
+
+    /// Parameter names in order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.vars.iter().map(|(n, _)| n.as_str())
+    }
+
+    /// The variable named `name`.
+    pub fn get(&self, name: &str) -> Option<&Var> {
+        self.vars
+            .binary_search_by(|(n, _)| n.as_str().cmp(name))
+            .ok()
+            .map(|i| &self.vars[i].1)
+    }
+
+    /// Number of parameter tensors.
+    pub fn len(&self) -> usize {
+        self.vars.len()
+    }
+
+    /// True when there are no parameters.
+    pub fn is_empty(&self) -> bool {
+        self.vars.is_empty()
+    }
+
+    /// Total number of scalar parameters.
+    pub fn elem_count(&self) -> usize {
+        self.vars.iter().map(|(_, v)| v.elem_count()).sum()
+    }
+
+    /// The union of two sets. A name present in both must refer to the same variable
+    /// (a genuinely shared parameter); two different variables under one name are an error,
+    /// since their gradients would be summed together.
+    pub fn union(&self, other: &Params) -> Result<Params> {
+        for (name, var) in other.iter() {
+            if let Some(mine) = self.get(name) {
+                if mine.as_tensor().id() != var.as_tensor().id() {
+                    return Err(Error::DuplicateParameter {
+                        name: name.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(Params::new(
+            self.vars.iter().chain(other.vars.iter()).cloned(),
+        ))
+    }
+
+    /// Detached views of every variable, sharing storage (zero copy): optimizer updates
+    /// to the variables are visible through them, but no op on them is recorded.
+    pub fn detached(&self) -> std::collections::HashMap<String, Tensor> {
+        self.vars
+            .iter()
+            .map(|(n, v)| (n.clone(), v.as_detached_tensor()))
+            .collect()
+    }
+
+    /// Pulls this set's gradients out of a candle `GradStore`, detached. Parameters that
+    /// received no gradient are absent from the result.
+    pub fn grads_from(&self, store: &GradStore) -> Gradients {
+        let mut grads = Gradients::default();
+        for (name, var) in self.iter() {
+            if let Some(g) = store.get(var.as_tensor()) {
+                grads.map.insert(name.to_string(), g.detach());
+            }
+        }
+        grads
+    }
+}
+
+impl std::fmt::Debug for Params {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.vars.iter().map(|(n, v)| (n, v.shape())))
+            .finish()
+    }
+}
+
+/// Detached parameter gradients keyed by name, iterated in name order.
+#[derive(Clone, Default, Debug)]
+pub struct Gradients {
+    map: BTreeMap<String, Tensor>,
+}
+
+impl Gradients {
+    /// The gradient of `name`, if it received one.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.map.get(name)
+    }
+
+    /// `(name, gradient)` pairs in name order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.map.iter().map(|(n, g)| (n.as_str(), g))
+    }
+
+    /// Number of parameters with a gradient.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// True when no parameter has a gradient.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Adds `other` into `self`: gradients of the same parameter are summed.
+    pub fn accumulate(&mut self, other: Gradients) -> Result<()> {
+        for (name, g) in other.map {
+            match self.map.get_mut(&name) {
+                Some(acc) => *acc = acc.add(&g)?,
+                None => {
+                    self.map.insert(name, g);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Multiplies every gradient by `factor` (e.g. to average over accumulation steps).
+    pub fn scale(&mut self, factor: f64) -> Result<()> {
+        for g in self.map.values_mut() {
+            *g = g.affine(factor, 0.)?;
+        }
+        Ok(())
+    }
+
+    /// A candle `GradStore` for `params`, so candle-nn optimizers can apply these gradients:
+    /// `opt.step(&grads.to_grad_store(&params))`.
+    pub fn to_grad_store(&self, params: &Params) -> GradStore {
+        let mut store = GradStore::default();
+        for (name, var) in params.iter() {
+            if let Some(g) = self.map.get(name) {
+                store.insert(var.as_tensor(), g.clone());
+            }
+        }
+        store
+    }
+
+    /// The largest relative difference from `reference` over all parameters: for each
+    /// parameter `max|self - reference| / max(max|reference|, floor)`, where `floor` is
+    /// `floor_ratio` times the largest gradient entry of the whole reference. The floor keeps
+    /// gradients that are mathematically zero (pure rounding noise) from dominating.
+    /// A parameter present in only one of the two counts as an infinite error.
+    pub fn max_rel_err(&self, reference: &Gradients, floor_ratio: f64) -> Result<f64> {
+        let mut global = 0f64;
+        for g in reference.map.values() {
+            global = global.max(max_abs(g)?);
+        }
+        let floor = (global * floor_ratio).max(f64::MIN_POSITIVE);
+        let mut worst = 0f64;
+        for name in self.map.keys().chain(reference.map.keys()) {
+            let (Some(a), Some(b)) = (self.map.get(name), reference.map.get(name)) else {
+                return Ok(f64::INFINITY);
+            };
+            let diff = max_abs(&a.sub(b)?)?;
+            let err = diff / max_abs(b)?.max(floor);
+            worst = worst.max(if err.is_nan() { f64::INFINITY } else { err });
+        }
+        Ok(worst)
+    }
+}
+
+impl IntoIterator for Gradients {
+    type Item = (String, Tensor);
+    type IntoIter = std::collections::btree_map::IntoIter<String, Tensor>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.map.into_iter()
+    }
+}
+
+impl FromIterator<(String, Tensor)> for Gradients {
+    fn from_iter<I: IntoIterator<Item = (String, Tensor)>>(iter: I) -> Self {
+        Self {
+            map: iter.into_iter().collect(),
+        }
+    }
+}
+
+/// The largest absolute entry of a tensor, as f64.
+pub(crate) fn max_abs(t: &Tensor) -> Result<f64> {
+    Ok(t.abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_dtype(DType::F64)?
+        .to_scalar::<f64>()?)
+}
+
+/// Used by [`crate::encoder::Tower`]: a backend that serves a store's variables and
+/// records every name requested, so a tower knows exactly which parameters it owns.
+pub(crate) struct Recorder {
+    pub(crate) store: ParamStore,
+    pub(crate) names: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl SimpleBackend for Recorder {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = SimpleBackend::get(&self.store, s, name, h, dtype, dev)?;
+        self.names
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(name.to_string());
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        let t = self.store.get_unchecked(name, dtype, dev)?;
+        self.names
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(name.to_string());
+        Ok(t)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.store.contains_tensor(name)
+    }
+}
