@@ -388,3 +388,47 @@ impl SimpleBackend for Recorder {
         self.store.contains_tensor(name)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grads(entries: &[(&str, &[f32])]) -> Gradients {
+        entries
+            .iter()
+            .map(|(n, v)| (n.to_string(), Tensor::new(*v, &Device::Cpu).unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn max_rel_err_is_per_parameter_with_a_floor() -> Result<()> {
+        let reference = grads(&[("a", &[10.0, -20.0]), ("b", &[0.001, 0.0])]);
+        let same = grads(&[("a", &[10.0, -20.0]), ("b", &[0.001, 0.0])]);
+        assert_eq!(same.max_rel_err(&reference, 0.0)?, 0.0);
+        // a: 0.2 / 20 = 0.01; b: 0.0005 / 0.001 = 0.5 without floor, 0.0005 / 0.02 with 1e-3.
+        let other = grads(&[("a", &[10.2, -20.0]), ("b", &[0.0015, 0.0])]);
+        assert!((other.max_rel_err(&reference, 0.0)? - 0.5).abs() < 1e-4);
+        assert!((other.max_rel_err(&reference, 1e-3)? - 0.025).abs() < 1e-4);
+        let missing = grads(&[("a", &[10.0, -20.0])]);
+        assert_eq!(missing.max_rel_err(&reference, 0.0)?, f64::INFINITY);
+        Ok(())
+    }
+
+    #[test]
+    fn seeded_initialisation_is_reproducible_and_name_dependent() -> Result<()> {
+        let init = Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        };
+        let value = |seed: u64, name: &str| -> Vec<f32> {
+            let store = ParamStore::new(seed, DType::F32, &Device::Cpu);
+            let vb = store.var_builder();
+            let t = vb.get_with_hints((4, 4), name, init).unwrap();
+            t.flatten_all().unwrap().to_vec1().unwrap()
+        };
+        assert_eq!(value(1, "w"), value(1, "w"));
+        assert_ne!(value(1, "w"), value(2, "w"));
+        assert_ne!(value(1, "w"), value(1, "v"));
+        Ok(())
+    }
+}
