@@ -1,1 +1,137 @@
-fn main() {}
+//! Time and peak memory of `cache_step` against a plain full-batch step, side by side in one
+//! run (these machines are noisy: compare ratios, not absolute numbers across runs).
+//!
+//! ```text
+//! cargo bench --bench cache_step            # full sweep
+//! cargo bench --bench cache_step -- --quick # one small configuration
+//! ```
+//!
+//! Peak memory is measured with a counting global allocator: the largest number of bytes
+//! allocated at once during the step, above what was allocated before it (CPU tensors live
+//! on the heap, so this is the activation memory plus gradients and temporaries).
+//! Time is the median of several repetitions, plain and cached alternating.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use gradcache::toy::{Mlp, MlpConfig};
+use gradcache::{GradCache, InfoNce, ParamStore, Tower};
+
+struct Counting;
+
+static CURRENT: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) };
+        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            if new_size > layout.size() {
+                let grow = new_size - layout.size();
+                let now = CURRENT.fetch_add(grow, Ordering::Relaxed) + grow;
+                PEAK.fetch_max(now, Ordering::Relaxed);
+            } else {
+                CURRENT.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
+            }
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// Runs `f`, returning its wall time in ms and its peak allocation above the start in bytes.
+fn measure<T>(f: impl FnOnce() -> T) -> (f64, usize) {
+    let base = CURRENT.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let start = Instant::now();
+    let out = f();
+    let ms = start.elapsed().as_secs_f64() * 1e3;
+    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(base);
+    drop(out);
+    (ms, peak)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+fn main() -> anyhow::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let cfg = MlpConfig {
+        input: 256,
+        hidden: 1024,
+        output: 256,
+        dropout: 0.1,
+    };
+    let (configs, reps): (&[(usize, usize)], usize) = if quick {
+        (&[(128, 32)], 3)
+    } else {
+        (
+            &[(256, 32), (512, 32), (1024, 32), (1024, 128), (1024, 512)],
+            5,
+        )
+    };
+    println!(
+        "# toy MLP tower {}-{}-{}-{}, dropout {}, shared tower, 1 positive per query, \
+         {} threads",
+        cfg.input,
+        cfg.hidden,
+        cfg.hidden,
+        cfg.output,
+        cfg.dropout,
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
+    );
+    for &(batch, chunk) in configs {
+        let store = ParamStore::new(0, DType::F32, &Device::Cpu);
+        let tower = Tower::build(&store, "", |vb| Mlp::new(&cfg, vb))?;
+        let mut gc = GradCache::shared(tower, chunk, InfoNce::new(0.05)?)?.with_seed(1);
+        let dev = &Device::Cpu;
+        let queries = Tensor::randn(0f32, 1., (batch, cfg.input), dev)?;
+        let passages = Tensor::randn(0f32, 1., (batch, cfg.input), dev)?;
+        // Warm up both paths once.
+        gc.full_batch_step(0, &queries, &passages)?;
+        gc.cache_step(&queries, &passages)?;
+
+        let (mut plain_ms, mut cached_ms) = (vec![], vec![]);
+        let (mut plain_peak, mut cached_peak) = (0, 0);
+        for _ in 0..reps {
+            let (ms, peak) = measure(|| gc.full_batch_step(0, &queries, &passages));
+            plain_ms.push(ms);
+            plain_peak = plain_peak.max(peak);
+            let (ms, peak) = measure(|| gc.cache_step(&queries, &passages));
+            cached_ms.push(ms);
+            cached_peak = cached_peak.max(peak);
+        }
+        let (plain, cached) = (median(plain_ms), median(cached_ms));
+        println!(
+            "batch={batch} chunk={chunk} plain_ms={plain:.1} cached_ms={cached:.1} \
+             time_ratio={:.2} plain_peak_mib={:.1} cached_peak_mib={:.1} memory_ratio={:.2}",
+            cached / plain,
+            mib(plain_peak),
+            mib(cached_peak),
+            cached_peak as f64 / plain_peak as f64,
+        );
+    }
+    Ok(())
+}

@@ -27,11 +27,14 @@ use crate::loss::{group_size, scalar, InfoNce, Loss};
 use crate::params::{Gradients, Params};
 use crate::{Error, Result, Side};
 
+/// A deferred replay: cotangent in, parameter gradients out.
+type ReplayFn<'a> = Box<dyn FnOnce(&Tensor) -> Result<Gradients> + 'a>;
+
 /// One chunk's representation, detached, with the means to replay it later.
 pub struct Cached<'a> {
     side: Side,
     rep: Tensor,
-    replay: Box<dyn FnOnce(&Tensor) -> Result<Gradients> + 'a>,
+    replay: ReplayFn<'a>,
 }
 
 /// Encodes `input` without a graph and keeps what is needed to replay it: the functional

@@ -45,3 +45,53 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
     Ok(normed.broadcast_mul(weight)?.broadcast_add(bias)?)
 }
+
+/// A fully connected layer `y = x W^T + b` with Hugging Face names (`weight` `[out, in]`,
+/// `bias` `[out]`), for inputs `[.., in]`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// PyTorch's default initialisation (uniform in `+-1/sqrt(in)`), with a bias.
+    pub fn new(input: usize, output: usize, vb: VarBuilder) -> Result<Self> {
+        let bound = 1.0 / (input as f64).sqrt();
+        let init = candle_nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        Ok(Self {
+            weight: vb.get_with_hints((output, input), "weight", init)?,
+            bias: Some(vb.get_with_hints(output, "bias", init)?),
+        })
+    }
+
+    /// `x W^T + b` over the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        linear(x, &self.weight, self.bias.as_ref())
+    }
+}
+
+/// `x W^T + b`, computed as `(W x^T)^T` on the flattened rows of `x`.
+///
+/// Written this way round, candle's backward produces the weight gradient as one
+/// contiguous `[out, in]` matmul, with no transpose node on the weight: `x.matmul(W.t())`
+/// records a transpose whose backward allocates and adds a second weight-sized, strided
+/// gradient. The replay of a gradient cache pays that once per chunk, so it matters.
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let input = dims[dims.len() - 1];
+    let rows = x.elem_count() / input.max(1);
+    let x2 = x.reshape((rows, input))?;
+    let y = weight.matmul(&x2.t()?)?.t()?.contiguous()?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    let mut out_dims = dims;
+    let last = out_dims.len() - 1;
+    out_dims[last] = weight.dim(0)?;
+    Ok(y.reshape(out_dims)?)
+}

@@ -3,12 +3,12 @@
 //! dropout, a residual connection, masked pooling).
 
 use candle_core::{DType, Tensor, D};
-use candle_nn::{Embedding, Linear, Module, VarBuilder};
+use candle_nn::{Embedding, Module, VarBuilder};
 
 use crate::batch::TokenBatch;
 use crate::dropout::{Ctx, Dropout};
 use crate::encoder::Network;
-use crate::nn::LayerNorm;
+use crate::nn::{LayerNorm, Linear};
 use crate::Result;
 
 /// Sizes of an [`Mlp`].
@@ -38,10 +38,10 @@ impl Mlp {
     /// Builds the tower with parameters `fc1`, `fc2`, `norm`, `out` under `vb`.
     pub fn new(cfg: &MlpConfig, vb: VarBuilder) -> Result<Self> {
         Ok(Self {
-            fc1: candle_nn::linear(cfg.input, cfg.hidden, vb.pp("fc1"))?,
-            fc2: candle_nn::linear(cfg.hidden, cfg.hidden, vb.pp("fc2"))?,
+            fc1: Linear::new(cfg.input, cfg.hidden, vb.pp("fc1"))?,
+            fc2: Linear::new(cfg.hidden, cfg.hidden, vb.pp("fc2"))?,
             norm: LayerNorm::new(cfg.hidden, 1e-5, vb.pp("norm"))?,
-            out: candle_nn::linear(cfg.hidden, cfg.output, vb.pp("out"))?,
+            out: Linear::new(cfg.hidden, cfg.output, vb.pp("out"))?,
             dropout: Dropout::new(cfg.dropout)?,
         })
     }
@@ -55,7 +55,7 @@ impl Network for Mlp {
         let h = self.dropout.forward(&h, ctx, 0, 0)?;
         let r = self.fc2.forward(&h)?.gelu()?;
         let h = (h + self.dropout.forward(&r, ctx, 1, 0)?)?;
-        Ok(self.out.forward(&self.norm.forward(&h)?)?)
+        self.out.forward(&self.norm.forward(&h)?)
     }
 }
 
@@ -89,7 +89,7 @@ impl BagOfWords {
             words: candle_nn::embedding(cfg.vocab, cfg.hidden, vb.pp("words"))?,
             types: candle_nn::embedding(2, cfg.hidden, vb.pp("types"))?,
             norm: LayerNorm::new(cfg.hidden, 1e-5, vb.pp("norm"))?,
-            out: candle_nn::linear(cfg.hidden, cfg.output, vb.pp("out"))?,
+            out: Linear::new(cfg.hidden, cfg.output, vb.pp("out"))?,
             dropout: Dropout::new(cfg.dropout)?,
         })
     }
@@ -109,6 +109,6 @@ impl Network for BagOfWords {
         let summed = emb.broadcast_mul(&mask)?.sum(1)?;
         let counts = mask.sum(1)?.maximum(1f32)?;
         let mean = summed.broadcast_div(&counts)?;
-        Ok(self.out.forward(&self.norm.forward(&mean)?)?)
+        self.out.forward(&self.norm.forward(&mean)?)
     }
 }
