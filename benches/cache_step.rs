@@ -94,18 +94,21 @@ fn main() -> anyhow::Result<()> {
     };
     println!(
         "# toy MLP tower {}-{}-{}-{}, dropout {}, shared tower, 1 positive per query, \
-         {} threads",
+         loss row blocks of 128 in the cached step, {} cores",
         cfg.input,
         cfg.hidden,
         cfg.hidden,
         cfg.output,
         cfg.dropout,
-        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
+        std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     for &(batch, chunk) in configs {
         let store = ParamStore::new(0, DType::F32, &Device::Cpu);
         let tower = Tower::build(&store, "", |vb| Mlp::new(&cfg, vb))?;
-        let mut gc = GradCache::shared(tower, chunk, InfoNce::new(0.05)?)?.with_seed(1);
+        // The cached path computes the loss in row blocks (the plain step cannot: its whole
+        // graph must be alive for the one backward).
+        let loss = InfoNce::new(0.05)?.with_block_rows(Some(128))?;
+        let mut gc = GradCache::shared(tower, chunk, loss)?.with_seed(1);
         let dev = &Device::Cpu;
         let queries = Tensor::randn(0f32, 1., (batch, cfg.input), dev)?;
         let passages = Tensor::randn(0f32, 1., (batch, cfg.input), dev)?;

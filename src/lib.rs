@@ -42,3 +42,8 @@ pub use encoder::{Encoder, Network, Tower};
 pub use error::{Error, Result, Side};
 pub use loss::{FnLoss, InfoNce, Loss, LossValue, Similarity};
 pub use params::{Gradients, ParamStore, Params};
+
+/// The README's code blocks, compiled and run as doctests so that they stay true.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
