@@ -83,7 +83,7 @@ impl<M> Tower<M> {
         let vb =
             VarBuilder::from_backend(Box::new(recorder), store.dtype(), store.device().clone());
         let vb = if prefix.is_empty() { vb } else { vb.pp(prefix) };
-        let graph = build(vb)?;
+        let graph = build(vb).map_err(|e| store.take_failure().unwrap_or(e))?;
 
         let names = names.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let params = Params::new(
@@ -99,6 +99,11 @@ impl<M> Tower<M> {
             detached,
             params,
         })
+    }
+
+    /// The parameters the model asked for, sorted by name.
+    pub fn params(&self) -> &Params {
+        &self.params
     }
 
     /// The instance built on the trainable variables.

@@ -4,6 +4,7 @@
 //! value so that a user can fix the input without reading the source.
 
 use std::fmt;
+use std::path::PathBuf;
 
 /// Which side of a contrastive pair a tower, batch or chunk belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -95,6 +96,56 @@ pub enum Error {
         value: String,
         reason: &'static str,
     },
+
+    /// A file the model needs is not there.
+    #[error("missing {what}: {path} does not exist")]
+    MissingFile { path: PathBuf, what: &'static str },
+
+    /// A model directory holds only a PyTorch pickle checkpoint.
+    #[error(
+        "{dir} holds only a PyTorch pickle checkpoint ({file}); gradcache loads safetensors \
+         weights only (pickle files can run code when loaded). Convert it once, e.g. in \
+         Python: `AutoModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`"
+    )]
+    PickleOnly { dir: PathBuf, file: String },
+
+    /// A model file could not be read or parsed.
+    #[error("cannot read {path}: {reason}")]
+    ModelFile { path: PathBuf, reason: String },
+
+    /// A weight the model needs is not in the weights file.
+    #[error("weight `{name}` is missing from {path}")]
+    MissingWeight { name: String, path: PathBuf },
+
+    /// A weight has a shape other than the config implies.
+    #[error("weight `{name}` in {path} has shape {found:?}, but the config needs {expected:?}")]
+    WeightShape {
+        name: String,
+        path: PathBuf,
+        found: Vec<usize>,
+        expected: Vec<usize>,
+    },
+
+    /// A model config asks for something this encoder does not implement.
+    #[error("unsupported `{field}` = {value:?} in {path}: supported are {supported}")]
+    UnsupportedConfig {
+        field: &'static str,
+        value: String,
+        supported: &'static str,
+        path: PathBuf,
+    },
+
+    /// A model could not be found on the Hugging Face Hub or in its local cache.
+    #[error("cannot get `{file}` of model `{repo}`: {reason}")]
+    Hub {
+        repo: String,
+        file: String,
+        reason: String,
+    },
+
+    /// Tokenization failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
 
     /// Parts of a batch could not be put together.
     #[error("cannot concatenate batches: {0}")]

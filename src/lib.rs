@@ -24,7 +24,9 @@
 //! [candle]: https://github.com/huggingface/candle
 
 pub mod batch;
+pub mod bert;
 pub mod cache;
+pub mod checkpoint;
 pub mod dropout;
 pub mod encoder;
 mod error;
@@ -37,6 +39,7 @@ pub mod toy;
 
 pub use batch::{Batch, TokenBatch};
 pub use cache::{cached, cat_reps, GradCache, GradientCache, Representations, StepOutput};
+pub use checkpoint::{Checkpointed, Checkpointing, LayerStack};
 pub use dropout::{ChunkSeed, Ctx, Dropout};
 pub use encoder::{Encoder, Network, Tower};
 pub use error::{Error, Result, Side};

@@ -31,6 +31,11 @@ impl LayerNorm {
         })
     }
 
+    /// The dtype of the parameters.
+    pub fn dtype(&self) -> candle_core::DType {
+        self.weight.dtype()
+    }
+
     /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         layer_norm(x, &self.weight, &self.bias, self.eps)
@@ -65,6 +70,18 @@ impl Linear {
         Ok(Self {
             weight: vb.get_with_hints((output, input), "weight", init)?,
             bias: Some(vb.get_with_hints(output, "bias", init)?),
+        })
+    }
+
+    /// BERT's initialisation: weight normal(0, `std`), bias zero.
+    pub fn normal(input: usize, output: usize, std: f64, vb: VarBuilder) -> Result<Self> {
+        let init = candle_nn::Init::Randn {
+            mean: 0.0,
+            stdev: std,
+        };
+        Ok(Self {
+            weight: vb.get_with_hints((output, input), "weight", init)?,
+            bias: Some(vb.get_with_hints(output, "bias", candle_nn::init::ZERO)?),
         })
     }
 

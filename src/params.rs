@@ -9,9 +9,11 @@
 //! detached gradient tensors and accumulates across chunks, towers and micro-batches.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use candle_core::backprop::GradStore;
+use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 use candle_nn::init::NormalOrUniform;
 use candle_nn::var_builder::SimpleBackend;
@@ -20,13 +22,76 @@ use candle_nn::{Init, VarBuilder, VarMap};
 use crate::rng;
 use crate::{Error, Result};
 
-/// Trainable variables keyed by name, with seeded initialisation.
+/// Trainable variables keyed by name, with seeded initialisation or weights from
+/// safetensors files.
 #[derive(Clone)]
 pub struct ParamStore {
     varmap: VarMap,
     seed: u64,
     dtype: DType,
     device: Device,
+    sources: Vec<(String, Arc<WeightFile>)>,
+    /// The typed error behind the last failed request: candle's `VarBuilder` can only carry
+    /// its own error type, so the store keeps ours here for [`crate::Tower::build`].
+    failure: Arc<Mutex<Option<Error>>>,
+}
+
+/// A safetensors file opened for reading weights on request.
+pub struct WeightFile {
+    path: PathBuf,
+    tensors: MmapedSafetensors,
+    prefix: String,
+}
+
+impl WeightFile {
+    /// Opens `path` (memory-mapped). `prefix` is prepended to every requested name, e.g.
+    /// `"bert."` for checkpoints saved from a Hugging Face `BertFor...` head model.
+    pub fn open(path: &Path, prefix: &str) -> Result<Self> {
+        if !path.is_file() {
+            return Err(Error::MissingFile {
+                path: path.to_path_buf(),
+                what: "safetensors weights",
+            });
+        }
+        // SAFETY: the file is mapped read-only; as with any memory-mapped model file, it
+        // must not be modified while the store is alive.
+        let tensors = unsafe { MmapedSafetensors::new(path) }.map_err(|e| Error::ModelFile {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            tensors,
+            prefix: prefix.to_string(),
+        })
+    }
+
+    /// Whether the file holds a tensor named exactly `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.get(name).is_ok()
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn load(&self, name: &str, shape: &Shape, dtype: DType, device: &Device) -> Result<Tensor> {
+        let full = format!("{}{name}", self.prefix);
+        let view = self.tensors.get(&full).map_err(|_| Error::MissingWeight {
+            name: full.clone(),
+            path: self.path.clone(),
+        })?;
+        if view.shape() != shape.dims() {
+            return Err(Error::WeightShape {
+                name: full,
+                path: self.path.clone(),
+                found: view.shape().to_vec(),
+                expected: shape.dims().to_vec(),
+            });
+        }
+        Ok(self.tensors.load(&full, device)?.to_dtype(dtype)?)
+    }
 }
 
 impl ParamStore {
@@ -37,7 +102,30 @@ impl ParamStore {
             seed,
             dtype,
             device: device.clone(),
+            sources: Vec::new(),
+            failure: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// Serves names under `prefix` (e.g. `"query"`, or `""` for all) from `file`: a
+    /// requested variable `prefix.x` is read from the file's tensor `x` instead of being
+    /// initialised, and a name missing from the file is an error.
+    pub fn with_weights(mut self, prefix: &str, file: Arc<WeightFile>) -> Self {
+        let prefix = if prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{prefix}.")
+        };
+        self.sources.push((prefix, file));
+        self
+    }
+
+    /// The typed error behind the last failed variable request, if any (taken).
+    pub(crate) fn take_failure(&self) -> Option<Error> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     /// A `VarBuilder` that returns the store's variables (tracked by autograd), creating
@@ -125,9 +213,22 @@ impl SimpleBackend for ParamStore {
             }
             return Ok(var.as_tensor().clone());
         }
-        let value = self
-            .init(name, &s, h, dtype)
-            .map_err(candle_core::Error::wrap)?;
+        let source = self
+            .sources
+            .iter()
+            .find_map(|(prefix, file)| name.strip_prefix(prefix.as_str()).map(|n| (n, file)));
+        let value = match source {
+            Some((rest, file)) => file.load(rest, &s, dtype, &self.device),
+            None => self.init(name, &s, h, dtype),
+        };
+        let value = match value {
+            Ok(v) => v,
+            Err(e) => {
+                let message = e.to_string();
+                *self.failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                candle_core::bail!("{message}");
+            }
+        };
         let var = Var::from_tensor(&value)?;
         let tensor = var.as_tensor().clone();
         self.lock().insert(name.to_string(), var);
@@ -355,7 +456,7 @@ pub(crate) fn max_abs(t: &Tensor) -> Result<f64> {
 /// records every name requested, so a tower knows exactly which parameters it owns.
 pub(crate) struct Recorder {
     pub(crate) store: ParamStore,
-    pub(crate) names: Arc<std::sync::Mutex<Vec<String>>>,
+    pub(crate) names: Arc<Mutex<Vec<String>>>,
 }
 
 impl SimpleBackend for Recorder {

@@ -112,3 +112,80 @@ impl Network for BagOfWords {
         self.out.forward(&self.norm.forward(&mean)?)
     }
 }
+
+/// Sizes of a [`DeepMlp`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeepMlpConfig {
+    /// Input features.
+    pub input: usize,
+    /// Width of every block.
+    pub hidden: usize,
+    /// Number of residual blocks.
+    pub blocks: usize,
+    /// Representation width.
+    pub output: usize,
+    /// Dropout probability inside every block.
+    pub dropout: f32,
+}
+
+/// A deep residual MLP, `x -> W_in x -> [h + W2 GELU(W1 LN(h))] x blocks -> LN -> W_out`:
+/// the non-transformer deep model that checkpointing is shown on (the pre-norm residual
+/// block of ResNet-style MLPs).
+pub struct DeepMlp {
+    input: Linear,
+    blocks: Vec<(LayerNorm, Linear, Linear)>,
+    norm: LayerNorm,
+    out: Linear,
+    dropout: Dropout,
+}
+
+impl DeepMlp {
+    /// Builds the model with parameters `input`, `blocks.{i}.{norm,fc1,fc2}`, `norm`, `out`.
+    pub fn new(cfg: &DeepMlpConfig, vb: VarBuilder) -> Result<Self> {
+        let h = cfg.hidden;
+        let blocks = (0..cfg.blocks)
+            .map(|i| {
+                let vb = vb.pp(format!("blocks.{i}"));
+                Ok((
+                    LayerNorm::new(h, 1e-5, vb.pp("norm"))?,
+                    Linear::new(h, 2 * h, vb.pp("fc1"))?,
+                    Linear::new(2 * h, h, vb.pp("fc2"))?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            input: Linear::new(cfg.input, h, vb.pp("input"))?,
+            blocks,
+            norm: LayerNorm::new(h, 1e-5, vb.pp("norm"))?,
+            out: Linear::new(h, cfg.output, vb.pp("out"))?,
+            dropout: Dropout::new(cfg.dropout)?,
+        })
+    }
+}
+
+impl crate::checkpoint::LayerStack for DeepMlp {
+    type Input = Tensor;
+    type Aux = ();
+
+    fn aux(&self, _: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    fn embed(&self, x: &Tensor, _: &(), _: &Ctx) -> Result<Tensor> {
+        self.input.forward(x)
+    }
+
+    fn num_layers(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn layer(&self, i: usize, h: &Tensor, _: &(), ctx: &Ctx) -> Result<Tensor> {
+        let (norm, fc1, fc2) = &self.blocks[i];
+        let r = fc2.forward(&fc1.forward(&norm.forward(h)?)?.gelu()?)?;
+        Ok((h + self.dropout.forward(&r, ctx, i as u32, 0)?)?)
+    }
+
+    fn head(&self, h: &Tensor, _: &(), _: &Ctx) -> Result<Tensor> {
+        self.out.forward(&self.norm.forward(h)?)
+    }
+}

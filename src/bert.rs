@@ -1,0 +1,480 @@
+//! A trainable BERT-family encoder (BERT, MiniLM, and other `BertModel` checkpoints).
+//!
+//! candle-transformers' `BertModel` is inference-only: its fused LayerNorm cuts the graph,
+//! its dropout is a no-op and its `f32::MIN` attention mask turns into NaN in f16/bf16. This
+//! one is built for training: composed (differentiable) LayerNorm and softmax, dropout
+//! through the crate's explicit-seed [`Dropout`], an attention mask bias of -10000 that is
+//! finite in every dtype (as in the original BERT), and Hugging Face weight names so that
+//! `model.safetensors` files load as they are (with or without the `bert.` prefix).
+//!
+//! The model is a [`LayerStack`] (embeddings, `num_hidden_layers` transformer layers,
+//! pooling), so [`Checkpointed`] gives it activation checkpointing; [`BertEncoder`] is that
+//! pairing, an [`Encoder`](crate::Encoder) over [`TokenBatch`] inputs.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::{Embedding, Init, Module, VarBuilder};
+
+use crate::batch::TokenBatch;
+use crate::checkpoint::{Checkpointed, Checkpointing, LayerStack};
+use crate::dropout::{Ctx, Dropout};
+use crate::encoder::Tower;
+use crate::nn::{LayerNorm, Linear};
+use crate::params::ParamStore;
+use crate::{Error, Result};
+
+/// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct BertConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Hidden width.
+    pub hidden_size: usize,
+    /// Number of transformer layers.
+    pub num_hidden_layers: usize,
+    /// Attention heads per layer.
+    pub num_attention_heads: usize,
+    /// Width of the feed-forward layer.
+    pub intermediate_size: usize,
+    /// Feed-forward activation: `gelu` (erf), `gelu_new` / `gelu_pytorch_tanh` (tanh
+    /// approximation) or `relu`.
+    #[serde(default = "defaults::hidden_act")]
+    pub hidden_act: String,
+    /// Dropout after embeddings, attention output and feed-forward output.
+    #[serde(default = "defaults::dropout")]
+    pub hidden_dropout_prob: f64,
+    /// Dropout on attention probabilities.
+    #[serde(default = "defaults::dropout")]
+    pub attention_probs_dropout_prob: f64,
+    /// Longest sequence the position embeddings cover.
+    #[serde(default = "defaults::max_position_embeddings")]
+    pub max_position_embeddings: usize,
+    /// Number of token types (segments).
+    #[serde(default = "defaults::type_vocab_size")]
+    pub type_vocab_size: usize,
+    /// Standard deviation of the normal initialisation of fresh weights.
+    #[serde(default = "defaults::initializer_range")]
+    pub initializer_range: f64,
+    /// LayerNorm epsilon.
+    #[serde(default = "defaults::layer_norm_eps")]
+    pub layer_norm_eps: f64,
+    /// Only `absolute` is supported.
+    #[serde(default = "defaults::position_embedding_type")]
+    pub position_embedding_type: String,
+    /// Padding token id.
+    #[serde(default)]
+    pub pad_token_id: usize,
+    /// `bert` for BERT checkpoints.
+    #[serde(default)]
+    pub model_type: Option<String>,
+}
+
+mod defaults {
+    pub fn hidden_act() -> String {
+        "gelu".into()
+    }
+    pub fn dropout() -> f64 {
+        0.1
+    }
+    pub fn max_position_embeddings() -> usize {
+        512
+    }
+    pub fn type_vocab_size() -> usize {
+        2
+    }
+    pub fn initializer_range() -> f64 {
+        0.02
+    }
+    pub fn layer_norm_eps() -> f64 {
+        1e-12
+    }
+    pub fn position_embedding_type() -> String {
+        "absolute".into()
+    }
+}
+
+/// Feed-forward activations of BERT-family configs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// Exact GELU (`gelu`).
+    Gelu,
+    /// Tanh approximation of GELU (`gelu_new`, `gelu_pytorch_tanh`).
+    GeluTanh,
+    /// `relu`.
+    Relu,
+}
+
+impl Activation {
+    /// Applies the activation.
+    pub fn forward(self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Activation::Gelu => x.gelu_erf()?,
+            Activation::GeluTanh => x.gelu()?,
+            Activation::Relu => x.relu()?,
+        })
+    }
+}
+
+impl BertConfig {
+    /// Reads and checks a `config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::MissingFile {
+                path: path.to_path_buf(),
+                what: "model config",
+            },
+            _ => Error::ModelFile {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            },
+        })?;
+        let cfg: BertConfig = serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    /// Checks the values a BERT encoder depends on; `path` names the config in errors.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        self.activation(path)?;
+        if self.position_embedding_type != "absolute" {
+            return Err(Error::UnsupportedConfig {
+                field: "position_embedding_type",
+                value: self.position_embedding_type.clone(),
+                supported: "absolute",
+                path: path.to_path_buf(),
+            });
+        }
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("type_vocab_size", self.type_vocab_size),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return Err(Error::InvalidConfig {
+                    field,
+                    value: "0".into(),
+                    reason: "must be at least 1",
+                });
+            }
+        }
+        if self.hidden_size % self.num_attention_heads != 0 {
+            return Err(Error::InvalidConfig {
+                field: "num_attention_heads",
+                value: self.num_attention_heads.to_string(),
+                reason: "must divide hidden_size",
+            });
+        }
+        for (field, p) in [
+            ("hidden_dropout_prob", self.hidden_dropout_prob),
+            (
+                "attention_probs_dropout_prob",
+                self.attention_probs_dropout_prob,
+            ),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(Error::InvalidConfig {
+                    field,
+                    value: p.to_string(),
+                    reason: "a drop probability must be in [0, 1)",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The feed-forward activation named by `hidden_act`.
+    pub fn activation(&self, path: &Path) -> Result<Activation> {
+        match self.hidden_act.as_str() {
+            "gelu" => Ok(Activation::Gelu),
+            "gelu_new" | "gelu_pytorch_tanh" => Ok(Activation::GeluTanh),
+            "relu" => Ok(Activation::Relu),
+            other => Err(Error::UnsupportedConfig {
+                field: "hidden_act",
+                value: other.to_string(),
+                supported: "gelu, gelu_new, gelu_pytorch_tanh, relu",
+                path: path.to_path_buf(),
+            }),
+        }
+    }
+}
+
+/// How token states become one vector per sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pooling {
+    /// The first token's state (`[CLS]`), as DPR.
+    Cls,
+    /// The mean over real (unmasked) tokens, as sentence-transformers.
+    #[default]
+    Mean,
+}
+
+/// Encoder options that are not part of the Hugging Face config.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct BertOptions {
+    /// Pooling.
+    pub pooling: Pooling,
+    /// L2-normalise the pooled vector.
+    pub normalize: bool,
+    /// Activation checkpointing policy.
+    pub checkpointing: Checkpointing,
+}
+
+/// Dropout sites inside a layer (the `site` of a mask seed).
+mod site {
+    pub const EMBEDDINGS: u32 = 0;
+    pub const ATTENTION_PROBS: u32 = 1;
+    pub const ATTENTION_OUTPUT: u32 = 2;
+    pub const FEED_FORWARD_OUTPUT: u32 = 3;
+}
+
+struct Embeddings {
+    words: Embedding,
+    positions: Embedding,
+    token_types: Embedding,
+    norm: LayerNorm,
+}
+
+struct Layer {
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    attention_output: Linear,
+    attention_norm: LayerNorm,
+    intermediate: Linear,
+    output: Linear,
+    output_norm: LayerNorm,
+}
+
+/// The BERT model: embeddings, transformer layers, pooling.
+pub struct Bert {
+    embeddings: Embeddings,
+    layers: Vec<Layer>,
+    heads: usize,
+    activation: Activation,
+    hidden_dropout: Dropout,
+    attention_dropout: Dropout,
+    options: BertOptions,
+}
+
+/// Per-chunk data every layer reads: the additive attention bias `[n, 1, 1, s]` and the
+/// token mask `[n, s]` as floats (for mean pooling).
+pub struct BertAux {
+    bias: Tensor,
+    mask: Tensor,
+}
+
+fn embedding(rows: usize, width: usize, std: f64, vb: VarBuilder) -> Result<Embedding> {
+    let init = Init::Randn {
+        mean: 0.0,
+        stdev: std,
+    };
+    Ok(Embedding::new(
+        vb.get_with_hints((rows, width), "weight", init)?,
+        width,
+    ))
+}
+
+impl Bert {
+    /// Builds the model under `vb` with Hugging Face names (`embeddings.*`,
+    /// `encoder.layer.{i}.*`). Fresh weights: normal(0, `initializer_range`), LayerNorm
+    /// ones and zeros, biases zero, as Hugging Face initialises BERT.
+    pub fn new(cfg: &BertConfig, options: &BertOptions, vb: VarBuilder) -> Result<Self> {
+        let path = Path::new("config");
+        cfg.validate(path)?;
+        let (h, std, eps) = (cfg.hidden_size, cfg.initializer_range, cfg.layer_norm_eps);
+        let linear = |i: usize, o: usize, vb: VarBuilder| Linear::normal(i, o, std, vb);
+        let e = vb.pp("embeddings");
+        let embeddings = Embeddings {
+            words: embedding(cfg.vocab_size, h, std, e.pp("word_embeddings"))?,
+            positions: embedding(
+                cfg.max_position_embeddings,
+                h,
+                std,
+                e.pp("position_embeddings"),
+            )?,
+            token_types: embedding(cfg.type_vocab_size, h, std, e.pp("token_type_embeddings"))?,
+            norm: LayerNorm::new(h, eps, e.pp("LayerNorm"))?,
+        };
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let l = vb.pp(format!("encoder.layer.{i}"));
+                let (a, s) = (l.pp("attention"), l.pp("attention").pp("self"));
+                Ok(Layer {
+                    query: linear(h, h, s.pp("query"))?,
+                    key: linear(h, h, s.pp("key"))?,
+                    value: linear(h, h, s.pp("value"))?,
+                    attention_output: linear(h, h, a.pp("output").pp("dense"))?,
+                    attention_norm: LayerNorm::new(h, eps, a.pp("output").pp("LayerNorm"))?,
+                    intermediate: linear(
+                        h,
+                        cfg.intermediate_size,
+                        l.pp("intermediate").pp("dense"),
+                    )?,
+                    output: linear(cfg.intermediate_size, h, l.pp("output").pp("dense"))?,
+                    output_norm: LayerNorm::new(h, eps, l.pp("output").pp("LayerNorm"))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            embeddings,
+            layers,
+            heads: cfg.num_attention_heads,
+            activation: cfg.activation(path)?,
+            hidden_dropout: Dropout::new(cfg.hidden_dropout_prob as f32)?,
+            attention_dropout: Dropout::new(cfg.attention_probs_dropout_prob as f32)?,
+            options: options.clone(),
+        })
+    }
+
+    /// The last hidden state `[n, s, hidden]` (no pooling).
+    pub fn hidden_states(&self, input: &TokenBatch, ctx: &Ctx) -> Result<Tensor> {
+        let aux = self.aux(input)?;
+        let mut x = self.embed(input, &aux, ctx)?;
+        for i in 0..self.layers.len() {
+            x = self.layer(i, &x, &aux, ctx)?;
+        }
+        Ok(x)
+    }
+
+    /// The pooling options.
+    pub fn options(&self) -> &BertOptions {
+        &self.options
+    }
+
+    /// Self-attention of layer `i` (without the output projection).
+    fn self_attention(&self, i: usize, x: &Tensor, aux: &BertAux, ctx: &Ctx) -> Result<Tensor> {
+        let layer = &self.layers[i];
+        let (n, s, hidden) = x.dims3()?;
+        let head_dim = hidden / self.heads;
+        let split = |t: Tensor| -> Result<Tensor> {
+            Ok(t.reshape((n, s, self.heads, head_dim))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let q = split(layer.query.forward(x)?)?;
+        let k = split(layer.key.forward(x)?)?;
+        let v = split(layer.value.forward(x)?)?;
+        let probs = attention_probs(&q, &k, &aux.bias)?;
+        let probs =
+            self.attention_dropout
+                .forward(&probs, ctx, layer_id(i), site::ATTENTION_PROBS)?;
+        Ok(probs.matmul(&v)?.transpose(1, 2)?.reshape((n, s, hidden))?)
+    }
+}
+
+/// `softmax(q k^T / sqrt(d) + bias)` over the keys, differentiable (composed softmax; the
+/// fused `softmax_last_dim` has no backward).
+pub fn attention_probs(q: &Tensor, k: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
+    let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(bias)?;
+    Ok(candle_nn::ops::softmax(&scores, D::Minus1)?)
+}
+
+/// Dropout layer ids: 0 for the embeddings, `i + 1` for transformer layer `i`.
+fn layer_id(i: usize) -> u32 {
+    i as u32 + 1
+}
+
+impl LayerStack for Bert {
+    type Input = TokenBatch;
+    type Aux = BertAux;
+
+    fn aux(&self, input: &TokenBatch) -> Result<BertAux> {
+        let dtype = self.embeddings.norm.dtype();
+        let mask = input.attention_mask.to_dtype(dtype)?;
+        // -10000 for padding, 0 for real tokens: finite in f16, bf16 and f32, and exp()
+        // of it underflows to exactly 0 next to any real score.
+        let bias = ((mask.ones_like()? - &mask)? * -10000.0)?
+            .unsqueeze(1)?
+            .unsqueeze(1)?;
+        Ok(BertAux { bias, mask })
+    }
+
+    fn embed(&self, input: &TokenBatch, _: &BertAux, ctx: &Ctx) -> Result<Tensor> {
+        let e = &self.embeddings;
+        let s = input.input_ids.dim(1)?;
+        let positions = Tensor::arange(0u32, s as u32, input.input_ids.device())?;
+        let x = e
+            .words
+            .forward(&input.input_ids)?
+            .add(&e.token_types.forward(&input.token_type_ids)?)?
+            .broadcast_add(&e.positions.forward(&positions)?)?;
+        let x = e.norm.forward(&x)?;
+        self.hidden_dropout.forward(&x, ctx, 0, site::EMBEDDINGS)
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn layer(&self, i: usize, x: &Tensor, aux: &BertAux, ctx: &Ctx) -> Result<Tensor> {
+        let layer = &self.layers[i];
+        let id = layer_id(i);
+        let attended = layer
+            .attention_output
+            .forward(&self.self_attention(i, x, aux, ctx)?)?;
+        let attended = self
+            .hidden_dropout
+            .forward(&attended, ctx, id, site::ATTENTION_OUTPUT)?;
+        let x = layer.attention_norm.forward(&(attended + x)?)?;
+        let hidden = self.activation.forward(&layer.intermediate.forward(&x)?)?;
+        let out = layer.output.forward(&hidden)?;
+        let out = self
+            .hidden_dropout
+            .forward(&out, ctx, id, site::FEED_FORWARD_OUTPUT)?;
+        layer.output_norm.forward(&(out + x)?)
+    }
+
+    fn head(&self, x: &Tensor, aux: &BertAux, _: &Ctx) -> Result<Tensor> {
+        let pooled = match self.options.pooling {
+            Pooling::Cls => x.narrow(1, 0, 1)?.squeeze(1)?,
+            Pooling::Mean => {
+                let mask = aux.mask.unsqueeze(D::Minus1)?;
+                let summed = x.broadcast_mul(&mask)?.sum(1)?;
+                let counts = mask.sum(1)?.maximum(1.0)?;
+                summed.broadcast_div(&counts)?
+            }
+        };
+        if !self.options.normalize {
+            return Ok(pooled);
+        }
+        let norm = pooled
+            .sqr()?
+            .sum_keepdim(D::Minus1)?
+            .sqrt()?
+            .maximum(1e-12)?;
+        Ok(pooled.broadcast_div(&norm)?)
+    }
+}
+
+/// A BERT model as a gradient-cache tower, with its checkpointing policy.
+pub type BertEncoder = Checkpointed<Bert>;
+
+impl Checkpointed<Bert> {
+    /// Builds a BERT tower over `store` (names under `prefix`, `""` for a shared tower):
+    /// variables the store serves from a weights file are loaded, others are initialised
+    /// from the store's seed.
+    pub fn build(
+        store: &ParamStore,
+        prefix: &str,
+        cfg: &BertConfig,
+        options: &BertOptions,
+    ) -> Result<Self> {
+        let tower = Tower::build(store, prefix, |vb| Bert::new(cfg, options, vb))?;
+        Checkpointed::new(tower, options.checkpointing.clone())
+    }
+}
+
+/// The dtype and device of a model's parameters, for building inputs.
+pub fn model_device(store: &ParamStore) -> (DType, Device) {
+    (store.dtype(), store.device().clone())
+}

@@ -1,0 +1,273 @@
+//! Activation (gradient) checkpointing for any stack of layers (Chen et al. 2016,
+//! "Training Deep Nets with Sublinear Memory Cost"; the OpenAI `gradient-checkpointing`
+//! package; `torch.utils.checkpoint`).
+//!
+//! A model that exposes itself as a [`LayerStack`] (an input stage, `n` layers, an output
+//! stage) can be wrapped in [`Checkpointed`], an [`Encoder`] whose replay does not keep the
+//! activations of every layer. With a policy on, the replay first runs the stack without a
+//! graph and keeps only the inputs of its segments (the boundaries); it then sweeps the
+//! segments top-down: recompute a segment from its stored input with a graph,
+//! back-propagate the cotangent through it with the crate's one
+//! [`replay_with_input`](crate::replay::replay_with_input), and hand the input gradient to
+//! the segment below. Dropout masks come from explicit seeds, so every recompute sees the
+//! masks of the representation pass.
+//!
+//! Cost: one extra graph-free forward per replay; memory: the boundary activations plus one
+//! segment's graph instead of the whole stack's graph.
+
+use std::ops::Range;
+
+use candle_core::Tensor;
+
+use crate::batch::Batch;
+use crate::dropout::Ctx;
+use crate::encoder::{Encoder, Tower};
+use crate::params::{Gradients, Params};
+use crate::replay::{replay, replay_with_input};
+use crate::{Error, Result};
+
+/// Where to cut a stack of layers into recomputed segments. Default: off.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Checkpointing {
+    /// Keep every activation (no recomputation).
+    #[default]
+    Off,
+    /// A boundary before every layer.
+    EveryLayer,
+    /// A boundary every `k` layers.
+    Every(usize),
+    /// About `sqrt(n)` evenly spaced boundaries, which minimises boundaries + segment size
+    /// (the OpenAI package's `memory` mode).
+    Sqrt,
+    /// Boundaries before the listed layers (a boundary before layer 0 is implied).
+    Layers(Vec<usize>),
+}
+
+impl Checkpointing {
+    /// Checks the policy against a stack of `layers` layers.
+    pub fn validate(&self, layers: usize) -> Result<()> {
+        match self {
+            Checkpointing::Every(0) => Err(Error::InvalidConfig {
+                field: "checkpointing",
+                value: "every(0)".into(),
+                reason: "a segment must hold at least one layer",
+            }),
+            Checkpointing::Layers(list) if list.iter().any(|&i| i >= layers) => {
+                Err(Error::InvalidConfig {
+                    field: "checkpointing",
+                    value: format!("layers({list:?})"),
+                    reason: "every listed layer must be smaller than the number of layers",
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The segments of a stack of `layers` layers, bottom to top, or `None` when off.
+    /// Segments cover `0..layers` without gaps; an empty stack is one empty segment.
+    pub fn segments(&self, layers: usize) -> Result<Option<Vec<Range<usize>>>> {
+        self.validate(layers)?;
+        let mut starts: Vec<usize> = match self {
+            Checkpointing::Off => return Ok(None),
+            Checkpointing::EveryLayer => (0..layers).collect(),
+            Checkpointing::Every(k) => (0..layers).step_by(*k).collect(),
+            Checkpointing::Sqrt => {
+                let count = ((layers as f64).sqrt().round() as usize).max(1);
+                (0..count).map(|i| i * layers / count).collect()
+            }
+            Checkpointing::Layers(list) => list.clone(),
+        };
+        starts.push(0);
+        starts.sort_unstable();
+        starts.dedup();
+        let ends = starts.iter().skip(1).copied().chain([layers]);
+        Ok(Some(
+            starts
+                .iter()
+                .copied()
+                .zip(ends)
+                .map(|(s, e)| s..e)
+                .collect(),
+        ))
+    }
+}
+
+/// A model as an input stage, a stack of layers and an output stage, which checkpointing
+/// can cut at layer boundaries. Layers may read per-chunk data that does not depend on the
+/// parameters ([`LayerStack::Aux`], e.g. an attention mask): it is computed once per pass and
+/// receives no gradient.
+pub trait LayerStack {
+    /// What one chunk of inputs looks like.
+    type Input: Batch;
+    /// Parameter-free per-chunk data shared by the stages (e.g. attention mask bias).
+    type Aux;
+
+    /// Computes the chunk's parameter-free data. Must not use any parameter.
+    fn aux(&self, input: &Self::Input) -> Result<Self::Aux>;
+    /// The input stage: inputs to the first layer's activations.
+    fn embed(&self, input: &Self::Input, aux: &Self::Aux, ctx: &Ctx) -> Result<Tensor>;
+    /// Number of layers.
+    fn num_layers(&self) -> usize;
+    /// Layer `i`.
+    fn layer(&self, i: usize, x: &Tensor, aux: &Self::Aux, ctx: &Ctx) -> Result<Tensor>;
+    /// The output stage: last activations to representations `[rows, width]`.
+    fn head(&self, x: &Tensor, aux: &Self::Aux, ctx: &Ctx) -> Result<Tensor>;
+
+    /// The whole forward: input stage, the layers in order, output stage.
+    fn run(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {
+        let aux = self.aux(input)?;
+        let mut x = self.embed(input, &aux, ctx)?;
+        for i in 0..self.num_layers() {
+            x = self.layer(i, &x, &aux, ctx)?;
+        }
+        self.head(&x, &aux, ctx)
+    }
+}
+
+/// A [`LayerStack`] as an [`Encoder`] with a checkpointing policy.
+pub struct Checkpointed<M> {
+    tower: Tower<M>,
+    policy: Checkpointing,
+}
+
+impl<M: LayerStack> Checkpointed<M> {
+    /// Wraps a tower; fails if the policy does not fit the stack.
+    pub fn new(tower: Tower<M>, policy: Checkpointing) -> Result<Self> {
+        policy.validate(tower.graph_model().num_layers())?;
+        Ok(Self { tower, policy })
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> &Checkpointing {
+        &self.policy
+    }
+
+    /// Changes the policy.
+    pub fn set_policy(&mut self, policy: Checkpointing) -> Result<()> {
+        policy.validate(self.tower.graph_model().num_layers())?;
+        self.policy = policy;
+        Ok(())
+    }
+
+    /// The underlying tower.
+    pub fn tower(&self) -> &Tower<M> {
+        &self.tower
+    }
+
+    fn replay_segments(
+        &self,
+        segments: &[Range<usize>],
+        input: &M::Input,
+        cotangent: &Tensor,
+        ctx: &Ctx,
+    ) -> Result<Gradients> {
+        let (graph, detached) = (self.tower.graph_model(), self.tower.detached_model());
+        let params: &Params = self.tower.params();
+        let aux = detached.aux(input)?;
+
+        // Graph-free forward, keeping only the input of every segment.
+        let mut x = detached.embed(input, &aux, ctx)?;
+        let mut boundaries = Vec::with_capacity(segments.len());
+        for segment in segments {
+            boundaries.push(x.clone());
+            for i in segment.clone() {
+                x = detached.layer(i, &x, &aux, ctx)?;
+            }
+        }
+        drop(x);
+
+        // Top-down: recompute each segment with a graph and back-propagate through it.
+        let mut grads = Gradients::default();
+        let mut g = cotangent.clone();
+        let top = segments.len() - 1;
+        for (s, segment) in segments.iter().enumerate().rev() {
+            let start = boundaries.pop().ok_or_else(|| {
+                Error::Concat("internal: a checkpoint boundary is missing".into())
+            })?;
+            let r = replay_with_input(params, &start, &g, |x| {
+                let mut h = x.clone();
+                for i in segment.clone() {
+                    h = graph.layer(i, &h, &aux, ctx)?;
+                }
+                if s == top {
+                    graph.head(&h, &aux, ctx)
+                } else {
+                    Ok(h)
+                }
+            })?;
+            grads.accumulate(r.params)?;
+            g = r.input;
+        }
+        grads.accumulate(replay(params, &g, || graph.embed(input, &aux, ctx))?)?;
+        Ok(grads)
+    }
+}
+
+impl<M: LayerStack> Encoder for Checkpointed<M> {
+    type Input = M::Input;
+
+    fn params(&self) -> &Params {
+        self.tower.params()
+    }
+
+    fn encode(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {
+        self.tower.detached_model().run(input, ctx)
+    }
+
+    fn forward(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {
+        self.tower.graph_model().run(input, ctx)
+    }
+
+    fn replay(&self, input: &Self::Input, cotangent: &Tensor, ctx: &Ctx) -> Result<Gradients> {
+        let layers = self.tower.graph_model().num_layers();
+        match self.policy.segments(layers)? {
+            None => replay(self.params(), cotangent, || self.forward(input, ctx)),
+            Some(segments) => self.replay_segments(&segments, input, cotangent, ctx),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn starts(p: Checkpointing, n: usize) -> Vec<usize> {
+        p.segments(n)
+            .unwrap()
+            .unwrap()
+            .iter()
+            .map(|r| r.start)
+            .collect()
+    }
+
+    #[test]
+    fn segments_cover_the_stack() {
+        assert_eq!(Checkpointing::Off.segments(12).unwrap(), None);
+        assert_eq!(starts(Checkpointing::EveryLayer, 4), vec![0, 1, 2, 3]);
+        assert_eq!(starts(Checkpointing::Every(5), 12), vec![0, 5, 10]);
+        assert_eq!(starts(Checkpointing::Sqrt, 12), vec![0, 4, 8]);
+        assert_eq!(starts(Checkpointing::Sqrt, 24), vec![0, 4, 9, 14, 19]);
+        assert_eq!(
+            starts(Checkpointing::Layers(vec![6, 3, 6]), 12),
+            vec![0, 3, 6]
+        );
+        let segs = Checkpointing::Every(5).segments(12).unwrap().unwrap();
+        assert_eq!(segs, vec![0..5, 5..10, 10..12]);
+        assert_eq!(
+            Checkpointing::Sqrt.segments(0).unwrap().unwrap(),
+            vec![0..0]
+        );
+    }
+
+    #[test]
+    fn bad_policies_are_rejected() {
+        let e = Checkpointing::Every(0).validate(12).unwrap_err();
+        assert!(e.to_string().contains("at least one layer"), "{e}");
+        let e = Checkpointing::Layers(vec![3, 12]).validate(12).unwrap_err();
+        assert!(
+            e.to_string().contains("smaller than the number of layers"),
+            "{e}"
+        );
+    }
+}

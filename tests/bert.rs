@@ -1,0 +1,324 @@
+//! The trainable BERT encoder: forward parity with candle-transformers' inference
+//! `BertModel` on the same weights, gradients for every parameter through `cache_step`,
+//! checkpointing that changes memory but not gradients, and cached + checkpointed steps
+//! equal to a plain full-batch step.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
+use gradcache::checkpoint::{Checkpointed, Checkpointing, LayerStack};
+use gradcache::params::WeightFile;
+use gradcache::toy::{DeepMlp, DeepMlpConfig};
+use gradcache::{
+    ChunkSeed, Ctx, Encoder, GradCache, Gradients, InfoNce, ParamStore, TokenBatch, Tower,
+};
+
+const CONFIG: &str = r#"{
+  "architectures": ["BertModel"],
+  "model_type": "bert",
+  "vocab_size": 60,
+  "hidden_size": 16,
+  "num_hidden_layers": 4,
+  "num_attention_heads": 2,
+  "intermediate_size": 24,
+  "hidden_act": "gelu",
+  "hidden_dropout_prob": 0.1,
+  "attention_probs_dropout_prob": 0.1,
+  "max_position_embeddings": 32,
+  "type_vocab_size": 2,
+  "initializer_range": 0.2,
+  "layer_norm_eps": 1e-12,
+  "pad_token_id": 0
+}"#;
+
+fn config() -> BertConfig {
+    serde_json::from_str(CONFIG).unwrap()
+}
+
+/// Rows of different lengths, right-padded, with two segments.
+fn tokens(seed: u64, rows: usize) -> TokenBatch {
+    let len = 9;
+    let mut ids = vec![];
+    let mut mask = vec![];
+    let mut types = vec![];
+    for r in 0..rows {
+        let real = 3 + (r * 7 + seed as usize) % (len - 2);
+        for c in 0..len {
+            let id = 1 + ((r * 31 + c * 17 + seed as usize * 13) % 59) as u32;
+            ids.push(if c < real { id } else { 0 });
+            mask.push(u32::from(c < real));
+            types.push(u32::from(c >= real / 2 && c < real));
+        }
+    }
+    let t = |v| Tensor::from_vec(v, (rows, len), &Device::Cpu).unwrap();
+    TokenBatch::new(t(ids), t(mask), t(types)).unwrap()
+}
+
+fn options(pooling: Pooling, checkpointing: Checkpointing) -> BertOptions {
+    BertOptions {
+        pooling,
+        normalize: false,
+        checkpointing,
+    }
+}
+
+fn max_abs(t: &Tensor) -> f64 {
+    let t = t.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+    t.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
+}
+
+/// Key biases add one constant to every score of a query, which softmax ignores: their
+/// gradient is mathematically zero, so only rounding noise is there to compare.
+fn key_biases(cfg: &BertConfig, prefix: &str) -> Vec<String> {
+    (0..cfg.num_hidden_layers)
+        .map(|i| format!("{prefix}encoder.layer.{i}.attention.self.key.bias"))
+        .collect()
+}
+
+/// Max relative error over parameters, the mathematically-zero ones checked as noise.
+fn compare(got: &Gradients, want: &Gradients, zero: &[String]) -> f64 {
+    let global = want.iter().map(|(_, g)| max_abs(g)).fold(0.0, f64::max);
+    for z in zero {
+        for grads in [got, want] {
+            let noise = max_abs(grads.get(z).expect("zero-gradient parameter present")) / global;
+            assert!(
+                noise < 1e-5,
+                "`{z}` should have a zero gradient, has {noise:e} of the largest"
+            );
+        }
+    }
+    let keep = |g: &Gradients| -> Gradients {
+        g.iter()
+            .filter(|(n, _)| !zero.iter().any(|z| z == n))
+            .map(|(n, t)| (n.to_string(), t.clone()))
+            .collect()
+    };
+    keep(got).max_rel_err(&keep(want), 0.0).unwrap()
+}
+
+#[test]
+fn forward_matches_candle_transformers_bert() {
+    let cfg = config();
+    let dir = tempfile::tempdir().unwrap();
+    // Random weights from our seeded initialisation, written as a BertForX checkpoint
+    // would be (with the `bert.` prefix).
+    let store = ParamStore::new(11, DType::F32, &Device::Cpu);
+    BertEncoder::build(&store, "", &cfg, &BertOptions::default()).unwrap();
+    let tensors: HashMap<String, Tensor> = store
+        .params()
+        .iter()
+        .map(|(n, v)| (format!("bert.{n}"), v.as_tensor().clone()))
+        .collect();
+    let path = dir.path().join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+
+    let theirs_cfg: candle_transformers::models::bert::Config =
+        serde_json::from_str(CONFIG).unwrap();
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(&[&path], DType::F32, &Device::Cpu).unwrap()
+    };
+    let theirs = candle_transformers::models::bert::BertModel::load(vb, &theirs_cfg).unwrap();
+
+    let file = Arc::new(WeightFile::open(&path, "bert.").unwrap());
+    let ours_store = ParamStore::new(0, DType::F32, &Device::Cpu).with_weights("", file);
+    let ours = BertEncoder::build(&ours_store, "", &cfg, &BertOptions::default()).unwrap();
+
+    let batch = tokens(1, 5);
+    let want = theirs
+        .forward(
+            &batch.input_ids,
+            &batch.token_type_ids,
+            Some(&batch.attention_mask),
+        )
+        .unwrap();
+    let got = ours
+        .tower()
+        .detached_model()
+        .hidden_states(&batch, &Ctx::eval())
+        .unwrap();
+    assert_eq!(got.dims(), want.dims());
+    let diff = max_abs(&got.sub(&want).unwrap());
+    assert!(diff <= 1e-5, "last hidden state differs by {diff:e}");
+    // The graph forward computes the same thing.
+    let graph = ours
+        .tower()
+        .graph_model()
+        .hidden_states(&batch, &Ctx::eval())
+        .unwrap();
+    assert!(max_abs(&graph.sub(&want).unwrap()) <= 1e-5);
+}
+
+#[test]
+fn every_parameter_gets_a_gradient_through_cache_step() {
+    let cfg = config();
+    let store = ParamStore::new(12, DType::F32, &Device::Cpu);
+    let opts = BertOptions {
+        pooling: Pooling::Mean,
+        normalize: true,
+        checkpointing: Checkpointing::Sqrt,
+    };
+    let enc = BertEncoder::build(&store, "", &cfg, &opts).unwrap();
+    let loss = InfoNce::new(0.05).unwrap().with_symmetric(true);
+    let mut gc = GradCache::shared(enc, 3, loss).unwrap().with_seed(3);
+    // Every token id and both token types occur, so every embedding row can get a gradient.
+    let ids: Vec<u32> = (0..60).collect();
+    let ids = Tensor::from_vec(ids, (6, 10), &Device::Cpu).unwrap();
+    let types =
+        Tensor::from_vec((0..60u32).map(|i| i % 2).collect(), (6, 10), &Device::Cpu).unwrap();
+    let q = TokenBatch::new(ids.clone(), ids.ones_like().unwrap(), types).unwrap();
+    let out = gc.cache_step(&q, &tokens(5, 6)).unwrap();
+
+    let params = store.params();
+    assert_eq!(
+        params.len(),
+        5 + 16 * cfg.num_hidden_layers,
+        "embeddings (5) + 16 per layer"
+    );
+    let zero = key_biases(&cfg, "");
+    for (name, _) in params.iter() {
+        let g = out
+            .grads
+            .get(name)
+            .unwrap_or_else(|| panic!("`{name}` received no gradient"));
+        let v = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(
+            v.iter().all(|x| x.is_finite()),
+            "`{name}`: non-finite gradient"
+        );
+        if !zero.iter().any(|z| z == name) {
+            assert!(max_abs(g) > 1e-8, "`{name}`: zero gradient");
+        }
+    }
+}
+
+fn policies() -> Vec<Checkpointing> {
+    vec![
+        Checkpointing::EveryLayer,
+        Checkpointing::Every(3),
+        Checkpointing::Sqrt,
+        Checkpointing::Layers(vec![1, 3]),
+    ]
+}
+
+#[test]
+fn checkpointing_does_not_change_bert_gradients() {
+    let cfg = config();
+    let store = ParamStore::new(13, DType::F32, &Device::Cpu);
+    let off =
+        BertEncoder::build(&store, "", &cfg, &options(Pooling::Cls, Checkpointing::Off)).unwrap();
+    let batch = tokens(2, 4);
+    let ctx = Ctx::train(ChunkSeed {
+        run: 1,
+        step: 2,
+        rank: 0,
+        tower: 0,
+        chunk: 1,
+    });
+    let g = gradcache::rng::normal(9, 0.0, 1.0, &(4, 16).into(), DType::F32, &Device::Cpu).unwrap();
+    let want = off.replay(&batch, &g, &ctx).unwrap();
+    // Dropout is really on: other masks give other gradients.
+    let other = Ctx::train(ChunkSeed {
+        chunk: 2,
+        ..ctx.dropout.unwrap()
+    });
+    let moved = compare(
+        &off.replay(&batch, &g, &other).unwrap(),
+        &want,
+        &key_biases(&cfg, ""),
+    );
+    assert!(moved > 1e-2, "dropout masks had no effect ({moved:e})");
+
+    for policy in policies() {
+        let enc =
+            BertEncoder::build(&store, "", &cfg, &options(Pooling::Cls, policy.clone())).unwrap();
+        let got = enc.replay(&batch, &g, &ctx).unwrap();
+        assert_eq!(got.len(), want.len(), "{policy:?}: gradient count");
+        let err = compare(&got, &want, &key_biases(&cfg, ""));
+        assert!(
+            err <= 1e-6,
+            "{policy:?}: max relative gradient error {err:e}"
+        );
+    }
+}
+
+#[test]
+fn checkpointing_does_not_change_deep_mlp_gradients() {
+    let cfg = DeepMlpConfig {
+        input: 8,
+        hidden: 16,
+        blocks: 9,
+        output: 6,
+        dropout: 0.2,
+    };
+    let store = ParamStore::new(14, DType::F32, &Device::Cpu);
+    let build = |policy| {
+        Checkpointed::new(
+            Tower::build(&store, "", |vb| DeepMlp::new(&cfg, vb)).unwrap(),
+            policy,
+        )
+        .unwrap()
+    };
+    let off = build(Checkpointing::Off);
+    assert_eq!(off.tower().graph_model().num_layers(), 9);
+    let x = gradcache::rng::normal(1, 0.0, 1.0, &(5, 8).into(), DType::F32, &Device::Cpu).unwrap();
+    let g = gradcache::rng::normal(2, 0.0, 1.0, &(5, 6).into(), DType::F32, &Device::Cpu).unwrap();
+    let ctx = Ctx::train(ChunkSeed {
+        run: 4,
+        step: 0,
+        rank: 0,
+        tower: 1,
+        chunk: 0,
+    });
+    let want = off.replay(&x, &g, &ctx).unwrap();
+    assert_eq!(want.len(), store.params().len());
+    for policy in policies() {
+        let got = build(policy.clone()).replay(&x, &g, &ctx).unwrap();
+        let err = got.max_rel_err(&want, 0.0).unwrap();
+        assert!(
+            err <= 1e-6,
+            "{policy:?}: max relative gradient error {err:e}"
+        );
+    }
+}
+
+#[test]
+fn cached_and_checkpointed_bert_matches_a_full_batch_step() {
+    let mut cfg = config();
+    cfg.hidden_dropout_prob = 0.0;
+    cfg.attention_probs_dropout_prob = 0.0;
+    let b = 6;
+    let (q, p) = (tokens(3, b), tokens(4, 2 * b));
+    for chunk in [1, 3, b] {
+        for policy in [Checkpointing::Off, Checkpointing::Sqrt] {
+            let store = ParamStore::new(15, DType::F32, &Device::Cpu);
+            let qe = BertEncoder::build(
+                &store,
+                "query",
+                &cfg,
+                &options(Pooling::Cls, policy.clone()),
+            )
+            .unwrap();
+            let pe = BertEncoder::build(
+                &store,
+                "passage",
+                &cfg,
+                &options(Pooling::Mean, policy.clone()),
+            )
+            .unwrap();
+            let loss = InfoNce::new(0.1).unwrap().with_symmetric(true);
+            let mut gc = GradCache::two_towers(qe, pe, chunk, chunk + 1, loss).unwrap();
+            let reference = gc.full_batch_step(0, &q, &p).unwrap();
+            let cached = gc.cache_step(&q, &p).unwrap();
+            assert!(((cached.loss - reference.loss) / reference.loss).abs() <= 1e-5);
+            let mut zero = key_biases(&cfg, "query.");
+            zero.extend(key_biases(&cfg, "passage."));
+            let err = compare(&cached.grads, &reference.grads, &zero);
+            assert!(
+                err <= 1e-5,
+                "chunk {chunk} {policy:?}: max relative gradient error {err:e}"
+            );
+        }
+    }
+}
