@@ -86,6 +86,25 @@ impl TokenBatch {
         self.input_ids.dims().get(1).copied().unwrap_or(0)
     }
 
+    /// Drops trailing columns where every row is padding (attention mask 0), so the batch
+    /// is as long as its longest sequence. Assumes right padding, as BERT tokenizers do.
+    pub fn trim_padding(&self) -> Result<Self> {
+        let used = self
+            .attention_mask
+            .max(0)?
+            .to_dtype(candle_core::DType::U32)?;
+        let used = used.to_vec1::<u32>()?;
+        let len = used.iter().rposition(|&m| m != 0).map_or(0, |i| i + 1);
+        if len == self.seq_len() {
+            return Ok(self.clone());
+        }
+        Ok(Self {
+            input_ids: self.input_ids.narrow(1, 0, len)?,
+            attention_mask: self.attention_mask.narrow(1, 0, len)?,
+            token_type_ids: self.token_type_ids.narrow(1, 0, len)?,
+        })
+    }
+
     fn pad_to(&self, len: usize) -> Result<Self> {
         let pad = len - self.seq_len();
         if pad == 0 {
@@ -108,12 +127,14 @@ impl Batch for TokenBatch {
         self.input_ids.dims().first().copied().unwrap_or(0)
     }
 
+    /// Rows `start..start + len`, trimmed to their own longest sequence.
     fn slice(&self, start: usize, len: usize) -> Result<Self> {
-        Ok(Self {
+        Self {
             input_ids: self.input_ids.narrow(0, start, len)?,
             attention_mask: self.attention_mask.narrow(0, start, len)?,
             token_type_ids: self.token_type_ids.narrow(0, start, len)?,
-        })
+        }
+        .trim_padding()
     }
 
     /// Concatenates along rows. Parts of different sequence lengths are right-padded to the

@@ -12,8 +12,9 @@
 //! pairing, an [`Encoder`](crate::Encoder) over [`TokenBatch`] inputs.
 
 use std::path::Path;
+use std::sync::Arc;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{Tensor, D};
 use candle_nn::{Embedding, Init, Module, VarBuilder};
 
 use crate::batch::TokenBatch;
@@ -21,7 +22,8 @@ use crate::checkpoint::{Checkpointed, Checkpointing, LayerStack};
 use crate::dropout::{Ctx, Dropout};
 use crate::encoder::Tower;
 use crate::nn::{LayerNorm, Linear};
-use crate::params::ParamStore;
+use crate::params::{ParamStore, WeightFile};
+use crate::pretrained::ModelFiles;
 use crate::{Error, Result};
 
 /// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).
@@ -259,6 +261,7 @@ pub struct Bert {
     embeddings: Embeddings,
     layers: Vec<Layer>,
     heads: usize,
+    max_positions: usize,
     activation: Activation,
     hidden_dropout: Dropout,
     attention_dropout: Dropout,
@@ -328,6 +331,7 @@ impl Bert {
             embeddings,
             layers,
             heads: cfg.num_attention_heads,
+            max_positions: cfg.max_position_embeddings,
             activation: cfg.activation(path)?,
             hidden_dropout: Dropout::new(cfg.hidden_dropout_prob as f32)?,
             attention_dropout: Dropout::new(cfg.attention_probs_dropout_prob as f32)?,
@@ -402,6 +406,14 @@ impl LayerStack for Bert {
     fn embed(&self, input: &TokenBatch, _: &BertAux, ctx: &Ctx) -> Result<Tensor> {
         let e = &self.embeddings;
         let s = input.input_ids.dim(1)?;
+        if s > self.max_positions {
+            return Err(Error::InvalidConfig {
+                field: "max_len",
+                value: s.to_string(),
+                reason: "sequences are longer than the model's max_position_embeddings; \
+                         truncate to at most that many tokens",
+            });
+        }
         let positions = Tensor::arange(0u32, s as u32, input.input_ids.device())?;
         let x = e
             .words
@@ -474,7 +486,25 @@ impl Checkpointed<Bert> {
     }
 }
 
-/// The dtype and device of a model's parameters, for building inputs.
-pub fn model_device(store: &ParamStore) -> (DType, Device) {
-    (store.dtype(), store.device().clone())
+/// Loads a pretrained BERT tower from a model's files into `store` under `prefix` (`""`
+/// for a shared tower). Weight names may carry the `bert.` prefix of Hugging Face
+/// `BertFor...` checkpoints or not. Returns the encoder, its config, and the store (which
+/// now reads those names from the weights file).
+pub fn load_pretrained(
+    files: &ModelFiles,
+    prefix: &str,
+    options: &BertOptions,
+    store: ParamStore,
+) -> Result<(BertEncoder, BertConfig, ParamStore)> {
+    let cfg = BertConfig::from_file(&files.config)?;
+    let probe = WeightFile::open(&files.weights, "")?;
+    let file_prefix = if probe.contains("bert.embeddings.word_embeddings.weight") {
+        "bert."
+    } else {
+        ""
+    };
+    let file = Arc::new(WeightFile::open(&files.weights, file_prefix)?);
+    let store = store.with_weights(prefix, file);
+    let encoder = BertEncoder::build(&store, prefix, &cfg, options)?;
+    Ok((encoder, cfg, store))
 }

@@ -33,8 +33,10 @@ mod error;
 pub mod loss;
 pub mod nn;
 pub mod params;
+pub mod pretrained;
 pub mod replay;
 pub mod rng;
+pub mod tokenizer;
 pub mod toy;
 
 pub use batch::{Batch, TokenBatch};

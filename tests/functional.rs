@@ -147,9 +147,15 @@ fn token_batches_of_different_lengths_concatenate_with_padding() {
         parts.iter().map(|p| p.rows()).collect::<Vec<_>>(),
         vec![2, 1]
     );
+    // Each chunk is trimmed to its own longest sequence.
     assert_eq!(
-        parts[1].input_ids.to_vec2::<u32>().unwrap(),
-        vec![vec![9, 0, 0]]
+        parts[0].input_ids.to_vec2::<u32>().unwrap(),
+        vec![vec![5, 6, 7], vec![8, 0, 0]]
+    );
+    assert_eq!(parts[1].input_ids.to_vec2::<u32>().unwrap(), vec![vec![9]]);
+    assert_eq!(
+        parts[1].attention_mask.to_vec2::<u32>().unwrap(),
+        vec![vec![1]]
     );
 
     let bad = TokenBatch::new(

@@ -1,0 +1,192 @@
+//! Finding a model's files: a local directory, or a Hugging Face Hub repo id resolved
+//! through `hf-hub`, honouring the local cache and offline mode.
+//!
+//! A model is named either by a directory that holds `config.json` and `model.safetensors`
+//! (and usually `tokenizer.json`), or by a repo id such as
+//! `sentence-transformers/all-MiniLM-L6-v2` (optionally `id@revision`). Repo ids are looked
+//! up in the Hugging Face cache first (`HF_HUB_CACHE`, else `HF_HOME/hub`, else
+//! `~/.cache/huggingface/hub`, the layout `huggingface_hub` writes); with `HF_HUB_OFFLINE=1`
+//! nothing else is tried, otherwise missing files are downloaded into that cache.
+//!
+//! Only safetensors weights are loaded: a PyTorch pickle checkpoint can run code when it is
+//! unpickled, so a model that has only `pytorch_model.bin` gets an error saying how to
+//! convert it.
+
+use std::path::{Path, PathBuf};
+
+use hf_hub::{Repo, RepoType};
+
+use crate::{Error, Result};
+
+/// The configuration file of a model.
+pub const CONFIG: &str = "config.json";
+/// The weights file.
+pub const WEIGHTS: &str = "model.safetensors";
+/// The tokenizer file.
+pub const TOKENIZER: &str = "tokenizer.json";
+/// Pickle checkpoints that are recognised (and refused).
+const PICKLES: [&str; 2] = ["pytorch_model.bin", "model.bin"];
+
+/// The files of one model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelFiles {
+    /// `config.json`.
+    pub config: PathBuf,
+    /// `model.safetensors`.
+    pub weights: PathBuf,
+    /// `tokenizer.json`, if the model has one.
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// Where the Hugging Face cache is and whether the network may be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HubSettings {
+    /// The hub cache directory (the one holding `models--org--name`).
+    pub cache_dir: PathBuf,
+    /// Offline mode: only the cache is read.
+    pub offline: bool,
+}
+
+impl HubSettings {
+    /// From the process environment (`HF_HUB_CACHE`, `HF_HOME`, `HF_HUB_OFFLINE`).
+    pub fn from_env() -> Self {
+        Self::from_lookup(|key| std::env::var(key).ok())
+    }
+
+    /// From any variable lookup, e.g. a map in tests.
+    pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Self {
+        let cache_dir = match (var("HF_HUB_CACHE"), var("HF_HOME")) {
+            (Some(cache), _) if !cache.is_empty() => PathBuf::from(cache),
+            (_, Some(home)) if !home.is_empty() => PathBuf::from(home).join("hub"),
+            _ => {
+                let home = var("HOME").unwrap_or_else(|| ".".into());
+                PathBuf::from(home)
+                    .join(".cache")
+                    .join("huggingface")
+                    .join("hub")
+            }
+        };
+        let offline = var("HF_HUB_OFFLINE")
+            .map(|v| {
+                matches!(
+                    v.trim().to_ascii_lowercase().as_str(),
+                    "1" | "true" | "yes" | "on"
+                )
+            })
+            .unwrap_or(false);
+        Self { cache_dir, offline }
+    }
+}
+
+impl ModelFiles {
+    /// Resolves `name`: an existing directory is read as is, anything else is a Hub repo id.
+    pub fn resolve(name: &str, hub: &HubSettings) -> Result<Self> {
+        let path = Path::new(name);
+        if path.is_dir() {
+            Self::from_dir(path)
+        } else if path.exists() || name.starts_with('.') || name.starts_with('/') {
+            Err(Error::MissingFile {
+                path: path.to_path_buf(),
+                what: "model directory",
+            })
+        } else {
+            Self::from_hub(name, hub)
+        }
+    }
+
+    /// The files of a model directory.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let config = dir.join(CONFIG);
+        if !config.is_file() {
+            return Err(Error::MissingFile {
+                path: config,
+                what: "model config",
+            });
+        }
+        let weights = dir.join(WEIGHTS);
+        if !weights.is_file() {
+            if let Some(pickle) = PICKLES.iter().find(|p| dir.join(p).is_file()) {
+                return Err(Error::PickleOnly {
+                    dir: dir.to_path_buf(),
+                    file: pickle.to_string(),
+                });
+            }
+            return Err(Error::MissingFile {
+                path: weights,
+                what: "safetensors weights",
+            });
+        }
+        let tokenizer = Some(dir.join(TOKENIZER)).filter(|p| p.is_file());
+        Ok(Self {
+            config,
+            weights,
+            tokenizer,
+        })
+    }
+
+    /// The files of a Hub repo (`org/name` or `org/name@revision`): from the cache, then,
+    /// unless offline, downloaded into it.
+    pub fn from_hub(id: &str, hub: &HubSettings) -> Result<Self> {
+        let (repo_id, revision) = match id.split_once('@') {
+            Some((r, rev)) => (r, rev),
+            None => (id, "main"),
+        };
+        let repo = Repo::with_revision(repo_id.into(), RepoType::Model, revision.into());
+        let cache = hf_hub::Cache::new(hub.cache_dir.clone()).repo(repo.clone());
+        let fetch = |file: &str| -> Result<Option<PathBuf>> {
+            if let Some(path) = cache.get(file) {
+                return Ok(Some(path));
+            }
+            if hub.offline {
+                return Ok(None);
+            }
+            let api = hf_hub::api::sync::ApiBuilder::new()
+                .with_cache_dir(hub.cache_dir.clone())
+                .with_progress(false)
+                .build()
+                .map_err(|e| hub_error(id, file, e.to_string()))?;
+            match api.repo(repo.clone()).get(file) {
+                Ok(path) => Ok(Some(path)),
+                Err(e) if e.to_string().contains("404") => Ok(None),
+                Err(e) => Err(hub_error(id, file, e.to_string())),
+            }
+        };
+        let missing = |file: &str| {
+            let reason = if hub.offline {
+                format!(
+                    "not in the local cache {} and HF_HUB_OFFLINE is set",
+                    hub.cache_dir.display()
+                )
+            } else {
+                "the repository has no such file".to_string()
+            };
+            hub_error(id, file, reason)
+        };
+        let config = fetch(CONFIG)?.ok_or_else(|| missing(CONFIG))?;
+        let weights = match fetch(WEIGHTS)? {
+            Some(w) => w,
+            None => {
+                if let Some(pickle) = PICKLES.iter().find(|p| cache.get(p).is_some()) {
+                    return Err(Error::PickleOnly {
+                        dir: config.parent().map(Path::to_path_buf).unwrap_or_default(),
+                        file: pickle.to_string(),
+                    });
+                }
+                return Err(missing(WEIGHTS));
+            }
+        };
+        Ok(Self {
+            config,
+            weights,
+            tokenizer: fetch(TOKENIZER)?,
+        })
+    }
+}
+
+fn hub_error(repo: &str, file: &str, reason: String) -> Error {
+    Error::Hub {
+        repo: repo.to_string(),
+        file: file.to_string(),
+        reason,
+    }
+}

@@ -1,0 +1,107 @@
+//! Text to [`TokenBatch`] with a Hugging Face `tokenizer.json` (the `tokenizers` crate):
+//! truncation to a maximum length, padding to the longest sequence of the batch.
+//!
+//! Batches are padded to their own longest sequence; when the gradient cache cuts a batch
+//! into chunks, each chunk is trimmed to *its* longest sequence
+//! ([`TokenBatch::trim_padding`]), so short chunks do not pay for one long text elsewhere
+//! in the batch.
+
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use tokenizers::{PaddingParams, PaddingStrategy, TruncationParams};
+
+use crate::batch::TokenBatch;
+use crate::{Error, Result};
+
+/// A tokenizer with the truncation and padding a bi-encoder needs.
+#[derive(Clone)]
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    max_len: usize,
+}
+
+impl Tokenizer {
+    /// Reads `tokenizer.json`; sequences are truncated to `max_len` tokens (special tokens
+    /// included).
+    pub fn from_file(path: &Path, max_len: usize) -> Result<Self> {
+        if !path.is_file() {
+            return Err(Error::MissingFile {
+                path: path.to_path_buf(),
+                what: "tokenizer",
+            });
+        }
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::ModelFile {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Self::new(inner, max_len)
+    }
+
+    /// Wraps a `tokenizers` tokenizer (e.g. one trained on the data).
+    pub fn new(mut inner: tokenizers::Tokenizer, max_len: usize) -> Result<Self> {
+        if max_len < 2 {
+            return Err(Error::InvalidConfig {
+                field: "max_len",
+                value: max_len.to_string(),
+                reason: "room for at least the two special tokens is needed",
+            });
+        }
+        let pad_id = inner
+            .get_padding()
+            .map(|p| p.pad_id)
+            .or_else(|| inner.token_to_id("[PAD]"))
+            .unwrap_or(0);
+        let pad_token = inner.id_to_token(pad_id).unwrap_or_else(|| "[PAD]".into());
+        inner
+            .with_truncation(Some(TruncationParams {
+                max_length: max_len,
+                ..Default::default()
+            }))
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        inner.with_padding(Some(PaddingParams {
+            strategy: PaddingStrategy::BatchLongest,
+            pad_id,
+            pad_token,
+            ..Default::default()
+        }));
+        Ok(Self { inner, max_len })
+    }
+
+    /// The maximum sequence length.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// Tokenizes `texts` into one batch padded to its longest sequence.
+    pub fn encode(&self, texts: &[&str], device: &Device) -> Result<TokenBatch> {
+        if texts.is_empty() {
+            return Err(Error::EmptyBatch {
+                side: crate::Side::Query,
+            });
+        }
+        let encodings = self
+            .inner
+            .encode_batch(texts.to_vec(), true)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let rows = encodings.len();
+        let len = encodings.first().map_or(0, |e| e.len());
+        let field = |f: fn(&tokenizers::Encoding) -> &[u32]| -> Result<Tensor> {
+            let flat: Vec<u32> = encodings
+                .iter()
+                .flat_map(|e| f(e).iter().copied())
+                .collect();
+            Ok(Tensor::from_vec(flat, (rows, len), device)?)
+        };
+        TokenBatch::new(
+            field(|e| e.get_ids())?,
+            field(|e| e.get_attention_mask())?,
+            field(|e| e.get_type_ids())?,
+        )
+    }
+}
