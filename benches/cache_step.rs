@@ -11,61 +11,13 @@
 //! on the heap, so this is the activation memory plus gradients and temporaries).
 //! Time is the median of several repetitions, plain and cached alternating.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
-
 use candle_core::{DType, Device, Tensor};
+use gradcache::memory::{measure, CountingAllocator};
 use gradcache::toy::{Mlp, MlpConfig};
 use gradcache::{GradCache, InfoNce, ParamStore, Tower};
 
-struct Counting;
-
-static CURRENT: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let now = CURRENT.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
-            PEAK.fetch_max(now, Ordering::Relaxed);
-        }
-        p
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) };
-        CURRENT.fetch_sub(layout.size(), Ordering::Relaxed);
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            if new_size > layout.size() {
-                let grow = new_size - layout.size();
-                let now = CURRENT.fetch_add(grow, Ordering::Relaxed) + grow;
-                PEAK.fetch_max(now, Ordering::Relaxed);
-            } else {
-                CURRENT.fetch_sub(layout.size() - new_size, Ordering::Relaxed);
-            }
-        }
-        p
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
-
-/// Runs `f`, returning its wall time in ms and its peak allocation above the start in bytes.
-fn measure<T>(f: impl FnOnce() -> T) -> (f64, usize) {
-    let base = CURRENT.load(Ordering::Relaxed);
-    PEAK.store(base, Ordering::Relaxed);
-    let start = Instant::now();
-    let out = f();
-    let ms = start.elapsed().as_secs_f64() * 1e3;
-    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(base);
-    drop(out);
-    (ms, peak)
-}
+static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -119,10 +71,12 @@ fn main() -> anyhow::Result<()> {
         let (mut plain_ms, mut cached_ms) = (vec![], vec![]);
         let (mut plain_peak, mut cached_peak) = (0, 0);
         for _ in 0..reps {
-            let (ms, peak) = measure(|| gc.full_batch_step(0, &queries, &passages));
+            let (ms, peak, out) = measure(|| gc.full_batch_step(0, &queries, &passages));
+            out?;
             plain_ms.push(ms);
             plain_peak = plain_peak.max(peak);
-            let (ms, peak) = measure(|| gc.cache_step(&queries, &passages));
+            let (ms, peak, out) = measure(|| gc.cache_step(&queries, &passages));
+            out?;
             cached_ms.push(ms);
             cached_peak = cached_peak.max(peak);
         }

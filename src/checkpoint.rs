@@ -37,8 +37,8 @@ pub enum Checkpointing {
     EveryLayer,
     /// A boundary every `k` layers.
     Every(usize),
-    /// About `sqrt(n)` evenly spaced boundaries, which minimises boundaries + segment size
-    /// (the OpenAI package's `memory` mode).
+    /// `ceil(sqrt(n))` evenly spaced boundaries, which about minimises boundaries + segment
+    /// size (the OpenAI package's `memory` mode).
     Sqrt,
     /// Boundaries before the listed layers (a boundary before layer 0 is implied).
     Layers(Vec<usize>),
@@ -73,7 +73,7 @@ impl Checkpointing {
             Checkpointing::EveryLayer => (0..layers).collect(),
             Checkpointing::Every(k) => (0..layers).step_by(*k).collect(),
             Checkpointing::Sqrt => {
-                let count = ((layers as f64).sqrt().round() as usize).max(1);
+                let count = ((layers as f64).sqrt().ceil() as usize).max(1);
                 (0..count).map(|i| i * layers / count).collect()
             }
             Checkpointing::Layers(list) => list.clone(),
@@ -246,8 +246,9 @@ mod tests {
         assert_eq!(Checkpointing::Off.segments(12).unwrap(), None);
         assert_eq!(starts(Checkpointing::EveryLayer, 4), vec![0, 1, 2, 3]);
         assert_eq!(starts(Checkpointing::Every(5), 12), vec![0, 5, 10]);
-        assert_eq!(starts(Checkpointing::Sqrt, 12), vec![0, 4, 8]);
+        assert_eq!(starts(Checkpointing::Sqrt, 12), vec![0, 3, 6, 9]);
         assert_eq!(starts(Checkpointing::Sqrt, 24), vec![0, 4, 9, 14, 19]);
+        assert_eq!(starts(Checkpointing::Sqrt, 6), vec![0, 2, 4]);
         assert_eq!(
             starts(Checkpointing::Layers(vec![6, 3, 6]), 12),
             vec![0, 3, 6]

@@ -31,6 +31,7 @@ pub mod dropout;
 pub mod encoder;
 mod error;
 pub mod loss;
+pub mod memory;
 pub mod nn;
 pub mod params;
 pub mod pretrained;

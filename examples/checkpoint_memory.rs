@@ -1,0 +1,131 @@
+//! Activation checkpointing: peak memory, step time and gradient error of every policy, for
+//! a 12-layer BERT encoder and for a deep residual MLP, measured side by side in one run.
+//!
+//! ```text
+//! cargo run --release --example checkpoint_memory
+//! cargo run --release --example checkpoint_memory -- --quick   # smaller models
+//! ```
+//!
+//! A step is one `cache_step` (dropout on) over a batch that fits in one chunk per side, so
+//! the replay of that chunk, where checkpointing acts, dominates the peak. `peak_bytes` is
+//! the largest number of bytes allocated at once during the step above what was allocated
+//! before it (counting allocator); `max_rel_grad_err` compares the step's gradients with
+//! those of the `off` policy (same seeds, same dropout masks).
+
+use candle_core::{DType, Device, Tensor};
+use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
+use gradcache::memory::{measure, CountingAllocator};
+use gradcache::toy::{DeepMlp, DeepMlpConfig};
+use gradcache::{
+    Batch, Checkpointed, Checkpointing, Encoder, GradCache, Gradients, InfoNce, ParamStore,
+    TokenBatch, Tower,
+};
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+fn policies() -> Vec<(&'static str, Checkpointing)> {
+    vec![
+        ("off", Checkpointing::Off),
+        ("every_layer", Checkpointing::EveryLayer),
+        ("every_2", Checkpointing::Every(2)),
+        ("sqrt", Checkpointing::Sqrt),
+        ("layers_6", Checkpointing::Layers(vec![6])),
+    ]
+}
+
+/// Runs one cached step per policy, off first, and prints one line each.
+fn run<E, F>(model: &str, build: F, queries: &E::Input, passages: &E::Input) -> anyhow::Result<()>
+where
+    E: Encoder,
+    F: Fn(Checkpointing) -> gradcache::Result<E>,
+{
+    let mut reference: Option<Gradients> = None;
+    for (name, policy) in policies() {
+        let chunk = queries.rows().max(passages.rows());
+        let loss = InfoNce::new(0.05)?.with_symmetric(true);
+        let mut gc = GradCache::shared(build(policy)?, chunk, loss)?.with_seed(7);
+        // Warm up, then measure a step at the same step index (same dropout masks).
+        gc.cache_step(queries, passages)?;
+        gc.set_step(0);
+        let (ms, peak, out) = measure(|| gc.cache_step(queries, passages));
+        let grads = out?.grads;
+        let err = match &reference {
+            None => 0.0,
+            Some(off) => grads.max_rel_err(off, 1e-4)?,
+        };
+        println!("model={model} policy={name} peak_bytes={peak} step_ms={ms:.0} max_rel_grad_err={err:.2e}");
+        reference.get_or_insert(grads);
+    }
+    Ok(())
+}
+
+fn tokens(rows: usize, len: usize, vocab: u32, seed: u32) -> anyhow::Result<TokenBatch> {
+    let ids: Vec<u32> = (0..rows * len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) % (vocab - 1) + 1)
+        .collect();
+    let ids = Tensor::from_vec(ids, (rows, len), &Device::Cpu)?;
+    let mask = ids.ones_like()?;
+    let types = ids.zeros_like()?;
+    Ok(TokenBatch::new(ids, mask, types)?)
+}
+
+fn main() -> anyhow::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (hidden, rows, len) = if quick { (64, 4, 32) } else { (256, 16, 128) };
+    let cfg = BertConfig {
+        vocab_size: 1000,
+        hidden_size: hidden,
+        num_hidden_layers: 12,
+        num_attention_heads: 4,
+        intermediate_size: 4 * hidden,
+        hidden_act: "gelu".into(),
+        hidden_dropout_prob: 0.1,
+        attention_probs_dropout_prob: 0.1,
+        max_position_embeddings: 512,
+        type_vocab_size: 2,
+        initializer_range: 0.02,
+        layer_norm_eps: 1e-12,
+        position_embedding_type: "absolute".into(),
+        pad_token_id: 0,
+        model_type: Some("bert".into()),
+    };
+    println!(
+        "# bert: 12 layers, hidden {hidden}, {rows} queries + {rows} passages of {len} tokens, \
+         one chunk per side; cores: {}",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    let store = ParamStore::new(1, DType::F32, &Device::Cpu);
+    let (q, p) = (tokens(rows, len, 1000, 1)?, tokens(rows, len, 1000, 2)?);
+    let build = |policy| {
+        let options = BertOptions {
+            pooling: Pooling::Mean,
+            normalize: false,
+            checkpointing: policy,
+        };
+        BertEncoder::build(&store, "", &cfg, &options)
+    };
+    run("bert12", build, &q, &p)?;
+
+    let mlp = DeepMlpConfig {
+        input: 64,
+        hidden: if quick { 64 } else { 512 },
+        blocks: 24,
+        output: 64,
+        dropout: 0.1,
+    };
+    let rows = if quick { 32 } else { 1024 };
+    println!(
+        "# deep residual mlp: 24 blocks, hidden {}, {rows} queries + {rows} passages",
+        mlp.hidden
+    );
+    let store = ParamStore::new(2, DType::F32, &Device::Cpu);
+    let build = |policy| {
+        let tower = Tower::build(&store, "", |vb| DeepMlp::new(&mlp, vb))?;
+        Checkpointed::new(tower, policy)
+    };
+    let x =
+        |seed| gradcache::rng::normal(seed, 0.0, 1.0, &(rows, 64).into(), DType::F32, &Device::Cpu);
+    run("deep_mlp24", build, &x(3)?, &x(4)?)?;
+    Ok(())
+}
