@@ -322,3 +322,53 @@ fn cached_and_checkpointed_bert_matches_a_full_batch_step() {
         }
     }
 }
+
+#[test]
+fn fresh_weights_follow_the_seed() {
+    let cfg = config();
+    let weights = |seed| {
+        let store = ParamStore::new(seed, DType::F32, &Device::Cpu);
+        BertEncoder::build(&store, "", &cfg, &BertOptions::default()).unwrap();
+        let w = store
+            .get("encoder.layer.1.attention.self.query.weight")
+            .unwrap();
+        w.as_tensor()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    assert_eq!(weights(21), weights(21), "one seed, identical weights");
+    assert_ne!(weights(21), weights(22));
+    // normal(0, initializer_range): the sample standard deviation is close to 0.2.
+    let w = weights(21);
+    let std = (w.iter().map(|x| x * x).sum::<f32>() / w.len() as f32).sqrt();
+    assert!((std - 0.2).abs() < 0.03, "std {std}");
+}
+
+#[test]
+fn padded_batches_stay_finite_in_half_precision() {
+    let cfg = config();
+    for dtype in [DType::F16, DType::BF16] {
+        let store = ParamStore::new(16, dtype, &Device::Cpu);
+        let enc = BertEncoder::build(&store, "", &cfg, &BertOptions::default()).unwrap();
+        let batch = tokens(6, 4);
+        let hidden = enc
+            .tower()
+            .detached_model()
+            .hidden_states(&batch, &Ctx::eval())
+            .unwrap();
+        assert_eq!(hidden.dtype(), dtype);
+        let v = hidden
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert!(
+            v.iter().all(|x| x.is_finite()),
+            "{dtype:?}: non-finite hidden state"
+        );
+    }
+}
