@@ -362,3 +362,68 @@ fn weight_with_the_wrong_shape_or_missing() {
         "{err}"
     );
 }
+
+#[test]
+fn corrupt_files_are_named_in_the_error() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), false);
+    let files = ModelFiles::from_dir(dir.path()).unwrap();
+
+    fs::write(&files.weights, b"definitely not safetensors").unwrap();
+    let err = load_pretrained(&files, "", &BertOptions::default(), fresh())
+        .err()
+        .unwrap();
+    assert!(matches!(err, Error::ModelFile { .. }), "{err:?}");
+    assert!(err
+        .to_string()
+        .starts_with(&format!("cannot read {}", files.weights.display())));
+
+    fs::write(&files.config, "{ not json").unwrap();
+    let err = load_pretrained(&files, "", &BertOptions::default(), fresh())
+        .err()
+        .unwrap();
+    assert!(matches!(err, Error::ModelFile { .. }), "{err:?}");
+    assert!(err.to_string().contains("config.json"), "{err}");
+
+    let tokenizer = files.tokenizer.unwrap();
+    fs::write(&tokenizer, "[]").unwrap();
+    let err = Tokenizer::from_file(&tokenizer, 8).err().unwrap();
+    assert!(matches!(err, Error::ModelFile { .. }), "{err:?}");
+}
+
+#[test]
+fn too_short_max_len_and_too_long_sequences() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), false);
+    let files = ModelFiles::from_dir(dir.path()).unwrap();
+    let tokenizer = files.tokenizer.clone().unwrap();
+    let err = Tokenizer::from_file(&tokenizer, 1).err().unwrap();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                field: "max_len",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    // The model covers 16 positions; a 20-token batch is refused, not silently indexed.
+    let (encoder, _, _) = load_pretrained(&files, "", &BertOptions::default(), fresh()).unwrap();
+    let ids = Tensor::ones((1, 20), DType::U32, &Device::Cpu).unwrap();
+    let batch =
+        gradcache::TokenBatch::new(ids.clone(), ids.clone(), ids.zeros_like().unwrap()).unwrap();
+    let err = gradcache::Encoder::encode(&encoder, &batch, &gradcache::Ctx::eval()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidConfig {
+                field: "max_len",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("max_position_embeddings"), "{err}");
+}
