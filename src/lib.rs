@@ -33,6 +33,7 @@ mod error;
 pub mod loss;
 pub mod memory;
 pub mod nn;
+pub mod optim;
 pub mod params;
 pub mod pretrained;
 pub mod replay;
