@@ -32,6 +32,7 @@ pub mod encoder;
 mod error;
 pub mod loss;
 pub mod memory;
+pub mod metrics;
 pub mod nn;
 pub mod optim;
 pub mod params;

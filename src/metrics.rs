@@ -1,0 +1,108 @@
+//! Retrieval quality: every query against every candidate passage, with one relevant
+//! passage per query (the held-out positive). Recall@1/5/10, MRR@10 and nDCG@10, as the
+//! BEIR / MTEB retrieval evaluations report them for a single relevant document.
+
+use candle_core::{DType, Tensor, D};
+
+use crate::loss::Similarity;
+use crate::{Error, Result};
+
+/// Retrieval metrics, each a mean over queries in `[0, 1]`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RetrievalMetrics {
+    /// Number of queries evaluated.
+    pub queries: usize,
+    /// Share of queries whose relevant passage ranks first.
+    pub recall_at_1: f64,
+    /// Share of queries whose relevant passage is in the top 5.
+    pub recall_at_5: f64,
+    /// Share of queries whose relevant passage is in the top 10.
+    pub recall_at_10: f64,
+    /// Mean reciprocal rank, counting 0 beyond rank 10.
+    pub mrr_at_10: f64,
+    /// nDCG@10 with one relevant passage: `1 / log2(rank + 1)` within the top 10.
+    pub ndcg_at_10: f64,
+}
+
+impl RetrievalMetrics {
+    /// Metrics from the 1-based rank of each query's relevant passage.
+    pub fn from_ranks(ranks: &[usize]) -> Self {
+        let n = ranks.len().max(1) as f64;
+        let mean = |f: &dyn Fn(usize) -> f64| ranks.iter().map(|&r| f(r)).sum::<f64>() / n;
+        let within = |k: usize| move |r: usize| f64::from(u8::from(r <= k));
+        Self {
+            queries: ranks.len(),
+            recall_at_1: mean(&within(1)),
+            recall_at_5: mean(&within(5)),
+            recall_at_10: mean(&within(10)),
+            mrr_at_10: mean(&|r| if r <= 10 { 1.0 / r as f64 } else { 0.0 }),
+            ndcg_at_10: mean(&|r| {
+                if r <= 10 {
+                    1.0 / (r as f64 + 1.0).log2()
+                } else {
+                    0.0
+                }
+            }),
+        }
+    }
+}
+
+/// The 1-based rank of passage `target` among the `scores` of one query. Ties are broken
+/// against the relevant passage only by candidates that come before it, so the rank does not
+/// depend on how a sort orders equal scores.
+pub fn rank_of(scores: &[f32], target: usize) -> usize {
+    let s = scores[target];
+    1 + scores
+        .iter()
+        .enumerate()
+        .filter(|&(j, &x)| x > s || (x == s && j < target))
+        .count()
+}
+
+/// Scores every query `[Q, d]` against every passage `[P, d]` in blocks of `block_rows`
+/// queries and returns the metrics; `targets[i]` is the index of query `i`'s relevant
+/// passage.
+pub fn evaluate(
+    queries: &Tensor,
+    passages: &Tensor,
+    targets: &[usize],
+    similarity: Similarity,
+    block_rows: usize,
+) -> Result<RetrievalMetrics> {
+    let (q_rows, p_rows) = (queries.dim(0)?, passages.dim(0)?);
+    if targets.len() != q_rows {
+        return Err(Error::InvalidConfig {
+            field: "targets",
+            value: targets.len().to_string(),
+            reason: "need one target passage per query",
+        });
+    }
+    if let Some(&t) = targets.iter().find(|&&t| t >= p_rows) {
+        return Err(Error::InvalidConfig {
+            field: "targets",
+            value: t.to_string(),
+            reason: "a target passage index is beyond the passages",
+        });
+    }
+    let prepare = |x: &Tensor| -> Result<Tensor> {
+        let x = x.detach().to_dtype(DType::F32)?;
+        Ok(match similarity {
+            Similarity::Dot => x,
+            Similarity::Cosine => {
+                let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
+                x.broadcast_div(&norm)?
+            }
+        })
+    };
+    let (q, p) = (prepare(queries)?, prepare(passages)?);
+    let pt = p.t()?.contiguous()?;
+    let mut ranks = Vec::with_capacity(q_rows);
+    for start in (0..q_rows).step_by(block_rows.max(1)) {
+        let rows = block_rows.max(1).min(q_rows - start);
+        let scores = q.narrow(0, start, rows)?.matmul(&pt)?.to_vec2::<f32>()?;
+        for (i, row) in scores.iter().enumerate() {
+            ranks.push(rank_of(row, targets[start + i]));
+        }
+    }
+    Ok(RetrievalMetrics::from_ranks(&ranks))
+}
