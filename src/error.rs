@@ -143,6 +143,14 @@ pub enum Error {
         reason: String,
     },
 
+    /// A line of a data file is malformed (line 0: the file as a whole).
+    #[error("{}: {reason}", data_location(path, *line))]
+    Data {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+
     /// Tokenization failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
@@ -154,6 +162,14 @@ pub enum Error {
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+fn data_location(path: &std::path::Path, line: usize) -> String {
+    if line == 0 {
+        path.display().to_string()
+    } else {
+        format!("{}:{line}", path.display())
+    }
 }
 
 /// `Result` with the library's [`Error`].

@@ -27,6 +27,7 @@ pub mod batch;
 pub mod bert;
 pub mod cache;
 pub mod checkpoint;
+pub mod data;
 pub mod dropout;
 pub mod encoder;
 mod error;

@@ -1,0 +1,289 @@
+//! Training data: JSONL query/positive pairs with optional hard negatives, seeded
+//! shuffling, a held-out split, and batches that can be resumed at an exact position.
+//!
+//! One JSON object a line, e.g. `{"query": "...", "positive": "...", "negatives": ["..."]}`;
+//! the field names are configurable ([`Fields`]). A malformed line is an error that names
+//! the file and the line number. When a pair has fewer hard negatives than a step asks for,
+//! the missing ones are filled with positives of other pairs drawn by a seeded generator
+//! (never the pair's own positive); [`TextBatch::filled`] counts them so the trainer can log it.
+
+use std::path::Path;
+
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::rng::derive_seed;
+use crate::{Error, Result};
+
+/// One training example.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Pair {
+    /// The query (anchor).
+    pub query: String,
+    /// Its relevant passage.
+    pub positive: String,
+    /// Hard negatives (may be empty).
+    #[serde(default)]
+    pub negatives: Vec<String>,
+}
+
+/// The JSON field names of a pair.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Fields {
+    /// Field holding the query (default `query`).
+    pub query: String,
+    /// Field holding the positive passage (default `positive`).
+    pub positive: String,
+    /// Field holding a list of hard negatives (default `negatives`; optional in the data).
+    pub negatives: String,
+}
+
+impl Default for Fields {
+    fn default() -> Self {
+        Self {
+            query: "query".into(),
+            positive: "positive".into(),
+            negatives: "negatives".into(),
+        }
+    }
+}
+
+fn data_error(path: &Path, line: usize, reason: impl Into<String>) -> Error {
+    Error::Data {
+        path: path.to_path_buf(),
+        line,
+        reason: reason.into(),
+    }
+}
+
+/// Reads a JSONL file of pairs. Blank lines are skipped; any other line must be an object
+/// with string `query` and `positive` fields and, optionally, a list of strings `negatives`.
+pub fn read_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Pair>> {
+    let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::MissingFile {
+            path: path.to_path_buf(),
+            what: "data file",
+        },
+        _ => data_error(path, 0, e.to_string()),
+    })?;
+    let mut pairs = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let number = i + 1;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| data_error(path, number, format!("not valid JSON ({e})")))?;
+        let object = value
+            .as_object()
+            .ok_or_else(|| data_error(path, number, "expected a JSON object"))?;
+        let text_field = |name: &str| -> Result<String> {
+            match object.get(name) {
+                Some(serde_json::Value::String(s)) if !s.trim().is_empty() => Ok(s.clone()),
+                Some(serde_json::Value::String(_)) => {
+                    Err(data_error(path, number, format!("field `{name}` is empty")))
+                }
+                Some(_) => Err(data_error(
+                    path,
+                    number,
+                    format!("field `{name}` is not a string"),
+                )),
+                None => Err(data_error(path, number, format!("missing field `{name}`"))),
+            }
+        };
+        let negatives = match object.get(&fields.negatives) {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(serde_json::Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_str().map(str::to_string).ok_or_else(|| {
+                        data_error(
+                            path,
+                            number,
+                            format!("field `{}` must be a list of strings", fields.negatives),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+            Some(_) => {
+                return Err(data_error(
+                    path,
+                    number,
+                    format!("field `{}` must be a list of strings", fields.negatives),
+                ))
+            }
+        };
+        pairs.push(Pair {
+            query: text_field(&fields.query)?,
+            positive: text_field(&fields.positive)?,
+            negatives,
+        });
+    }
+    if pairs.is_empty() {
+        return Err(data_error(path, 0, "the file holds no pairs"));
+    }
+    Ok(pairs)
+}
+
+/// Splits off `held_out` pairs (chosen by a seeded shuffle) for evaluation.
+pub fn split(pairs: Vec<Pair>, held_out: usize, seed: u64) -> Result<(Vec<Pair>, Vec<Pair>)> {
+    if held_out >= pairs.len() {
+        return Err(Error::InvalidConfig {
+            field: "data.eval_pairs",
+            value: held_out.to_string(),
+            reason: "must be smaller than the number of pairs",
+        });
+    }
+    let mut order: Vec<usize> = (0..pairs.len()).collect();
+    order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[seed, 0x5917])));
+    let mut eval_ids: Vec<usize> = order[..held_out].to_vec();
+    eval_ids.sort_unstable();
+    let mut train = Vec::with_capacity(pairs.len() - held_out);
+    let mut eval = Vec::with_capacity(held_out);
+    let mut next = eval_ids.iter().peekable();
+    for (i, p) in pairs.into_iter().enumerate() {
+        if next.peek() == Some(&&i) {
+            next.next();
+            eval.push(p);
+        } else {
+            train.push(p);
+        }
+    }
+    Ok((train, eval))
+}
+
+/// Where a loader is: the epoch and the number of pairs of that epoch already served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Position {
+    /// Epoch (each epoch has its own seeded order).
+    pub epoch: u64,
+    /// Pairs of this epoch already served.
+    pub offset: usize,
+}
+
+/// One training batch: `queries[i]` with passages `passages[i*(k+1) .. (i+1)*(k+1)]`, the
+/// first of which is its positive.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextBatch {
+    /// Query texts.
+    pub queries: Vec<String>,
+    /// Passage texts, `k + 1` per query.
+    pub passages: Vec<String>,
+    /// Hard negatives that were missing and filled from other pairs' positives.
+    pub filled: usize,
+}
+
+/// Serves fixed-size batches in a seeded order per epoch; a last incomplete batch of an
+/// epoch is dropped (every step sees the same batch size).
+pub struct Loader {
+    pairs: Vec<Pair>,
+    batch_size: usize,
+    hard_negatives: usize,
+    seed: u64,
+    position: Position,
+    order: Vec<usize>,
+}
+
+impl Loader {
+    /// A loader over `pairs`, starting at the beginning of epoch 0.
+    pub fn new(
+        pairs: Vec<Pair>,
+        batch_size: usize,
+        hard_negatives: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        if batch_size == 0 || batch_size > pairs.len() {
+            return Err(Error::InvalidConfig {
+                field: "train.batch_size",
+                value: batch_size.to_string(),
+                reason: "must be between 1 and the number of training pairs",
+            });
+        }
+        if hard_negatives > 0 && pairs.len() < 2 {
+            return Err(Error::InvalidConfig {
+                field: "train.hard_negatives",
+                value: hard_negatives.to_string(),
+                reason: "filling missing negatives needs at least two pairs",
+            });
+        }
+        let mut loader = Self {
+            pairs,
+            batch_size,
+            hard_negatives,
+            seed,
+            position: Position::default(),
+            order: Vec::new(),
+        };
+        loader.seek(Position::default())?;
+        Ok(loader)
+    }
+
+    /// Batches per epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.pairs.len() / self.batch_size
+    }
+
+    /// The current position (what a checkpoint stores).
+    pub fn position(&self) -> Position {
+        self.position
+    }
+
+    /// Jumps to a position (what a resume does).
+    pub fn seek(&mut self, position: Position) -> Result<()> {
+        if position.offset > self.pairs.len() {
+            return Err(Error::InvalidConfig {
+                field: "data position",
+                value: position.offset.to_string(),
+                reason: "is beyond the training data; was the data file changed?",
+            });
+        }
+        let mut order: Vec<usize> = (0..self.pairs.len()).collect();
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[
+            self.seed,
+            position.epoch,
+        ])));
+        self.order = order;
+        self.position = position;
+        Ok(())
+    }
+
+    /// The next batch, moving to the next epoch when this one has no full batch left.
+    pub fn next_batch(&mut self) -> Result<TextBatch> {
+        if self.position.offset + self.batch_size > self.pairs.len() {
+            self.seek(Position {
+                epoch: self.position.epoch + 1,
+                offset: 0,
+            })?;
+        }
+        let Position { epoch, offset } = self.position;
+        let ids = &self.order[offset..offset + self.batch_size];
+        let mut rng = ChaCha8Rng::seed_from_u64(derive_seed(&[self.seed, epoch, offset as u64, 7]));
+        let mut batch = TextBatch {
+            queries: Vec::with_capacity(ids.len()),
+            passages: Vec::with_capacity(ids.len() * (self.hard_negatives + 1)),
+            filled: 0,
+        };
+        for &i in ids {
+            let pair = &self.pairs[i];
+            batch.queries.push(pair.query.clone());
+            batch.passages.push(pair.positive.clone());
+            for j in 0..self.hard_negatives {
+                match pair.negatives.get(j) {
+                    Some(n) => batch.passages.push(n.clone()),
+                    None => {
+                        let mut other = rng.random_range(0..self.pairs.len() - 1);
+                        if other >= i {
+                            other += 1;
+                        }
+                        batch.passages.push(self.pairs[other].positive.clone());
+                        batch.filled += 1;
+                    }
+                }
+            }
+        }
+        self.position.offset += self.batch_size;
+        Ok(batch)
+    }
+}
