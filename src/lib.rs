@@ -39,6 +39,7 @@ pub mod optim;
 pub mod params;
 pub mod pretrained;
 pub mod replay;
+pub mod resume;
 pub mod rng;
 pub mod tokenizer;
 pub mod toy;
