@@ -92,6 +92,7 @@ fn main() -> anyhow::Result<()> {
         position_embedding_type: "absolute".into(),
         pad_token_id: 0,
         model_type: Some("bert".into()),
+        extra: Default::default(),
     };
     println!(
         "# bert: 12 layers, hidden {hidden}, {rows} queries + {rows} passages of {len} tokens, \

@@ -70,6 +70,10 @@ pub struct BertConfig {
     /// `bert` for BERT checkpoints.
     #[serde(default)]
     pub model_type: Option<String>,
+    /// Every other field of the file, kept so that an exported config says what the
+    /// loaded one said.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 mod defaults {

@@ -31,6 +31,7 @@ pub mod data;
 pub mod dropout;
 pub mod encoder;
 mod error;
+pub mod export;
 pub mod loss;
 pub mod memory;
 pub mod metrics;
