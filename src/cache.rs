@@ -320,6 +320,18 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         })
     }
 
+    /// Sets different chunk sizes for the two sides (also for a shared tower).
+    pub fn with_chunk_sizes(mut self, query_chunk: usize, passage_chunk: usize) -> Result<Self> {
+        for (side, chunk) in [(Side::Query, query_chunk), (Side::Passage, passage_chunk)] {
+            if chunk == 0 {
+                return Err(Error::ZeroChunkSize { side });
+            }
+        }
+        self.query_chunk = query_chunk;
+        self.passage_chunk = passage_chunk;
+        Ok(self)
+    }
+
     /// Sets the run seed that dropout masks derive from (default 0).
     pub fn with_seed(mut self, seed: u64) -> Self {
         self.seed = seed;

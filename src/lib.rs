@@ -27,6 +27,7 @@ pub mod batch;
 pub mod bert;
 pub mod cache;
 pub mod checkpoint;
+pub mod config;
 pub mod data;
 pub mod dropout;
 pub mod encoder;
@@ -44,6 +45,7 @@ pub mod resume;
 pub mod rng;
 pub mod tokenizer;
 pub mod toy;
+pub mod trainer;
 
 pub use batch::{Batch, TokenBatch};
 pub use cache::{cached, cat_reps, GradCache, GradientCache, Representations, StepOutput};

@@ -105,3 +105,53 @@ impl Tokenizer {
         )
     }
 }
+
+/// Trains a BERT-style WordPiece tokenizer on `texts` (BERT normaliser and pre-tokenizer,
+/// `[CLS] .. [SEP]` post-processing, special tokens `[PAD] [UNK] [CLS] [SEP] [MASK]` with
+/// ids 0 to 4). Deterministic for the same texts.
+pub fn train_wordpiece<'a>(
+    texts: impl Iterator<Item = &'a str> + Send,
+    vocab_size: usize,
+    lowercase: bool,
+) -> Result<tokenizers::Tokenizer> {
+    use tokenizers::models::wordpiece::{WordPiece, WordPieceTrainer};
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::normalizers::BertNormalizer;
+    use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+    use tokenizers::processors::bert::BertProcessing;
+    use tokenizers::AddedToken;
+
+    let err = |e: tokenizers::Error| Error::Tokenizer(e.to_string());
+    let specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"];
+    let model = WordPiece::builder()
+        .unk_token("[UNK]".into())
+        .build()
+        .map_err(err)?;
+    let mut tok = tokenizers::Tokenizer::new(model);
+    tok.with_normalizer(Some(BertNormalizer::new(true, true, None, lowercase)))
+        .map_err(err)?;
+    tok.with_pre_tokenizer(Some(BertPreTokenizer));
+    let mut trainer: TrainerWrapper = WordPieceTrainer::builder()
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(
+            specials
+                .iter()
+                .map(|s| AddedToken::from(*s, true))
+                .collect(),
+        )
+        .build()
+        .into();
+    tok.train(&mut trainer, texts).map_err(err)?;
+    let id = |t: &str| {
+        tok.token_to_id(t)
+            .ok_or_else(|| Error::Tokenizer(format!("trained vocabulary lacks {t}")))
+    };
+    let (sep, cls) = (id("[SEP]")?, id("[CLS]")?);
+    tok.with_post_processor(Some(BertProcessing::new(
+        ("[SEP]".into(), sep),
+        ("[CLS]".into(), cls),
+    )));
+    Ok(tok)
+}

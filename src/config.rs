@@ -1,0 +1,444 @@
+//! The trainer's configuration: TOML with documented defaults, unknown keys rejected, and
+//! every value settable from the command line with `--set section.key=value`.
+//!
+//! [`Config::load`] reads the file, applies the overrides, deserialises (unknown keys are
+//! errors naming the key) and [`Config::validate`]s every value before any tensor work.
+
+use std::path::{Path, PathBuf};
+
+use crate::bert::Pooling;
+use crate::checkpoint::Checkpointing;
+use crate::data::Fields;
+use crate::loss::Similarity;
+use crate::{Error, Result};
+
+/// The whole run.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Seed of everything random: initial weights, data order, dropout masks.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// Where checkpoints, metrics, the loss curve and the tokenizer go.
+    pub output_dir: PathBuf,
+    /// Training and evaluation data.
+    pub data: DataConfig,
+    /// The encoder.
+    #[serde(default)]
+    pub model: ModelConfig,
+    /// The contrastive loss.
+    #[serde(default)]
+    pub loss: LossConfig,
+    /// Steps, batch and chunk sizes, evaluation and checkpoint cadence.
+    #[serde(default)]
+    pub train: TrainConfig,
+    /// Optimiser and schedule.
+    #[serde(default)]
+    pub optim: OptimConfig,
+    /// Multi-process training.
+    #[serde(default)]
+    pub dist: DistConfig,
+}
+
+fn default_seed() -> u64 {
+    42
+}
+
+/// Data files.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// JSONL training pairs.
+    pub train_file: PathBuf,
+    /// JSONL evaluation pairs; when absent, `eval_pairs` pairs are held out of the training
+    /// file instead.
+    #[serde(default)]
+    pub eval_file: Option<PathBuf>,
+    /// Pairs held out of `train_file` for evaluation when there is no `eval_file`.
+    #[serde(default)]
+    pub eval_pairs: usize,
+    /// JSON field names.
+    #[serde(default)]
+    pub fields: Fields,
+}
+
+/// The encoder: pretrained or trained from scratch, one tower or two.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// A local model directory or a Hugging Face Hub id; empty: a fresh model from `fresh`
+    /// with a WordPiece tokenizer trained on the training data.
+    pub pretrained: String,
+    /// `true`: one encoder for queries and passages; `false`: two towers.
+    pub shared: bool,
+    /// `mean` or `cls`.
+    pub pooling: Pooling,
+    /// L2-normalise embeddings.
+    pub normalize: bool,
+    /// Token limit for queries (truncation).
+    pub query_max_len: usize,
+    /// Token limit for passages (truncation).
+    pub passage_max_len: usize,
+    /// Activation checkpointing: `"off"`, `"every_layer"`, `"sqrt"`, `{ every = k }`,
+    /// `{ layers = [..] }`.
+    pub checkpointing: Checkpointing,
+    /// Dropout during training (the model config's probabilities); off: deterministic
+    /// forward passes.
+    pub dropout: bool,
+    /// Architecture of a fresh model.
+    pub fresh: FreshModel,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            pretrained: String::new(),
+            shared: true,
+            pooling: Pooling::Mean,
+            normalize: true,
+            query_max_len: 64,
+            passage_max_len: 64,
+            checkpointing: Checkpointing::Off,
+            dropout: true,
+            fresh: FreshModel::default(),
+        }
+    }
+}
+
+/// A BERT trained from scratch, with its own WordPiece vocabulary.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FreshModel {
+    /// WordPiece vocabulary size to train.
+    pub vocab_size: usize,
+    /// Hidden width.
+    pub hidden_size: usize,
+    /// Transformer layers.
+    pub num_layers: usize,
+    /// Attention heads.
+    pub num_heads: usize,
+    /// Feed-forward width.
+    pub intermediate_size: usize,
+    /// Dropout probability (hidden and attention).
+    pub dropout_prob: f64,
+    /// Lower-case text before tokenizing.
+    pub lowercase: bool,
+}
+
+impl Default for FreshModel {
+    fn default() -> Self {
+        Self {
+            vocab_size: 4000,
+            hidden_size: 128,
+            num_layers: 2,
+            num_heads: 4,
+            intermediate_size: 256,
+            dropout_prob: 0.1,
+            lowercase: true,
+        }
+    }
+}
+
+/// InfoNCE settings.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LossConfig {
+    /// Softmax temperature (logits are similarities divided by it).
+    pub temperature: f64,
+    /// `cosine` or `dot`.
+    pub similarity: Similarity,
+    /// Add the passage-to-query term.
+    pub symmetric: bool,
+    /// Compute the loss in blocks of this many query rows (0: one block).
+    pub block_rows: usize,
+}
+
+impl Default for LossConfig {
+    fn default() -> Self {
+        Self {
+            temperature: 0.05,
+            similarity: Similarity::Cosine,
+            symmetric: false,
+            block_rows: 0,
+        }
+    }
+}
+
+/// How long and how big.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Total batch size: query/positive pairs per optimizer step (all of them are in-batch
+    /// negatives for each other). Not limited by memory: see the chunk sizes.
+    pub batch_size: usize,
+    /// Chunk size of the query tower: how many queries are encoded with a graph at once.
+    /// This, not the batch size, sets activation memory.
+    pub query_chunk: usize,
+    /// Chunk size of the passage tower.
+    pub passage_chunk: usize,
+    /// Hard negatives per query (missing ones are filled from other pairs' positives).
+    pub hard_negatives: usize,
+    /// Evaluate every N steps (0: only before the first and after the last step).
+    pub eval_every: u64,
+    /// Write a checkpoint every N steps (0: only at the end).
+    pub checkpoint_every: u64,
+    /// Checkpoints to keep.
+    pub keep_checkpoints: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            steps: 100,
+            batch_size: 64,
+            query_chunk: 16,
+            passage_chunk: 16,
+            hard_negatives: 0,
+            eval_every: 0,
+            checkpoint_every: 0,
+            keep_checkpoints: 2,
+        }
+    }
+}
+
+/// Optimiser and learning-rate schedule.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// `adamw` or `sgd`.
+    pub name: OptimName,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Linear warmup steps.
+    pub warmup_steps: u64,
+    /// AdamW decoupled weight decay (not applied to biases and LayerNorm weights).
+    pub weight_decay: f64,
+    /// AdamW beta1.
+    pub beta1: f64,
+    /// AdamW beta2.
+    pub beta2: f64,
+    /// AdamW epsilon.
+    pub eps: f64,
+    /// Clip the global gradient norm to this value (0: no clipping).
+    pub max_grad_norm: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        Self {
+            name: OptimName::Adamw,
+            lr: 5e-5,
+            warmup_steps: 0,
+            weight_decay: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            max_grad_norm: 1.0,
+        }
+    }
+}
+
+/// Optimiser names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimName {
+    /// AdamW.
+    Adamw,
+    /// Plain SGD.
+    Sgd,
+}
+
+/// Multi-process training (the distributed backends arrive with their issue).
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistConfig {
+    /// `none` (one process).
+    pub backend: DistBackend,
+}
+
+/// Collective backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DistBackend {
+    /// One process.
+    #[default]
+    None,
+}
+
+fn invalid(field: &'static str, value: impl ToString, reason: &'static str) -> Error {
+    Error::InvalidConfig {
+        field,
+        value: value.to_string(),
+        reason,
+    }
+}
+
+impl Config {
+    /// Reads `path`, applies `overrides` (`section.key=value`, value in TOML syntax, bare
+    /// words taken as strings), then deserialises and validates.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::MissingFile {
+                path: path.to_path_buf(),
+                what: "config file",
+            },
+            _ => config_error(path, e.to_string()),
+        })?;
+        let mut table: toml::Table =
+            toml::from_str(&text).map_err(|e| config_error(path, e.to_string()))?;
+        for o in overrides {
+            apply_override(&mut table, o)?;
+        }
+        let cfg: Config = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| config_error(path, e.to_string()))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every value; the first bad one is reported with its key.
+    pub fn validate(&self) -> Result<()> {
+        let t = &self.train;
+        if t.steps == 0 {
+            return Err(invalid("train.steps", 0, "must be at least 1"));
+        }
+        if t.batch_size == 0 {
+            return Err(invalid("train.batch_size", 0, "must be at least 1"));
+        }
+        if t.query_chunk == 0 {
+            return Err(invalid("train.query_chunk", 0, "must be at least 1"));
+        }
+        if t.passage_chunk == 0 {
+            return Err(invalid("train.passage_chunk", 0, "must be at least 1"));
+        }
+        if t.keep_checkpoints == 0 {
+            return Err(invalid("train.keep_checkpoints", 0, "must be at least 1"));
+        }
+        let l = &self.loss;
+        if !(l.temperature.is_finite() && l.temperature > 0.0) {
+            return Err(invalid(
+                "loss.temperature",
+                l.temperature,
+                "must be a finite number greater than 0",
+            ));
+        }
+        let o = &self.optim;
+        if !(o.lr.is_finite() && o.lr >= 0.0) {
+            return Err(invalid(
+                "optim.lr",
+                o.lr,
+                "must be a finite number, 0 or more",
+            ));
+        }
+        if o.max_grad_norm.is_nan() || o.max_grad_norm < 0.0 {
+            return Err(invalid(
+                "optim.max_grad_norm",
+                o.max_grad_norm,
+                "must be 0 (off) or more",
+            ));
+        }
+        if o.warmup_steps > t.steps {
+            return Err(invalid(
+                "optim.warmup_steps",
+                o.warmup_steps,
+                "must not exceed train.steps",
+            ));
+        }
+        let m = &self.model;
+        for (field, len) in [
+            ("model.query_max_len", m.query_max_len),
+            ("model.passage_max_len", m.passage_max_len),
+        ] {
+            if len < 2 {
+                return Err(invalid(
+                    field,
+                    len,
+                    "room for at least the two special tokens is needed",
+                ));
+            }
+        }
+        let f = &m.fresh;
+        if m.pretrained.is_empty() {
+            if f.hidden_size == 0 || f.num_heads == 0 || f.hidden_size % f.num_heads != 0 {
+                return Err(invalid(
+                    "model.fresh.num_heads",
+                    f.num_heads,
+                    "must be at least 1 and divide model.fresh.hidden_size",
+                ));
+            }
+            if f.vocab_size < 10 {
+                return Err(invalid(
+                    "model.fresh.vocab_size",
+                    f.vocab_size,
+                    "must be at least 10",
+                ));
+            }
+            if !(0.0..1.0).contains(&f.dropout_prob) {
+                return Err(invalid(
+                    "model.fresh.dropout_prob",
+                    f.dropout_prob,
+                    "must be in [0, 1)",
+                ));
+            }
+        }
+        if self.data.eval_file.is_none() && self.data.eval_pairs == 0 {
+            return Err(invalid(
+                "data.eval_pairs",
+                0,
+                "set data.eval_file, or hold out at least one pair",
+            ));
+        }
+        Ok(())
+    }
+
+    /// A stable fingerprint of everything that shapes the training trajectory, stored in
+    /// checkpoints so a resume with a different configuration is refused.
+    pub fn fingerprint(&self) -> String {
+        let mut shaping = self.clone();
+        // Cadence of evaluation and checkpoints, and the run length, may change on resume.
+        shaping.train.eval_every = 0;
+        shaping.train.checkpoint_every = 0;
+        shaping.train.keep_checkpoints = 1;
+        let text = serde_json::to_string(&shaping).unwrap_or_default();
+        format!("{:016x}", crate::rng::hash_str(&text))
+    }
+}
+
+fn config_error(path: &Path, reason: String) -> Error {
+    Error::ModelFile {
+        path: path.to_path_buf(),
+        reason,
+    }
+}
+
+/// Applies one `a.b.c=value` override to a TOML table.
+pub fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<()> {
+    let bad = |reason: &'static str| invalid("--set", assignment, reason);
+    let (key, raw) = assignment
+        .split_once('=')
+        .ok_or_else(|| bad("expected key=value"))?;
+    let path: Vec<&str> = key.trim().split('.').collect();
+    if path.iter().any(|p| p.is_empty()) {
+        return Err(bad("the key has an empty part"));
+    }
+    let raw = raw.trim();
+    let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or(toml::Value::String(raw.to_string())),
+        Err(_) => toml::Value::String(raw.to_string()),
+    };
+    let mut node = table;
+    for part in &path[..path.len() - 1] {
+        let entry = node
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        node = entry
+            .as_table_mut()
+            .ok_or_else(|| bad("a part of the key is not a section"))?;
+    }
+    node.insert(path[path.len() - 1].to_string(), value);
+    Ok(())
+}

@@ -1,0 +1,540 @@
+//! The training loop behind `gradcache train`: data, tokenizers, towers, gradient cache,
+//! optimiser, schedule, clipping, evaluation, checkpoints and resume.
+//!
+//! The library side of the trainer prints nothing: progress goes to an [`Observer`] (the
+//! binary draws the progress bar, writes the metrics file and the loss curve). It writes
+//! only the run's own files under `output_dir`: the tokenizer it trained, the model config
+//! and the checkpoints.
+//!
+//! Resume is exact: weights and optimiser moments are stored as f32, the data loader's
+//! position and the step are stored, dropout masks derive from (seed, step, ...), and the
+//! learning rate from the step. With the same thread count on CPU, every later step's loss
+//! equals that of an uninterrupted run bit for bit (matrix products split their work by
+//! thread count, so another thread count may change the last bits).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::batch::Batch;
+use crate::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
+use crate::cache::GradCache;
+use crate::config::{Config, OptimName};
+use crate::data::{read_jsonl, split, Loader, Pair};
+use crate::dropout::Ctx;
+use crate::encoder::Encoder;
+use crate::loss::InfoNce;
+use crate::memory;
+use crate::metrics::{evaluate, RetrievalMetrics};
+use crate::optim::{clip_grad_norm, Optimizer, OptimizerKind, Schedule};
+use crate::params::ParamStore;
+use crate::pretrained::{HubSettings, ModelFiles};
+use crate::resume::{self, TrainerState};
+use crate::tokenizer::{train_wordpiece, Tokenizer};
+use crate::{Error, Result, Side};
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct StepReport {
+    /// The step just completed (1-based count of updates).
+    pub step: u64,
+    /// Loss over the whole batch.
+    pub loss: f32,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Query/positive pairs per second for this step.
+    pub pairs_per_sec: f64,
+    /// Peak bytes allocated during the step (0 unless the binary counts allocations).
+    pub peak_bytes: usize,
+    /// Hard negatives that were missing and filled from other pairs.
+    pub filled_negatives: usize,
+}
+
+/// Something the trainer reports while it runs.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// An optimizer step finished.
+    Step(StepReport),
+    /// An evaluation finished (at `step` updates).
+    Eval {
+        /// Updates done when it ran.
+        step: u64,
+        /// Retrieval metrics on the held-out pairs.
+        metrics: RetrievalMetrics,
+    },
+    /// A checkpoint was written.
+    Checkpoint(PathBuf),
+    /// A fact worth a log line.
+    Note(String),
+}
+
+/// Receives the trainer's events (the binary draws and logs them).
+pub trait Observer {
+    /// Called for every event, in order.
+    fn event(&mut self, event: &Event);
+}
+
+/// An observer that ignores everything.
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn event(&mut self, _: &Event) {}
+}
+
+/// A training run.
+pub struct Trainer {
+    cfg: Config,
+    device: Device,
+    store: ParamStore,
+    bert: BertConfig,
+    options: BertOptions,
+    gc: GradCache<BertEncoder, BertEncoder, InfoNce>,
+    query_tokenizer: Tokenizer,
+    passage_tokenizer: Tokenizer,
+    optimizer: Optimizer,
+    schedule: Schedule,
+    loader: Loader,
+    eval: Vec<Pair>,
+    step: u64,
+    notes: Vec<String>,
+}
+
+const TOKENIZER_FILE: &str = "tokenizer.json";
+const MODEL_CONFIG_FILE: &str = "model_config.json";
+
+impl Trainer {
+    /// Sets up a run from its configuration; with `resume`, continues from a checkpoint
+    /// (a `step-N` directory, or a checkpoints root: then the newest).
+    pub fn new(cfg: Config, resume: Option<&Path>) -> Result<Self> {
+        cfg.validate()?;
+        let device = Device::Cpu;
+        let mut notes = Vec::new();
+
+        let pairs = read_jsonl(&cfg.data.train_file, &cfg.data.fields)?;
+        let (train, eval) = match &cfg.data.eval_file {
+            Some(path) => (pairs, read_jsonl(path, &cfg.data.fields)?),
+            None => split(pairs, cfg.data.eval_pairs, cfg.seed)?,
+        };
+        if train.len() % cfg.train.batch_size != 0 {
+            notes.push(format!(
+                "{} training pairs make {} batches of {} per epoch; the last {} pairs of each \
+                 (shuffled) epoch are dropped",
+                train.len(),
+                train.len() / cfg.train.batch_size,
+                cfg.train.batch_size,
+                train.len() % cfg.train.batch_size
+            ));
+        }
+        let loader = Loader::new(
+            train,
+            cfg.train.batch_size,
+            cfg.train.hard_negatives,
+            cfg.seed,
+        )?;
+
+        std::fs::create_dir_all(&cfg.output_dir).map_err(|e| Error::ModelFile {
+            path: cfg.output_dir.clone(),
+            reason: e.to_string(),
+        })?;
+        let options = BertOptions {
+            pooling: cfg.model.pooling,
+            normalize: cfg.model.normalize,
+            checkpointing: cfg.model.checkpointing.clone(),
+        };
+        let store = ParamStore::new(cfg.seed, DType::F32, &device);
+        let (query, passage, bert, tokenizer, store) = if cfg.model.pretrained.is_empty() {
+            Self::fresh_model(&cfg, &loader_texts(&cfg)?, &options, store)?
+        } else {
+            Self::pretrained_model(&cfg, &options, store)?
+        };
+        let query_tokenizer = Tokenizer::new(tokenizer.clone(), cfg.model.query_max_len)?;
+        let passage_tokenizer = Tokenizer::new(tokenizer, cfg.model.passage_max_len)?;
+        let max_len = cfg.model.query_max_len.max(cfg.model.passage_max_len);
+        if max_len > bert.max_position_embeddings {
+            return Err(Error::InvalidConfig {
+                field: "model.query_max_len",
+                value: max_len.to_string(),
+                reason: "exceeds the model's max_position_embeddings",
+            });
+        }
+
+        let block = (cfg.loss.block_rows > 0).then_some(cfg.loss.block_rows);
+        let loss = InfoNce::new(cfg.loss.temperature)?
+            .with_similarity(cfg.loss.similarity)
+            .with_symmetric(cfg.loss.symmetric)
+            .with_block_rows(block)?;
+        let (qc, pc) = (cfg.train.query_chunk, cfg.train.passage_chunk);
+        let gc = match passage {
+            None => GradCache::shared(query, qc, loss)?.with_chunk_sizes(qc, pc)?,
+            Some(passage) => GradCache::two_towers(query, passage, qc, pc, loss)?,
+        }
+        .with_seed(cfg.seed)
+        .with_dropout(cfg.model.dropout);
+
+        let kind = match cfg.optim.name {
+            OptimName::Sgd => OptimizerKind::Sgd,
+            OptimName::Adamw => OptimizerKind::AdamW {
+                beta1: cfg.optim.beta1,
+                beta2: cfg.optim.beta2,
+                eps: cfg.optim.eps,
+                weight_decay: cfg.optim.weight_decay,
+            },
+        };
+        let optimizer = Optimizer::new(kind, gc.params().clone())?;
+        let schedule = Schedule {
+            lr: cfg.optim.lr,
+            warmup: cfg.optim.warmup_steps,
+            total: cfg.train.steps,
+        };
+        let mut trainer = Self {
+            cfg,
+            device,
+            store,
+            bert,
+            options,
+            gc,
+            query_tokenizer,
+            passage_tokenizer,
+            optimizer,
+            schedule,
+            loader,
+            eval,
+            step: 0,
+            notes,
+        };
+        if let Some(path) = resume {
+            trainer.resume_from(path)?;
+        }
+        Ok(trainer)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn fresh_model(
+        cfg: &Config,
+        texts: &[String],
+        options: &BertOptions,
+        store: ParamStore,
+    ) -> Result<(
+        BertEncoder,
+        Option<BertEncoder>,
+        BertConfig,
+        tokenizers::Tokenizer,
+        ParamStore,
+    )> {
+        let f = &cfg.model.fresh;
+        let tok_path = cfg.output_dir.join(TOKENIZER_FILE);
+        // A resumed run (or a rerun in the same directory) reuses the tokenizer it trained.
+        let tokenizer = if tok_path.is_file() {
+            tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::ModelFile {
+                path: tok_path.clone(),
+                reason: e.to_string(),
+            })?
+        } else {
+            let tok = train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase)?;
+            tok.save(&tok_path, false).map_err(|e| Error::ModelFile {
+                path: tok_path.clone(),
+                reason: e.to_string(),
+            })?;
+            tok
+        };
+        let bert = BertConfig {
+            vocab_size: tokenizer.get_vocab_size(true),
+            hidden_size: f.hidden_size,
+            num_hidden_layers: f.num_layers,
+            num_attention_heads: f.num_heads,
+            intermediate_size: f.intermediate_size,
+            hidden_act: "gelu".into(),
+            hidden_dropout_prob: f.dropout_prob,
+            attention_probs_dropout_prob: f.dropout_prob,
+            max_position_embeddings: cfg.model.query_max_len.max(cfg.model.passage_max_len),
+            type_vocab_size: 2,
+            initializer_range: 0.02,
+            layer_norm_eps: 1e-12,
+            position_embedding_type: "absolute".into(),
+            pad_token_id: 0,
+            model_type: Some("bert".into()),
+            extra: Default::default(),
+        };
+        let json = serde_json::to_string_pretty(&bert).unwrap_or_default();
+        let path = cfg.output_dir.join(MODEL_CONFIG_FILE);
+        std::fs::write(&path, json).map_err(|e| Error::ModelFile {
+            path,
+            reason: e.to_string(),
+        })?;
+        let (query, passage) = if cfg.model.shared {
+            (BertEncoder::build(&store, "", &bert, options)?, None)
+        } else {
+            (
+                BertEncoder::build(&store, "query", &bert, options)?,
+                Some(BertEncoder::build(&store, "passage", &bert, options)?),
+            )
+        };
+        Ok((query, passage, bert, tokenizer, store))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn pretrained_model(
+        cfg: &Config,
+        options: &BertOptions,
+        store: ParamStore,
+    ) -> Result<(
+        BertEncoder,
+        Option<BertEncoder>,
+        BertConfig,
+        tokenizers::Tokenizer,
+        ParamStore,
+    )> {
+        let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
+        let tok_path = files.tokenizer.clone().ok_or_else(|| Error::MissingFile {
+            path: files.config.with_file_name("tokenizer.json"),
+            what: "tokenizer",
+        })?;
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::ModelFile {
+                path: tok_path.clone(),
+                reason: e.to_string(),
+            })?;
+        if cfg.model.shared {
+            let (q, bert, store) = load_pretrained(&files, "", options, store)?;
+            Ok((q, None, bert, tokenizer, store))
+        } else {
+            let (q, bert, store) = load_pretrained(&files, "query", options, store)?;
+            let (p, _, store) = load_pretrained(&files, "passage", options, store)?;
+            Ok((q, Some(p), bert, tokenizer, store))
+        }
+    }
+
+    fn resume_from(&mut self, path: &Path) -> Result<()> {
+        let ckpt = resume::load(path, &self.device)?;
+        let want = self.cfg.fingerprint();
+        if ckpt.state.config_fingerprint != want {
+            return Err(Error::InvalidConfig {
+                field: "--resume",
+                value: ckpt.dir.display().to_string(),
+                reason:
+                    "the checkpoint was written with another configuration (only \
+                         train.steps, eval_every, checkpoint_every and keep_checkpoints may change)",
+            });
+        }
+        resume::restore(self.gc.params(), &ckpt.model, &ckpt.dir)?;
+        self.optimizer.load_state(&ckpt.optimizer)?;
+        self.loader.seek(ckpt.state.data)?;
+        self.step = ckpt.state.step;
+        self.notes.push(format!(
+            "resumed from {} at step {}",
+            ckpt.dir.display(),
+            self.step
+        ));
+        Ok(())
+    }
+
+    /// Updates done so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Every trainable parameter.
+    pub fn params(&self) -> &crate::params::Params {
+        self.gc.params()
+    }
+
+    /// The parameter store.
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    /// Retrieval metrics on the held-out pairs: every held-out query against every held-out
+    /// positive (dropout off).
+    pub fn evaluate(&self) -> Result<RetrievalMetrics> {
+        let queries: Vec<&str> = self.eval.iter().map(|p| p.query.as_str()).collect();
+        let passages: Vec<&str> = self.eval.iter().map(|p| p.positive.as_str()).collect();
+        let q = embed(
+            self.gc.query_encoder(),
+            &self.query_tokenizer,
+            &queries,
+            self.cfg.train.query_chunk,
+            &self.device,
+        )?;
+        let p = embed(
+            self.gc.passage_encoder(),
+            &self.passage_tokenizer,
+            &passages,
+            self.cfg.train.passage_chunk,
+            &self.device,
+        )?;
+        let targets: Vec<usize> = (0..queries.len()).collect();
+        evaluate(&q, &p, &targets, self.cfg.loss.similarity, 256)
+    }
+
+    /// One optimizer step on the next batch.
+    pub fn train_step(&mut self) -> Result<StepReport> {
+        let batch = self.loader.next_batch()?;
+        let start = Instant::now();
+        let (_, peak, out) = memory::measure(|| -> Result<_> {
+            let q = self
+                .query_tokenizer
+                .encode(&to_refs(&batch.queries), &self.device)?;
+            let p = self
+                .passage_tokenizer
+                .encode(&to_refs(&batch.passages), &self.device)?;
+            self.gc.set_step(self.step);
+            let out = self.gc.cache_step(&q, &p)?;
+            let mut grads = out.grads;
+            let grad_norm = if self.cfg.optim.max_grad_norm > 0.0 {
+                clip_grad_norm(&mut grads, self.cfg.optim.max_grad_norm)?
+            } else {
+                clip_grad_norm(&mut grads, f64::INFINITY)?
+            };
+            let lr = self.schedule.lr_at(self.step);
+            self.optimizer.step(&grads, lr)?;
+            Ok((out.loss, lr, grad_norm))
+        });
+        let (loss, lr, grad_norm) = out?;
+        self.step += 1;
+        let secs = start.elapsed().as_secs_f64().max(1e-9);
+        Ok(StepReport {
+            step: self.step,
+            loss,
+            lr,
+            grad_norm,
+            pairs_per_sec: batch.queries.len() as f64 / secs,
+            peak_bytes: peak,
+            filled_negatives: batch.filled,
+        })
+    }
+
+    /// Writes a checkpoint of the current state.
+    pub fn save_checkpoint(&self) -> Result<PathBuf> {
+        let state = TrainerState {
+            step: self.step,
+            data: self.loader.position(),
+            seed: self.cfg.seed,
+            config_fingerprint: self.cfg.fingerprint(),
+        };
+        resume::save(
+            &self.cfg.output_dir.join("checkpoints"),
+            self.gc.params(),
+            &self.optimizer.state()?,
+            &state,
+            self.cfg.train.keep_checkpoints,
+        )
+    }
+
+    /// Runs until `train.steps`, evaluating before the first step (unless resumed), every
+    /// `eval_every` steps and at the end, and checkpointing every `checkpoint_every` steps
+    /// and at the end. Returns the evaluations (first and last).
+    pub fn run(
+        &mut self,
+        observer: &mut dyn Observer,
+    ) -> Result<(Option<RetrievalMetrics>, RetrievalMetrics)> {
+        for note in std::mem::take(&mut self.notes) {
+            observer.event(&Event::Note(note));
+        }
+        let before = if self.step == 0 {
+            let m = self.evaluate()?;
+            observer.event(&Event::Eval {
+                step: 0,
+                metrics: m,
+            });
+            Some(m)
+        } else {
+            None
+        };
+        let mut filled = 0;
+        while self.step < self.cfg.train.steps {
+            let report = self.train_step()?;
+            filled += report.filled_negatives;
+            observer.event(&Event::Step(report));
+            let t = &self.cfg.train;
+            let last = self.step == t.steps;
+            if t.eval_every > 0 && self.step % t.eval_every == 0 && !last {
+                let m = self.evaluate()?;
+                observer.event(&Event::Eval {
+                    step: self.step,
+                    metrics: m,
+                });
+            }
+            if (t.checkpoint_every > 0 && self.step % t.checkpoint_every == 0) || last {
+                let dir = self.save_checkpoint()?;
+                observer.event(&Event::Checkpoint(dir));
+            }
+        }
+        if filled > 0 {
+            observer.event(&Event::Note(format!(
+                "{filled} missing hard negatives were filled with positives of other pairs"
+            )));
+        }
+        let after = self.evaluate()?;
+        observer.event(&Event::Eval {
+            step: self.step,
+            metrics: after,
+        });
+        Ok((before, after))
+    }
+
+    /// Exports the tower of `side` (the shared tower for either side) as a Hugging Face +
+    /// sentence-transformers directory.
+    pub fn export(&self, dir: &Path, side: Side) -> Result<()> {
+        let (params, prefix, tokenizer) = match (side, self.cfg.model.shared) {
+            (_, true) => (self.gc.query_encoder().params(), "", &self.query_tokenizer),
+            (Side::Query, false) => (
+                self.gc.query_encoder().params(),
+                "query",
+                &self.query_tokenizer,
+            ),
+            (Side::Passage, false) => (
+                self.gc.passage_encoder().params(),
+                "passage",
+                &self.passage_tokenizer,
+            ),
+        };
+        crate::export::export_bert(
+            dir,
+            &self.bert,
+            &self.options,
+            self.cfg.loss.similarity,
+            params,
+            prefix,
+            tokenizer,
+        )
+    }
+}
+
+fn to_refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// The texts a fresh tokenizer is trained on: queries and positives of the training file.
+fn loader_texts(cfg: &Config) -> Result<Vec<String>> {
+    let pairs = read_jsonl(&cfg.data.train_file, &cfg.data.fields)?;
+    Ok(pairs
+        .into_iter()
+        .flat_map(|p| [p.query, p.positive])
+        .collect())
+}
+
+/// Embeds `texts` with `encoder` (evaluation mode) in chunks of `chunk`.
+pub fn embed(
+    encoder: &BertEncoder,
+    tokenizer: &Tokenizer,
+    texts: &[&str],
+    chunk: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let mut parts = Vec::new();
+    for block in texts.chunks(chunk.max(1) * 8) {
+        let batch = tokenizer.encode(block, device)?;
+        for piece in batch.chunks(chunk.max(1))? {
+            parts.push(encoder.encode(&piece, &Ctx::eval())?);
+        }
+    }
+    Ok(Tensor::cat(&parts, 0)?)
+}
