@@ -1,0 +1,249 @@
+//! The trainer: configuration parsing and every rejected value, `--set` overrides, and
+//! exact resume (the loss of every step after a resume equals the uninterrupted run's).
+
+use std::fs;
+use std::path::Path;
+
+use gradcache::config::{apply_override, Config, OptimName};
+use gradcache::trainer::{Quiet, Trainer};
+use gradcache::{Checkpointing, Error};
+
+/// A tiny run over the first pairs of the quickstart data.
+fn setup(dir: &Path) -> std::path::PathBuf {
+    let lines: Vec<String> = fs::read_to_string("data/quickstart/train.jsonl")
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    fs::write(dir.join("train.jsonl"), lines[..48].join("\n")).unwrap();
+    fs::write(dir.join("eval.jsonl"), lines[100..110].join("\n")).unwrap();
+    let config = format!(
+        r#"
+seed = 7
+output_dir = "{out}"
+[data]
+train_file = "{dir}/train.jsonl"
+eval_file = "{dir}/eval.jsonl"
+[model]
+query_max_len = 24
+passage_max_len = 24
+checkpointing = "every_layer"
+[model.fresh]
+vocab_size = 300
+hidden_size = 16
+num_layers = 2
+num_heads = 2
+intermediate_size = 32
+[loss]
+temperature = 0.1
+symmetric = true
+block_rows = 5
+[train]
+steps = 4
+batch_size = 8
+query_chunk = 3
+passage_chunk = 5
+checkpoint_every = 2
+keep_checkpoints = 3
+[optim]
+lr = 1e-3
+warmup_steps = 1
+"#,
+        out = dir.join("run").display(),
+        dir = dir.display()
+    );
+    let path = dir.join("tiny.toml");
+    fs::write(&path, config).unwrap();
+    path
+}
+
+#[test]
+fn quickstart_config_parses_with_overrides() {
+    let cfg = Config::load(Path::new("configs/quickstart.toml"), &[]).unwrap();
+    assert_eq!(cfg.train.batch_size, 128);
+    let sets = [
+        "train.steps=1",
+        "optim.name=sgd",
+        "optim.lr=0.5",
+        "optim.warmup_steps=0",
+        "model.checkpointing={ every = 2 }",
+        "model.fresh.hidden_size=64",
+        "loss.similarity=dot",
+        "data.fields.query=anchor",
+        "seed=3",
+        "output_dir=/tmp/elsewhere",
+        "model.pretrained=org/model",
+    ];
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    let cfg = Config::load(Path::new("configs/quickstart.toml"), &sets).unwrap();
+    assert_eq!(cfg.train.steps, 1);
+    assert_eq!(cfg.optim.name, OptimName::Sgd);
+    assert_eq!(cfg.optim.lr, 0.5);
+    assert_eq!(cfg.model.checkpointing, Checkpointing::Every(2));
+    assert_eq!(cfg.model.fresh.hidden_size, 64);
+    assert_eq!(cfg.data.fields.query, "anchor");
+    assert_eq!(cfg.seed, 3);
+    assert_eq!(cfg.output_dir, Path::new("/tmp/elsewhere"));
+    assert_eq!(cfg.model.pretrained, "org/model");
+}
+
+#[test]
+fn every_bad_value_is_rejected_with_its_key() {
+    let q = Path::new("configs/quickstart.toml");
+    let cases = [
+        ("train.chunk_size=4", "unknown field `chunk_size`"),
+        ("optimizer.lr=1", "unknown field `optimizer`"),
+        ("train.query_chunk=0", "`train.query_chunk`: 0"),
+        ("train.passage_chunk=0", "`train.passage_chunk`: 0"),
+        ("train.batch_size=0", "`train.batch_size`: 0"),
+        ("train.steps=0", "`train.steps`: 0"),
+        ("loss.temperature=0", "`loss.temperature`: 0"),
+        ("loss.temperature=-1", "`loss.temperature`: -1"),
+        ("optim.lr=-1", "`optim.lr`"),
+        ("optim.name=adam", "unknown variant `adam`"),
+        ("model.pooling=max", "unknown variant `max`"),
+        ("model.query_max_len=1", "`model.query_max_len`"),
+        ("model.fresh.num_heads=3", "`model.fresh.num_heads`"),
+        ("train.steps=ten", "invalid type"),
+        ("novalue", "expected key=value"),
+    ];
+    for (set, want) in cases {
+        let err = Config::load(q, &[set.to_string()]).unwrap_err();
+        assert!(
+            err.to_string().contains(want),
+            "--set {set}: `{err}` should contain `{want}`"
+        );
+    }
+    let err = Config::load(Path::new("configs/missing.toml"), &[]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::MissingFile {
+                what: "config file",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    fs::write(&bad, "seed = 1\noutput_dir = \"x\"\nsurprise = true\n[data]\ntrain_file = \"t\"\neval_pairs = 2\n").unwrap();
+    let err = Config::load(&bad, &[]).unwrap_err();
+    assert!(
+        err.to_string().contains("unknown field `surprise`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_or_malformed_data_is_reported_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = setup(dir.path());
+    let cfg = Config::load(
+        &path,
+        &[format!(
+            "data.train_file={}/none.jsonl",
+            dir.path().display()
+        )],
+    )
+    .unwrap();
+    let err = Trainer::new(cfg, None).err().unwrap();
+    assert!(
+        matches!(
+            err,
+            Error::MissingFile {
+                what: "data file",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    let broken = dir.path().join("broken.jsonl");
+    fs::write(
+        &broken,
+        "{\"query\": \"a\", \"positive\": \"b\"}\n{\"query\": \"a\"\n",
+    )
+    .unwrap();
+    let cfg = Config::load(&path, &[format!("data.eval_file={}", broken.display())]).unwrap();
+    let err = Trainer::new(cfg, None).err().unwrap();
+    assert!(
+        err.to_string()
+            .starts_with(&format!("{}:2: not valid JSON", broken.display())),
+        "{err}"
+    );
+    assert!(
+        !dir.path().join("run").join("checkpoints").exists(),
+        "nothing was trained or saved"
+    );
+}
+
+#[test]
+fn resume_continues_with_identical_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = setup(dir.path());
+    let cfg = Config::load(&path, &[]).unwrap();
+    let mut full = Trainer::new(cfg.clone(), None).unwrap();
+    let losses: Vec<f32> = (0..4).map(|_| full.train_step().unwrap().loss).collect();
+    assert!(losses.iter().all(|l| l.is_finite()));
+
+    // The same run, interrupted after 2 steps (checkpoint), then resumed in a new trainer.
+    let mut first = Trainer::new(cfg.clone(), None).unwrap();
+    let head: Vec<f32> = (0..2).map(|_| first.train_step().unwrap().loss).collect();
+    let ckpt = first.save_checkpoint().unwrap();
+    drop(first);
+    assert_eq!(head, losses[..2], "same seed, same first steps");
+    let mut resumed = Trainer::new(cfg.clone(), Some(&ckpt)).unwrap();
+    assert_eq!(resumed.step(), 2);
+    let tail: Vec<f32> = (0..2).map(|_| resumed.train_step().unwrap().loss).collect();
+    assert_eq!(
+        tail,
+        losses[2..],
+        "losses after the resume must equal the uninterrupted run's"
+    );
+    for (name, var) in full.params().iter() {
+        let other = resumed.params().get(name).unwrap();
+        let d = var
+            .as_tensor()
+            .sub(other.as_tensor())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        assert_eq!(
+            d.to_scalar::<f32>().unwrap(),
+            0.0,
+            "`{name}` differs after resume"
+        );
+    }
+
+    // A checkpoint of another configuration is refused.
+    let other = Config::load(&path, &["optim.lr=0.5".to_string()]).unwrap();
+    let err = Trainer::new(other, Some(&ckpt)).err().unwrap();
+    assert!(err.to_string().contains("another configuration"), "{err}");
+}
+
+#[test]
+fn run_evaluates_checkpoints_and_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = setup(dir.path());
+    let cfg = Config::load(&path, &[]).unwrap();
+    let mut trainer = Trainer::new(cfg, None).unwrap();
+    let (before, after) = trainer.run(&mut Quiet).unwrap();
+    assert_eq!(before.unwrap().queries, 10);
+    assert_eq!(after.queries, 10);
+    let ckpts = gradcache::resume::list(&dir.path().join("run").join("checkpoints")).unwrap();
+    assert_eq!(ckpts.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2, 4]);
+    let out = dir.path().join("exported");
+    trainer.export(&out, gradcache::Side::Query).unwrap();
+    assert!(out.join("model.safetensors").is_file() && out.join("modules.json").is_file());
+
+    let mut table = toml::Table::new();
+    apply_override(&mut table, "a.b.c=[1, 2]").unwrap();
+    assert_eq!(
+        table["a"]["b"]["c"],
+        toml::Value::Array(vec![1.into(), 2.into()])
+    );
+}
