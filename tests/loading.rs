@@ -403,3 +403,31 @@ fn too_short_max_len_and_too_long_sequences() {
     );
     assert!(err.to_string().contains("max_position_embeddings"), "{err}");
 }
+
+#[test]
+fn trained_vocabulary_is_deterministic_with_character_fallback() {
+    let texts = [
+        "The Lord is my shepherd",
+        "the lord, my light",
+        "THE LIGHT shines",
+        "zebra",
+    ];
+    let train = || gradcache::tokenizer::train_wordpiece(texts.iter().copied(), 60, true).unwrap();
+    let (a, b) = (train(), train());
+    assert_eq!(
+        a.to_string(false).unwrap(),
+        b.to_string(false).unwrap(),
+        "same texts, same tokenizer"
+    );
+    let tok = Tokenizer::new(a, 16).unwrap();
+    let batch = tok.encode(&["the lord zebra"], &Device::Cpu).unwrap();
+    let ids = batch.input_ids.to_vec2::<u32>().unwrap()[0].clone();
+    let inner = tok.inner();
+    let words: Vec<String> = ids.iter().map(|&i| inner.id_to_token(i).unwrap()).collect();
+    // Frequent words are whole tokens; `zebra` (seen once) falls back to characters.
+    assert_eq!(
+        words,
+        vec!["[CLS]", "the", "lord", "z", "##e", "##b", "##r", "##a", "[SEP]"]
+    );
+    assert_eq!(inner.token_to_id("[PAD]"), Some(0));
+}

@@ -58,6 +58,18 @@ warmup_steps = 1
 }
 
 #[test]
+fn every_shipped_config_is_valid() {
+    for name in ["quickstart", "minilm", "two-towers-hard-negatives"] {
+        let path = format!("configs/{name}.toml");
+        let cfg = Config::load(Path::new(&path), &[]).unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert!(
+            cfg.train.batch_size > cfg.train.query_chunk,
+            "{path}: the batch should span several chunks"
+        );
+    }
+}
+
+#[test]
 fn quickstart_config_parses_with_overrides() {
     let cfg = Config::load(Path::new("configs/quickstart.toml"), &[]).unwrap();
     assert_eq!(cfg.train.batch_size, 128);
