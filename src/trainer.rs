@@ -128,6 +128,15 @@ impl Trainer {
                 train.len() % cfg.train.batch_size
             ));
         }
+        // A fresh tokenizer learns from the training split only (never the held-out pairs).
+        let texts: Vec<String> = if cfg.model.pretrained.is_empty() {
+            train
+                .iter()
+                .flat_map(|p| [p.query.clone(), p.positive.clone()])
+                .collect()
+        } else {
+            Vec::new()
+        };
         let loader = Loader::new(
             train,
             cfg.train.batch_size,
@@ -146,7 +155,7 @@ impl Trainer {
         };
         let store = ParamStore::new(cfg.seed, DType::F32, &device);
         let (query, passage, bert, tokenizer, store) = if cfg.model.pretrained.is_empty() {
-            Self::fresh_model(&cfg, &loader_texts(&cfg)?, &options, store)?
+            Self::fresh_model(&cfg, &texts, &options, store)?
         } else {
             Self::pretrained_model(&cfg, &options, store)?
         };
@@ -510,15 +519,6 @@ impl Trainer {
 
 fn to_refs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
-}
-
-/// The texts a fresh tokenizer is trained on: queries and positives of the training file.
-fn loader_texts(cfg: &Config) -> Result<Vec<String>> {
-    let pairs = read_jsonl(&cfg.data.train_file, &cfg.data.fields)?;
-    Ok(pairs
-        .into_iter()
-        .flat_map(|p| [p.query, p.positive])
-        .collect())
 }
 
 /// Embeds `texts` with `encoder` (evaluation mode) in chunks of `chunk`.
