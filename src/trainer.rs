@@ -102,6 +102,23 @@ pub struct Trainer {
     notes: Vec<String>,
 }
 
+/// The towers of a run and what was built with them.
+struct Model {
+    query: BertEncoder,
+    /// The passage tower; `None` when one tower is shared.
+    passage: Option<BertEncoder>,
+    bert: BertConfig,
+    tokenizer: tokenizers::Tokenizer,
+    store: ParamStore,
+}
+
+fn read_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer> {
+    tokenizers::Tokenizer::from_file(path).map_err(|e| Error::ModelFile {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
 const TOKENIZER_FILE: &str = "tokenizer.json";
 const MODEL_CONFIG_FILE: &str = "model_config.json";
 
@@ -154,7 +171,13 @@ impl Trainer {
             checkpointing: cfg.model.checkpointing.clone(),
         };
         let store = ParamStore::new(cfg.seed, DType::F32, &device);
-        let (query, passage, bert, tokenizer, store) = if cfg.model.pretrained.is_empty() {
+        let Model {
+            query,
+            passage,
+            bert,
+            tokenizer,
+            store,
+        } = if cfg.model.pretrained.is_empty() {
             Self::fresh_model(&cfg, &texts, &options, store)?
         } else {
             Self::pretrained_model(&cfg, &options, store)?
@@ -220,27 +243,17 @@ impl Trainer {
         Ok(trainer)
     }
 
-    #[allow(clippy::type_complexity)]
     fn fresh_model(
         cfg: &Config,
         texts: &[String],
         options: &BertOptions,
         store: ParamStore,
-    ) -> Result<(
-        BertEncoder,
-        Option<BertEncoder>,
-        BertConfig,
-        tokenizers::Tokenizer,
-        ParamStore,
-    )> {
+    ) -> Result<Model> {
         let f = &cfg.model.fresh;
         let tok_path = cfg.output_dir.join(TOKENIZER_FILE);
         // A resumed run (or a rerun in the same directory) reuses the tokenizer it trained.
         let tokenizer = if tok_path.is_file() {
-            tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::ModelFile {
-                path: tok_path.clone(),
-                reason: e.to_string(),
-            })?
+            read_tokenizer(&tok_path)?
         } else {
             let tok = train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase)?;
             tok.save(&tok_path, false).map_err(|e| Error::ModelFile {
@@ -281,38 +294,41 @@ impl Trainer {
                 Some(BertEncoder::build(&store, "passage", &bert, options)?),
             )
         };
-        Ok((query, passage, bert, tokenizer, store))
+        Ok(Model {
+            query,
+            passage,
+            bert,
+            tokenizer,
+            store,
+        })
     }
 
-    #[allow(clippy::type_complexity)]
-    fn pretrained_model(
-        cfg: &Config,
-        options: &BertOptions,
-        store: ParamStore,
-    ) -> Result<(
-        BertEncoder,
-        Option<BertEncoder>,
-        BertConfig,
-        tokenizers::Tokenizer,
-        ParamStore,
-    )> {
+    fn pretrained_model(cfg: &Config, options: &BertOptions, store: ParamStore) -> Result<Model> {
         let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
         let tok_path = files.tokenizer.clone().ok_or_else(|| Error::MissingFile {
             path: files.config.with_file_name("tokenizer.json"),
             what: "tokenizer",
         })?;
-        let tokenizer =
-            tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| Error::ModelFile {
-                path: tok_path.clone(),
-                reason: e.to_string(),
-            })?;
+        let tokenizer = read_tokenizer(&tok_path)?;
         if cfg.model.shared {
             let (q, bert, store) = load_pretrained(&files, "", options, store)?;
-            Ok((q, None, bert, tokenizer, store))
+            Ok(Model {
+                query: q,
+                passage: None,
+                bert,
+                tokenizer,
+                store,
+            })
         } else {
             let (q, bert, store) = load_pretrained(&files, "query", options, store)?;
             let (p, _, store) = load_pretrained(&files, "passage", options, store)?;
-            Ok((q, Some(p), bert, tokenizer, store))
+            Ok(Model {
+                query: q,
+                passage: Some(p),
+                bert,
+                tokenizer,
+                store,
+            })
         }
     }
 
