@@ -76,24 +76,7 @@ fn tokens(rows: usize, len: usize, vocab: u32, seed: u32) -> anyhow::Result<Toke
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let (hidden, rows, len) = if quick { (64, 4, 32) } else { (256, 16, 128) };
-    let cfg = BertConfig {
-        vocab_size: 1000,
-        hidden_size: hidden,
-        num_hidden_layers: 12,
-        num_attention_heads: 4,
-        intermediate_size: 4 * hidden,
-        hidden_act: "gelu".into(),
-        hidden_dropout_prob: 0.1,
-        attention_probs_dropout_prob: 0.1,
-        max_position_embeddings: 512,
-        type_vocab_size: 2,
-        initializer_range: 0.02,
-        layer_norm_eps: 1e-12,
-        position_embedding_type: "absolute".into(),
-        pad_token_id: 0,
-        model_type: Some("bert".into()),
-        extra: Default::default(),
-    };
+    let cfg = BertConfig::new(1000, hidden, 12, 4, 4 * hidden, 512);
     println!(
         "# bert: 12 layers, hidden {hidden}, {rows} queries + {rows} passages of {len} tokens, \
          one chunk per side; cores: {}",

@@ -123,6 +123,36 @@ impl Activation {
 }
 
 impl BertConfig {
+    /// A BERT of the given size with Hugging Face's defaults for everything else (GELU,
+    /// dropout 0.1, two token types, initializer range 0.02, LayerNorm epsilon 1e-12).
+    pub fn new(
+        vocab_size: usize,
+        hidden_size: usize,
+        num_hidden_layers: usize,
+        num_attention_heads: usize,
+        intermediate_size: usize,
+        max_position_embeddings: usize,
+    ) -> Self {
+        Self {
+            vocab_size,
+            hidden_size,
+            num_hidden_layers,
+            num_attention_heads,
+            intermediate_size,
+            hidden_act: defaults::hidden_act(),
+            hidden_dropout_prob: defaults::dropout(),
+            attention_probs_dropout_prob: defaults::dropout(),
+            max_position_embeddings,
+            type_vocab_size: defaults::type_vocab_size(),
+            initializer_range: defaults::initializer_range(),
+            layer_norm_eps: defaults::layer_norm_eps(),
+            position_embedding_type: defaults::position_embedding_type(),
+            pad_token_id: 0,
+            model_type: Some("bert".into()),
+            extra: Default::default(),
+        }
+    }
+
     /// Reads and checks a `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {

@@ -263,22 +263,16 @@ impl Trainer {
             tok
         };
         let bert = BertConfig {
-            vocab_size: tokenizer.get_vocab_size(true),
-            hidden_size: f.hidden_size,
-            num_hidden_layers: f.num_layers,
-            num_attention_heads: f.num_heads,
-            intermediate_size: f.intermediate_size,
-            hidden_act: "gelu".into(),
             hidden_dropout_prob: f.dropout_prob,
             attention_probs_dropout_prob: f.dropout_prob,
-            max_position_embeddings: cfg.model.query_max_len.max(cfg.model.passage_max_len),
-            type_vocab_size: 2,
-            initializer_range: 0.02,
-            layer_norm_eps: 1e-12,
-            position_embedding_type: "absolute".into(),
-            pad_token_id: 0,
-            model_type: Some("bert".into()),
-            extra: Default::default(),
+            ..BertConfig::new(
+                tokenizer.get_vocab_size(true),
+                f.hidden_size,
+                f.num_layers,
+                f.num_heads,
+                f.intermediate_size,
+                cfg.model.query_max_len.max(cfg.model.passage_max_len),
+            )
         };
         let json = serde_json::to_string_pretty(&bert).unwrap_or_default();
         let path = cfg.output_dir.join(MODEL_CONFIG_FILE);
