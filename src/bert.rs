@@ -490,15 +490,11 @@ impl LayerStack for Bert {
                 summed.broadcast_div(&counts)?
             }
         };
-        if !self.options.normalize {
-            return Ok(pooled);
+        if self.options.normalize {
+            crate::nn::l2_normalize(&pooled)
+        } else {
+            Ok(pooled)
         }
-        let norm = pooled
-            .sqr()?
-            .sum_keepdim(D::Minus1)?
-            .sqrt()?
-            .maximum(1e-12)?;
-        Ok(pooled.broadcast_div(&norm)?)
     }
 }
 

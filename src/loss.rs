@@ -133,10 +133,7 @@ impl InfoNce {
     fn prepare(&self, x: &Tensor) -> Result<Tensor> {
         match self.similarity {
             Similarity::Dot => Ok(x.clone()),
-            Similarity::Cosine => {
-                let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
-                Ok(x.broadcast_div(&norm)?)
-            }
+            Similarity::Cosine => crate::nn::l2_normalize(x),
         }
     }
 

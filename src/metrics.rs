@@ -2,7 +2,7 @@
 //! passage per query (the held-out positive). Recall@1/5/10, MRR@10 and nDCG@10, as the
 //! BEIR / MTEB retrieval evaluations report them for a single relevant document.
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 
 use crate::loss::Similarity;
 use crate::{Error, Result};
@@ -88,10 +88,7 @@ pub fn evaluate(
         let x = x.detach().to_dtype(DType::F32)?;
         Ok(match similarity {
             Similarity::Dot => x,
-            Similarity::Cosine => {
-                let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
-                x.broadcast_div(&norm)?
-            }
+            Similarity::Cosine => crate::nn::l2_normalize(&x)?,
         })
     };
     let (q, p) = (prepare(queries)?, prepare(passages)?);

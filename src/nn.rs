@@ -42,6 +42,13 @@ impl LayerNorm {
     }
 }
 
+/// `x / max(||x||, 1e-12)` over the last dimension (as `torch.nn.functional.normalize`),
+/// differentiable.
+pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
+    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
+    Ok(x.broadcast_div(&norm)?)
+}
+
 /// Composed (differentiable) layer norm over the last dimension.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
