@@ -240,6 +240,21 @@ impl Default for OptimConfig {
     }
 }
 
+impl OptimConfig {
+    /// The optimiser these settings describe.
+    pub fn kind(&self) -> crate::optim::OptimizerKind {
+        match self.name {
+            OptimName::Sgd => crate::optim::OptimizerKind::Sgd,
+            OptimName::Adamw => crate::optim::OptimizerKind::AdamW {
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                weight_decay: self.weight_decay,
+            },
+        }
+    }
+}
+
 /// Optimiser names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -339,6 +354,7 @@ impl Config {
                 "must be 0 (off) or more",
             ));
         }
+        o.kind().validate()?;
         if o.warmup_steps > t.steps {
             return Err(invalid(
                 "optim.warmup_steps",

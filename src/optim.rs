@@ -43,7 +43,8 @@ impl OptimizerKind {
         }
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Checks the hyper-parameters.
+    pub fn validate(&self) -> Result<()> {
         if let OptimizerKind::AdamW {
             beta1,
             beta2,

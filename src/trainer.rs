@@ -20,14 +20,14 @@ use candle_core::{DType, Device, Tensor};
 use crate::batch::Batch;
 use crate::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
 use crate::cache::GradCache;
-use crate::config::{Config, OptimName};
+use crate::config::Config;
 use crate::data::{read_jsonl, split, Loader, Pair};
 use crate::dropout::Ctx;
 use crate::encoder::Encoder;
 use crate::loss::InfoNce;
 use crate::memory;
 use crate::metrics::{evaluate, RetrievalMetrics};
-use crate::optim::{clip_grad_norm, Optimizer, OptimizerKind, Schedule};
+use crate::optim::{clip_grad_norm, Optimizer, Schedule};
 use crate::params::ParamStore;
 use crate::pretrained::{HubSettings, ModelFiles};
 use crate::resume::{self, TrainerState};
@@ -206,15 +206,7 @@ impl Trainer {
         .with_seed(cfg.seed)
         .with_dropout(cfg.model.dropout);
 
-        let kind = match cfg.optim.name {
-            OptimName::Sgd => OptimizerKind::Sgd,
-            OptimName::Adamw => OptimizerKind::AdamW {
-                beta1: cfg.optim.beta1,
-                beta2: cfg.optim.beta2,
-                eps: cfg.optim.eps,
-                weight_decay: cfg.optim.weight_decay,
-            },
-        };
+        let kind = cfg.optim.kind();
         let optimizer = Optimizer::new(kind, gc.params().clone())?;
         let schedule = Schedule {
             lr: cfg.optim.lr,

@@ -118,6 +118,18 @@ fn every_bad_value_is_rejected_with_its_key() {
         ("model.fresh.num_heads=3", "`model.fresh.num_heads`"),
         ("train.steps=ten", "invalid type"),
         ("novalue", "expected key=value"),
+        ("train.keep_checkpoints=0", "`train.keep_checkpoints`: 0"),
+        (
+            "optim.warmup_steps=1000",
+            "`optim.warmup_steps`: 1000 (must not exceed train.steps)",
+        ),
+        ("optim.max_grad_norm=-1", "`optim.max_grad_norm`: -1"),
+        ("model.fresh.vocab_size=5", "`model.fresh.vocab_size`: 5"),
+        (
+            "model.fresh.dropout_prob=1.0",
+            "`model.fresh.dropout_prob`: 1",
+        ),
+        ("optim.beta1=1.5", "`optim.beta1`: 1.5"),
     ];
     for (set, want) in cases {
         let err = Config::load(q, &[set.to_string()]).unwrap_err();
