@@ -16,11 +16,13 @@
 //! [`cached`] and [`Representations::push`] are the functional form (the reference's
 //! `cached` / `cat_input_tensor`) for loops that collect many micro-batches into one loss.
 
+use std::rc::Rc;
 use std::sync::Arc;
 
 use candle_core::Tensor;
 
 use crate::batch::Batch;
+use crate::dist::{self, Collective, Single};
 use crate::dropout::{ChunkSeed, Ctx};
 use crate::encoder::Encoder;
 use crate::loss::{group_size, scalar, InfoNce, Loss};
@@ -150,24 +152,46 @@ impl<'a> Representations<'a> {
     /// respect to each of them. Fails on a non-finite loss before any gradient is computed
     /// for a parameter.
     pub fn into_cache(self, loss: &dyn Loss) -> Result<GradientCache<'a>> {
-        let q = self.queries()?;
-        let p = self.passages()?;
-        group_size(q.dim(0)?, p.dim(0)?)?;
-        let (qw, pw) = (q.dim(1)?, p.dim(1)?);
-        if qw != pw {
-            return Err(Error::WidthMismatch {
-                query: qw,
-                passage: pw,
-            });
-        }
-        let value = loss.value_and_grads(&q, &p)?;
+        self.into_cache_across(loss, &Single)
+    }
+
+    /// Phase 2 of a distributed step: every rank's representations are all-gathered (rank
+    /// order), `loss` is computed over the global batch on every rank (so every rank holds
+    /// the same loss and the same representation gradients, with no second collective),
+    /// and this rank keeps the slice of the gradient that belongs to its own rows. Every
+    /// rank must hold the same number of queries and of passages.
+    pub fn into_cache_across(
+        self,
+        loss: &dyn Loss,
+        comm: &dyn Collective,
+    ) -> Result<GradientCache<'a>> {
+        let (q, p) = dist::agree(comm, self.local_reps())?;
+        let (rows_q, rows_p) = (q.dim(0)?, p.dim(0)?);
+        let (all_q, all_p) = if comm.world_size() == 1 {
+            (q, p)
+        } else {
+            // One collective for both sides: rank r's block is [queries_r; passages_r].
+            let all = comm.all_gather(&Tensor::cat(&[&q, &p], 0)?)?;
+            let block = rows_q + rows_p;
+            let mut qs = Vec::with_capacity(comm.world_size());
+            let mut ps = Vec::with_capacity(comm.world_size());
+            for r in 0..comm.world_size() {
+                qs.push(all.narrow(0, r * block, rows_q)?);
+                ps.push(all.narrow(0, r * block + rows_q, rows_p)?);
+            }
+            (Tensor::cat(&qs, 0)?, Tensor::cat(&ps, 0)?)
+        };
+        let value = loss.value_and_grads(&all_q, &all_p)?;
         if !value.loss.is_finite() {
             return Err(Error::NonFiniteLoss { value: value.loss });
         }
+        let rank = comm.rank();
+        let grad_queries = value.grad_queries.narrow(0, rank * rows_q, rows_q)?;
+        let grad_passages = value.grad_passages.narrow(0, rank * rows_p, rows_p)?;
         let mut pending = Vec::with_capacity(self.queries.len() + self.passages.len());
         for (chunks, grads) in [
-            (self.queries, &value.grad_queries),
-            (self.passages, &value.grad_passages),
+            (self.queries, &grad_queries),
+            (self.passages, &grad_passages),
         ] {
             let mut start = 0;
             for c in chunks {
@@ -178,10 +202,25 @@ impl<'a> Representations<'a> {
         }
         Ok(GradientCache {
             loss: value.loss,
-            grad_queries: value.grad_queries,
-            grad_passages: value.grad_passages,
+            grad_queries,
+            grad_passages,
             pending,
         })
+    }
+
+    /// This process's query and passage representations, checked for shape.
+    fn local_reps(&self) -> Result<(Tensor, Tensor)> {
+        let q = self.queries()?;
+        let p = self.passages()?;
+        group_size(q.dim(0)?, p.dim(0)?)?;
+        let (qw, pw) = (q.dim(1)?, p.dim(1)?);
+        if qw != pw {
+            return Err(Error::WidthMismatch {
+                query: qw,
+                passage: pw,
+            });
+        }
+        Ok((q, p))
     }
 }
 
@@ -199,12 +238,13 @@ impl GradientCache<'_> {
         self.loss
     }
 
-    /// dL/d query representations `[Q, d]`.
+    /// dL/d this process's query representations `[Q, d]` (in a distributed step, the rows
+    /// of this rank).
     pub fn grad_queries(&self) -> &Tensor {
         &self.grad_queries
     }
 
-    /// dL/d passage representations `[P, d]`.
+    /// dL/d this process's passage representations `[P, d]`.
     pub fn grad_passages(&self) -> &Tensor {
         &self.grad_passages
     }
@@ -264,6 +304,8 @@ pub struct GradCache<Q: Encoder, P: Encoder = Q, L: Loss = InfoNce> {
     rank: u32,
     step: u64,
     dropout: bool,
+    comm: Rc<dyn Collective>,
+    bucket_bytes: usize,
 }
 
 impl<E: Encoder, L: Loss> GradCache<E, E, L> {
@@ -317,6 +359,8 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
             rank: 0,
             step: 0,
             dropout: true,
+            comm: Rc::new(Single),
+            bucket_bytes: dist::DEFAULT_BUCKET_BYTES,
         })
     }
 
@@ -342,6 +386,29 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
     pub fn with_rank(mut self, rank: u32) -> Self {
         self.rank = rank;
         self
+    }
+
+    /// Runs every step across the processes of `comm`: each rank passes its own share of
+    /// the global batch to [`Self::cache_step`] (the same number of pairs on every rank),
+    /// the representations are all-gathered, the loss is over the global batch, each rank
+    /// replays its own chunks and the parameter gradients are summed across ranks once per
+    /// step, so every rank gets the single-process gradient of the union batch. Also sets
+    /// the rank that dropout masks derive from.
+    pub fn with_collective(mut self, comm: Rc<dyn Collective>) -> Self {
+        self.rank = comm.rank() as u32;
+        self.comm = comm;
+        self
+    }
+
+    /// Sets the size of one gradient all-reduce bucket in bytes (default 25 MiB).
+    pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes.max(1);
+        self
+    }
+
+    /// The collective the steps run across ([`Single`] unless set).
+    pub fn collective(&self) -> &dyn Collective {
+        &*self.comm
     }
 
     /// Turns dropout on (training, the default) or off.
@@ -396,13 +463,22 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
 
     /// One gradient-cache step over the whole batch at the current step, then advances the
     /// step counter. Returns the loss and the gradients; does not touch the weights.
+    ///
+    /// In a distributed run (see [`Self::with_collective`]) `queries` and `passages` are
+    /// this rank's share; the loss is the global batch's and the gradients are already
+    /// summed across ranks. A failure on any rank fails the step on every rank with
+    /// [`Error::RankFailed`].
     pub fn cache_step(&mut self, queries: &Q::Input, passages: &P::Input) -> Result<StepOutput> {
-        let out = self
-            .represent(self.step, queries, passages)?
-            .into_cache(&self.loss)?
-            .replay()?;
+        let comm = &*self.comm;
+        let reps = dist::agree(comm, self.represent(self.step, queries, passages))?;
+        let cache = reps.into_cache_across(&self.loss, comm)?;
+        let out = dist::agree(comm, cache.replay())?;
+        let grads = dist::reduce_gradients(comm, &self.params, out.grads, self.bucket_bytes)?;
         self.step += 1;
-        Ok(out)
+        Ok(StepOutput {
+            loss: out.loss,
+            grads,
+        })
     }
 
     /// Phase 1 of a step: checks the batch, then encodes every chunk without a graph.

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use crate::bert::Pooling;
 use crate::checkpoint::Checkpointing;
 use crate::data::Fields;
+use crate::dist::Backend;
 use crate::loss::Similarity;
 use crate::{Error, Result};
 
@@ -265,21 +266,30 @@ pub enum OptimName {
     Sgd,
 }
 
-/// Multi-process training (the distributed backends arrive with their issue).
-#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+/// Multi-process training: `mpirun -n N gradcache train ... --set dist.backend=mpi`.
+///
+/// `train.batch_size` is the global batch: each of the `N` ranks encodes `batch_size / N`
+/// pairs (so it must divide evenly), and the loss is formed over all of them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DistConfig {
-    /// `none` (one process).
-    pub backend: DistBackend,
+    /// `none` (one process), `mpi` (CPU processes) or `nccl` (one process per GPU).
+    pub backend: Backend,
+    /// Size of one gradient all-reduce bucket, in MiB (gradients are reduced once per step).
+    pub bucket_mib: usize,
+    /// Check that every rank holds bit-identical weights every this many steps (0: only at
+    /// the end of training). Debug builds check after every step.
+    pub check_weights_every: u64,
 }
 
-/// Collective backends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DistBackend {
-    /// One process.
-    #[default]
-    None,
+impl Default for DistConfig {
+    fn default() -> Self {
+        Self {
+            backend: Backend::None,
+            bucket_mib: crate::dist::DEFAULT_BUCKET_BYTES >> 20,
+            check_weights_every: 0,
+        }
+    }
 }
 
 fn invalid(field: &'static str, value: impl ToString, reason: &'static str) -> Error {
@@ -327,6 +337,9 @@ impl Config {
         }
         if t.passage_chunk == 0 {
             return Err(invalid("train.passage_chunk", 0, "must be at least 1"));
+        }
+        if self.dist.bucket_mib == 0 {
+            return Err(invalid("dist.bucket_mib", 0, "must be at least 1"));
         }
         if t.keep_checkpoints == 0 {
             return Err(invalid("train.keep_checkpoints", 0, "must be at least 1"));

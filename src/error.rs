@@ -159,6 +159,26 @@ pub enum Error {
     #[error("cannot concatenate batches: {0}")]
     Concat(String),
 
+    /// Another rank of a distributed run failed; every rank stops with this error.
+    #[error("rank {rank} of {world} failed: {message}")]
+    RankFailed {
+        rank: usize,
+        world: usize,
+        message: String,
+    },
+
+    /// Ranks of a distributed run disagree on something that must be equal everywhere
+    /// (the config, a tensor shape in a collective, the weights after a step).
+    #[error("ranks disagree on {what}: {detail}")]
+    RankMismatch { what: String, detail: String },
+
+    /// A distributed backend cannot be used in this build or on this machine.
+    #[error("distributed backend `{backend}` is unavailable: {reason}")]
+    BackendUnavailable {
+        backend: &'static str,
+        reason: String,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -12,6 +12,8 @@
 //!   symmetric term, row-block computation.
 //! - [`encoder`]: the [`Encoder`] trait the cache runs, and [`Tower`], which makes any
 //!   candle model graph-free-capable by building it over trainable and detached weights.
+//! - [`dist`]: collectives across processes (MPI for CPUs, NCCL for GPUs) for the
+//!   distributed step: representations all-gathered, gradients reduced once per step.
 //! - [`dropout`]: dropout whose masks are a pure function of explicit seeds, so every
 //!   replay sees the masks of the representation pass bit for bit.
 //! - [`params`]: the parameter store (seeded initialisation) and gradients keyed by name.
@@ -29,6 +31,7 @@ pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod dist;
 pub mod dropout;
 pub mod encoder;
 mod error;
@@ -50,6 +53,7 @@ pub mod trainer;
 pub use batch::{Batch, TokenBatch};
 pub use cache::{cached, cat_reps, GradCache, GradientCache, Representations, StepOutput};
 pub use checkpoint::{Checkpointed, Checkpointing, LayerStack};
+pub use dist::{Collective, ReduceOp, Single};
 pub use dropout::{ChunkSeed, Ctx, Dropout};
 pub use encoder::{Encoder, Network, Tower};
 pub use error::{Error, Result, Side};
