@@ -435,6 +435,38 @@ impl Config {
     }
 }
 
+/// The dotted keys whose values differ between two JSON renderings of a config, with both
+/// values (`train.batch_size (128 vs 64)`).
+pub fn differing_keys(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
+    fn walk(prefix: &str, a: &serde_json::Value, b: &serde_json::Value, out: &mut Vec<String>) {
+        use serde_json::Value::Object;
+        match (a, b) {
+            (Object(x), Object(y)) => {
+                let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+                for k in keys {
+                    let null = serde_json::Value::Null;
+                    let name = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(
+                        &name,
+                        x.get(k).unwrap_or(&null),
+                        y.get(k).unwrap_or(&null),
+                        out,
+                    );
+                }
+            }
+            _ if a != b => out.push(format!("{prefix} ({a} vs {b})")),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk("", a, b, &mut out);
+    out
+}
+
 fn config_error(path: &Path, reason: String) -> Error {
     Error::ModelFile {
         path: path.to_path_buf(),

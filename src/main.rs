@@ -5,6 +5,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::rc::Rc;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
@@ -12,12 +13,13 @@ use clap::{Parser, Subcommand, ValueEnum};
 use gradcache::bert::{load_pretrained, BertOptions, Pooling};
 use gradcache::config::Config;
 use gradcache::data::{read_jsonl, Fields};
+use gradcache::dist::{self, Collective};
 use gradcache::export::sentence_transformers_options;
 use gradcache::memory::CountingAllocator;
 use gradcache::metrics::{evaluate, RetrievalMetrics};
 use gradcache::pretrained::{HubSettings, ModelFiles};
 use gradcache::tokenizer::Tokenizer;
-use gradcache::trainer::{embed, Event, Observer, Trainer};
+use gradcache::trainer::{embed, Event, Observer, Quiet, Trainer};
 use gradcache::{ParamStore, Side, Similarity};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -131,7 +133,17 @@ enum Tower {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log_level)
+    // Under mpirun only rank 0 logs progress; the other ranks log warnings and errors.
+    let other_rank = ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse::<usize>().ok())
+        .is_some_and(|r| r > 0);
+    let level = if other_rank {
+        "warn"
+    } else {
+        cli.log_level.as_str()
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -259,6 +271,35 @@ impl Observer for Console {
 
 fn train(config: &Path, set: &[String], resume: Option<&Path>) -> Result<()> {
     let cfg = Config::load(config, set)?;
+    let comm = dist::init(cfg.dist.backend)?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    match train_on(cfg, resume, Rc::clone(&comm)) {
+        Ok(()) => Ok(()),
+        Err(e) if world == 1 => Err(e),
+        Err(e) => {
+            let agreed = matches!(
+                e.downcast_ref::<gradcache::Error>(),
+                Some(gradcache::Error::RankFailed { .. } | gradcache::Error::RankMismatch { .. })
+            );
+            if agreed {
+                // Every rank stops here with the same error: MPI shuts down cleanly.
+                return Err(e.context(format!("[rank {rank}/{world}]")));
+            }
+            // This rank alone failed outside a step (the others may be waiting in a
+            // collective): stop the whole job now instead of leaving them hanging.
+            eprintln!("error: [rank {rank}/{world}] {e:#}");
+            comm.abort(1)
+        }
+    }
+}
+
+fn train_on(cfg: Config, resume: Option<&Path>, comm: Rc<dyn Collective>) -> Result<()> {
+    let mut trainer = Trainer::with_collective(cfg.clone(), resume, comm)?;
+    if trainer.rank() != 0 {
+        // One progress bar, one metrics file and one loss curve: rank 0's.
+        trainer.run(&mut Quiet)?;
+        return Ok(());
+    }
     tracing::info!(
         "training {} steps, batch {} pairs in chunks of {}/{} (query/passage)",
         cfg.train.steps,
@@ -266,7 +307,6 @@ fn train(config: &Path, set: &[String], resume: Option<&Path>) -> Result<()> {
         cfg.train.query_chunk,
         cfg.train.passage_chunk
     );
-    let mut trainer = Trainer::new(cfg.clone(), resume)?;
     let metrics_path = cfg.output_dir.join("metrics.jsonl");
     let metrics = OpenOptions::new()
         .create(true)

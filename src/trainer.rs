@@ -13,6 +13,7 @@
 //! thread count, so another thread count may change the last bits).
 
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
@@ -21,7 +22,8 @@ use crate::batch::Batch;
 use crate::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
 use crate::cache::GradCache;
 use crate::config::Config;
-use crate::data::{read_jsonl, split, Loader, Pair};
+use crate::data::{read_jsonl, split, Loader, Pair, TextBatch};
+use crate::dist::{self, Collective};
 use crate::dropout::Ctx;
 use crate::encoder::Encoder;
 use crate::loss::InfoNce;
@@ -100,6 +102,7 @@ pub struct Trainer {
     eval: Vec<Pair>,
     step: u64,
     notes: Vec<String>,
+    comm: Rc<dyn Collective>,
 }
 
 /// The towers of a run and what was built with them.
@@ -124,17 +127,40 @@ const MODEL_CONFIG_FILE: &str = "model_config.json";
 
 impl Trainer {
     /// Sets up a run from its configuration; with `resume`, continues from a checkpoint
-    /// (a `step-N` directory, or a checkpoints root: then the newest).
+    /// (a `step-N` directory, or a checkpoints root: then the newest). Starts the
+    /// distributed backend `dist.backend` (at most once per process).
     pub fn new(cfg: Config, resume: Option<&Path>) -> Result<Self> {
         cfg.validate()?;
-        let device = Device::Cpu;
+        let comm = dist::init(cfg.dist.backend)?;
+        Self::with_collective(cfg, resume, comm)
+    }
+
+    /// Sets up a run over the processes of `comm`. Every rank reads the same data and
+    /// builds the same global batches; rank `r` of `N` encodes pairs `r*B/N..(r+1)*B/N` of
+    /// each. Only rank 0 writes files (tokenizer, model config, checkpoints); every
+    /// rank reads the checkpoint on resume. Ranks must run the same configuration (data
+    /// paths may differ if the data is the same): this is checked, as are identical
+    /// starting weights.
+    pub fn with_collective(
+        cfg: Config,
+        resume: Option<&Path>,
+        comm: Rc<dyn Collective>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let (rank, world) = (comm.rank(), comm.world_size());
+        if cfg.train.batch_size % world != 0 {
+            return Err(Error::InvalidConfig {
+                field: "train.batch_size",
+                value: cfg.train.batch_size.to_string(),
+                reason: "the global batch must split evenly over the ranks (a multiple of the \
+                         world size)",
+            });
+        }
+        let device = comm.device();
         let mut notes = Vec::new();
 
-        let pairs = read_jsonl(&cfg.data.train_file, &cfg.data.fields)?;
-        let (train, eval) = match &cfg.data.eval_file {
-            Some(path) => (pairs, read_jsonl(path, &cfg.data.fields)?),
-            None => split(pairs, cfg.data.eval_pairs, cfg.seed)?,
-        };
+        let (train, eval) = dist::agree(&*comm, load_pairs(&cfg))?;
+        check_same_run(&*comm, &cfg, &train, &eval)?;
         if train.len() % cfg.train.batch_size != 0 {
             notes.push(format!(
                 "{} training pairs make {} batches of {} per epoch; the last {} pairs of each \
@@ -143,6 +169,14 @@ impl Trainer {
                 train.len() / cfg.train.batch_size,
                 cfg.train.batch_size,
                 train.len() % cfg.train.batch_size
+            ));
+        }
+        if world > 1 {
+            notes.push(format!(
+                "{world} ranks ({} backend): {} pairs per rank, loss over the global batch of {}",
+                comm.backend(),
+                cfg.train.batch_size / world,
+                cfg.train.batch_size
             ));
         }
         // A fresh tokenizer learns from the training split only (never the held-out pairs).
@@ -161,27 +195,37 @@ impl Trainer {
             cfg.seed,
         )?;
 
-        std::fs::create_dir_all(&cfg.output_dir).map_err(|e| Error::ModelFile {
-            path: cfg.output_dir.clone(),
-            reason: e.to_string(),
-        })?;
+        let made_dir = if rank == 0 {
+            std::fs::create_dir_all(&cfg.output_dir).map_err(|e| Error::ModelFile {
+                path: cfg.output_dir.clone(),
+                reason: e.to_string(),
+            })
+        } else {
+            Ok(())
+        };
+        dist::agree(&*comm, made_dir)?;
         let options = BertOptions {
             pooling: cfg.model.pooling,
             normalize: cfg.model.normalize,
             checkpointing: cfg.model.checkpointing.clone(),
         };
         let store = ParamStore::new(cfg.seed, DType::F32, &device);
+        let model = if cfg.model.pretrained.is_empty() {
+            let tokenizer = fresh_tokenizer(&cfg, &texts, &*comm)?;
+            dist::agree(
+                &*comm,
+                Self::fresh_model(&cfg, tokenizer, &options, store, rank == 0),
+            )?
+        } else {
+            dist::agree(&*comm, Self::pretrained_model(&cfg, &options, store))?
+        };
         let Model {
             query,
             passage,
             bert,
             tokenizer,
             store,
-        } = if cfg.model.pretrained.is_empty() {
-            Self::fresh_model(&cfg, &texts, &options, store)?
-        } else {
-            Self::pretrained_model(&cfg, &options, store)?
-        };
+        } = model;
         let query_tokenizer = Tokenizer::new(tokenizer.clone(), cfg.model.query_max_len)?;
         let passage_tokenizer = Tokenizer::new(tokenizer, cfg.model.passage_max_len)?;
         let max_len = cfg.model.query_max_len.max(cfg.model.passage_max_len);
@@ -204,7 +248,9 @@ impl Trainer {
             Some(passage) => GradCache::two_towers(query, passage, qc, pc, loss)?,
         }
         .with_seed(cfg.seed)
-        .with_dropout(cfg.model.dropout);
+        .with_dropout(cfg.model.dropout)
+        .with_collective(Rc::clone(&comm))
+        .with_bucket_bytes(cfg.dist.bucket_mib << 20);
 
         let kind = cfg.optim.kind();
         let optimizer = Optimizer::new(kind, gc.params().clone())?;
@@ -228,32 +274,44 @@ impl Trainer {
             eval,
             step: 0,
             notes,
+            comm,
         };
         if let Some(path) = resume {
-            trainer.resume_from(path)?;
+            let resumed = trainer.resume_from(path);
+            dist::agree(&*trainer.comm, resumed)?;
+        }
+        if world > 1 {
+            let sum = dist::ensure_identical_weights(&*trainer.comm, trainer.gc.params())?;
+            trainer.notes.push(format!(
+                "all {world} ranks start from identical weights (checksum {sum:016x})"
+            ));
         }
         Ok(trainer)
     }
 
+    /// This process's rank (0 in a single-process run).
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The number of processes.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// The collective the run uses.
+    pub fn collective(&self) -> &dyn Collective {
+        &*self.comm
+    }
+
     fn fresh_model(
         cfg: &Config,
-        texts: &[String],
+        tokenizer: tokenizers::Tokenizer,
         options: &BertOptions,
         store: ParamStore,
+        write_files: bool,
     ) -> Result<Model> {
         let f = &cfg.model.fresh;
-        let tok_path = cfg.output_dir.join(TOKENIZER_FILE);
-        // A resumed run (or a rerun in the same directory) reuses the tokenizer it trained.
-        let tokenizer = if tok_path.is_file() {
-            read_tokenizer(&tok_path)?
-        } else {
-            let tok = train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase)?;
-            tok.save(&tok_path, false).map_err(|e| Error::ModelFile {
-                path: tok_path.clone(),
-                reason: e.to_string(),
-            })?;
-            tok
-        };
         let bert = BertConfig {
             hidden_dropout_prob: f.dropout_prob,
             attention_probs_dropout_prob: f.dropout_prob,
@@ -266,12 +324,14 @@ impl Trainer {
                 cfg.model.query_max_len.max(cfg.model.passage_max_len),
             )
         };
-        let json = serde_json::to_string_pretty(&bert).unwrap_or_default();
-        let path = cfg.output_dir.join(MODEL_CONFIG_FILE);
-        std::fs::write(&path, json).map_err(|e| Error::ModelFile {
-            path,
-            reason: e.to_string(),
-        })?;
+        if write_files {
+            let json = serde_json::to_string_pretty(&bert).unwrap_or_default();
+            let path = cfg.output_dir.join(MODEL_CONFIG_FILE);
+            std::fs::write(&path, json).map_err(|e| Error::ModelFile {
+                path,
+                reason: e.to_string(),
+            })?;
+        }
         let (query, passage) = if cfg.model.shared {
             (BertEncoder::build(&store, "", &bert, options)?, None)
         } else {
@@ -385,17 +445,19 @@ impl Trainer {
         evaluate(&q, &p, &targets, self.cfg.loss.similarity, 256)
     }
 
-    /// One optimizer step on the next batch.
+    /// One optimizer step on the next (global) batch; in a distributed run this rank
+    /// encodes its share and every rank applies the same reduced gradients.
     pub fn train_step(&mut self) -> Result<StepReport> {
         let batch = self.loader.next_batch()?;
         let start = Instant::now();
         let (_, peak, out) = memory::measure(|| -> Result<_> {
-            let q = self
-                .query_tokenizer
-                .encode(&to_refs(&batch.queries), &self.device)?;
-            let p = self
-                .passage_tokenizer
-                .encode(&to_refs(&batch.passages), &self.device)?;
+            let share = self.share(&batch);
+            let inputs = share.and_then(|(queries, passages)| {
+                let q = self.query_tokenizer.encode(&queries, &self.device)?;
+                let p = self.passage_tokenizer.encode(&passages, &self.device)?;
+                Ok((q, p))
+            });
+            let (q, p) = dist::agree(&*self.comm, inputs)?;
             self.gc.set_step(self.step);
             let out = self.gc.cache_step(&q, &p)?;
             let mut grads = out.grads;
@@ -410,6 +472,12 @@ impl Trainer {
         });
         let (loss, lr, grad_norm) = out?;
         self.step += 1;
+        let every = self.cfg.dist.check_weights_every;
+        if self.world_size() > 1
+            && (cfg!(debug_assertions) || (every > 0 && self.step % every == 0))
+        {
+            dist::ensure_identical_weights(&*self.comm, self.gc.params())?;
+        }
         let secs = start.elapsed().as_secs_f64().max(1e-9);
         Ok(StepReport {
             step: self.step,
@@ -420,6 +488,30 @@ impl Trainer {
             peak_bytes: peak,
             filled_negatives: batch.filled,
         })
+    }
+
+    /// This rank's queries and passages of a global batch: an equal, contiguous share
+    /// (passages keep their per-query groups).
+    fn share<'b>(&self, batch: &'b TextBatch) -> Result<(Vec<&'b str>, Vec<&'b str>)> {
+        let (rank, world) = (self.rank(), self.world_size());
+        let rows = batch.queries.len() / world;
+        let group = batch.passages.len() / batch.queries.len().max(1);
+        if rows * world != batch.queries.len()
+            || group * batch.queries.len() != batch.passages.len()
+        {
+            return Err(Error::Data {
+                path: self.cfg.data.train_file.clone(),
+                line: 0,
+                reason: format!(
+                    "a batch of {} queries and {} passages does not split over {world} ranks",
+                    batch.queries.len(),
+                    batch.passages.len()
+                ),
+            });
+        }
+        let q = &batch.queries[rank * rows..(rank + 1) * rows];
+        let p = &batch.passages[rank * rows * group..(rank + 1) * rows * group];
+        Ok((to_refs(q), to_refs(p)))
     }
 
     /// Writes a checkpoint of the current state.
@@ -450,7 +542,7 @@ impl Trainer {
             observer.event(&Event::Note(note));
         }
         let before = if self.step == 0 {
-            let m = self.evaluate()?;
+            let m = self.evaluate_on_root()?;
             observer.event(&Event::Eval {
                 step: 0,
                 metrics: m,
@@ -467,15 +559,21 @@ impl Trainer {
             let t = &self.cfg.train;
             let last = self.step == t.steps;
             if t.eval_every > 0 && self.step % t.eval_every == 0 && !last {
-                let m = self.evaluate()?;
+                let m = self.evaluate_on_root()?;
                 observer.event(&Event::Eval {
                     step: self.step,
                     metrics: m,
                 });
             }
             if (t.checkpoint_every > 0 && self.step % t.checkpoint_every == 0) || last {
-                let dir = self.save_checkpoint()?;
-                observer.event(&Event::Checkpoint(dir));
+                let saved = if self.rank() == 0 {
+                    self.save_checkpoint().map(Some)
+                } else {
+                    Ok(None)
+                };
+                if let Some(dir) = dist::agree(&*self.comm, saved)? {
+                    observer.event(&Event::Checkpoint(dir));
+                }
             }
         }
         if filled > 0 {
@@ -483,12 +581,41 @@ impl Trainer {
                 "{filled} missing hard negatives were filled with positives of other pairs"
             )));
         }
-        let after = self.evaluate()?;
+        if self.world_size() > 1 {
+            let sum = dist::ensure_identical_weights(&*self.comm, self.gc.params())?;
+            observer.event(&Event::Note(format!(
+                "all {} ranks hold identical weights (checksum {sum:016x})",
+                self.world_size()
+            )));
+        }
+        let after = self.evaluate_on_root()?;
         observer.event(&Event::Eval {
             step: self.step,
             metrics: after,
         });
         Ok((before, after))
+    }
+
+    /// Evaluates on rank 0 only, agrees on the outcome (a failure there stops every rank)
+    /// and hands rank 0's metrics to every rank.
+    fn evaluate_on_root(&self) -> Result<RetrievalMetrics> {
+        if self.world_size() == 1 {
+            return self.evaluate();
+        }
+        let local = if self.rank() == 0 {
+            self.evaluate().map(Some)
+        } else {
+            Ok(None)
+        };
+        let mine = dist::agree(&*self.comm, local)?;
+        let json = mine
+            .map(|m| serde_json::to_vec(&m).unwrap_or_default())
+            .unwrap_or_default();
+        let all = self.comm.all_gather_bytes(&json)?;
+        serde_json::from_slice(&all[0]).map_err(|e| Error::RankMismatch {
+            what: "the evaluation".into(),
+            detail: format!("rank 0's metrics do not parse: {e}"),
+        })
     }
 
     /// Exports the tower of `side` (the shared tower for either side) as a Hugging Face +
@@ -516,6 +643,115 @@ impl Trainer {
             prefix,
             tokenizer,
         )
+    }
+}
+
+/// The training and held-out pairs of a run.
+fn load_pairs(cfg: &Config) -> Result<(Vec<Pair>, Vec<Pair>)> {
+    let pairs = read_jsonl(&cfg.data.train_file, &cfg.data.fields)?;
+    match &cfg.data.eval_file {
+        Some(path) => Ok((pairs, read_jsonl(path, &cfg.data.fields)?)),
+        None => split(pairs, cfg.data.eval_pairs, cfg.seed),
+    }
+}
+
+/// Checks that every rank runs the same configuration on the same data. Data paths may
+/// differ between ranks (per-node copies); the data itself may not.
+fn check_same_run(
+    comm: &dyn Collective,
+    cfg: &Config,
+    train: &[Pair],
+    eval: &[Pair],
+) -> Result<()> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let mut shaping = cfg.clone();
+    shaping.data.train_file = PathBuf::new();
+    shaping.data.eval_file = None;
+    let json = serde_json::to_string(&shaping).unwrap_or_default();
+    let all = comm.all_gather_bytes(json.as_bytes())?;
+    let differing: Vec<String> = (1..all.len())
+        .filter(|&r| all[r] != all[0])
+        .map(|r| {
+            let theirs = String::from_utf8_lossy(&all[r]);
+            let keys =
+                crate::config::differing_keys(&json_of(&all[0]), &json_of(theirs.as_bytes()));
+            format!("rank {r} differs from rank 0 in {}", keys.join(", "))
+        })
+        .collect();
+    if !differing.is_empty() {
+        return Err(Error::RankMismatch {
+            what: "the config".into(),
+            detail: differing.join("; "),
+        });
+    }
+    let mut hash = crate::rng::hash_str("");
+    for p in train.iter().chain(eval) {
+        for text in [&p.query, &p.positive].into_iter().chain(&p.negatives) {
+            hash = hash.rotate_left(5) ^ crate::rng::hash_str(text);
+        }
+    }
+    let print = format!(
+        "{} training pairs, {} held out, hash {hash:016x}",
+        train.len(),
+        eval.len()
+    );
+    dist::ensure_same(comm, "the data", print.as_bytes(), |b| {
+        String::from_utf8_lossy(b).into_owned()
+    })
+}
+
+fn json_of(bytes: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(bytes).unwrap_or(serde_json::Value::Null)
+}
+
+/// The tokenizer of a fresh model: rank 0 reuses the one in `output_dir` (a resumed run or
+/// a rerun) or trains one on the training texts and saves it; every other rank receives
+/// rank 0's, so all ranks tokenize identically and only rank 0 writes.
+fn fresh_tokenizer(
+    cfg: &Config,
+    texts: &[String],
+    comm: &dyn Collective,
+) -> Result<tokenizers::Tokenizer> {
+    let tok_path = cfg.output_dir.join(TOKENIZER_FILE);
+    let tokenizer_error = |e: tokenizers::Error| Error::ModelFile {
+        path: tok_path.clone(),
+        reason: e.to_string(),
+    };
+    let local = if comm.rank() == 0 {
+        let made = if tok_path.is_file() {
+            read_tokenizer(&tok_path)
+        } else {
+            let f = &cfg.model.fresh;
+            let tok = train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase);
+            tok.and_then(|tok| {
+                tok.save(&tok_path, false).map_err(tokenizer_error)?;
+                Ok(tok)
+            })
+        };
+        made.map(Some)
+    } else {
+        Ok(None)
+    };
+    let mine = dist::agree(comm, local)?;
+    if comm.world_size() == 1 {
+        if let Some(tok) = mine {
+            return Ok(tok);
+        }
+    }
+    let json = match &mine {
+        Some(tok) => tok.to_string(false).map_err(tokenizer_error)?,
+        None => String::new(),
+    };
+    let all = comm.all_gather_bytes(json.as_bytes())?;
+    match mine {
+        Some(tok) => Ok(tok),
+        None => tokenizers::Tokenizer::from_bytes(&all[0]).map_err(|e| {
+            Error::Tokenizer(format!(
+                "the tokenizer received from rank 0 does not parse: {e}"
+            ))
+        }),
     }
 }
 

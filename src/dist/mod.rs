@@ -87,6 +87,12 @@ pub trait Collective {
 
     /// Payload moved by this process's data-plane collectives so far.
     fn traffic(&self) -> Traffic;
+
+    /// Ends every process of the job at once with exit code `code` (`MPI_Abort`): for a
+    /// failure the other ranks cannot learn of through [`agree`].
+    fn abort(&self, code: i32) -> ! {
+        std::process::exit(code)
+    }
 }
 
 /// One process: every collective is the identity.

@@ -205,4 +205,8 @@ impl Collective for Mpi {
     fn traffic(&self) -> Traffic {
         self.traffic.get()
     }
+
+    fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
 }

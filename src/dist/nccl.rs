@@ -158,6 +158,10 @@ impl Collective for Nccl {
     fn traffic(&self) -> Traffic {
         self.traffic.get()
     }
+
+    fn abort(&self, code: i32) -> ! {
+        self.mpi.abort(code)
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
