@@ -57,6 +57,24 @@ fn bad_configs_and_data_fail_cleanly() {
             vec!["--set", "model.pretrained=org/not-cached"],
             "HF_HUB_OFFLINE is set".into(),
         ),
+        (
+            vec!["--set", "dist.bucket_mib=0"],
+            "invalid value for `dist.bucket_mib`: 0".into(),
+        ),
+        (
+            vec!["--set", "dist.backend=gloo"],
+            "unknown variant `gloo`".into(),
+        ),
+        #[cfg(not(feature = "mpi"))]
+        (
+            vec!["--set", "dist.backend=mpi"],
+            "distributed backend `mpi` is unavailable: this build has no MPI support".into(),
+        ),
+        #[cfg(not(feature = "nccl"))]
+        (
+            vec!["--set", "dist.backend=nccl"],
+            "distributed backend `nccl` is unavailable: this build has no NCCL support".into(),
+        ),
     ];
     for (extra, want) in cases {
         let mut args = vec![

@@ -178,7 +178,10 @@ fn two_ranks_follow_the_one_rank_loss_curve() {
         }
         let b = &w2.model[name];
         let rel = max_abs(&(a - b).unwrap()) / max_abs(a).max(1e-12);
-        assert!(rel <= WEIGHT_TOL, "weight {name}: relative difference {rel:e}");
+        assert!(
+            rel <= WEIGHT_TOL,
+            "weight {name}: relative difference {rel:e}"
+        );
     }
 }
 

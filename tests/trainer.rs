@@ -59,7 +59,12 @@ warmup_steps = 1
 
 #[test]
 fn every_shipped_config_is_valid() {
-    for name in ["quickstart", "minilm", "two-towers-hard-negatives"] {
+    for name in [
+        "quickstart",
+        "minilm",
+        "two-towers-hard-negatives",
+        "distributed-cpu",
+    ] {
         let path = format!("configs/{name}.toml");
         let cfg = Config::load(Path::new(&path), &[]).unwrap_or_else(|e| panic!("{path}: {e}"));
         assert!(
