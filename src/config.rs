@@ -426,10 +426,16 @@ impl Config {
     /// checkpoints so a resume with a different configuration is refused.
     pub fn fingerprint(&self) -> String {
         let mut shaping = self.clone();
-        // Cadence of evaluation and checkpoints, and the run length, may change on resume.
+        // The cadence of evaluation and checkpoints may change on resume; the run length
+        // may not (the learning-rate schedule decays to 0 at `train.steps`).
         shaping.train.eval_every = 0;
         shaping.train.checkpoint_every = 0;
         shaping.train.keep_checkpoints = 1;
+        // How many processes share the work does not change what is trained: a run may
+        // resume (or be exported) with another backend or world size.
+        shaping.dist = DistConfig::default();
+        // Nor where the run's files go: a run directory may be moved or copied.
+        shaping.output_dir = PathBuf::new();
         let text = serde_json::to_string(&shaping).unwrap_or_default();
         format!("{:016x}", crate::rng::hash_str(&text))
     }

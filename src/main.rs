@@ -154,7 +154,8 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            // One write, so that lines of several ranks sharing a terminal do not interleave.
+            let _ = std::io::stderr().write_all(format!("error: {e:#}\n").as_bytes());
             ExitCode::FAILURE
         }
     }
@@ -188,7 +189,9 @@ fn run(command: Command) -> Result<()> {
             output,
             tower,
         } => {
-            let cfg = Config::load(&config, &set)?;
+            let mut cfg = Config::load(&config, &set)?;
+            // Exporting reads one checkpoint: one process, whatever the run used.
+            cfg.dist.backend = dist::Backend::None;
             let ckpt = checkpoint.unwrap_or_else(|| cfg.output_dir.join("checkpoints"));
             let trainer = Trainer::new(cfg, Some(&ckpt))?;
             let side = match tower {
@@ -287,7 +290,8 @@ fn train(config: &Path, set: &[String], resume: Option<&Path>) -> Result<()> {
             }
             // This rank alone failed outside a step (the others may be waiting in a
             // collective): stop the whole job now instead of leaving them hanging.
-            eprintln!("error: [rank {rank}/{world}] {e:#}");
+            let line = format!("error: [rank {rank}/{world}] {e:#}\n");
+            let _ = std::io::stderr().write_all(line.as_bytes());
             comm.abort(1)
         }
     }

@@ -385,9 +385,9 @@ impl Trainer {
             return Err(Error::InvalidConfig {
                 field: "--resume",
                 value: ckpt.dir.display().to_string(),
-                reason:
-                    "the checkpoint was written with another configuration (only \
-                         train.steps, eval_every, checkpoint_every and keep_checkpoints may change)",
+                reason: "the checkpoint was written with another configuration (only \
+                         output_dir, train.eval_every, checkpoint_every, keep_checkpoints \
+                         and the dist section may change)",
             });
         }
         resume::restore(self.gc.params(), &ckpt.model, &ckpt.dir)?;

@@ -5,6 +5,7 @@
 //!   after every step in debug builds, and at the end);
 //! - one rank fed a malformed data file: every rank exits non-zero within 30 s, naming
 //!   the failing rank and the file's line;
+//! - a checkpoint of the 2-rank run resumes in one process and continues the same curve;
 //! - mismatched configs across ranks are refused at start-up, naming the key.
 //!
 //! Dropout is off for the curve comparison (masks derive from the rank and the chunk, so
@@ -58,7 +59,7 @@ fn args(train: &Path, eval: &Path, out: &Path) -> Vec<String> {
         "train.query_chunk=6".into(),
         "train.passage_chunk=5".into(),
         "train.eval_every=0".into(),
-        "train.checkpoint_every=0".into(),
+        "train.checkpoint_every=2".into(),
         "model.dropout=false".into(),
         "model.fresh.vocab_size=500".into(),
         "optim.warmup_steps=1".into(),
@@ -161,6 +162,32 @@ fn two_ranks_follow_the_one_rank_loss_curve() {
             rel <= TOL,
             "step {}: loss {a} vs {b} (rel {rel:e})",
             step + 1
+        );
+    }
+
+    // The 2-rank run's step-2 checkpoint, resumed by one process, continues the curve.
+    let three = dir.path().join("three");
+    let mut resumed = args(&train, &eval, &three);
+    resumed.extend([
+        "--set".into(),
+        "dist.backend=none".into(),
+        "--resume".into(),
+    ]);
+    resumed.push(two.join("checkpoints/step-00000002").display().to_string());
+    let out = Command::new(bin()).args(&resumed).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let l3 = losses(&three);
+    assert_eq!(l3.len(), 2, "steps 3 and 4 after resuming at 2");
+    for (step, (a, b)) in l1[2..].iter().zip(&l3).enumerate() {
+        let rel = ((a - b) / a).abs();
+        assert!(
+            rel <= TOL,
+            "resumed step {}: loss {a} vs {b} (rel {rel:e})",
+            step + 3
         );
     }
 
