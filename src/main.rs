@@ -284,14 +284,17 @@ fn train(config: &Path, set: &[String], resume: Option<&Path>) -> Result<()> {
                 e.downcast_ref::<gradcache::Error>(),
                 Some(gradcache::Error::RankFailed { .. } | gradcache::Error::RankMismatch { .. })
             );
+            let line = format!("error: [rank {rank}/{world}]: {e:#}\n");
+            let _ = std::io::stderr().write_all(line.as_bytes());
             if agreed {
-                // Every rank stops here with the same error: MPI shuts down cleanly.
-                return Err(e.context(format!("[rank {rank}/{world}]")));
+                // Every rank stops here with the same error. Wait until all have printed it:
+                // mpirun ends the job at the first non-zero exit.
+                let _ = comm.barrier();
+                drop(comm);
+                std::process::exit(1);
             }
             // This rank alone failed outside a step (the others may be waiting in a
             // collective): stop the whole job now instead of leaving them hanging.
-            let line = format!("error: [rank {rank}/{world}] {e:#}\n");
-            let _ = std::io::stderr().write_all(line.as_bytes());
             comm.abort(1)
         }
     }
