@@ -162,7 +162,8 @@ impl Backend {
 }
 
 /// Starts `backend`: MPI is initialised once per process (so at most one [`init`] per
-/// process for `mpi` and `nccl`); `nccl` also selects GPU `rank % gpus` of this node.
+/// process for `mpi` and `nccl`); `nccl` also opens the GPU numbered by the rank's local
+/// rank on its node (`OMPI_COMM_WORLD_LOCAL_RANK`, else the rank).
 pub fn init(backend: Backend) -> Result<Rc<dyn Collective>> {
     match backend {
         Backend::None => Ok(Rc::new(Single)),
