@@ -6,7 +6,8 @@
 //! - one rank fed a malformed data file: every rank exits non-zero within 30 s, naming
 //!   the failing rank and the file's line;
 //! - a checkpoint of the 2-rank run resumes in one process and continues the same curve;
-//! - mismatched configs across ranks are refused at start-up, naming the key.
+//! - mismatched configs across ranks are refused at start-up, naming the key, and a global
+//!   batch that does not split evenly over the ranks is refused.
 //!
 //! Dropout is off for the curve comparison (masks derive from the rank and the chunk, so
 //! with dropout on the runs are different samples of the same training, not equal).
@@ -255,4 +256,19 @@ fn mismatched_configs_are_refused_at_start_up() {
     let expected =
         "ranks disagree on the config: rank 1 differs from rank 0 in loss.temperature (0.05 vs 0.1)";
     assert!(text.contains(expected), "missing `{expected}` in:\n{text}");
+}
+
+#[test]
+fn a_global_batch_that_does_not_split_over_the_ranks_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let out = dir.path().join("run");
+    let mut a = args(&train, &eval, &out);
+    a.extend(["--set".into(), "train.batch_size=33".into()]);
+    let (ok, text, _) = mpirun(&[a.clone(), a], Duration::from_secs(60));
+    assert!(!ok, "the run should fail:\n{text}");
+    let expected = "invalid value for `train.batch_size`: 33 (the global batch must split evenly \
+                    over the ranks";
+    assert!(text.contains(expected), "missing `{expected}` in:\n{text}");
+    assert!(!out.join("metrics.jsonl").exists());
 }
