@@ -35,7 +35,16 @@ pub fn derive_seed(words: &[u64]) -> u64 {
 /// A stable 64-bit hash of a string (FNV-1a), for deriving seeds from parameter names.
 /// Unlike `std`'s hasher it is fixed across Rust versions and platforms.
 pub fn hash_str(s: &str) -> u64 {
-    s.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| {
+    hash_bytes(FNV_OFFSET, s.as_bytes())
+}
+
+/// The FNV-1a offset basis: the state [`hash_bytes`] starts from.
+pub const FNV_OFFSET: u64 = 0xCBF2_9CE4_8422_2325;
+
+/// Continues an FNV-1a hash from state `hash` over `bytes` (start from [`FNV_OFFSET`]), so
+/// that a long sequence can be hashed piece by piece.
+pub fn hash_bytes(hash: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(hash, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3)
     })
 }

@@ -20,7 +20,8 @@
 //!   DDP does, would give);
 //! - failure: a step that fails on the last rank fails on every rank, naming that rank;
 //!   a fingerprint that differs on one rank is reported on every rank;
-//! - volume: the bytes the step moved equal [`StepVolume`]'s formula.
+//! - volume: the bytes the step moved equal [`StepVolume`]'s formula;
+//! - a second start of MPI in the same process is an error, not a crash.
 
 use std::rc::Rc;
 
@@ -39,7 +40,7 @@ type Check = fn(&Rc<dyn Collective>) -> Result<(), String>;
 
 fn main() {
     let comm = dist::init(Backend::Mpi).expect("MPI starts");
-    let checks: [(&str, Check); 9] = [
+    let checks: [(&str, Check); 10] = [
         ("collectives", collectives),
         ("shape mismatch is reported on every rank", shape_mismatch),
         ("shared tower, in-batch negatives, chunk 4", shared_in_batch),
@@ -58,6 +59,7 @@ fn main() {
         ("gradient scale is the union batch's", scale),
         ("one rank's failure fails every rank", failure),
         ("step volume matches the formula", volume),
+        ("a second MPI start is refused", second_init),
     ];
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut failed = 0;
@@ -430,4 +432,15 @@ fn volume(comm: &Rc<dyn Collective>) -> Result<(), String> {
     )?;
     // The whole model fits one 1 MiB bucket: one all-reduce per step, not one per chunk.
     ensure(n == 1 || calls == 1, || format!("{calls} all-reduce calls"))
+}
+
+fn second_init(_: &Rc<dyn Collective>) -> Result<(), String> {
+    match dist::init(Backend::Mpi) {
+        Err(Error::BackendUnavailable { backend, reason }) => ensure(
+            backend == "mpi" && reason.contains("already initialised"),
+            || format!("unclear: {reason}"),
+        ),
+        Err(other) => Err(format!("expected BackendUnavailable, got {other}")),
+        Ok(_) => Err("MPI started twice".into()),
+    }
 }

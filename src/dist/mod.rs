@@ -22,6 +22,7 @@ use std::rc::Rc;
 use candle_core::{DType, Device, Tensor};
 
 use crate::params::{Gradients, Params};
+use crate::rng;
 use crate::{Error, Result};
 
 #[cfg(feature = "mpi")]
@@ -305,23 +306,12 @@ fn reduce_bucket(
 /// A 64-bit FNV-1a hash of every parameter's bytes in name order: equal on two ranks only
 /// if their weights are bit-identical (up to hash collisions).
 pub fn weights_checksum(params: &Params) -> Result<u64> {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut hash = rng::FNV_OFFSET;
     for (name, var) in params.iter() {
-        for b in name.bytes() {
-            hash = (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        let t = var.as_tensor();
-        let bits: Vec<u32> = match t.dtype() {
-            DType::F32 => t.flatten_all()?.to_vec1::<f32>()?,
-            _ => t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
-        }
-        .into_iter()
-        .map(f32::to_bits)
-        .collect();
-        for w in bits {
-            for b in w.to_le_bytes() {
-                hash = (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-            }
+        hash = rng::hash_bytes(hash, name.as_bytes());
+        let values = var.as_tensor().flatten_all()?.to_dtype(DType::F32)?;
+        for v in values.to_vec1::<f32>()? {
+            hash = rng::hash_bytes(hash, &v.to_bits().to_le_bytes());
         }
     }
     Ok(hash)
