@@ -60,13 +60,13 @@ fn main() -> anyhow::Result<()> {
         // The cached path computes the loss in row blocks (the plain step cannot: its whole
         // graph must be alive for the one backward).
         let loss = InfoNce::new(0.05)?.with_block_rows(Some(128))?;
-        let mut gc = GradCache::shared(tower, chunk, loss)?.with_seed(1);
+        let gc = GradCache::shared(tower, chunk, loss)?.with_seed(1);
         let dev = &Device::Cpu;
         let queries = Tensor::randn(0f32, 1., (batch, cfg.input), dev)?;
         let passages = Tensor::randn(0f32, 1., (batch, cfg.input), dev)?;
         // Warm up both paths once.
         gc.full_batch_step(0, &queries, &passages)?;
-        gc.cache_step(&queries, &passages)?;
+        gc.cache_step(0, &queries, &passages)?;
 
         let (mut plain_ms, mut cached_ms) = (vec![], vec![]);
         let (mut plain_peak, mut cached_peak) = (0, 0);
@@ -75,7 +75,7 @@ fn main() -> anyhow::Result<()> {
             out?;
             plain_ms.push(ms);
             plain_peak = plain_peak.max(peak);
-            let (ms, peak, out) = measure(|| gc.cache_step(&queries, &passages));
+            let (ms, peak, out) = measure(|| gc.cache_step(0, &queries, &passages));
             out?;
             cached_ms.push(ms);
             cached_peak = cached_peak.max(peak);

@@ -14,12 +14,12 @@ use std::path::Path;
 
 use candle_core::{DType, Device};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
-use gradcache::data::{read_jsonl, Fields, Loader};
-use gradcache::metrics::evaluate;
-use gradcache::optim::{clip_grad_norm, Optimizer, OptimizerKind, Schedule};
-use gradcache::tokenizer::{train_wordpiece, Tokenizer};
-use gradcache::trainer::embed;
-use gradcache::{Checkpointing, GradCache, InfoNce, ParamStore, Similarity};
+use gradcache::train::data::{read_jsonl, Fields, Loader};
+use gradcache::train::metrics::evaluate;
+use gradcache::train::optim::{clip_grad_norm, Optimizer, OptimizerKind, Schedule};
+use gradcache::hub::tokenizer::{train_wordpiece, Tokenizer};
+use gradcache::hub::embed;
+use gradcache::{Recompute, GradCache, InfoNce, ParamStore, Similarity};
 
 const STEPS: u64 = 40;
 const BATCH: usize = 64;
@@ -46,7 +46,7 @@ fn main() -> anyhow::Result<()> {
     let options = BertOptions {
         pooling: Pooling::Mean,
         normalize: true,
-        checkpointing: Checkpointing::Sqrt,
+        recompute: Recompute::Sqrt,
     };
     let store = ParamStore::new(42, DType::F32, &device);
     let encoder = BertEncoder::build(&store, "", &cfg, &options)?;
@@ -55,7 +55,7 @@ fn main() -> anyhow::Result<()> {
     let loss = InfoNce::new(0.05)?
         .with_similarity(Similarity::Cosine)
         .with_symmetric(true);
-    let mut gc = GradCache::shared(encoder, CHUNK, loss)?.with_seed(42);
+    let gc = GradCache::shared(encoder, CHUNK, loss)?.with_seed(42);
     let mut optimizer = Optimizer::new(OptimizerKind::adamw(), gc.params().clone())?;
     let schedule = Schedule {
         lr: 1e-3,
@@ -89,10 +89,10 @@ fn main() -> anyhow::Result<()> {
                 .collect::<Vec<_>>(),
             &device,
         )?;
-        let out = gc.cache_step(&queries, &passages)?;
+        let out = gc.cache_step(step, &queries, &passages)?;
         let mut grads = out.grads;
         clip_grad_norm(&mut grads, 1.0)?;
-        optimizer.step(&grads, schedule.lr_at(step))?;
+        optimizer.step(step, &grads, schedule.lr_at(step))?;
         if step % 10 == 0 || step + 1 == STEPS {
             println!("step {:>3}  loss {:.4}", step + 1, out.loss);
         }

@@ -68,7 +68,7 @@ fn compare(comm: &Rc<dyn Collective>, two_towers: bool) -> gradcache::Result<(f3
     let mut gc = build(two_towers)?.with_collective(Rc::clone(comm));
     let my_queries = queries.narrow(0, rank * PER_RANK, PER_RANK)?;
     let my_passages = passages.narrow(0, rank * PER_RANK * GROUP, PER_RANK * GROUP)?;
-    let dist = gc.cache_step(&my_queries, &my_passages)?;
+    let dist = gc.cache_step(0, &my_queries, &my_passages)?;
     let loss_err = ((dist.loss - single.loss) / single.loss).abs();
     Ok((loss_err, dist.grads.max_rel_err(&single.grads, 0.0)?))
 }

@@ -22,13 +22,13 @@ fn features(seed: u64, rows: usize) -> gradcache::Result<Tensor> {
 
 /// Runs a full-batch step and a cached step on the same batch, returns the gradient error.
 fn compare<Q: Encoder<Input = Tensor>, P: Encoder<Input = Tensor>, L: Loss>(
-    mut gc: GradCache<Q, P, L>,
+    gc: GradCache<Q, P, L>,
     hard_negatives: usize,
 ) -> gradcache::Result<f64> {
     let queries = features(1, BATCH)?;
     let passages = features(2, BATCH * (hard_negatives + 1))?;
     let plain = gc.full_batch_step(0, &queries, &passages)?;
-    let cached = gc.cache_step(&queries, &passages)?;
+    let cached = gc.cache_step(0, &queries, &passages)?;
     cached.grads.max_rel_err(&plain.grads, 0.0)
 }
 

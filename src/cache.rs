@@ -284,11 +284,12 @@ pub struct StepOutput {
 /// let store = ParamStore::new(42, DType::F32, &Device::Cpu);
 /// let cfg = MlpConfig { input: 16, hidden: 32, output: 8, dropout: 0.1 };
 /// let tower = Tower::build(&store, "", |vb| Mlp::new(&cfg, vb))?;
-/// let mut gc = GradCache::shared(tower, 4, InfoNce::new(0.05)?)?;
+/// let gc = GradCache::shared(tower, 4, InfoNce::new(0.05)?)?;
 ///
 /// let queries = Tensor::randn(0f32, 1., (10, 16), &Device::Cpu)?;
 /// let passages = Tensor::randn(0f32, 1., (10, 16), &Device::Cpu)?;
-/// let out = gc.cache_step(&queries, &passages)?; // chunks of 4, one loss over all 10 pairs
+/// let step = 0; // dropout masks derive from (seed, step, ...)
+/// let out = gc.cache_step(step, &queries, &passages)?; // chunks of 4, one loss over all 10 pairs
 /// assert!(out.loss.is_finite());
 /// assert_eq!(out.grads.len(), store.params().len());
 /// # Ok(()) }
@@ -301,8 +302,6 @@ pub struct GradCache<Q: Encoder, P: Encoder = Q, L: Loss = InfoNce> {
     passage_chunk: usize,
     loss: L,
     seed: u64,
-    rank: u32,
-    step: u64,
     dropout: bool,
     comm: Rc<dyn Collective>,
     bucket_bytes: usize,
@@ -356,8 +355,6 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
             passage_chunk,
             loss,
             seed: 0,
-            rank: 0,
-            step: 0,
             dropout: true,
             comm: Rc::new(Single),
             bucket_bytes: dist::DEFAULT_BUCKET_BYTES,
@@ -382,20 +379,13 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         self
     }
 
-    /// Sets the process rank that dropout masks derive from (default 0).
-    pub fn with_rank(mut self, rank: u32) -> Self {
-        self.rank = rank;
-        self
-    }
-
     /// Runs every step across the processes of `comm`: each rank passes its own share of
     /// the global batch to [`Self::cache_step`] (the same number of pairs on every rank),
     /// the representations are all-gathered, the loss is over the global batch, each rank
     /// replays its own chunks and the parameter gradients are summed across ranks once per
-    /// step, so every rank gets the single-process gradient of the union batch. Also sets
-    /// the rank that dropout masks derive from.
+    /// step, so every rank gets the single-process gradient of the union batch. Dropout
+    /// masks derive from the collective's rank.
     pub fn with_collective(mut self, comm: Rc<dyn Collective>) -> Self {
-        self.rank = comm.rank() as u32;
         self.comm = comm;
         self
     }
@@ -415,16 +405,6 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
     pub fn with_dropout(mut self, dropout: bool) -> Self {
         self.dropout = dropout;
         self
-    }
-
-    /// Sets the step counter, e.g. when resuming.
-    pub fn set_step(&mut self, step: u64) {
-        self.step = step;
-    }
-
-    /// The step the next [`Self::cache_step`] will run as.
-    pub fn step(&self) -> u64 {
-        self.step
     }
 
     /// Every trainable parameter of both towers, sorted by name.
@@ -455,26 +435,31 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         Ctx::train(ChunkSeed {
             run: self.seed,
             step,
-            rank: self.rank,
+            rank: self.comm.rank() as u32,
             tower: side.index(),
             chunk: chunk as u32,
         })
     }
 
-    /// One gradient-cache step over the whole batch at the current step, then advances the
-    /// step counter. Returns the loss and the gradients; does not touch the weights.
+    /// One gradient-cache step over the whole batch. `step` is the caller's update count
+    /// (0-based): with the run seed it names the dropout masks, so a resumed run passes the
+    /// step it resumes at. Returns the loss and the gradients; does not touch the weights.
     ///
     /// In a distributed run (see [`Self::with_collective`]) `queries` and `passages` are
     /// this rank's share; the loss is the global batch's and the gradients are already
     /// summed across ranks. A failure on any rank fails the step on every rank with
     /// [`Error::RankFailed`].
-    pub fn cache_step(&mut self, queries: &Q::Input, passages: &P::Input) -> Result<StepOutput> {
+    pub fn cache_step(
+        &self,
+        step: u64,
+        queries: &Q::Input,
+        passages: &P::Input,
+    ) -> Result<StepOutput> {
         let comm = &*self.comm;
-        let reps = dist::agree(comm, self.represent(self.step, queries, passages))?;
+        let reps = dist::agree(comm, self.represent(step, queries, passages))?;
         let cache = reps.into_cache_across(&self.loss, comm)?;
         let out = dist::agree(comm, cache.replay())?;
         let grads = dist::reduce_gradients(comm, &self.params, out.grads, self.bucket_bytes)?;
-        self.step += 1;
         Ok(StepOutput {
             loss: out.loss,
             grads,

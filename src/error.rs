@@ -97,6 +97,44 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// A config file is not valid TOML, or does not fit the configuration (an unknown key,
+    /// a value of the wrong type).
+    #[error("invalid config file {path}: {reason}")]
+    ConfigFile { path: PathBuf, reason: String },
+
+    /// A function was called with an argument it cannot use (API misuse, not a config
+    /// value).
+    #[error("invalid {what} {value}: {reason}")]
+    InvalidArgument {
+        what: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+
+    /// A file system operation failed (`action` is what was tried: read, create, write,
+    /// rename, remove, open).
+    #[error("cannot {action} {path}: {reason}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
+
+    /// A directory that would be written already holds files.
+    #[error("{path} exists and is not empty; choose a new directory")]
+    OutputExists { path: PathBuf },
+
+    /// A checkpoint or saved state does not fit the run or model that reads it.
+    #[error("{what} does not match this run: {detail}")]
+    CheckpointMismatch { what: String, detail: String },
+
+    /// A batch holds sequences longer than the model's position table.
+    #[error(
+        "sequences of {len} tokens are longer than the model's max_position_embeddings \
+         ({max}); truncate to at most that many tokens"
+    )]
+    SequenceTooLong { len: usize, max: usize },
+
     /// A file the model needs is not there.
     #[error("missing {what}: {path} does not exist")]
     MissingFile { path: PathBuf, what: &'static str },
@@ -109,7 +147,7 @@ pub enum Error {
     )]
     PickleOnly { dir: PathBuf, file: String },
 
-    /// A model file could not be read or parsed.
+    /// A model file (config, weights, tokenizer) could not be read or parsed.
     #[error("cannot read {path}: {reason}")]
     ModelFile { path: PathBuf, reason: String },
 
@@ -182,6 +220,18 @@ pub enum Error {
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+}
+
+impl Error {
+    /// A failed file system operation: `action` is what was tried (read, create, write,
+    /// rename, remove, open), `path` where.
+    pub(crate) fn io(action: &'static str, path: &std::path::Path, e: impl fmt::Display) -> Self {
+        Error::Io {
+            action,
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        }
+    }
 }
 
 fn data_location(path: &std::path::Path, line: usize) -> String {

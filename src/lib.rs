@@ -2,63 +2,74 @@
 //!
 //! Contrastive learning with batches far larger than memory, on [candle].
 //!
+//! The crate has four layers, and the folders show them:
+//!
+//! **The engine** (top-level modules): what makes a big-batch step exact in little memory.
+//!
 //! - [`cache`]: the gradient cache (GradCache, Gao et al. 2021): chunked representation
 //!   pass without a graph, one loss over the whole batch, replay of every chunk from the
 //!   cached representation gradients. Same gradients as a full-batch step, activation memory
 //!   of one chunk. Entry point: [`GradCache::cache_step`].
 //! - [`replay`]: the one primitive underneath: back-propagate a cotangent through a re-run
-//!   computation (used per chunk by the cache and per segment by checkpointing).
+//!   computation (used per chunk by the cache and per segment by [`recompute`]).
+//! - [`recompute`]: activation checkpointing ([`Recompute`] policies) for any
+//!   [`LayerStack`]: keep segment inputs, recompute segments in the backward pass.
 //! - [`loss`]: InfoNCE with in-batch and hard negatives, temperature, dot/cosine,
 //!   symmetric term, row-block computation.
 //! - [`encoder`]: the [`Encoder`] trait the cache runs, and [`Tower`], which makes any
 //!   candle model graph-free-capable by building it over trainable and detached weights.
-//! - [`dist`]: collectives across processes (MPI for CPUs, NCCL for GPUs) for the
-//!   distributed step: representations all-gathered, gradients reduced once per step.
-//! - [`dropout`]: dropout whose masks are a pure function of explicit seeds, so every
-//!   replay sees the masks of the representation pass bit for bit.
+//! - [`dropout`] and [`rng`]: dropout whose masks are a pure function of explicit seeds, so
+//!   every replay sees the masks of the representation pass bit for bit.
 //! - [`params`]: the parameter store (seeded initialisation) and gradients keyed by name.
 //! - [`batch`]: splitting and concatenating inputs along the batch dimension.
-//! - [`nn`]: differentiable layers where candle's fused ones cut the graph.
-//! - [`toy`]: tiny towers for tests, examples and benchmarks.
+//! - [`memory`]: a counting allocator for peak-memory measurements.
 //!
-//! The library never prints; errors are [`Error`].
+//! **Layers and models**: [`nn`] (differentiable layers where candle's fused ones cut the
+//! graph) and [`models`] ([`bert`], the trainable BERT-family encoder; [`toy`], tiny towers
+//! for tests, examples and benchmarks).
+//!
+//! **Hugging Face I/O**: [`hub`]: model files from a directory or the Hub, tokenizers,
+//! export to a `transformers` + `sentence-transformers` directory, and the one inference
+//! path ([`hub::EmbeddingModel`]) that `eval`, `encode` and the examples use.
+//!
+//! **The trainer**: [`train`]: configuration, data, optimisers, retrieval metrics,
+//! training checkpoints and the loop behind `gradcache train`.
+//!
+//! **Collectives**: [`dist`]: all-gather and all-reduce across processes (MPI for CPUs,
+//! NCCL for GPUs) for the distributed step.
+//!
+//! The library never prints; errors are [`Error`]. The command-line trainer (the `cli`
+//! feature, on by default) owns the console.
 //!
 //! [candle]: https://github.com/huggingface/candle
 
 pub mod batch;
-pub mod bert;
 pub mod cache;
-pub mod checkpoint;
-pub mod config;
-pub mod data;
 pub mod dist;
 pub mod dropout;
 pub mod encoder;
 mod error;
-pub mod export;
+pub mod hub;
 pub mod loss;
 pub mod memory;
-pub mod metrics;
+pub mod models;
 pub mod nn;
-pub mod optim;
 pub mod params;
-pub mod pretrained;
+pub mod recompute;
 pub mod replay;
-pub mod resume;
 pub mod rng;
-pub mod tokenizer;
-pub mod toy;
-pub mod trainer;
+pub mod train;
 
 pub use batch::{Batch, TokenBatch};
 pub use cache::{cached, cat_reps, GradCache, GradientCache, Representations, StepOutput};
-pub use checkpoint::{Checkpointed, Checkpointing, LayerStack};
 pub use dist::{Collective, ReduceOp, Single};
 pub use dropout::{ChunkSeed, Ctx, Dropout};
 pub use encoder::{Encoder, Network, Tower};
 pub use error::{Error, Result, Side};
 pub use loss::{FnLoss, InfoNce, Loss, LossValue, Similarity};
+pub use models::{bert, toy};
 pub use params::{Gradients, ParamStore, Params};
+pub use recompute::{LayerStack, Recompute, Recomputed};
 
 /// The README's code blocks, compiled and run as doctests so that they stay true.
 #[doc = include_str!("../README.md")]

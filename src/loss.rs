@@ -65,6 +65,26 @@ pub enum Similarity {
     Cosine,
 }
 
+impl Similarity {
+    /// The name sentence-transformers gives it (`similarity_fn_name`).
+    pub fn sentence_transformers_name(self) -> &'static str {
+        match self {
+            Similarity::Dot => "dot",
+            Similarity::Cosine => "cosine",
+        }
+    }
+
+    /// Reads a sentence-transformers `similarity_fn_name` (`dot_product` is its older
+    /// spelling of `dot`); `None` for the ones not implemented here.
+    pub fn from_sentence_transformers_name(name: &str) -> Option<Self> {
+        match name {
+            "cosine" => Some(Similarity::Cosine),
+            "dot" | "dot_product" => Some(Similarity::Dot),
+            _ => None,
+        }
+    }
+}
+
 /// InfoNCE (cross-entropy over similarities) with in-batch and hard negatives.
 ///
 /// With `Q` queries and `P = Q * (k+1)` passages laid out as `[pos_0, neg_0_1..neg_0_k,

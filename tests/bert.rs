@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
-use gradcache::checkpoint::{Checkpointed, Checkpointing, LayerStack};
+use gradcache::recompute::{Recomputed, Recompute, LayerStack};
 use gradcache::params::WeightFile;
 use gradcache::toy::{DeepMlp, DeepMlpConfig};
 use gradcache::{
@@ -56,11 +56,11 @@ fn tokens(seed: u64, rows: usize) -> TokenBatch {
     TokenBatch::new(t(ids), t(mask), t(types)).unwrap()
 }
 
-fn options(pooling: Pooling, checkpointing: Checkpointing) -> BertOptions {
+fn options(pooling: Pooling, recompute: Recompute) -> BertOptions {
     BertOptions {
         pooling,
         normalize: false,
-        checkpointing,
+        recompute,
     }
 }
 
@@ -157,18 +157,18 @@ fn every_parameter_gets_a_gradient_through_cache_step() {
     let opts = BertOptions {
         pooling: Pooling::Mean,
         normalize: true,
-        checkpointing: Checkpointing::Sqrt,
+        recompute: Recompute::Sqrt,
     };
     let enc = BertEncoder::build(&store, "", &cfg, &opts).unwrap();
     let loss = InfoNce::new(0.05).unwrap().with_symmetric(true);
-    let mut gc = GradCache::shared(enc, 3, loss).unwrap().with_seed(3);
+    let gc = GradCache::shared(enc, 3, loss).unwrap().with_seed(3);
     // Every token id and both token types occur, so every embedding row can get a gradient.
     let ids: Vec<u32> = (0..60).collect();
     let ids = Tensor::from_vec(ids, (6, 10), &Device::Cpu).unwrap();
     let types =
         Tensor::from_vec((0..60u32).map(|i| i % 2).collect(), (6, 10), &Device::Cpu).unwrap();
     let q = TokenBatch::new(ids.clone(), ids.ones_like().unwrap(), types).unwrap();
-    let out = gc.cache_step(&q, &tokens(5, 6)).unwrap();
+    let out = gc.cache_step(0, &q, &tokens(5, 6)).unwrap();
 
     let params = store.params();
     assert_eq!(
@@ -193,12 +193,12 @@ fn every_parameter_gets_a_gradient_through_cache_step() {
     }
 }
 
-fn policies() -> Vec<Checkpointing> {
+fn policies() -> Vec<Recompute> {
     vec![
-        Checkpointing::EveryLayer,
-        Checkpointing::Every(3),
-        Checkpointing::Sqrt,
-        Checkpointing::Layers(vec![1, 3]),
+        Recompute::EveryLayer,
+        Recompute::Every(3),
+        Recompute::Sqrt,
+        Recompute::Layers(vec![1, 3]),
     ]
 }
 
@@ -207,7 +207,7 @@ fn checkpointing_does_not_change_bert_gradients() {
     let cfg = config();
     let store = ParamStore::new(13, DType::F32, &Device::Cpu);
     let off =
-        BertEncoder::build(&store, "", &cfg, &options(Pooling::Cls, Checkpointing::Off)).unwrap();
+        BertEncoder::build(&store, "", &cfg, &options(Pooling::Cls, Recompute::Off)).unwrap();
     let batch = tokens(2, 4);
     let ctx = Ctx::train(ChunkSeed {
         run: 1,
@@ -254,13 +254,13 @@ fn checkpointing_does_not_change_deep_mlp_gradients() {
     };
     let store = ParamStore::new(14, DType::F32, &Device::Cpu);
     let build = |policy| {
-        Checkpointed::new(
+        Recomputed::new(
             Tower::build(&store, "", |vb| DeepMlp::new(&cfg, vb)).unwrap(),
             policy,
         )
         .unwrap()
     };
-    let off = build(Checkpointing::Off);
+    let off = build(Recompute::Off);
     assert_eq!(off.tower().graph_model().num_layers(), 9);
     let x = gradcache::rng::normal(1, 0.0, 1.0, &(5, 8).into(), DType::F32, &Device::Cpu).unwrap();
     let g = gradcache::rng::normal(2, 0.0, 1.0, &(5, 6).into(), DType::F32, &Device::Cpu).unwrap();
@@ -291,7 +291,7 @@ fn cached_and_checkpointed_bert_matches_a_full_batch_step() {
     let b = 6;
     let (q, p) = (tokens(3, b), tokens(4, 2 * b));
     for chunk in [1, 3, b] {
-        for policy in [Checkpointing::Off, Checkpointing::Sqrt] {
+        for policy in [Recompute::Off, Recompute::Sqrt] {
             let store = ParamStore::new(15, DType::F32, &Device::Cpu);
             let qe = BertEncoder::build(
                 &store,
@@ -308,9 +308,9 @@ fn cached_and_checkpointed_bert_matches_a_full_batch_step() {
             )
             .unwrap();
             let loss = InfoNce::new(0.1).unwrap().with_symmetric(true);
-            let mut gc = GradCache::two_towers(qe, pe, chunk, chunk + 1, loss).unwrap();
+            let gc = GradCache::two_towers(qe, pe, chunk, chunk + 1, loss).unwrap();
             let reference = gc.full_batch_step(0, &q, &p).unwrap();
-            let cached = gc.cache_step(&q, &p).unwrap();
+            let cached = gc.cache_step(0, &q, &p).unwrap();
             assert!(((cached.loss - reference.loss) / reference.loss).abs() <= 1e-5);
             let mut zero = key_biases(&cfg, "query.");
             zero.extend(key_biases(&cfg, "passage."));

@@ -3,7 +3,7 @@
 
 use std::fs;
 
-use gradcache::data::{read_jsonl, split, Fields, Loader, Pair, Position};
+use gradcache::train::data::{read_jsonl, split, Fields, Loader, Pair, Position};
 use gradcache::Error;
 
 fn pair(i: usize, negatives: usize) -> Pair {

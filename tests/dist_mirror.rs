@@ -110,7 +110,7 @@ fn mirrored_ranks_equal_one_process_on_the_repeated_batch() {
             });
             let dist = gc(two_towers)
                 .with_collective(comm)
-                .cache_step(&q, &p)
+                .cache_step(0, &q, &p)
                 .unwrap();
             let err = dist.grads.max_rel_err(&single.grads, 0.0).unwrap();
             let loss_err = ((dist.loss - single.loss) / single.loss).abs();
@@ -130,9 +130,9 @@ fn another_ranks_failure_fails_this_rank_with_its_message() {
         world: 3,
         others: b"data.jsonl:7: not valid JSON".to_vec(),
     });
-    let mut gc = gc(false).with_collective(comm.clone());
+    let gc = gc(false).with_collective(comm.clone());
     // This rank's batch is fine; the others report a failure.
-    match gc.cache_step(&features(1, LOCAL), &features(2, LOCAL)) {
+    match gc.cache_step(0, &features(1, LOCAL), &features(2, LOCAL)) {
         Err(Error::RankFailed {
             rank,
             world,

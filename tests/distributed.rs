@@ -225,7 +225,7 @@ fn run(case: Case, comm: &Rc<dyn Collective>) -> Result<(StepOutput, StepOutput)
         .map_err(|e| format!("reference step: {e}"))?;
     let mut gc = build(case, Some(comm));
     let dist = gc
-        .cache_step(&q_local, &p_local)
+        .cache_step(0, &q_local, &p_local)
         .map_err(|e| format!("distributed step: {e}"))?;
     Ok((single, dist))
 }
@@ -373,7 +373,7 @@ fn failure(comm: &Rc<dyn Collective>) -> Result<(), String> {
         p_local
     };
     let mut gc = build(case, Some(comm));
-    match gc.cache_step(&q_local, &p_local) {
+    match gc.cache_step(0, &q_local, &p_local) {
         Err(Error::RankFailed {
             rank,
             world,
@@ -410,7 +410,7 @@ fn volume(comm: &Rc<dyn Collective>) -> Result<(), String> {
     let (_, _, q_local, p_local) = data(case, comm.as_ref());
     let mut gc = build(case, Some(comm)).with_bucket_bytes(1 << 20);
     let before = comm.traffic();
-    gc.cache_step(&q_local, &p_local)
+    gc.cache_step(0, &q_local, &p_local)
         .map_err(|e| e.to_string())?;
     let after = comm.traffic();
     let n = comm.world_size() as u64;

@@ -192,8 +192,8 @@ fn two_ranks_follow_the_one_rank_loss_curve() {
         );
     }
 
-    let w1 = gradcache::resume::load(&one.join("checkpoints"), &Device::Cpu).unwrap();
-    let w2 = gradcache::resume::load(&two.join("checkpoints"), &Device::Cpu).unwrap();
+    let w1 = gradcache::train::checkpoint::load(&one.join("checkpoints"), &Device::Cpu).unwrap();
+    let w2 = gradcache::train::checkpoint::load(&two.join("checkpoints"), &Device::Cpu).unwrap();
     assert_eq!(w1.state.step, 4);
     assert_eq!(w2.state.step, 4);
     assert_eq!(w1.model.len(), w2.model.len());

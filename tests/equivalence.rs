@@ -168,8 +168,8 @@ fn run<Q: Encoder, P: Encoder, L: Loss>(
     zero: &[&str],
 ) {
     let n = gc.params().len();
-    let reference = gc.full_batch_step(gc.step(), q, p).unwrap();
-    let cached = gc.cache_step(q, p).unwrap();
+    let reference = gc.full_batch_step(0, q, p).unwrap();
+    let cached = gc.cache_step(0, q, p).unwrap();
     assert_equivalent(name, &reference, &cached, n, zero);
 }
 
@@ -296,9 +296,9 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
 
     let store = ParamStore::new(5, DType::F32, &Device::Cpu);
     let tower = Tower::build(&store, "", |vb| Mlp::new(&mlp_cfg(16), vb)).unwrap();
-    let mut gc = GradCache::shared(tower, 3, l()).unwrap().with_seed(9);
+    let gc = GradCache::shared(tower, 3, l()).unwrap().with_seed(9);
     let out = gc
-        .cache_step(&features(50, B), &features(51, 2 * B))
+        .cache_step(0, &features(50, B), &features(51, 2 * B))
         .unwrap();
     check("shared mlp", &out.grads, store.params().names().collect());
     assert_eq!(store.params().len(), 8);
@@ -306,8 +306,8 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
     let store = ParamStore::new(6, DType::F32, &Device::Cpu);
     let q = Tower::build(&store, "query", |vb| Mlp::new(&mlp_cfg(16), vb)).unwrap();
     let p = Tower::build(&store, "passage", |vb| Mlp::new(&mlp_cfg(16), vb)).unwrap();
-    let mut gc = GradCache::two_towers(q, p, 2, 5, l()).unwrap().with_seed(9);
-    let out = gc.cache_step(&features(52, B), &features(53, B)).unwrap();
+    let gc = GradCache::two_towers(q, p, 2, 5, l()).unwrap().with_seed(9);
+    let out = gc.cache_step(0, &features(52, B), &features(53, B)).unwrap();
     check("two towers", &out.grads, store.params().names().collect());
     assert_eq!(store.params().len(), 16);
 
@@ -319,7 +319,7 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
     };
     let store = ParamStore::new(7, DType::F32, &Device::Cpu);
     let tower = Tower::build(&store, "", |vb| BagOfWords::new(&cfg, vb)).unwrap();
-    let mut gc = GradCache::shared(tower, 3, l()).unwrap().with_seed(9);
+    let gc = GradCache::shared(tower, 3, l()).unwrap().with_seed(9);
     // Every token id appears so that every embedding row can receive a gradient.
     let ids: Vec<u32> = (0..50).collect();
     let ids = Tensor::from_vec(ids, (10, 5), &Device::Cpu).unwrap();
@@ -327,6 +327,6 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
     let types =
         Tensor::from_vec((0..50u32).map(|i| i % 2).collect(), (10, 5), &Device::Cpu).unwrap();
     let batch = TokenBatch::new(ids, ones, types).unwrap();
-    let out = gc.cache_step(&batch, &batch.slice(0, 10).unwrap()).unwrap();
+    let out = gc.cache_step(0, &batch, &batch.slice(0, 10).unwrap()).unwrap();
     check("bag of words", &out.grads, store.params().names().collect());
 }

@@ -6,10 +6,10 @@ use std::fs;
 
 use candle_core::{DType, Device};
 use gradcache::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions, Pooling};
-use gradcache::export::{export_bert, sentence_transformers_options};
-use gradcache::pretrained::ModelFiles;
-use gradcache::tokenizer::Tokenizer;
-use gradcache::{Checkpointing, Ctx, Encoder, Error, ParamStore, Similarity};
+use gradcache::hub::export::{export_bert, read_sentence_transformers_config, SentenceTransformersConfig};
+use gradcache::hub::files::ModelFiles;
+use gradcache::hub::tokenizer::Tokenizer;
+use gradcache::{Recompute, Ctx, Encoder, Error, ParamStore, Similarity};
 
 mod common;
 use common::write_tokenizer;
@@ -35,7 +35,7 @@ fn exported_models_load_back_with_equal_embeddings() {
         let options = BertOptions {
             pooling,
             normalize,
-            checkpointing: Checkpointing::Sqrt,
+            recompute: Recompute::Sqrt,
         };
         // Two towers; export the query tower.
         let store = ParamStore::new(3, DType::F32, &Device::Cpu);
@@ -71,16 +71,21 @@ fn exported_models_load_back_with_equal_embeddings() {
             config["transformers_version"], "4.44.0",
             "unknown config fields are kept"
         );
+        let head = read_sentence_transformers_config(&dir).unwrap();
         assert_eq!(
-            sentence_transformers_options(&dir).unwrap(),
-            Some((pooling, normalize))
+            head,
+            Some(SentenceTransformersConfig {
+                pooling,
+                normalize,
+                similarity: Some(Similarity::Cosine)
+            })
         );
 
         let files = ModelFiles::from_dir(&dir).unwrap();
-        let (pooling2, normalize2) = sentence_transformers_options(&dir).unwrap().unwrap();
+        let head = head.unwrap();
         let loaded_options = BertOptions {
-            pooling: pooling2,
-            normalize: normalize2,
+            pooling: head.pooling,
+            normalize: head.normalize,
             ..Default::default()
         };
         let (loaded, loaded_cfg, _) = load_pretrained(
@@ -139,13 +144,7 @@ fn never_overwrites_an_existing_directory() {
     )
     .unwrap_err();
     assert!(
-        matches!(
-            err,
-            Error::InvalidConfig {
-                field: "export directory",
-                ..
-            }
-        ),
+        matches!(&err, Error::OutputExists { path } if path == &dir),
         "{err:?}"
     );
     assert_eq!(

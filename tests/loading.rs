@@ -7,8 +7,8 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{load_pretrained, BertEncoder, BertOptions};
-use gradcache::pretrained::{HubSettings, ModelFiles};
-use gradcache::tokenizer::Tokenizer;
+use gradcache::hub::files::{HubSettings, ModelFiles};
+use gradcache::hub::tokenizer::Tokenizer;
 use gradcache::{Error, ParamStore};
 
 mod common;
@@ -392,13 +392,7 @@ fn too_short_max_len_and_too_long_sequences() {
         gradcache::TokenBatch::new(ids.clone(), ids.clone(), ids.zeros_like().unwrap()).unwrap();
     let err = gradcache::Encoder::encode(&encoder, &batch, &gradcache::Ctx::eval()).unwrap_err();
     assert!(
-        matches!(
-            err,
-            Error::InvalidConfig {
-                field: "max_len",
-                ..
-            }
-        ),
+        matches!(err, Error::SequenceTooLong { len: 20, max: 16 }),
         "{err:?}"
     );
     assert!(err.to_string().contains("max_position_embeddings"), "{err}");
@@ -412,7 +406,7 @@ fn trained_vocabulary_is_deterministic_with_character_fallback() {
         "THE LIGHT shines",
         "zebra",
     ];
-    let train = || gradcache::tokenizer::train_wordpiece(texts.iter().copied(), 60, true).unwrap();
+    let train = || gradcache::hub::tokenizer::train_wordpiece(texts.iter().copied(), 60, true).unwrap();
     let (a, b) = (train(), train());
     assert_eq!(
         a.to_string(false).unwrap(),

@@ -1,7 +1,7 @@
 //! Retrieval metrics on hand-made rankings.
 
 use candle_core::{Device, Tensor};
-use gradcache::metrics::{evaluate, rank_of, RetrievalMetrics};
+use gradcache::train::metrics::{evaluate, rank_of, RetrievalMetrics};
 use gradcache::Similarity;
 
 #[test]

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor, Var};
-use gradcache::data::Position;
-use gradcache::resume::{latest, list, load, restore, save, write_files, TrainerState};
+use gradcache::train::data::Position;
+use gradcache::train::checkpoint::{latest, list, load, restore, save, write_files, TrainerState};
 use gradcache::Params;
 
 fn params(scale: f32) -> Params {
@@ -23,7 +23,6 @@ fn state(step: u64) -> TrainerState {
             epoch: 1,
             offset: 12,
         },
-        seed: 42,
         config_fingerprint: "abc".into(),
     }
 }

@@ -4,9 +4,9 @@
 use std::fs;
 use std::path::Path;
 
-use gradcache::config::{apply_override, Config, OptimName};
-use gradcache::trainer::{Quiet, Trainer};
-use gradcache::{Checkpointing, Error};
+use gradcache::train::config::{apply_override, Config, OptimName};
+use gradcache::train::trainer::{Quiet, Trainer};
+use gradcache::{Recompute, Error};
 
 /// A tiny run over the first pairs of the quickstart data.
 fn setup(dir: &Path) -> std::path::PathBuf {
@@ -27,7 +27,7 @@ eval_file = "{dir}/eval.jsonl"
 [model]
 query_max_len = 24
 passage_max_len = 24
-checkpointing = "every_layer"
+recompute = "every_layer"
 [model.fresh]
 vocab_size = 300
 hidden_size = 16
@@ -83,7 +83,7 @@ fn quickstart_config_parses_with_overrides() {
         "optim.name=sgd",
         "optim.lr=0.5",
         "optim.warmup_steps=0",
-        "model.checkpointing={ every = 2 }",
+        "model.recompute={ every = 2 }",
         "model.fresh.hidden_size=64",
         "loss.similarity=dot",
         "data.fields.query=anchor",
@@ -96,7 +96,7 @@ fn quickstart_config_parses_with_overrides() {
     assert_eq!(cfg.train.steps, 1);
     assert_eq!(cfg.optim.name, OptimName::Sgd);
     assert_eq!(cfg.optim.lr, 0.5);
-    assert_eq!(cfg.model.checkpointing, Checkpointing::Every(2));
+    assert_eq!(cfg.model.recompute, Recompute::Every(2));
     assert_eq!(cfg.model.fresh.hidden_size, 64);
     assert_eq!(cfg.data.fields.query, "anchor");
     assert_eq!(cfg.seed, 3);
@@ -126,8 +126,10 @@ fn every_bad_value_is_rejected_with_its_key() {
         ("train.keep_checkpoints=0", "`train.keep_checkpoints`: 0"),
         (
             "optim.warmup_steps=1000",
-            "`optim.warmup_steps`: 1000 (must not exceed train.steps)",
+            "`optim.warmup_steps`: 1000 (must not exceed train.steps",
         ),
+        ("optim.warmup_ratio=1.5", "`optim.warmup_ratio`: 1.5"),
+        ("optim.warmup_ratio=-0.1", "`optim.warmup_ratio`: -0.1"),
         ("optim.max_grad_norm=-1", "`optim.max_grad_norm`: -1"),
         ("model.fresh.vocab_size=5", "`model.fresh.vocab_size`: 5"),
         (
@@ -263,7 +265,7 @@ fn run_evaluates_checkpoints_and_exports() {
     let (before, after) = trainer.run(&mut Quiet).unwrap();
     assert_eq!(before.unwrap().queries, 10);
     assert_eq!(after.queries, 10);
-    let ckpts = gradcache::resume::list(&dir.path().join("run").join("checkpoints")).unwrap();
+    let ckpts = gradcache::train::checkpoint::list(&dir.path().join("run").join("checkpoints")).unwrap();
     assert_eq!(ckpts.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2, 4]);
     let out = dir.path().join("exported");
     trainer.export(&out, gradcache::Side::Query).unwrap();

@@ -151,17 +151,6 @@ pub enum Backend {
     Nccl,
 }
 
-impl Backend {
-    /// The name used in configs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::None => "none",
-            Backend::Mpi => "mpi",
-            Backend::Nccl => "nccl",
-        }
-    }
-}
-
 /// Starts `backend`: MPI is initialised once per process (so at most one [`init`] per
 /// process for `mpi` and `nccl`); `nccl` also opens the GPU numbered by the rank's local
 /// rank on its node (`OMPI_COMM_WORLD_LOCAL_RANK`, else the rank).
@@ -211,6 +200,41 @@ pub fn agree<T>(comm: &dyn Collective, local: Result<T>) -> Result<T> {
             rank,
             world: all.len(),
             message: String::from_utf8_lossy(&all[rank]).into_owned(),
+        }),
+    }
+}
+
+/// Rank 0 computes, every rank receives: runs `compute` on rank 0 only, agrees on its
+/// outcome (a failure there becomes every rank's [`Error::RankFailed`]) and hands rank 0's
+/// value to every rank (as JSON over the control plane). Used for work that must happen
+/// once and be seen identically everywhere: training the tokenizer, the evaluation. With
+/// one process this is `compute()`.
+pub fn from_root<T>(comm: &dyn Collective, what: &str, compute: impl FnOnce() -> Result<T>) -> Result<T>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned,
+{
+    if comm.world_size() == 1 {
+        return compute();
+    }
+    let local = if comm.rank() == 0 {
+        compute().and_then(|value| {
+            let bytes = serde_json::to_vec(&value).map_err(|e| Error::RankMismatch {
+                what: what.to_string(),
+                detail: format!("rank 0 cannot serialise it: {e}"),
+            })?;
+            Ok(Some((value, bytes)))
+        })
+    } else {
+        Ok(None)
+    };
+    let mine = agree(comm, local)?;
+    let bytes = mine.as_ref().map(|(_, b)| b.as_slice()).unwrap_or_default();
+    let all = comm.all_gather_bytes(bytes)?;
+    match mine {
+        Some((value, _)) => Ok(value),
+        None => serde_json::from_slice(&all[0]).map_err(|e| Error::RankMismatch {
+            what: what.to_string(),
+            detail: format!("rank 0's value does not parse: {e}"),
         }),
     }
 }
@@ -321,9 +345,10 @@ pub fn weights_checksum(params: &Params) -> Result<u64> {
 pub fn ensure_identical_weights(comm: &dyn Collective, params: &Params) -> Result<u64> {
     let sum = weights_checksum(params)?;
     ensure_same(comm, "the weights", &sum.to_le_bytes(), |b| {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(&b[..8.min(b.len())]);
-        format!("checksum {:016x}", u64::from_le_bytes(a))
+        match <[u8; 8]>::try_from(b) {
+            Ok(a) => format!("checksum {:016x}", u64::from_le_bytes(a)),
+            Err(_) => format!("a malformed checksum of {} bytes", b.len()),
+        }
     })?;
     Ok(sum)
 }

@@ -1,6 +1,9 @@
 //! `gradcache`: train, evaluate, encode with and export DPR-style bi-encoders with batches
 //! far larger than memory. Run `gradcache --help`.
 
+mod console;
+mod plot;
+
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -8,20 +11,18 @@ use std::process::ExitCode;
 use std::rc::Rc;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
 use clap::{Parser, Subcommand, ValueEnum};
-use gradcache::bert::{load_pretrained, BertOptions, Pooling};
-use gradcache::config::Config;
-use gradcache::data::{read_jsonl, Fields};
-use gradcache::dist::{self, Collective};
-use gradcache::export::sentence_transformers_options;
+use gradcache::bert::Pooling;
+use gradcache::dist::{self, Backend, Collective};
+use gradcache::hub::{EmbeddingModel, LoadOptions};
 use gradcache::memory::CountingAllocator;
-use gradcache::metrics::{evaluate, RetrievalMetrics};
-use gradcache::pretrained::{HubSettings, ModelFiles};
-use gradcache::tokenizer::Tokenizer;
-use gradcache::trainer::{embed, Event, Observer, Quiet, Trainer};
-use gradcache::{ParamStore, Side, Similarity};
+use gradcache::train::data::{read_jsonl, Fields};
+use gradcache::train::metrics::evaluate;
+use gradcache::train::{export_run, Config, Quiet, Trainer};
+use gradcache::{Side, Similarity};
 use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::console::{describe, Console};
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
@@ -40,6 +41,23 @@ struct Cli {
     command: Command,
 }
 
+/// How a model without sentence-transformers files pools, normalises and compares;
+/// given for a model that has them, these override its files.
+#[derive(clap::Args)]
+struct HeadArgs {
+    /// Pooling (default: the model's sentence-transformers files, else mean).
+    #[arg(long, value_enum)]
+    pooling: Option<PoolingArg>,
+    /// L2-normalise embeddings (default: the model's sentence-transformers files, else
+    /// false).
+    #[arg(long)]
+    normalize: Option<bool>,
+    /// Similarity for ranking (default: the one the model was trained with, from its
+    /// sentence-transformers files, else cosine).
+    #[arg(long, value_enum)]
+    similarity: Option<SimilarityArg>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Train a bi-encoder from a TOML config.
@@ -56,8 +74,8 @@ enum Command {
         /// Override a config value, e.g. `--set train.steps=10 --set optim.name=sgd`.
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
-        /// Continue from a checkpoint directory (or the run's `checkpoints` directory:
-        /// then the newest).
+        /// Continue from a training checkpoint directory (or the run's `checkpoints`
+        /// directory: then the newest).
         #[arg(long)]
         resume: Option<PathBuf>,
     },
@@ -75,9 +93,8 @@ enum Command {
         /// Texts encoded at once.
         #[arg(long, default_value_t = 32)]
         chunk: usize,
-        /// Similarity used for ranking.
-        #[arg(long, value_enum, default_value_t = Sim::Cosine)]
-        similarity: Sim,
+        #[command(flatten)]
+        head: HeadArgs,
     },
     /// Embed texts: `--text` arguments, or a file with one text per line or JSONL with a
     /// `text` field. Writes JSONL `{"text", "embedding"}`.
@@ -97,9 +114,12 @@ enum Command {
         /// Token limit.
         #[arg(long, default_value_t = 128)]
         max_len: usize,
+        #[command(flatten)]
+        head: HeadArgs,
     },
-    /// Export a trained run (its newest checkpoint) as a Hugging Face + sentence-transformers
-    /// model directory.
+    /// Export a trained run (its newest training checkpoint) as a Hugging Face +
+    /// sentence-transformers model directory. Reads the run directory only (no training
+    /// data) and writes only the new directory.
     Export {
         /// The run's TOML config.
         #[arg(long)]
@@ -107,28 +127,53 @@ enum Command {
         /// Config overrides used for the run.
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
-        /// A checkpoint directory (default: the newest under `<output_dir>/checkpoints`).
+        /// A training checkpoint directory (default: the newest under
+        /// `<output_dir>/checkpoints`).
         #[arg(long)]
         checkpoint: Option<PathBuf>,
         /// The new model directory (must not exist or be empty).
         #[arg(long)]
         output: PathBuf,
         /// With two towers: which one.
-        #[arg(long, value_enum, default_value_t = Tower::Query)]
-        tower: Tower,
+        #[arg(long, value_enum, default_value_t = TowerArg::Query)]
+        tower: TowerArg,
     },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
-enum Sim {
+enum SimilarityArg {
     Cosine,
     Dot,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
-enum Tower {
+enum PoolingArg {
+    Mean,
+    Cls,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum TowerArg {
     Query,
     Passage,
+}
+
+impl HeadArgs {
+    fn load_options(&self, max_len: usize) -> LoadOptions {
+        LoadOptions {
+            pooling: self.pooling.map(|p| match p {
+                PoolingArg::Mean => Pooling::Mean,
+                PoolingArg::Cls => Pooling::Cls,
+            }),
+            normalize: self.normalize,
+            similarity: self.similarity.map(|s| match s {
+                SimilarityArg::Cosine => Similarity::Cosine,
+                SimilarityArg::Dot => Similarity::Dot,
+            }),
+            max_len,
+            ..LoadOptions::default()
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -173,15 +218,22 @@ fn run(command: Command) -> Result<()> {
             data,
             max_len,
             chunk,
-            similarity,
-        } => eval(&model, &data, max_len, chunk, similarity),
+            head,
+        } => eval(&model, &data, chunk, &head.load_options(max_len)),
         Command::Encode {
             model,
             text,
             input,
             output,
             max_len,
-        } => encode(&model, text, input.as_deref(), output.as_deref(), max_len),
+            head,
+        } => encode(
+            &model,
+            text,
+            input.as_deref(),
+            output.as_deref(),
+            &head.load_options(max_len),
+        ),
         Command::Export {
             config,
             set,
@@ -191,83 +243,14 @@ fn run(command: Command) -> Result<()> {
         } => {
             let mut cfg = Config::load(&config, &set)?;
             // Exporting reads one checkpoint: one process, whatever the run used.
-            cfg.dist.backend = dist::Backend::None;
-            let ckpt = checkpoint.unwrap_or_else(|| cfg.output_dir.join("checkpoints"));
-            let trainer = Trainer::new(cfg, Some(&ckpt))?;
+            cfg.dist.backend = Backend::None;
             let side = match tower {
-                Tower::Query => Side::Query,
-                Tower::Passage => Side::Passage,
+                TowerArg::Query => Side::Query,
+                TowerArg::Passage => Side::Passage,
             };
-            trainer.export(&output, side)?;
-            tracing::info!("exported step {} to {}", trainer.step(), output.display());
+            let step = export_run(&cfg, checkpoint.as_deref(), &output, side)?;
+            tracing::info!("exported step {step} to {}", output.display());
             Ok(())
-        }
-    }
-}
-
-/// Draws the progress bar, logs evaluations and notes, appends to `metrics.jsonl`.
-struct Console {
-    bar: ProgressBar,
-    metrics: File,
-}
-
-impl Console {
-    fn line(&mut self, value: serde_json::Value) {
-        if let Err(e) = writeln!(self.metrics, "{value}") {
-            self.bar
-                .suspend(|| tracing::warn!("cannot write metrics.jsonl: {e}"));
-        }
-    }
-}
-
-fn describe(m: &RetrievalMetrics) -> String {
-    format!(
-        "recall@1 {:.3}  recall@5 {:.3}  recall@10 {:.3}  mrr@10 {:.3}  ndcg@10 {:.3}  ({} queries)",
-        m.recall_at_1, m.recall_at_5, m.recall_at_10, m.mrr_at_10, m.ndcg_at_10, m.queries
-    )
-}
-
-impl Observer for Console {
-    fn event(&mut self, event: &Event) {
-        match event {
-            Event::Step(r) => {
-                self.bar.set_position(r.step);
-                self.bar.set_message(format!(
-                    "loss {:.4}  lr {:.2e}  {:.0} pairs/s  peak {:.0} MiB",
-                    r.loss,
-                    r.lr,
-                    r.pairs_per_sec,
-                    r.peak_bytes as f64 / 1048576.0
-                ));
-                self.line(serde_json::json!({"type": "step", "step": r.step, "loss": r.loss, "lr": r.lr,
-                    "grad_norm": r.grad_norm, "pairs_per_sec": r.pairs_per_sec, "peak_bytes": r.peak_bytes}));
-                if !self.bar.is_hidden() {
-                    return;
-                }
-                // No terminal (CI, logs to a file): a line now and then instead of the bar.
-                let every = (self.bar.length().unwrap_or(1) / 20).max(1);
-                if r.step % every == 0 || r.step == 1 {
-                    tracing::info!(
-                        "step {}/{}  loss {:.4}  lr {:.2e}  {:.0} pairs/s",
-                        r.step,
-                        self.bar.length().unwrap_or(0),
-                        r.loss,
-                        r.lr,
-                        r.pairs_per_sec
-                    );
-                }
-            }
-            Event::Eval { step, metrics } => {
-                let text = describe(metrics);
-                self.bar
-                    .suspend(|| tracing::info!("eval at step {step}: {text}"));
-                self.line(serde_json::json!({"type": "eval", "step": step, "metrics": metrics}));
-            }
-            Event::Checkpoint(dir) => {
-                self.bar
-                    .suspend(|| tracing::info!("checkpoint {}", dir.display()));
-            }
-            Event::Note(note) => self.bar.suspend(|| tracing::info!("{note}")),
         }
     }
 }
@@ -338,101 +321,30 @@ fn train_on(cfg: Config, resume: Option<&Path>, comm: Rc<dyn Collective>) -> Res
     }
     tracing::info!("after:  {}", describe(&after));
     let png = cfg.output_dir.join("loss.png");
-    match plot_losses(&metrics_path, &png) {
+    match plot::plot_losses(&metrics_path, &png) {
         Ok(()) => tracing::info!("loss curve: {}", png.display()),
         Err(e) => tracing::warn!("no loss curve: {e:#}"),
     }
     Ok(())
 }
 
-/// The loss of every step recorded in `metrics.jsonl` (a resumed run appends to it).
-fn plot_losses(metrics: &Path, png: &Path) -> Result<()> {
-    use plotters::prelude::*;
-    let mut points: Vec<(u64, f32)> = Vec::new();
-    for line in BufReader::new(File::open(metrics)?).lines() {
-        let v: serde_json::Value = serde_json::from_str(&line?)?;
-        if v["type"] == "step" {
-            if let (Some(s), Some(l)) = (v["step"].as_u64(), v["loss"].as_f64()) {
-                points.retain(|(step, _)| *step < s);
-                points.push((s, l as f32));
-            }
-        }
-    }
-    if points.is_empty() {
-        bail!("no steps recorded");
-    }
-    let font = ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"]
-        .iter()
-        .find_map(|p| std::fs::read(p).ok())
-        .context("no font for the plot labels (install fonts-dejavu-core)")?;
-    let font: &'static [u8] = Box::leak(font.into_boxed_slice());
-    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
-        .map_err(|_| anyhow::anyhow!("the font file is not a valid font"))?;
-    let max_step = points.last().map_or(1, |p| p.0).max(1);
-    let max_loss = points.iter().map(|p| p.1).fold(0f32, f32::max).max(1e-3);
-    let root = BitMapBackend::new(png, (800, 480)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("training loss", ("sans-serif", 22))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(56)
-        .build_cartesian_2d(0u64..max_step, 0f32..max_loss * 1.05)?;
-    chart
-        .configure_mesh()
-        .x_desc("step")
-        .y_desc("loss")
-        .draw()?;
-    chart.draw_series(LineSeries::new(points, &BLUE))?;
-    root.present()?;
-    Ok(())
+/// Loads a model for `eval` or `encode` and logs where its pooling, normalisation and
+/// similarity came from.
+fn load_model(model: &str, options: &LoadOptions) -> Result<EmbeddingModel> {
+    let loaded = EmbeddingModel::load(model, options)?;
+    tracing::info!("{model}: {}", loaded.settings());
+    Ok(loaded)
 }
 
-fn load_model(
-    model: &str,
-    max_len: usize,
-) -> Result<(gradcache::bert::BertEncoder, Tokenizer, Similarity)> {
-    let files = ModelFiles::resolve(model, &HubSettings::from_env())?;
-    let dir = files
-        .config
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default();
-    let (pooling, normalize) =
-        sentence_transformers_options(&dir)?.unwrap_or((Pooling::Mean, true));
-    let options = BertOptions {
-        pooling,
-        normalize,
-        ..Default::default()
-    };
-    let (encoder, cfg, _) = load_pretrained(
-        &files,
-        "",
-        &options,
-        ParamStore::new(0, DType::F32, &Device::Cpu),
-    )?;
-    let tok = files.tokenizer.context("the model has no tokenizer.json")?;
-    let tokenizer = Tokenizer::from_file(&tok, max_len.min(cfg.max_position_embeddings))?;
-    let similarity = if normalize {
-        Similarity::Cosine
-    } else {
-        Similarity::Dot
-    };
-    Ok((encoder, tokenizer, similarity))
-}
-
-fn eval(model: &str, data: &Path, max_len: usize, chunk: usize, similarity: Sim) -> Result<()> {
-    let (encoder, tokenizer, _) = load_model(model, max_len)?;
+fn eval(model: &str, data: &Path, chunk: usize, options: &LoadOptions) -> Result<()> {
+    let model = load_model(model, options)?;
     let pairs = read_jsonl(data, &Fields::default())?;
     let queries: Vec<&str> = pairs.iter().map(|p| p.query.as_str()).collect();
     let passages: Vec<&str> = pairs.iter().map(|p| p.positive.as_str()).collect();
-    let q = embed(&encoder, &tokenizer, &queries, chunk, &Device::Cpu)?;
-    let p = embed(&encoder, &tokenizer, &passages, chunk, &Device::Cpu)?;
-    let sim = match similarity {
-        Sim::Cosine => Similarity::Cosine,
-        Sim::Dot => Similarity::Dot,
-    };
-    let m = evaluate(&q, &p, &(0..pairs.len()).collect::<Vec<_>>(), sim, 256)?;
+    let q = model.embed(&queries, chunk)?;
+    let p = model.embed(&passages, chunk)?;
+    let targets: Vec<usize> = (0..pairs.len()).collect();
+    let m = evaluate(&q, &p, &targets, model.similarity(), 256)?;
     println!("{}", serde_json::to_string(&m)?);
     tracing::info!("{}", describe(&m));
     Ok(())
@@ -443,7 +355,7 @@ fn encode(
     mut texts: Vec<String>,
     input: Option<&Path>,
     output: Option<&Path>,
-    max_len: usize,
+    options: &LoadOptions,
 ) -> Result<()> {
     if let Some(path) = input {
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
@@ -467,9 +379,9 @@ fn encode(
     if texts.is_empty() {
         bail!("nothing to encode: give --text or --input");
     }
-    let (encoder, tokenizer, _) = load_model(model, max_len)?;
+    let model = load_model(model, options)?;
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-    let embeddings = embed(&encoder, &tokenizer, &refs, 32, &Device::Cpu)?.to_vec2::<f32>()?;
+    let embeddings = model.embed(&refs, 32)?.to_vec2::<f32>()?;
     let mut out: Box<dyn Write> = match output {
         Some(p) => {
             Box::new(File::create(p).with_context(|| format!("cannot create {}", p.display()))?)

@@ -2,8 +2,8 @@
 //! a 12-layer BERT encoder and for a deep residual MLP, measured side by side in one run.
 //!
 //! ```text
-//! cargo run --release --example checkpoint_memory
-//! cargo run --release --example checkpoint_memory -- --quick   # smaller models
+//! cargo run --release --example recompute_memory
+//! cargo run --release --example recompute_memory -- --quick   # smaller models
 //! ```
 //!
 //! A step is one `cache_step` (dropout on) over a batch that fits in one chunk per side, so
@@ -17,20 +17,20 @@ use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
 use gradcache::memory::{measure, CountingAllocator};
 use gradcache::toy::{DeepMlp, DeepMlpConfig};
 use gradcache::{
-    Batch, Checkpointed, Checkpointing, Encoder, GradCache, Gradients, InfoNce, ParamStore,
+    Batch, Recomputed, Recompute, Encoder, GradCache, Gradients, InfoNce, ParamStore,
     TokenBatch, Tower,
 };
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
-fn policies() -> Vec<(&'static str, Checkpointing)> {
+fn policies() -> Vec<(&'static str, Recompute)> {
     vec![
-        ("off", Checkpointing::Off),
-        ("every_layer", Checkpointing::EveryLayer),
-        ("every_2", Checkpointing::Every(2)),
-        ("sqrt", Checkpointing::Sqrt),
-        ("layers_6", Checkpointing::Layers(vec![6])),
+        ("off", Recompute::Off),
+        ("every_layer", Recompute::EveryLayer),
+        ("every_2", Recompute::Every(2)),
+        ("sqrt", Recompute::Sqrt),
+        ("layers_6", Recompute::Layers(vec![6])),
     ]
 }
 
@@ -38,17 +38,16 @@ fn policies() -> Vec<(&'static str, Checkpointing)> {
 fn run<E, F>(model: &str, build: F, queries: &E::Input, passages: &E::Input) -> anyhow::Result<()>
 where
     E: Encoder,
-    F: Fn(Checkpointing) -> gradcache::Result<E>,
+    F: Fn(Recompute) -> gradcache::Result<E>,
 {
     let mut reference: Option<Gradients> = None;
     for (name, policy) in policies() {
         let chunk = queries.rows().max(passages.rows());
         let loss = InfoNce::new(0.05)?.with_symmetric(true);
-        let mut gc = GradCache::shared(build(policy)?, chunk, loss)?.with_seed(7);
-        // Warm up, then measure a step at the same step index (same dropout masks).
-        gc.cache_step(queries, passages)?;
-        gc.set_step(0);
-        let (ms, peak, out) = measure(|| gc.cache_step(queries, passages));
+        let gc = GradCache::shared(build(policy)?, chunk, loss)?.with_seed(7);
+        // Warm up, then measure the same step again (same step index: same dropout masks).
+        gc.cache_step(0, queries, passages)?;
+        let (ms, peak, out) = measure(|| gc.cache_step(0, queries, passages));
         let grads = out?.grads;
         let err = match &reference {
             None => 0.0,
@@ -88,7 +87,7 @@ fn main() -> anyhow::Result<()> {
         let options = BertOptions {
             pooling: Pooling::Mean,
             normalize: false,
-            checkpointing: policy,
+            recompute: policy,
         };
         BertEncoder::build(&store, "", &cfg, &options)
     };
@@ -109,7 +108,7 @@ fn main() -> anyhow::Result<()> {
     let store = ParamStore::new(2, DType::F32, &Device::Cpu);
     let build = |policy| {
         let tower = Tower::build(&store, "", |vb| DeepMlp::new(&mlp, vb))?;
-        Checkpointed::new(tower, policy)
+        Recomputed::new(tower, policy)
     };
     let x =
         |seed| gradcache::rng::normal(seed, 0.0, 1.0, &(rows, 64).into(), DType::F32, &Device::Cpu);

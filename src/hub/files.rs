@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 use hf_hub::{Repo, RepoType};
 
+use crate::hub::export::{MODULES, POOLING, SENTENCE_TRANSFORMERS_CONFIG};
 use crate::{Error, Result};
 
 /// The configuration file of a model.
@@ -30,6 +31,9 @@ const PICKLES: [&str; 2] = ["pytorch_model.bin", "model.bin"];
 /// The files of one model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelFiles {
+    /// The directory holding them (a Hub snapshot directory for a repo id), where the
+    /// sentence-transformers files are looked for.
+    pub dir: PathBuf,
     /// `config.json`.
     pub config: PathBuf,
     /// `model.safetensors`.
@@ -118,6 +122,7 @@ impl ModelFiles {
         }
         let tokenizer = Some(dir.join(TOKENIZER)).filter(|p| p.is_file());
         Ok(Self {
+            dir: dir.to_path_buf(),
             config,
             weights,
             tokenizer,
@@ -175,10 +180,17 @@ impl ModelFiles {
                 return Err(missing(WEIGHTS));
             }
         };
+        let tokenizer = fetch(TOKENIZER)?;
+        // The sentence-transformers head (pooling, normalisation, similarity), when the
+        // repo has one: fetched into the same snapshot directory.
+        for file in [MODULES, POOLING, SENTENCE_TRANSFORMERS_CONFIG] {
+            fetch(file)?;
+        }
         Ok(Self {
+            dir: config.parent().map(Path::to_path_buf).unwrap_or_default(),
             config,
             weights,
-            tokenizer: fetch(TOKENIZER)?,
+            tokenizer,
         })
     }
 }

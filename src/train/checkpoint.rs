@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-use crate::data::Position;
+use crate::train::data::Position;
 use crate::params::Params;
 use crate::{Error, Result};
 
@@ -30,8 +30,6 @@ pub struct TrainerState {
     pub step: u64,
     /// Where the data loader stands.
     pub data: Position,
-    /// The run's seed.
-    pub seed: u64,
     /// A fingerprint of the configuration, to refuse resuming with another one.
     pub config_fingerprint: String,
 }
@@ -44,15 +42,8 @@ pub struct Checkpoint {
     pub model: HashMap<String, Tensor>,
     /// Optimiser state by name.
     pub optimizer: BTreeMap<String, Tensor>,
-    /// Step, data position, seed.
+    /// Step, data position, configuration fingerprint.
     pub state: TrainerState,
-}
-
-fn io(path: &Path, e: impl std::fmt::Display) -> Error {
-    Error::ModelFile {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    }
 }
 
 fn name(step: u64) -> String {
@@ -67,21 +58,24 @@ pub fn write_files(
     optimizer: &BTreeMap<String, Tensor>,
     state: &TrainerState,
 ) -> Result<()> {
-    fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
     let model: HashMap<String, Tensor> = params
         .iter()
         .map(|(n, v)| (n.to_string(), v.as_tensor().clone()))
         .collect();
-    candle_core::safetensors::save(&model, dir.join(MODEL))?;
+    let path = dir.join(MODEL);
+    candle_core::safetensors::save(&model, &path).map_err(|e| Error::io("write", &path, e))?;
     let optimizer: HashMap<String, Tensor> = optimizer.clone().into_iter().collect();
-    candle_core::safetensors::save(&optimizer, dir.join(OPTIMIZER))?;
-    let json = serde_json::to_string_pretty(state).map_err(|e| io(&dir.join(STATE), e))?;
-    fs::write(dir.join(STATE), json).map_err(|e| io(&dir.join(STATE), e))?;
+    let path = dir.join(OPTIMIZER);
+    candle_core::safetensors::save(&optimizer, &path).map_err(|e| Error::io("write", &path, e))?;
+    let path = dir.join(STATE);
+    let json = serde_json::to_string_pretty(state).map_err(|e| Error::io("write", &path, e))?;
+    fs::write(&path, json).map_err(|e| Error::io("write", &path, e))?;
     for file in [MODEL, OPTIMIZER, STATE] {
         let path = dir.join(file);
         fs::File::open(&path)
             .and_then(|f| f.sync_all())
-            .map_err(|e| io(&path, e))?;
+            .map_err(|e| Error::io("flush", &path, e))?;
     }
     Ok(())
 }
@@ -95,26 +89,29 @@ pub fn save(
     state: &TrainerState,
     keep: usize,
 ) -> Result<PathBuf> {
-    fs::create_dir_all(root).map_err(|e| io(root, e))?;
+    fs::create_dir_all(root).map_err(|e| Error::io("create", root, e))?;
     let final_dir = root.join(name(state.step));
     let tmp = root.join(format!("{TMP}{}", name(state.step)));
     if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+        fs::remove_dir_all(&tmp).map_err(|e| Error::io("remove", &tmp, e))?;
     }
     write_files(&tmp, params, optimizer, state)?;
     if final_dir.exists() {
-        fs::remove_dir_all(&final_dir).map_err(|e| io(&final_dir, e))?;
+        fs::remove_dir_all(&final_dir).map_err(|e| Error::io("remove", &final_dir, e))?;
     }
-    fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
+    fs::rename(&tmp, &final_dir).map_err(|e| Error::io("rename into", &final_dir, e))?;
     if let Ok(d) = fs::File::open(root) {
         // Make the rename itself durable where the platform allows it.
         let _ = d.sync_all();
     }
     let all = list(root)?;
     for (_, dir) in all.iter().rev().skip(keep.max(1)) {
-        fs::remove_dir_all(dir).map_err(|e| io(dir, e))?;
+        fs::remove_dir_all(dir).map_err(|e| Error::io("remove", dir, e))?;
     }
-    for entry in fs::read_dir(root).map_err(|e| io(root, e))?.flatten() {
+    for entry in fs::read_dir(root)
+        .map_err(|e| Error::io("list", root, e))?
+        .flatten()
+    {
         let path = entry.path();
         let leftover = entry.file_name().to_string_lossy().starts_with(TMP);
         if leftover && path != tmp {
@@ -130,7 +127,7 @@ pub fn list(root: &Path) -> Result<Vec<(u64, PathBuf)>> {
     let entries = match fs::read_dir(root) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(found),
-        Err(e) => return Err(io(root, e)),
+        Err(e) => return Err(Error::io("list", root, e)),
     };
     for entry in entries.flatten() {
         let file_name = entry.file_name();
@@ -158,23 +155,47 @@ pub fn latest(root: &Path) -> Result<Option<PathBuf>> {
     Ok(list(root)?.pop().map(|(_, d)| d))
 }
 
+/// The checkpoint directory `path` names: a `step-N` directory itself, or a root holding
+/// them (then the newest complete one).
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.join(STATE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    latest(path)?.ok_or_else(|| Error::MissingFile {
+        path: path.to_path_buf(),
+        what: "checkpoint (no complete step-* directory)",
+    })
+}
+
+/// Reads a checkpoint's `trainer_state.json`.
+pub fn read_state(dir: &Path) -> Result<TrainerState> {
+    let path = dir.join(STATE);
+    let text = fs::read_to_string(&path).map_err(|e| Error::io("read", &path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+        path,
+        reason: e.to_string(),
+    })
+}
+
+/// The path of a checkpoint's weights file (parameter names as the run's store has them).
+pub fn model_file(dir: &Path) -> PathBuf {
+    dir.join(MODEL)
+}
+
+fn read_tensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+    candle_core::safetensors::load(path, device).map_err(|e| Error::ModelFile {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
 /// Reads a checkpoint directory (a `step-N` directory, or a root holding them: then the
 /// newest).
 pub fn load(path: &Path, device: &Device) -> Result<Checkpoint> {
-    let dir = if path.join(STATE).is_file() {
-        path.to_path_buf()
-    } else {
-        latest(path)?.ok_or_else(|| Error::MissingFile {
-            path: path.to_path_buf(),
-            what: "checkpoint (no complete step-* directory)",
-        })?
-    };
-    let text = fs::read_to_string(dir.join(STATE)).map_err(|e| io(&dir.join(STATE), e))?;
-    let state: TrainerState = serde_json::from_str(&text).map_err(|e| io(&dir.join(STATE), e))?;
-    let model = candle_core::safetensors::load(dir.join(MODEL), device)
-        .map_err(|e| io(&dir.join(MODEL), e))?;
-    let optimizer = candle_core::safetensors::load(dir.join(OPTIMIZER), device)
-        .map_err(|e| io(&dir.join(OPTIMIZER), e))?
+    let dir = resolve(path)?;
+    let state = read_state(&dir)?;
+    let model = read_tensors(&dir.join(MODEL), device)?;
+    let optimizer = read_tensors(&dir.join(OPTIMIZER), device)?
         .into_iter()
         .collect();
     Ok(Checkpoint {

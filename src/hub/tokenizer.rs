@@ -25,17 +25,7 @@ impl Tokenizer {
     /// Reads `tokenizer.json`; sequences are truncated to `max_len` tokens (special tokens
     /// included).
     pub fn from_file(path: &Path, max_len: usize) -> Result<Self> {
-        if !path.is_file() {
-            return Err(Error::MissingFile {
-                path: path.to_path_buf(),
-                what: "tokenizer",
-            });
-        }
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| Error::ModelFile {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-        Self::new(inner, max_len)
+        Self::new(read_tokenizer_file(path)?, max_len)
     }
 
     /// Wraps a `tokenizers` tokenizer (e.g. one trained on the data).
@@ -104,6 +94,20 @@ impl Tokenizer {
             field(|e| e.get_type_ids())?,
         )
     }
+}
+
+/// Reads a `tokenizer.json` as it is (no truncation or padding added).
+pub fn read_tokenizer_file(path: &Path) -> Result<tokenizers::Tokenizer> {
+    if !path.is_file() {
+        return Err(Error::MissingFile {
+            path: path.to_path_buf(),
+            what: "tokenizer",
+        });
+    }
+    tokenizers::Tokenizer::from_file(path).map_err(|e| Error::ModelFile {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
 }
 
 /// Builds a BERT-style WordPiece tokenizer from `texts`: BERT normaliser and

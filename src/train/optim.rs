@@ -3,9 +3,11 @@
 //! candle-nn's `AdamW` applies one weight decay to every variable and keeps its moments
 //! private, so a run could not be saved and resumed exactly. [`Optimizer`] is ours: AdamW
 //! with decoupled weight decay (Loshchilov & Hutter 2019, as `torch.optim.AdamW`) that skips
-//! biases and LayerNorm weights (the BERT recipe), or plain SGD; its state (moments and step
-//! count) is a set of named tensors that a checkpoint can write and read back. Parameters
-//! are visited in name order.
+//! biases and LayerNorm weights (the BERT recipe), or plain SGD; its state (the moments) is a
+//! set of named tensors that a checkpoint can write and read back. The optimiser does not
+//! count steps: the trainer's one step counter is passed to every update (AdamW's bias
+//! correction uses it), as it is to the gradient cache (dropout seeds) and the schedule.
+//! Parameters are visited in name order.
 
 use std::collections::BTreeMap;
 
@@ -93,7 +95,6 @@ pub struct Optimizer {
     kind: OptimizerKind,
     params: Params,
     moments: BTreeMap<String, (Tensor, Tensor)>,
-    steps: u64,
 }
 
 impl Optimizer {
@@ -104,13 +105,7 @@ impl Optimizer {
             kind,
             params,
             moments: BTreeMap::new(),
-            steps: 0,
         })
-    }
-
-    /// Number of updates applied so far.
-    pub fn steps(&self) -> u64 {
-        self.steps
     }
 
     /// The optimiser.
@@ -118,10 +113,11 @@ impl Optimizer {
         self.kind
     }
 
-    /// Applies one update with learning rate `lr`. Parameters without a gradient are left
-    /// untouched (and their moments do not advance).
-    pub fn step(&mut self, grads: &Gradients, lr: f64) -> Result<()> {
-        self.steps += 1;
+    /// Applies update number `step` (0-based: AdamW's bias correction uses `step + 1`) with
+    /// learning rate `lr`. Parameters without a gradient are left untouched (and their
+    /// moments do not advance).
+    pub fn step(&mut self, step: u64, grads: &Gradients, lr: f64) -> Result<()> {
+        let t = i32::try_from(step.saturating_add(1)).unwrap_or(i32::MAX);
         for (name, var) in self.params.iter() {
             let Some(g) = grads.get(name) else { continue };
             let w = var.as_tensor();
@@ -140,7 +136,6 @@ impl Optimizer {
                     };
                     let m = ((m * beta1)? + (&g * (1.0 - beta1))?)?;
                     let v = ((v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-                    let t = self.steps as i32;
                     let m_hat = (&m / (1.0 - beta1.powi(t)))?;
                     let v_hat = (&v / (1.0 - beta2.powi(t)))?;
                     let decayed = if decays(name) && weight_decay > 0.0 {
@@ -159,39 +154,23 @@ impl Optimizer {
         Ok(())
     }
 
-    /// The state as named tensors (`m.<param>`, `v.<param>`, and `steps`), for checkpoints.
-    pub fn state(&self) -> Result<BTreeMap<String, Tensor>> {
+    /// The state as named tensors (`m.<param>`, `v.<param>`), for checkpoints.
+    pub fn state(&self) -> BTreeMap<String, Tensor> {
         let mut out = BTreeMap::new();
         for (name, (m, v)) in &self.moments {
             out.insert(format!("m.{name}"), m.clone());
             out.insert(format!("v.{name}"), v.clone());
         }
-        let device = self
-            .params
-            .iter()
-            .next()
-            .map(|(_, v)| v.device().clone())
-            .unwrap_or(candle_core::Device::Cpu);
-        out.insert(
-            "steps".into(),
-            Tensor::new(&[self.steps as f64], &device)?.to_dtype(DType::F64)?,
-        );
-        Ok(out)
+        out
     }
 
     /// Restores a state written by [`Self::state`]. Moments of unknown parameters or of the
-    /// wrong shape are an error.
+    /// wrong shape are an error ([`Error::CheckpointMismatch`]); other entries are ignored.
     pub fn load_state(&mut self, state: &BTreeMap<String, Tensor>) -> Result<()> {
-        let bad = |what: String| Error::InvalidConfig {
-            field: "optimizer state",
-            value: what,
-            reason: "does not match the model's parameters",
+        let bad = |what: String| Error::CheckpointMismatch {
+            what: "optimizer state".into(),
+            detail: format!("{what} does not match the model's parameters"),
         };
-        let steps = state
-            .get("steps")
-            .ok_or_else(|| bad("no `steps` entry".into()))?
-            .to_dtype(DType::F64)?
-            .to_vec1::<f64>()?;
         let mut moments = BTreeMap::new();
         for (key, m) in state {
             let Some(name) = key.strip_prefix("m.") else {
@@ -207,7 +186,6 @@ impl Optimizer {
             moments.insert(name.to_string(), (m.clone(), v.clone()));
         }
         self.moments = moments;
-        self.steps = steps.first().copied().unwrap_or(0.0) as u64;
         Ok(())
     }
 }

@@ -71,15 +71,15 @@ pub fn evaluate(
 ) -> Result<RetrievalMetrics> {
     let (q_rows, p_rows) = (queries.dim(0)?, passages.dim(0)?);
     if targets.len() != q_rows {
-        return Err(Error::InvalidConfig {
-            field: "targets",
+        return Err(Error::InvalidArgument {
+            what: "number of targets",
             value: targets.len().to_string(),
             reason: "need one target passage per query",
         });
     }
     if let Some(&t) = targets.iter().find(|&&t| t >= p_rows) {
-        return Err(Error::InvalidConfig {
-            field: "targets",
+        return Err(Error::InvalidArgument {
+            what: "target",
             value: t.to_string(),
             reason: "a target passage index is beyond the passages",
         });

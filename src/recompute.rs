@@ -3,7 +3,7 @@
 //! package; `torch.utils.checkpoint`).
 //!
 //! A model that exposes itself as a [`LayerStack`] (an input stage, `n` layers, an output
-//! stage) can be wrapped in [`Checkpointed`], an [`Encoder`] whose replay does not keep the
+//! stage) can be wrapped in [`Recomputed`], an [`Encoder`] whose replay does not keep the
 //! activations of every layer. With a policy on, the replay first runs the stack without a
 //! graph and keeps only the inputs of its segments (the boundaries); it then sweeps the
 //! segments top-down: recompute a segment from its stored input with a graph,
@@ -29,7 +29,7 @@ use crate::{Error, Result};
 /// Where to cut a stack of layers into recomputed segments. Default: off.
 #[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Checkpointing {
+pub enum Recompute {
     /// Keep every activation (no recomputation).
     #[default]
     Off,
@@ -44,18 +44,18 @@ pub enum Checkpointing {
     Layers(Vec<usize>),
 }
 
-impl Checkpointing {
+impl Recompute {
     /// Checks the policy against a stack of `layers` layers.
     pub fn validate(&self, layers: usize) -> Result<()> {
         match self {
-            Checkpointing::Every(0) => Err(Error::InvalidConfig {
-                field: "checkpointing",
+            Recompute::Every(0) => Err(Error::InvalidConfig {
+                field: "recompute",
                 value: "every(0)".into(),
                 reason: "a segment must hold at least one layer",
             }),
-            Checkpointing::Layers(list) if list.iter().any(|&i| i >= layers) => {
+            Recompute::Layers(list) if list.iter().any(|&i| i >= layers) => {
                 Err(Error::InvalidConfig {
-                    field: "checkpointing",
+                    field: "recompute",
                     value: format!("layers({list:?})"),
                     reason: "every listed layer must be smaller than the number of layers",
                 })
@@ -69,14 +69,14 @@ impl Checkpointing {
     pub fn segments(&self, layers: usize) -> Result<Option<Vec<Range<usize>>>> {
         self.validate(layers)?;
         let mut starts: Vec<usize> = match self {
-            Checkpointing::Off => return Ok(None),
-            Checkpointing::EveryLayer => (0..layers).collect(),
-            Checkpointing::Every(k) => (0..layers).step_by(*k).collect(),
-            Checkpointing::Sqrt => {
+            Recompute::Off => return Ok(None),
+            Recompute::EveryLayer => (0..layers).collect(),
+            Recompute::Every(k) => (0..layers).step_by(*k).collect(),
+            Recompute::Sqrt => {
                 let count = ((layers as f64).sqrt().ceil() as usize).max(1);
                 (0..count).map(|i| i * layers / count).collect()
             }
-            Checkpointing::Layers(list) => list.clone(),
+            Recompute::Layers(list) => list.clone(),
         };
         starts.push(0);
         starts.sort_unstable();
@@ -126,25 +126,25 @@ pub trait LayerStack {
 }
 
 /// A [`LayerStack`] as an [`Encoder`] with a checkpointing policy.
-pub struct Checkpointed<M> {
+pub struct Recomputed<M> {
     tower: Tower<M>,
-    policy: Checkpointing,
+    policy: Recompute,
 }
 
-impl<M: LayerStack> Checkpointed<M> {
+impl<M: LayerStack> Recomputed<M> {
     /// Wraps a tower; fails if the policy does not fit the stack.
-    pub fn new(tower: Tower<M>, policy: Checkpointing) -> Result<Self> {
+    pub fn new(tower: Tower<M>, policy: Recompute) -> Result<Self> {
         policy.validate(tower.graph_model().num_layers())?;
         Ok(Self { tower, policy })
     }
 
     /// The policy.
-    pub fn policy(&self) -> &Checkpointing {
+    pub fn policy(&self) -> &Recompute {
         &self.policy
     }
 
     /// Changes the policy.
-    pub fn set_policy(&mut self, policy: Checkpointing) -> Result<()> {
+    pub fn set_policy(&mut self, policy: Recompute) -> Result<()> {
         policy.validate(self.tower.graph_model().num_layers())?;
         self.policy = policy;
         Ok(())
@@ -204,7 +204,7 @@ impl<M: LayerStack> Checkpointed<M> {
     }
 }
 
-impl<M: LayerStack> Encoder for Checkpointed<M> {
+impl<M: LayerStack> Encoder for Recomputed<M> {
     type Input = M::Input;
 
     fn params(&self) -> &Params {
@@ -232,7 +232,7 @@ impl<M: LayerStack> Encoder for Checkpointed<M> {
 mod tests {
     use super::*;
 
-    fn starts(p: Checkpointing, n: usize) -> Vec<usize> {
+    fn starts(p: Recompute, n: usize) -> Vec<usize> {
         p.segments(n)
             .unwrap()
             .unwrap()
@@ -243,29 +243,29 @@ mod tests {
 
     #[test]
     fn segments_cover_the_stack() {
-        assert_eq!(Checkpointing::Off.segments(12).unwrap(), None);
-        assert_eq!(starts(Checkpointing::EveryLayer, 4), vec![0, 1, 2, 3]);
-        assert_eq!(starts(Checkpointing::Every(5), 12), vec![0, 5, 10]);
-        assert_eq!(starts(Checkpointing::Sqrt, 12), vec![0, 3, 6, 9]);
-        assert_eq!(starts(Checkpointing::Sqrt, 24), vec![0, 4, 9, 14, 19]);
-        assert_eq!(starts(Checkpointing::Sqrt, 6), vec![0, 2, 4]);
+        assert_eq!(Recompute::Off.segments(12).unwrap(), None);
+        assert_eq!(starts(Recompute::EveryLayer, 4), vec![0, 1, 2, 3]);
+        assert_eq!(starts(Recompute::Every(5), 12), vec![0, 5, 10]);
+        assert_eq!(starts(Recompute::Sqrt, 12), vec![0, 3, 6, 9]);
+        assert_eq!(starts(Recompute::Sqrt, 24), vec![0, 4, 9, 14, 19]);
+        assert_eq!(starts(Recompute::Sqrt, 6), vec![0, 2, 4]);
         assert_eq!(
-            starts(Checkpointing::Layers(vec![6, 3, 6]), 12),
+            starts(Recompute::Layers(vec![6, 3, 6]), 12),
             vec![0, 3, 6]
         );
-        let segs = Checkpointing::Every(5).segments(12).unwrap().unwrap();
+        let segs = Recompute::Every(5).segments(12).unwrap().unwrap();
         assert_eq!(segs, vec![0..5, 5..10, 10..12]);
         assert_eq!(
-            Checkpointing::Sqrt.segments(0).unwrap().unwrap(),
+            Recompute::Sqrt.segments(0).unwrap().unwrap(),
             vec![0..0]
         );
     }
 
     #[test]
     fn bad_policies_are_rejected() {
-        let e = Checkpointing::Every(0).validate(12).unwrap_err();
+        let e = Recompute::Every(0).validate(12).unwrap_err();
         assert!(e.to_string().contains("at least one layer"), "{e}");
-        let e = Checkpointing::Layers(vec![3, 12]).validate(12).unwrap_err();
+        let e = Recompute::Layers(vec![3, 12]).validate(12).unwrap_err();
         assert!(
             e.to_string().contains("smaller than the number of layers"),
             "{e}"

@@ -6,9 +6,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::bert::Pooling;
-use crate::checkpoint::Checkpointing;
-use crate::data::Fields;
+use crate::models::bert::Pooling;
+use crate::recompute::Recompute;
+use crate::train::data::Fields;
 use crate::dist::Backend;
 use crate::loss::Similarity;
 use crate::{Error, Result};
@@ -82,7 +82,7 @@ pub struct ModelConfig {
     pub passage_max_len: usize,
     /// Activation checkpointing: `"off"`, `"every_layer"`, `"sqrt"`, `{ every = k }`,
     /// `{ layers = [..] }`.
-    pub checkpointing: Checkpointing,
+    pub recompute: Recompute,
     /// Dropout during training (the model config's probabilities); off: deterministic
     /// forward passes.
     pub dropout: bool,
@@ -99,7 +99,7 @@ impl Default for ModelConfig {
             normalize: true,
             query_max_len: 64,
             passage_max_len: 64,
-            checkpointing: Checkpointing::Off,
+            recompute: Recompute::Off,
             dropout: true,
             fresh: FreshModel::default(),
         }
@@ -212,8 +212,11 @@ pub struct OptimConfig {
     pub name: OptimName,
     /// Peak learning rate.
     pub lr: f64,
-    /// Linear warmup steps.
+    /// Linear warmup steps; 0: `warmup_ratio` of `train.steps` instead.
     pub warmup_steps: u64,
+    /// Linear warmup as a fraction of `train.steps`, rounded up (Hugging Face's
+    /// `warmup_ratio`); used when `warmup_steps` is 0, so a shortened run keeps its shape.
+    pub warmup_ratio: f64,
     /// AdamW decoupled weight decay (not applied to biases and LayerNorm weights).
     pub weight_decay: f64,
     /// AdamW beta1.
@@ -232,6 +235,7 @@ impl Default for OptimConfig {
             name: OptimName::Adamw,
             lr: 5e-5,
             warmup_steps: 0,
+            warmup_ratio: 0.0,
             weight_decay: 0.01,
             beta1: 0.9,
             beta2: 0.999,
@@ -242,11 +246,21 @@ impl Default for OptimConfig {
 }
 
 impl OptimConfig {
+    /// The warmup of a run of `total` steps: `warmup_steps` if set, else `warmup_ratio` of
+    /// `total`, rounded up (as `transformers.TrainingArguments.get_warmup_steps`).
+    pub fn warmup(&self, total: u64) -> u64 {
+        if self.warmup_steps > 0 {
+            self.warmup_steps
+        } else {
+            (self.warmup_ratio * total as f64).ceil() as u64
+        }
+    }
+
     /// The optimiser these settings describe.
-    pub fn kind(&self) -> crate::optim::OptimizerKind {
+    pub fn kind(&self) -> crate::train::optim::OptimizerKind {
         match self.name {
-            OptimName::Sgd => crate::optim::OptimizerKind::Sgd,
-            OptimName::Adamw => crate::optim::OptimizerKind::AdamW {
+            OptimName::Sgd => crate::train::optim::OptimizerKind::Sgd,
+            OptimName::Adamw => crate::train::optim::OptimizerKind::AdamW {
                 beta1: self.beta1,
                 beta2: self.beta2,
                 eps: self.eps,
@@ -309,7 +323,7 @@ impl Config {
                 path: path.to_path_buf(),
                 what: "config file",
             },
-            _ => config_error(path, e.to_string()),
+            _ => Error::io("read", path, e),
         })?;
         let mut table: toml::Table =
             toml::from_str(&text).map_err(|e| config_error(path, e.to_string()))?;
@@ -368,11 +382,18 @@ impl Config {
             ));
         }
         o.kind().validate()?;
+        if !(0.0..=1.0).contains(&o.warmup_ratio) {
+            return Err(invalid(
+                "optim.warmup_ratio",
+                o.warmup_ratio,
+                "must be in [0, 1]",
+            ));
+        }
         if o.warmup_steps > t.steps {
             return Err(invalid(
                 "optim.warmup_steps",
                 o.warmup_steps,
-                "must not exceed train.steps",
+                "must not exceed train.steps; optim.warmup_ratio scales with the run",
             ));
         }
         let m = &self.model;
@@ -424,8 +445,11 @@ impl Config {
 
     /// A stable fingerprint of everything that shapes the training trajectory, stored in
     /// checkpoints so a resume with a different configuration is refused.
-    pub fn fingerprint(&self) -> String {
+    pub fn fingerprint(&self) -> Result<String> {
         let mut shaping = self.clone();
+        // The warmup is what it amounts to, however it was written.
+        shaping.optim.warmup_steps = self.optim.warmup(self.train.steps);
+        shaping.optim.warmup_ratio = 0.0;
         // The cadence of evaluation and checkpoints may change on resume; the run length
         // may not (the learning-rate schedule decays to 0 at `train.steps`).
         shaping.train.eval_every = 0;
@@ -436,8 +460,21 @@ impl Config {
         shaping.dist = DistConfig::default();
         // Nor where the run's files go: a run directory may be moved or copied.
         shaping.output_dir = PathBuf::new();
-        let text = serde_json::to_string(&shaping).unwrap_or_default();
-        format!("{:016x}", crate::rng::hash_str(&text))
+        let text = serde_json::to_string(&shaping).map_err(|e| Error::InvalidArgument {
+            what: "configuration",
+            value: e.to_string(),
+            reason: "cannot be serialised for its fingerprint",
+        })?;
+        Ok(format!("{:016x}", crate::rng::hash_str(&text)))
+    }
+
+    /// The configuration as JSON (for comparing ranks' configurations).
+    pub fn to_json(&self) -> Result<serde_json::Value> {
+        serde_json::to_value(self).map_err(|e| Error::InvalidArgument {
+            what: "configuration",
+            value: e.to_string(),
+            reason: "cannot be serialised",
+        })
     }
 }
 
@@ -474,7 +511,7 @@ pub fn differing_keys(a: &serde_json::Value, b: &serde_json::Value) -> Vec<Strin
 }
 
 fn config_error(path: &Path, reason: String) -> Error {
-    Error::ModelFile {
+    Error::ConfigFile {
         path: path.to_path_buf(),
         reason,
     }

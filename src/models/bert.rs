@@ -8,7 +8,7 @@
 //! `model.safetensors` files load as they are (with or without the `bert.` prefix).
 //!
 //! The model is a [`LayerStack`] (embeddings, `num_hidden_layers` transformer layers,
-//! pooling), so [`Checkpointed`] gives it activation checkpointing; [`BertEncoder`] is that
+//! pooling), so [`Recomputed`] gives it activation checkpointing; [`BertEncoder`] is that
 //! pairing, an [`Encoder`](crate::Encoder) over [`TokenBatch`] inputs.
 
 use std::path::Path;
@@ -18,12 +18,12 @@ use candle_core::{Tensor, D};
 use candle_nn::{Embedding, Init, Module, VarBuilder};
 
 use crate::batch::TokenBatch;
-use crate::checkpoint::{Checkpointed, Checkpointing, LayerStack};
+use crate::recompute::{Recomputed, Recompute, LayerStack};
 use crate::dropout::{Ctx, Dropout};
 use crate::encoder::Tower;
 use crate::nn::{LayerNorm, Linear};
 use crate::params::{ParamStore, WeightFile};
-use crate::pretrained::ModelFiles;
+use crate::hub::files::ModelFiles;
 use crate::{Error, Result};
 
 /// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).
@@ -253,6 +253,16 @@ pub enum Pooling {
     Mean,
 }
 
+impl Pooling {
+    /// The name used in configs (`cls`, `mean`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Pooling::Cls => "cls",
+            Pooling::Mean => "mean",
+        }
+    }
+}
+
 /// Encoder options that are not part of the Hugging Face config.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct BertOptions {
@@ -261,7 +271,7 @@ pub struct BertOptions {
     /// L2-normalise the pooled vector.
     pub normalize: bool,
     /// Activation checkpointing policy.
-    pub checkpointing: Checkpointing,
+    pub recompute: Recompute,
 }
 
 /// Dropout sites inside a layer (the `site` of a mask seed).
@@ -441,11 +451,9 @@ impl LayerStack for Bert {
         let e = &self.embeddings;
         let s = input.input_ids.dim(1)?;
         if s > self.max_positions {
-            return Err(Error::InvalidConfig {
-                field: "max_len",
-                value: s.to_string(),
-                reason: "sequences are longer than the model's max_position_embeddings; \
-                         truncate to at most that many tokens",
+            return Err(Error::SequenceTooLong {
+                len: s,
+                max: self.max_positions,
             });
         }
         let positions = Tensor::arange(0u32, s as u32, input.input_ids.device())?;
@@ -499,9 +507,9 @@ impl LayerStack for Bert {
 }
 
 /// A BERT model as a gradient-cache tower, with its checkpointing policy.
-pub type BertEncoder = Checkpointed<Bert>;
+pub type BertEncoder = Recomputed<Bert>;
 
-impl Checkpointed<Bert> {
+impl Recomputed<Bert> {
     /// Builds a BERT tower over `store` (names under `prefix`, `""` for a shared tower):
     /// variables the store serves from a weights file are loaded, others are initialised
     /// from the store's seed.
@@ -512,7 +520,7 @@ impl Checkpointed<Bert> {
         options: &BertOptions,
     ) -> Result<Self> {
         let tower = Tower::build(store, prefix, |vb| Bert::new(cfg, options, vb))?;
-        Checkpointed::new(tower, options.checkpointing.clone())
+        Recomputed::new(tower, options.recompute.clone())
     }
 }
 

@@ -233,8 +233,8 @@ impl Loader {
     /// Jumps to a position (what a resume does).
     pub fn seek(&mut self, position: Position) -> Result<()> {
         if position.offset > self.pairs.len() {
-            return Err(Error::InvalidConfig {
-                field: "data position",
+            return Err(Error::InvalidArgument {
+                what: "data position",
                 value: position.offset.to_string(),
                 reason: "is beyond the training data; was the data file changed?",
             });

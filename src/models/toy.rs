@@ -163,7 +163,7 @@ impl DeepMlp {
     }
 }
 
-impl crate::checkpoint::LayerStack for DeepMlp {
+impl crate::recompute::LayerStack for DeepMlp {
     type Input = Tensor;
     type Aux = ();
 

@@ -1,0 +1,77 @@
+//! The console of `gradcache train`: the progress bar (or plain log lines without a
+//! terminal), evaluation and note lines, and `metrics.jsonl`.
+
+use std::fs::File;
+use std::io::Write;
+
+use gradcache::train::metrics::RetrievalMetrics;
+use gradcache::train::{Event, Observer};
+use indicatif::ProgressBar;
+
+/// Draws the progress bar, logs evaluations and notes, appends to `metrics.jsonl`.
+pub struct Console {
+    pub bar: ProgressBar,
+    pub metrics: File,
+}
+
+impl Console {
+    fn line(&mut self, value: serde_json::Value) {
+        if let Err(e) = writeln!(self.metrics, "{value}") {
+            self.bar
+                .suspend(|| tracing::warn!("cannot write metrics.jsonl: {e}"));
+        }
+    }
+}
+
+pub fn describe(m: &RetrievalMetrics) -> String {
+    format!(
+        "recall@1 {:.3}  recall@5 {:.3}  recall@10 {:.3}  mrr@10 {:.3}  ndcg@10 {:.3}  ({} queries)",
+        m.recall_at_1, m.recall_at_5, m.recall_at_10, m.mrr_at_10, m.ndcg_at_10, m.queries
+    )
+}
+
+impl Observer for Console {
+    fn event(&mut self, event: &Event) {
+        match event {
+            Event::Step(r) => {
+                self.bar.set_position(r.step);
+                self.bar.set_message(format!(
+                    "loss {:.4}  lr {:.2e}  {:.0} pairs/s  peak {:.0} MiB",
+                    r.loss,
+                    r.lr,
+                    r.pairs_per_sec,
+                    r.peak_bytes as f64 / 1048576.0
+                ));
+                self.line(serde_json::json!({"type": "step", "step": r.step, "loss": r.loss, "lr": r.lr,
+                    "grad_norm": r.grad_norm, "pairs_per_sec": r.pairs_per_sec, "peak_bytes": r.peak_bytes}));
+                if !self.bar.is_hidden() {
+                    return;
+                }
+                // No terminal (CI, logs to a file): a line now and then instead of the bar.
+                let every = (self.bar.length().unwrap_or(1) / 20).max(1);
+                if r.step % every == 0 || r.step == 1 {
+                    tracing::info!(
+                        "step {}/{}  loss {:.4}  lr {:.2e}  {:.0} pairs/s",
+                        r.step,
+                        self.bar.length().unwrap_or(0),
+                        r.loss,
+                        r.lr,
+                        r.pairs_per_sec
+                    );
+                }
+            }
+            Event::Eval { step, metrics } => {
+                let text = describe(metrics);
+                self.bar
+                    .suspend(|| tracing::info!("eval at step {step}: {text}"));
+                self.line(serde_json::json!({"type": "eval", "step": step, "metrics": metrics}));
+            }
+            Event::CheckpointSaved(dir) => {
+                self.bar
+                    .suspend(|| tracing::info!("checkpoint {}", dir.display()));
+            }
+            Event::Note(note) => self.bar.suspend(|| tracing::info!("{note}")),
+        }
+    }
+}
+

@@ -1,0 +1,216 @@
+//! Hugging Face I/O: [`files`] finds a model's files in a directory or through the Hub
+//! cache, [`tokenizer`] turns text into [`TokenBatch`]es, [`export`] writes a trained tower
+//! as a `transformers` + `sentence-transformers` directory, and [`EmbeddingModel`] is the
+//! one inference path: `gradcache eval`, `gradcache encode` and the examples load and run
+//! models through it, and the trainer's evaluation uses the same [`embed`].
+//!
+//! A model directory (or Hub repo) with sentence-transformers files (`modules.json`,
+//! `1_Pooling/config.json`, `config_sentence_transformers.json`) says how it pools,
+//! whether it normalises and which similarity it was trained with; one without them (a
+//! DPR or plain BERT checkpoint) gets what the caller names in [`LoadOptions`], else
+//! sentence-transformers' own defaults for a plain model (mean pooling, no normalisation,
+//! cosine similarity). [`EmbeddingModel::settings`] says which was used and why, so the
+//! binary can log it.
+
+pub mod export;
+pub mod files;
+pub mod tokenizer;
+
+use candle_core::{DType, Device, Tensor};
+
+pub use export::{export_bert, read_sentence_transformers_config, SentenceTransformersConfig};
+pub use files::{HubSettings, ModelFiles};
+pub use tokenizer::Tokenizer;
+
+use crate::batch::TokenBatch;
+use crate::dropout::Ctx;
+use crate::encoder::Encoder;
+use crate::loss::Similarity;
+use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions, Pooling};
+use crate::params::ParamStore;
+use crate::{Error, Result};
+
+/// Embeds `texts` with `encoder` in evaluation mode (no dropout, no graph), tokenizing
+/// `chunk * 8` texts at a time and encoding `chunk` at a time. Returns `[texts, width]`.
+pub fn embed<E: Encoder<Input = TokenBatch>>(
+    encoder: &E,
+    tokenizer: &Tokenizer,
+    texts: &[&str],
+    chunk: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let chunk = chunk.max(1);
+    let mut parts = Vec::new();
+    for block in texts.chunks(chunk * 8) {
+        let batch = tokenizer.encode(block, device)?;
+        for piece in crate::batch::Batch::chunks(&batch, chunk)? {
+            parts.push(encoder.encode(&piece, &Ctx::eval())?);
+        }
+    }
+    if parts.is_empty() {
+        return Err(Error::EmptyBatch {
+            side: crate::Side::Query,
+        });
+    }
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// How to load a model for inference. `None` means: what the model's
+/// sentence-transformers files say, else the plain-model default.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Pooling (default for a plain model: mean).
+    pub pooling: Option<Pooling>,
+    /// L2-normalise embeddings (default for a plain model: no).
+    pub normalize: Option<bool>,
+    /// Similarity for ranking (default: cosine).
+    pub similarity: Option<Similarity>,
+    /// Token limit; capped at the model's `max_position_embeddings`.
+    pub max_len: usize,
+    /// Where to run.
+    pub device: Device,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            pooling: None,
+            normalize: None,
+            similarity: None,
+            max_len: 128,
+            device: Device::Cpu,
+        }
+    }
+}
+
+/// A model loaded for inference: encoder, tokenizer, pooling, normalisation, similarity.
+pub struct EmbeddingModel {
+    encoder: BertEncoder,
+    tokenizer: Tokenizer,
+    config: BertConfig,
+    options: BertOptions,
+    similarity: Similarity,
+    settings: String,
+    device: Device,
+    _store: ParamStore,
+}
+
+/// Where one setting of a loaded model came from.
+fn pick<T: std::fmt::Debug>(
+    given: Option<T>,
+    from_files: Option<T>,
+    file: &str,
+    default: T,
+) -> (T, String) {
+    match (given, from_files) {
+        (Some(v), _) => (v, "given".to_string()),
+        (None, Some(v)) => (v, format!("from {file}")),
+        (None, None) => (default, "default".to_string()),
+    }
+}
+
+impl EmbeddingModel {
+    /// Loads a model directory or Hub repo id (see [`ModelFiles::resolve`]).
+    pub fn load(model: &str, options: &LoadOptions) -> Result<Self> {
+        let files = ModelFiles::resolve(model, &HubSettings::from_env())?;
+        Self::from_files(&files, options)
+    }
+
+    /// Loads a model from its resolved files.
+    pub fn from_files(files: &ModelFiles, options: &LoadOptions) -> Result<Self> {
+        let head = read_sentence_transformers_config(&files.dir)?;
+        let (pooling, pooling_src) = pick(
+            options.pooling,
+            head.map(|h| h.pooling),
+            export::POOLING,
+            Pooling::Mean,
+        );
+        let (normalize, normalize_src) = pick(
+            options.normalize,
+            head.map(|h| h.normalize),
+            export::MODULES,
+            false,
+        );
+        let (similarity, similarity_src) = pick(
+            options.similarity,
+            head.and_then(|h| h.similarity),
+            export::SENTENCE_TRANSFORMERS_CONFIG,
+            Similarity::Cosine,
+        );
+        let head_note = if head.is_some() {
+            "sentence-transformers files found".to_string()
+        } else {
+            format!(
+                "no sentence-transformers files in {}: a plain model, defaults as \
+                 sentence-transformers gives one (set --pooling, --normalize, --similarity \
+                 to change)",
+                files.dir.display()
+            )
+        };
+        let settings = format!(
+            "pooling {} ({pooling_src}), normalize {normalize} ({normalize_src}), similarity \
+             {} ({similarity_src}); {head_note}",
+            pooling.name(),
+            similarity.sentence_transformers_name(),
+        );
+        let bert_options = BertOptions {
+            pooling,
+            normalize,
+            ..Default::default()
+        };
+        let store = ParamStore::new(0, DType::F32, &options.device);
+        let (encoder, config, store) = load_pretrained(files, "", &bert_options, store)?;
+        let tokenizer_path = files.tokenizer.as_ref().ok_or_else(|| Error::MissingFile {
+            path: files.dir.join(files::TOKENIZER),
+            what: "tokenizer",
+        })?;
+        let max_len = options.max_len.min(config.max_position_embeddings);
+        let tokenizer = Tokenizer::from_file(tokenizer_path, max_len)?;
+        Ok(Self {
+            encoder,
+            tokenizer,
+            config,
+            options: bert_options,
+            similarity,
+            settings,
+            device: options.device.clone(),
+            _store: store,
+        })
+    }
+
+    /// Embeddings `[texts, width]`, encoding `chunk` texts at a time.
+    pub fn embed(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+        embed(&self.encoder, &self.tokenizer, texts, chunk, &self.device)
+    }
+
+    /// The similarity to rank with.
+    pub fn similarity(&self) -> Similarity {
+        self.similarity
+    }
+
+    /// Pooling and normalisation.
+    pub fn options(&self) -> &BertOptions {
+        &self.options
+    }
+
+    /// One line saying which pooling, normalisation and similarity are used, and where
+    /// each came from (`given`, `from FILE`, `default`).
+    pub fn settings(&self) -> &str {
+        &self.settings
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &BertConfig {
+        &self.config
+    }
+
+    /// The tokenizer (with the effective token limit).
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The encoder.
+    pub fn encoder(&self) -> &BertEncoder {
+        &self.encoder
+    }
+}

@@ -1,0 +1,857 @@
+//! The training loop behind `gradcache train`: data, tokenizers, towers, gradient cache,
+//! optimiser, schedule, clipping, evaluation, checkpoints and resume; and
+//! [`export_run`], which turns a finished run into a model directory.
+//!
+//! The library side of the trainer prints nothing: progress goes to an [`Observer`] (the
+//! binary draws the progress bar, writes the metrics file and the loss curve). It writes
+//! only the run's own files under `output_dir` (the tokenizer, the model config and the
+//! checkpoints), and only after every input has been read and checked, so a run that
+//! fails at set-up (bad data, a corrupt or mismatched checkpoint) leaves the directory as
+//! it was.
+//!
+//! One step counter: [`Trainer::step`] counts the updates done; the same number names the
+//! dropout masks of the step ([`GradCache::cache_step`]), its learning rate
+//! ([`Schedule::lr_at`]) and AdamW's bias correction ([`Optimizer::step`]).
+//!
+//! Resume is exact: weights and optimiser moments are stored as f32, the data loader's
+//! position and the step are stored, dropout masks derive from (seed, step, ...), and the
+//! learning rate from the step. With the same thread count on CPU, every later step's loss
+//! equals that of an uninterrupted run bit for bit (matrix products split their work by
+//! thread count, so another thread count may change the last bits).
+
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+
+use crate::cache::GradCache;
+use crate::dist::{self, Collective};
+use crate::encoder::Encoder;
+use crate::hub::tokenizer::{read_tokenizer_file, train_wordpiece};
+use crate::hub::{embed, export_bert, files, HubSettings, ModelFiles, Tokenizer};
+use crate::loss::InfoNce;
+use crate::memory;
+use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
+use crate::params::{ParamStore, Params, WeightFile};
+use crate::train::checkpoint::{self, TrainerState};
+use crate::train::config::Config;
+use crate::train::data::{read_jsonl, split, Loader, Pair, TextBatch};
+use crate::train::metrics::{evaluate, RetrievalMetrics};
+use crate::train::optim::{clip_grad_norm, Optimizer, Schedule};
+use crate::{Error, Result, Side};
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct StepReport {
+    /// The step just completed (1-based count of updates).
+    pub step: u64,
+    /// Loss over the whole batch.
+    pub loss: f32,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Query/positive pairs per second for this step.
+    pub pairs_per_sec: f64,
+    /// Peak bytes allocated during the step (0 unless the binary counts allocations).
+    pub peak_bytes: usize,
+    /// Hard negatives that were missing and filled from other pairs.
+    pub filled_negatives: usize,
+}
+
+/// Something the trainer reports while it runs.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// An optimizer step finished.
+    Step(StepReport),
+    /// An evaluation finished (at `step` updates).
+    Eval {
+        /// Updates done when it ran.
+        step: u64,
+        /// Retrieval metrics on the held-out pairs.
+        metrics: RetrievalMetrics,
+    },
+    /// A training checkpoint was written to this directory.
+    CheckpointSaved(PathBuf),
+    /// A fact worth a log line.
+    Note(String),
+}
+
+/// Receives the trainer's events (the binary draws and logs them).
+pub trait Observer {
+    /// Called for every event, in order.
+    fn event(&mut self, event: &Event);
+}
+
+/// An observer that ignores everything.
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn event(&mut self, _: &Event) {}
+}
+
+/// The run's file that holds the model's Hugging Face config.
+pub const MODEL_CONFIG_FILE: &str = "model_config.json";
+/// The run's tokenizer.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// The towers of a run and what was built with them.
+struct Model {
+    query: BertEncoder,
+    /// The passage tower; `None` when one tower is shared.
+    passage: Option<BertEncoder>,
+    bert: BertConfig,
+    tokenizer: tokenizers::Tokenizer,
+    store: ParamStore,
+}
+
+/// The training data of a run.
+struct RunData {
+    loader: Loader,
+    eval: Vec<Pair>,
+    /// The texts a fresh tokenizer learns from (the training split only).
+    texts: Vec<String>,
+}
+
+/// A training run.
+pub struct Trainer {
+    cfg: Config,
+    device: Device,
+    store: ParamStore,
+    bert: BertConfig,
+    options: BertOptions,
+    tokenizer: tokenizers::Tokenizer,
+    gc: GradCache<BertEncoder, BertEncoder, InfoNce>,
+    query_tokenizer: Tokenizer,
+    passage_tokenizer: Tokenizer,
+    optimizer: Optimizer,
+    schedule: Schedule,
+    loader: Loader,
+    eval: Vec<Pair>,
+    step: u64,
+    notes: Vec<String>,
+    comm: Rc<dyn Collective>,
+}
+
+impl Trainer {
+    /// Sets up a run from its configuration; with `resume`, continues from a checkpoint
+    /// (a `step-N` directory, or a checkpoints root: then the newest). Starts the
+    /// distributed backend `dist.backend` (at most once per process).
+    pub fn new(cfg: Config, resume: Option<&Path>) -> Result<Self> {
+        cfg.validate()?;
+        let comm = dist::init(cfg.dist.backend)?;
+        Self::with_collective(cfg, resume, comm)
+    }
+
+    /// Sets up a run over the processes of `comm`. Every rank reads the same data and
+    /// builds the same global batches; rank `r` of `N` encodes pairs `r*B/N..(r+1)*B/N` of
+    /// each. Only rank 0 writes files (tokenizer, model config, checkpoints); every
+    /// rank reads the checkpoint on resume. Ranks must run the same configuration (data
+    /// paths may differ if the data is the same): this is checked, as are identical
+    /// starting weights.
+    pub fn with_collective(
+        cfg: Config,
+        resume: Option<&Path>,
+        comm: Rc<dyn Collective>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        check_batch_splits(&cfg, &*comm)?;
+        let mut notes = Vec::new();
+        let data = load_data(&cfg, &*comm, &mut notes)?;
+        let model = build_model(&cfg, &data.texts, &*comm)?;
+        let mut trainer = Self::assemble(cfg, data, model, comm, notes)?;
+        if let Some(path) = resume {
+            let restored = trainer.restore(path);
+            dist::agree(&*trainer.comm, restored)?;
+        }
+        trainer.write_run_files()?;
+        trainer.check_identical_start()?;
+        Ok(trainer)
+    }
+
+    /// Tokenizers, loss, gradient cache, optimiser and schedule around a built model.
+    fn assemble(
+        cfg: Config,
+        data: RunData,
+        model: Model,
+        comm: Rc<dyn Collective>,
+        notes: Vec<String>,
+    ) -> Result<Self> {
+        let m = &cfg.model;
+        let query_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.query_max_len)?;
+        let passage_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.passage_max_len)?;
+        let block = (cfg.loss.block_rows > 0).then_some(cfg.loss.block_rows);
+        let loss = InfoNce::new(cfg.loss.temperature)?
+            .with_similarity(cfg.loss.similarity)
+            .with_symmetric(cfg.loss.symmetric)
+            .with_block_rows(block)?;
+        let (qc, pc) = (cfg.train.query_chunk, cfg.train.passage_chunk);
+        let gc = match model.passage {
+            None => GradCache::shared(model.query, qc, loss)?.with_chunk_sizes(qc, pc)?,
+            Some(passage) => GradCache::two_towers(model.query, passage, qc, pc, loss)?,
+        }
+        .with_seed(cfg.seed)
+        .with_dropout(m.dropout)
+        .with_collective(Rc::clone(&comm))
+        .with_bucket_bytes(cfg.dist.bucket_mib << 20);
+        let optimizer = Optimizer::new(cfg.optim.kind(), gc.params().clone())?;
+        let schedule = Schedule {
+            lr: cfg.optim.lr,
+            warmup: cfg.optim.warmup(cfg.train.steps),
+            total: cfg.train.steps,
+        };
+        Ok(Self {
+            device: comm.device(),
+            options: bert_options(&cfg),
+            store: model.store,
+            bert: model.bert,
+            tokenizer: model.tokenizer,
+            gc,
+            query_tokenizer,
+            passage_tokenizer,
+            optimizer,
+            schedule,
+            loader: data.loader,
+            eval: data.eval,
+            step: 0,
+            notes,
+            comm,
+            cfg,
+        })
+    }
+
+    /// Restores weights, optimiser state, data position and step from a checkpoint
+    /// written with the same configuration.
+    fn restore(&mut self, path: &Path) -> Result<()> {
+        let ckpt = checkpoint::load(path, &self.device)?;
+        check_fingerprint(&self.cfg, &ckpt.dir, &ckpt.state)?;
+        checkpoint::restore(self.gc.params(), &ckpt.model, &ckpt.dir)?;
+        self.optimizer.load_state(&ckpt.optimizer)?;
+        self.loader
+            .seek(ckpt.state.data)
+            .map_err(|e| Error::CheckpointMismatch {
+                what: format!("the data position of {}", ckpt.dir.display()),
+                detail: e.to_string(),
+            })?;
+        self.step = ckpt.state.step;
+        self.notes.push(format!(
+            "resumed from {} at step {}",
+            ckpt.dir.display(),
+            self.step
+        ));
+        Ok(())
+    }
+
+    /// Rank 0 writes the run's tokenizer and model config into `output_dir`, so that the
+    /// run directory alone is enough to resume or export it.
+    fn write_run_files(&self) -> Result<()> {
+        let written = if self.rank() == 0 {
+            write_run_files(&self.cfg.output_dir, &self.tokenizer, &self.bert)
+        } else {
+            Ok(())
+        };
+        dist::agree(&*self.comm, written)
+    }
+
+    /// Every rank must start from bit-identical weights.
+    fn check_identical_start(&mut self) -> Result<()> {
+        let world = self.world_size();
+        if world > 1 {
+            let sum = dist::ensure_identical_weights(&*self.comm, self.gc.params())?;
+            self.notes.push(format!(
+                "all {world} ranks start from identical weights (checksum {sum:016x})"
+            ));
+        }
+        Ok(())
+    }
+
+    /// This process's rank (0 in a single-process run).
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The number of processes.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// The collective the run uses.
+    pub fn collective(&self) -> &dyn Collective {
+        &*self.comm
+    }
+
+    /// Updates done so far.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Every trainable parameter.
+    pub fn params(&self) -> &Params {
+        self.gc.params()
+    }
+
+    /// The parameter store.
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    /// Retrieval metrics on the held-out pairs: every held-out query against every held-out
+    /// positive (dropout off).
+    pub fn evaluate(&self) -> Result<RetrievalMetrics> {
+        let queries: Vec<&str> = self.eval.iter().map(|p| p.query.as_str()).collect();
+        let passages: Vec<&str> = self.eval.iter().map(|p| p.positive.as_str()).collect();
+        let q = embed(
+            self.gc.query_encoder(),
+            &self.query_tokenizer,
+            &queries,
+            self.cfg.train.query_chunk,
+            &self.device,
+        )?;
+        let p = embed(
+            self.gc.passage_encoder(),
+            &self.passage_tokenizer,
+            &passages,
+            self.cfg.train.passage_chunk,
+            &self.device,
+        )?;
+        let targets: Vec<usize> = (0..queries.len()).collect();
+        evaluate(&q, &p, &targets, self.cfg.loss.similarity, 256)
+    }
+
+    /// One optimizer step on the next (global) batch; in a distributed run this rank
+    /// encodes its share and every rank applies the same reduced gradients.
+    pub fn train_step(&mut self) -> Result<StepReport> {
+        let batch = self.loader.next_batch()?;
+        let start = Instant::now();
+        let (_, peak, out) = memory::measure(|| -> Result<_> {
+            let share = self.share(&batch);
+            let inputs = share.and_then(|(queries, passages)| {
+                let q = self.query_tokenizer.encode(&queries, &self.device)?;
+                let p = self.passage_tokenizer.encode(&passages, &self.device)?;
+                Ok((q, p))
+            });
+            let (q, p) = dist::agree(&*self.comm, inputs)?;
+            let out = self.gc.cache_step(self.step, &q, &p)?;
+            let mut grads = out.grads;
+            let max_norm = match self.cfg.optim.max_grad_norm {
+                0.0 => f64::INFINITY,
+                n => n,
+            };
+            let grad_norm = clip_grad_norm(&mut grads, max_norm)?;
+            let lr = self.schedule.lr_at(self.step);
+            self.optimizer.step(self.step, &grads, lr)?;
+            Ok((out.loss, lr, grad_norm))
+        });
+        let (loss, lr, grad_norm) = out?;
+        self.step += 1;
+        let every = self.cfg.dist.check_weights_every;
+        if self.world_size() > 1
+            && (cfg!(debug_assertions) || (every > 0 && self.step % every == 0))
+        {
+            dist::ensure_identical_weights(&*self.comm, self.gc.params())?;
+        }
+        let secs = start.elapsed().as_secs_f64().max(1e-9);
+        Ok(StepReport {
+            step: self.step,
+            loss,
+            lr,
+            grad_norm,
+            pairs_per_sec: batch.queries.len() as f64 / secs,
+            peak_bytes: peak,
+            filled_negatives: batch.filled,
+        })
+    }
+
+    /// This rank's queries and passages of a global batch: an equal, contiguous share
+    /// (passages keep their per-query groups).
+    fn share<'b>(&self, batch: &'b TextBatch) -> Result<(Vec<&'b str>, Vec<&'b str>)> {
+        let (rank, world) = (self.rank(), self.world_size());
+        let rows = batch.queries.len() / world;
+        let group = batch.passages.len() / batch.queries.len().max(1);
+        if rows * world != batch.queries.len()
+            || group * batch.queries.len() != batch.passages.len()
+        {
+            return Err(Error::Data {
+                path: self.cfg.data.train_file.clone(),
+                line: 0,
+                reason: format!(
+                    "a batch of {} queries and {} passages does not split over {world} ranks",
+                    batch.queries.len(),
+                    batch.passages.len()
+                ),
+            });
+        }
+        let q = &batch.queries[rank * rows..(rank + 1) * rows];
+        let p = &batch.passages[rank * rows * group..(rank + 1) * rows * group];
+        Ok((to_refs(q), to_refs(p)))
+    }
+
+    /// Writes a training checkpoint of the current state.
+    pub fn save_checkpoint(&self) -> Result<PathBuf> {
+        let state = TrainerState {
+            step: self.step,
+            data: self.loader.position(),
+            config_fingerprint: self.cfg.fingerprint()?,
+        };
+        checkpoint::save(
+            &self.cfg.output_dir.join("checkpoints"),
+            self.gc.params(),
+            &self.optimizer.state(),
+            &state,
+            self.cfg.train.keep_checkpoints,
+        )
+    }
+
+    /// Runs until `train.steps`, evaluating before the first step (unless resumed), every
+    /// `eval_every` steps and at the end, and writing a checkpoint every
+    /// `checkpoint_every` steps and at the end. Returns the evaluations (first and last).
+    pub fn run(
+        &mut self,
+        observer: &mut dyn Observer,
+    ) -> Result<(Option<RetrievalMetrics>, RetrievalMetrics)> {
+        for note in std::mem::take(&mut self.notes) {
+            observer.event(&Event::Note(note));
+        }
+        let before = if self.step == 0 {
+            let m = self.evaluate_on_root()?;
+            observer.event(&Event::Eval {
+                step: 0,
+                metrics: m,
+            });
+            Some(m)
+        } else {
+            None
+        };
+        let mut filled = 0;
+        while self.step < self.cfg.train.steps {
+            let report = self.train_step()?;
+            filled += report.filled_negatives;
+            observer.event(&Event::Step(report));
+            let t = &self.cfg.train;
+            let last = self.step == t.steps;
+            if t.eval_every > 0 && self.step % t.eval_every == 0 && !last {
+                let m = self.evaluate_on_root()?;
+                observer.event(&Event::Eval {
+                    step: self.step,
+                    metrics: m,
+                });
+            }
+            if (t.checkpoint_every > 0 && self.step % t.checkpoint_every == 0) || last {
+                let saved = if self.rank() == 0 {
+                    self.save_checkpoint().map(Some)
+                } else {
+                    Ok(None)
+                };
+                if let Some(dir) = dist::agree(&*self.comm, saved)? {
+                    observer.event(&Event::CheckpointSaved(dir));
+                }
+            }
+        }
+        if filled > 0 {
+            observer.event(&Event::Note(format!(
+                "{filled} missing hard negatives were filled with positives of other pairs"
+            )));
+        }
+        if self.world_size() > 1 {
+            let sum = dist::ensure_identical_weights(&*self.comm, self.gc.params())?;
+            observer.event(&Event::Note(format!(
+                "all {} ranks hold identical weights (checksum {sum:016x})",
+                self.world_size()
+            )));
+        }
+        let after = self.evaluate_on_root()?;
+        observer.event(&Event::Eval {
+            step: self.step,
+            metrics: after,
+        });
+        Ok((before, after))
+    }
+
+    /// Evaluates on rank 0 only; every rank receives rank 0's metrics (a failure there
+    /// stops every rank).
+    fn evaluate_on_root(&self) -> Result<RetrievalMetrics> {
+        dist::from_root(&*self.comm, "the evaluation", || self.evaluate())
+    }
+
+    /// Exports the tower of `side` (the shared tower for either side) as a Hugging Face +
+    /// sentence-transformers directory.
+    pub fn export(&self, dir: &Path, side: Side) -> Result<()> {
+        let (params, prefix, tokenizer) = match (side, self.cfg.model.shared) {
+            (_, true) => (self.gc.query_encoder().params(), "", &self.query_tokenizer),
+            (Side::Query, false) => (
+                self.gc.query_encoder().params(),
+                "query",
+                &self.query_tokenizer,
+            ),
+            (Side::Passage, false) => (
+                self.gc.passage_encoder().params(),
+                "passage",
+                &self.passage_tokenizer,
+            ),
+        };
+        export_bert(
+            dir,
+            &self.bert,
+            &self.options,
+            self.cfg.loss.similarity,
+            params,
+            prefix,
+            tokenizer,
+        )
+    }
+}
+
+/// The encoder options a configuration asks for.
+fn bert_options(cfg: &Config) -> BertOptions {
+    BertOptions {
+        pooling: cfg.model.pooling,
+        normalize: cfg.model.normalize,
+        recompute: cfg.model.recompute.clone(),
+    }
+}
+
+/// The global batch must split evenly over the ranks.
+fn check_batch_splits(cfg: &Config, comm: &dyn Collective) -> Result<()> {
+    if cfg.train.batch_size % comm.world_size() != 0 {
+        return Err(Error::InvalidConfig {
+            field: "train.batch_size",
+            value: cfg.train.batch_size.to_string(),
+            reason: "the global batch must split evenly over the ranks (a multiple of the \
+                     world size)",
+        });
+    }
+    Ok(())
+}
+
+/// Reads the training and held-out pairs (every rank; a failure anywhere stops all),
+/// checks that all ranks run the same configuration on the same data, and builds the
+/// loader.
+fn load_data(cfg: &Config, comm: &dyn Collective, notes: &mut Vec<String>) -> Result<RunData> {
+    let (train, eval) = dist::agree(comm, load_pairs(cfg))?;
+    check_same_run(comm, cfg, &train, &eval)?;
+    let batch = cfg.train.batch_size;
+    if train.len() % batch != 0 {
+        notes.push(format!(
+            "{} training pairs make {} batches of {batch} per epoch; the last {} pairs of each \
+             (shuffled) epoch are dropped",
+            train.len(),
+            train.len() / batch,
+            train.len() % batch
+        ));
+    }
+    let world = comm.world_size();
+    if world > 1 {
+        notes.push(format!(
+            "{world} ranks ({} backend): {} pairs per rank, loss over the global batch of {batch}",
+            comm.backend(),
+            batch / world,
+        ));
+    }
+    // A fresh tokenizer learns from the training split only (never the held-out pairs).
+    let texts: Vec<String> = if cfg.model.pretrained.is_empty() {
+        train
+            .iter()
+            .flat_map(|p| [p.query.clone(), p.positive.clone()])
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let loader = Loader::new(train, batch, cfg.train.hard_negatives, cfg.seed)?;
+    Ok(RunData {
+        loader,
+        eval,
+        texts,
+    })
+}
+
+/// The training and held-out pairs of a run.
+fn load_pairs(cfg: &Config) -> Result<(Vec<Pair>, Vec<Pair>)> {
+    let pairs = read_jsonl(&cfg.data.train_file, &cfg.data.fields)?;
+    match &cfg.data.eval_file {
+        Some(path) => Ok((pairs, read_jsonl(path, &cfg.data.fields)?)),
+        None => split(pairs, cfg.data.eval_pairs, cfg.seed),
+    }
+}
+
+/// The towers and tokenizer of a run, fresh or pretrained, checked against the
+/// configured token limits. Writes nothing.
+fn build_model(cfg: &Config, texts: &[String], comm: &dyn Collective) -> Result<Model> {
+    let store = ParamStore::new(cfg.seed, DType::F32, &comm.device());
+    let model = if cfg.model.pretrained.is_empty() {
+        let tokenizer = dist::from_root(comm, "the tokenizer", || fresh_tokenizer(cfg, texts))?;
+        dist::agree(comm, fresh_model(cfg, tokenizer, store))?
+    } else {
+        dist::agree(comm, pretrained_model(cfg, store))?
+    };
+    for (field, len) in [
+        ("model.query_max_len", cfg.model.query_max_len),
+        ("model.passage_max_len", cfg.model.passage_max_len),
+    ] {
+        if len > model.bert.max_position_embeddings {
+            return Err(Error::InvalidConfig {
+                field,
+                value: len.to_string(),
+                reason: "exceeds the model's max_position_embeddings",
+            });
+        }
+    }
+    Ok(model)
+}
+
+/// The tokenizer of a fresh model: the one in `output_dir` (a resumed run or a rerun), or
+/// one trained on the training texts.
+fn fresh_tokenizer(cfg: &Config, texts: &[String]) -> Result<tokenizers::Tokenizer> {
+    let path = cfg.output_dir.join(TOKENIZER_FILE);
+    if path.is_file() {
+        return Ok(read_tokenizer_file(&path)?);
+    }
+    let f = &cfg.model.fresh;
+    train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase)
+}
+
+/// A BERT of the configured size with fresh weights. Two towers start from one
+/// initialisation, copied into both (as DPR starts both from one checkpoint), and then
+/// train apart: two towers drawn independently share nothing to align.
+fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore) -> Result<Model> {
+    let f = &cfg.model.fresh;
+    let bert = BertConfig {
+        hidden_dropout_prob: f.dropout_prob,
+        attention_probs_dropout_prob: f.dropout_prob,
+        ..BertConfig::new(
+            tokenizer.get_vocab_size(true),
+            f.hidden_size,
+            f.num_layers,
+            f.num_heads,
+            f.intermediate_size,
+            cfg.model.query_max_len.max(cfg.model.passage_max_len),
+        )
+    };
+    let options = bert_options(cfg);
+    let (query, passage) = if cfg.model.shared {
+        (BertEncoder::build(&store, "", &bert, &options)?, None)
+    } else {
+        let query = BertEncoder::build(&store, "query", &bert, &options)?;
+        let passage = BertEncoder::build(&store, "passage", &bert, &options)?;
+        copy_tower(query.params(), "query.", passage.params(), "passage.")?;
+        (query, Some(passage))
+    };
+    Ok(Model {
+        query,
+        passage,
+        bert,
+        tokenizer,
+        store,
+    })
+}
+
+/// Sets every parameter `to_prefix + name` of `to` to the value of `from_prefix + name` in
+/// `from`.
+fn copy_tower(from: &Params, from_prefix: &str, to: &Params, to_prefix: &str) -> Result<()> {
+    for (name, var) in to.iter() {
+        let rest = name.strip_prefix(to_prefix).unwrap_or(name);
+        let source = from
+            .get(&format!("{from_prefix}{rest}"))
+            .ok_or_else(|| Error::DuplicateParameter {
+                name: name.to_string(),
+            })?;
+        var.set(&source.as_tensor().copy()?)?;
+    }
+    Ok(())
+}
+
+/// A pretrained model from a directory or the Hub; two towers both load its weights.
+fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
+    let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
+    let tokenizer = read_model_tokenizer(&files)?;
+    let options = bert_options(cfg);
+    if cfg.model.shared {
+        let (query, bert, store) = load_pretrained(&files, "", &options, store)?;
+        Ok(Model {
+            query,
+            passage: None,
+            bert,
+            tokenizer,
+            store,
+        })
+    } else {
+        let (query, bert, store) = load_pretrained(&files, "query", &options, store)?;
+        let (passage, _, store) = load_pretrained(&files, "passage", &options, store)?;
+        Ok(Model {
+            query,
+            passage: Some(passage),
+            bert,
+            tokenizer,
+            store,
+        })
+    }
+}
+
+fn read_model_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
+    let path = files.tokenizer.clone().ok_or_else(|| Error::MissingFile {
+        path: files.dir.join(files::TOKENIZER),
+        what: "tokenizer",
+    })?;
+    Ok(read_tokenizer_file(&path)?)
+}
+
+/// Writes `tokenizer.json` (unless the same one is there) and `model_config.json` into
+/// `dir`, creating it.
+fn write_run_files(dir: &Path, tokenizer: &tokenizers::Tokenizer, bert: &BertConfig) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
+    let path = dir.join(TOKENIZER_FILE);
+    let json = tokenizer
+        .to_string(false)
+        .map_err(|e| Error::io("write", &path, e))?;
+    if std::fs::read_to_string(&path).ok().as_deref() != Some(json.as_str()) {
+        std::fs::write(&path, &json).map_err(|e| Error::io("write", &path, e))?;
+    }
+    let path = dir.join(MODEL_CONFIG_FILE);
+    let json = serde_json::to_string_pretty(bert).map_err(|e| Error::io("write", &path, e))?;
+    std::fs::write(&path, json).map_err(|e| Error::io("write", &path, e))
+}
+
+/// A checkpoint must have been written with this configuration (up to what may change
+/// between a run and its resume: see [`Config::fingerprint`]).
+fn check_fingerprint(cfg: &Config, dir: &Path, state: &TrainerState) -> Result<()> {
+    if state.config_fingerprint != cfg.fingerprint()? {
+        return Err(Error::CheckpointMismatch {
+            what: format!("checkpoint {}", dir.display()),
+            detail: "it was written with another configuration (only output_dir, \
+                     train.eval_every, checkpoint_every, keep_checkpoints and the dist \
+                     section may change)"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// Checks that every rank runs the same configuration on the same data. Data paths may
+/// differ between ranks (per-node copies); the data itself may not.
+fn check_same_run(
+    comm: &dyn Collective,
+    cfg: &Config,
+    train: &[Pair],
+    eval: &[Pair],
+) -> Result<()> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let mut shaping = cfg.clone();
+    shaping.data.train_file = PathBuf::new();
+    shaping.data.eval_file = None;
+    let json = dist::agree(comm, shaping.to_json())?;
+    let all = comm.all_gather_bytes(json.to_string().as_bytes())?;
+    let differing: Vec<String> = (1..all.len())
+        .filter(|&r| all[r] != all[0])
+        .map(|r| {
+            let keys = crate::train::config::differing_keys(&json_of(&all[0]), &json_of(&all[r]));
+            format!("rank {r} differs from rank 0 in {}", keys.join(", "))
+        })
+        .collect();
+    if !differing.is_empty() {
+        return Err(Error::RankMismatch {
+            what: "the config".into(),
+            detail: differing.join("; "),
+        });
+    }
+    let mut hash = crate::rng::hash_str("");
+    for p in train.iter().chain(eval) {
+        for text in [&p.query, &p.positive].into_iter().chain(&p.negatives) {
+            hash = hash.rotate_left(5) ^ crate::rng::hash_str(text);
+        }
+    }
+    let print = format!(
+        "{} training pairs, {} held out, hash {hash:016x}",
+        train.len(),
+        eval.len()
+    );
+    dist::ensure_same(comm, "the data", print.as_bytes(), |b| {
+        String::from_utf8_lossy(b).into_owned()
+    })
+}
+
+fn json_of(bytes: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(bytes).unwrap_or(serde_json::Value::Null)
+}
+
+fn to_refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// Exports tower `side` of a finished run as a Hugging Face + sentence-transformers
+/// directory `output`, from the checkpoint `checkpoint` (default: the newest under
+/// `<output_dir>/checkpoints`). Read-only on the run: it reads the checkpoint's weights
+/// and state, the run's `model_config.json` and `tokenizer.json` (for a run from a
+/// pretrained model that has none, the model's own files), and no training data; it
+/// writes only `output`. Returns the step the checkpoint was taken at.
+pub fn export_run(
+    cfg: &Config,
+    checkpoint: Option<&Path>,
+    output: &Path,
+    side: Side,
+) -> Result<u64> {
+    cfg.validate()?;
+    let root = cfg.output_dir.join("checkpoints");
+    let dir = checkpoint::resolve(checkpoint.unwrap_or(&root))?;
+    let state = checkpoint::read_state(&dir)?;
+    check_fingerprint(cfg, &dir, &state)?;
+
+    let run_config = cfg.output_dir.join(MODEL_CONFIG_FILE);
+    let run_tokenizer = cfg.output_dir.join(TOKENIZER_FILE);
+    let pretrained = if cfg.model.pretrained.is_empty()
+        || (run_config.is_file() && run_tokenizer.is_file())
+    {
+        None
+    } else {
+        Some(ModelFiles::resolve(
+            &cfg.model.pretrained,
+            &HubSettings::from_env(),
+        )?)
+    };
+    let bert = match &pretrained {
+        None => BertConfig::from_file(&run_config)?,
+        Some(files) => BertConfig::from_file(&files.config)?,
+    };
+    let tokenizer = match &pretrained {
+        None => read_tokenizer_file(&run_tokenizer)?,
+        Some(files) => read_model_tokenizer(files)?,
+    };
+    let max_len = match side {
+        Side::Query => cfg.model.query_max_len,
+        Side::Passage => cfg.model.passage_max_len,
+    };
+    let tokenizer = Tokenizer::new(tokenizer, max_len)?;
+
+    let prefix = match (cfg.model.shared, side) {
+        (true, _) => "",
+        (false, Side::Query) => "query",
+        (false, Side::Passage) => "passage",
+    };
+    let file_prefix = if prefix.is_empty() {
+        String::new()
+    } else {
+        format!("{prefix}.")
+    };
+    let weights = WeightFile::open(&checkpoint::model_file(&dir), &file_prefix)?;
+    let store = ParamStore::new(cfg.seed, DType::F32, &Device::Cpu)
+        .with_weights(prefix, Arc::new(weights));
+    let options = bert_options(cfg);
+    let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;
+    export_bert(
+        output,
+        &bert,
+        &options,
+        cfg.loss.similarity,
+        encoder.params(),
+        prefix,
+        &tokenizer,
+    )?;
+    Ok(state.step)
+}
