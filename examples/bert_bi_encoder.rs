@@ -14,12 +14,12 @@ use std::path::Path;
 
 use candle_core::{DType, Device};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
+use gradcache::hub::embed;
+use gradcache::hub::tokenizer::{train_wordpiece, Tokenizer};
 use gradcache::train::data::{read_jsonl, Fields, Loader};
 use gradcache::train::metrics::evaluate;
 use gradcache::train::optim::{clip_grad_norm, Optimizer, OptimizerKind, Schedule};
-use gradcache::hub::tokenizer::{train_wordpiece, Tokenizer};
-use gradcache::hub::embed;
-use gradcache::{Recompute, GradCache, InfoNce, ParamStore, Similarity};
+use gradcache::{GradCache, InfoNce, ParamStore, Recompute, Similarity};
 
 const STEPS: u64 = 40;
 const BATCH: usize = 64;

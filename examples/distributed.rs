@@ -65,7 +65,7 @@ fn compare(comm: &Rc<dyn Collective>, two_towers: bool) -> gradcache::Result<(f3
     let passages = features(2, PER_RANK * world * GROUP)?;
     let single: StepOutput = build(two_towers)?.full_batch_step(0, &queries, &passages)?;
 
-    let mut gc = build(two_towers)?.with_collective(Rc::clone(comm));
+    let gc = build(two_towers)?.with_collective(Rc::clone(comm));
     let my_queries = queries.narrow(0, rank * PER_RANK, PER_RANK)?;
     let my_passages = passages.narrow(0, rank * PER_RANK * GROUP, PER_RANK * GROUP)?;
     let dist = gc.cache_step(0, &my_queries, &my_passages)?;

@@ -17,8 +17,8 @@ use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
 use gradcache::memory::{measure, CountingAllocator};
 use gradcache::toy::{DeepMlp, DeepMlpConfig};
 use gradcache::{
-    Batch, Recomputed, Recompute, Encoder, GradCache, Gradients, InfoNce, ParamStore,
-    TokenBatch, Tower,
+    Batch, Encoder, GradCache, Gradients, InfoNce, ParamStore, Recompute, Recomputed, TokenBatch,
+    Tower,
 };
 
 #[global_allocator]

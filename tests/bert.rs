@@ -8,12 +8,15 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
-use gradcache::recompute::{Recomputed, Recompute, LayerStack};
 use gradcache::params::WeightFile;
+use gradcache::recompute::{LayerStack, Recompute, Recomputed};
 use gradcache::toy::{DeepMlp, DeepMlpConfig};
 use gradcache::{
     ChunkSeed, Ctx, Encoder, GradCache, Gradients, InfoNce, ParamStore, TokenBatch, Tower,
 };
+
+mod common;
+use common::{max_abs, rel_err_with_zeros};
 
 const CONFIG: &str = r#"{
   "architectures": ["BertModel"],
@@ -64,11 +67,6 @@ fn options(pooling: Pooling, recompute: Recompute) -> BertOptions {
     }
 }
 
-fn max_abs(t: &Tensor) -> f64 {
-    let t = t.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
-    t.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
-}
-
 /// Key biases add one constant to every score of a query, which softmax ignores: their
 /// gradient is mathematically zero, so only rounding noise is there to compare.
 fn key_biases(cfg: &BertConfig, prefix: &str) -> Vec<String> {
@@ -79,23 +77,8 @@ fn key_biases(cfg: &BertConfig, prefix: &str) -> Vec<String> {
 
 /// Max relative error over parameters, the mathematically-zero ones checked as noise.
 fn compare(got: &Gradients, want: &Gradients, zero: &[String]) -> f64 {
-    let global = want.iter().map(|(_, g)| max_abs(g)).fold(0.0, f64::max);
-    for z in zero {
-        for grads in [got, want] {
-            let noise = max_abs(grads.get(z).expect("zero-gradient parameter present")) / global;
-            assert!(
-                noise < 1e-5,
-                "`{z}` should have a zero gradient, has {noise:e} of the largest"
-            );
-        }
-    }
-    let keep = |g: &Gradients| -> Gradients {
-        g.iter()
-            .filter(|(n, _)| !zero.iter().any(|z| z == n))
-            .map(|(n, t)| (n.to_string(), t.clone()))
-            .collect()
-    };
-    keep(got).max_rel_err(&keep(want), 0.0).unwrap()
+    let zero: Vec<&str> = zero.iter().map(String::as_str).collect();
+    rel_err_with_zeros(got, want, &zero, 1e-5)
 }
 
 #[test]
@@ -206,8 +189,7 @@ fn policies() -> Vec<Recompute> {
 fn checkpointing_does_not_change_bert_gradients() {
     let cfg = config();
     let store = ParamStore::new(13, DType::F32, &Device::Cpu);
-    let off =
-        BertEncoder::build(&store, "", &cfg, &options(Pooling::Cls, Recompute::Off)).unwrap();
+    let off = BertEncoder::build(&store, "", &cfg, &options(Pooling::Cls, Recompute::Off)).unwrap();
     let batch = tokens(2, 4);
     let ctx = Ctx::train(ChunkSeed {
         run: 1,

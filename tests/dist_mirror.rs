@@ -16,6 +16,8 @@ use gradcache::dist::{self, Collective, ReduceOp, Traffic};
 use gradcache::toy::{Mlp, MlpConfig};
 use gradcache::{Error, GradCache, InfoNce, ParamStore, Tower};
 
+mod common;
+
 struct Mirror {
     rank: usize,
     world: usize,
@@ -68,8 +70,7 @@ const LOCAL: usize = 5;
 const FEATURES: usize = 6;
 
 fn features(seed: u64, rows: usize) -> Tensor {
-    let shape = (rows, FEATURES).into();
-    gradcache::rng::normal(seed, 0.0, 1.0, &shape, DType::F32, &Device::Cpu).unwrap()
+    common::features(seed, rows, FEATURES)
 }
 
 fn gc(two_towers: bool) -> GradCache<Tower<Mlp>> {

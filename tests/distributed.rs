@@ -30,6 +30,8 @@ use gradcache::dist::{self, Backend, Collective, ReduceOp, StepVolume};
 use gradcache::toy::{Mlp, MlpConfig};
 use gradcache::{Error, GradCache, InfoNce, ParamStore, Similarity, StepOutput, Tower};
 
+mod common;
+
 const TOL: f64 = 1e-5;
 /// Pairs per rank.
 const LOCAL: usize = 6;
@@ -146,15 +148,7 @@ fn shape_mismatch(comm: &Rc<dyn Collective>) -> Result<(), String> {
 }
 
 fn features(seed: u64, rows: usize) -> Tensor {
-    gradcache::rng::normal(
-        seed,
-        0.0,
-        1.0,
-        &(rows, FEATURES).into(),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap()
+    common::features(seed, rows, FEATURES)
 }
 
 fn mlp(prefix: &str, store: &ParamStore) -> Tower<Mlp> {
@@ -223,7 +217,7 @@ fn run(case: Case, comm: &Rc<dyn Collective>) -> Result<(StepOutput, StepOutput)
     let single = reference
         .full_batch_step(0, &q, &p)
         .map_err(|e| format!("reference step: {e}"))?;
-    let mut gc = build(case, Some(comm));
+    let gc = build(case, Some(comm));
     let dist = gc
         .cache_step(0, &q_local, &p_local)
         .map_err(|e| format!("distributed step: {e}"))?;
@@ -372,7 +366,7 @@ fn failure(comm: &Rc<dyn Collective>) -> Result<(), String> {
     } else {
         p_local
     };
-    let mut gc = build(case, Some(comm));
+    let gc = build(case, Some(comm));
     match gc.cache_step(0, &q_local, &p_local) {
         Err(Error::RankFailed {
             rank,
@@ -408,7 +402,7 @@ fn volume(comm: &Rc<dyn Collective>) -> Result<(), String> {
         loss: symmetric,
     };
     let (_, _, q_local, p_local) = data(case, comm.as_ref());
-    let mut gc = build(case, Some(comm)).with_bucket_bytes(1 << 20);
+    let gc = build(case, Some(comm)).with_bucket_bytes(1 << 20);
     let before = comm.traffic();
     gc.cache_step(0, &q_local, &p_local)
         .map_err(|e| e.to_string())?;

@@ -26,6 +26,9 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 
+mod common;
+use common::max_abs;
+
 const CONFIG: &str = "configs/distributed-cpu.toml";
 const TOL: f64 = 1e-5;
 const WEIGHT_TOL: f64 = 1e-4;
@@ -116,17 +119,6 @@ fn losses(out: &Path) -> Vec<f64> {
         .filter(|v| v["type"] == "step")
         .map(|v| v["loss"].as_f64().unwrap())
         .collect()
-}
-
-fn max_abs(t: &candle_core::Tensor) -> f64 {
-    t.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap() as f64
 }
 
 #[test]

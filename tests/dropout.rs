@@ -3,14 +3,15 @@
 //! and the replay, and a cached step with dropout on equals a full-batch step that uses the
 //! same masks.
 
-use std::cell::RefCell;
-
 use candle_core::{DType, Device, Tensor};
 use gradcache::toy::{Mlp, MlpConfig};
 use gradcache::{
-    Batch, ChunkSeed, Ctx, Dropout, Encoder, GradCache, Gradients, InfoNce, Loss, ParamStore,
-    Params, Side, Tower,
+    Batch, ChunkSeed, Ctx, Dropout, Encoder, GradCache, Gradients, InfoNce, Loss, ParamStore, Side,
+    Tower,
 };
+
+mod common;
+use common::{bits, Spy};
 
 const B: usize = 10;
 
@@ -24,17 +25,7 @@ fn cfg() -> MlpConfig {
 }
 
 fn features(seed: u64, rows: usize) -> Tensor {
-    gradcache::rng::normal(seed, 0.0, 1.0, &(rows, 12).into(), DType::F32, &Device::Cpu).unwrap()
-}
-
-fn bits(t: &Tensor) -> Vec<u32> {
-    t.flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .into_iter()
-        .map(f32::to_bits)
-        .collect()
+    common::features(seed, rows, 12)
 }
 
 fn seed() -> ChunkSeed {
@@ -97,36 +88,11 @@ fn evaluation_and_zero_probability_are_the_identity() {
     );
 }
 
-/// Delegates to a tower and records every representation its graph forward produces,
-/// which is what the default replay runs.
-struct Recording<E> {
-    inner: E,
-    replayed: RefCell<Vec<Tensor>>,
-}
-
-impl<E: Encoder> Encoder for Recording<E> {
-    type Input = E::Input;
-    fn params(&self) -> &Params {
-        self.inner.params()
-    }
-    fn encode(&self, input: &Self::Input, ctx: &Ctx) -> gradcache::Result<Tensor> {
-        self.inner.encode(input, ctx)
-    }
-    fn forward(&self, input: &Self::Input, ctx: &Ctx) -> gradcache::Result<Tensor> {
-        let rep = self.inner.forward(input, ctx)?;
-        self.replayed.borrow_mut().push(rep.detach());
-        Ok(rep)
-    }
-}
-
 #[test]
 fn replay_reproduces_the_representation_pass_bit_for_bit() {
     let store = ParamStore::new(8, DType::F32, &Device::Cpu);
     let tower = Tower::build(&store, "", |vb| Mlp::new(&cfg(), vb)).unwrap();
-    let tower = Recording {
-        inner: tower,
-        replayed: RefCell::new(Vec::new()),
-    };
+    let tower = Spy::new(tower);
     let gc = GradCache::shared(tower, 3, InfoNce::new(0.1).unwrap())
         .unwrap()
         .with_seed(5);
@@ -156,7 +122,7 @@ fn replay_reproduces_the_representation_pass_bit_for_bit() {
     }
     reps.into_cache(gc.loss()).unwrap().replay().unwrap();
 
-    let replayed = gc.query_encoder().replayed.borrow();
+    let replayed = gc.query_encoder().forwards.borrow();
     assert_eq!(replayed.len(), encoded.len(), "one replay per chunk");
     for (i, (a, b)) in encoded.iter().zip(replayed.iter()).enumerate() {
         assert_eq!(

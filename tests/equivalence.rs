@@ -19,6 +19,9 @@ use gradcache::{
     TokenBatch, Tower,
 };
 
+mod common;
+use common::rel_err_with_zeros;
+
 const TOL: f64 = 1e-5;
 const ZERO_TOL: f64 = 1e-6;
 /// Queries per batch.
@@ -35,15 +38,7 @@ fn mlp_cfg(output: usize) -> MlpConfig {
 }
 
 fn features(seed: u64, rows: usize) -> Tensor {
-    gradcache::rng::normal(
-        seed,
-        0.0,
-        1.0,
-        &(rows, FEATURES).into(),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .expect("random features")
+    common::features(seed, rows, FEATURES)
 }
 
 fn tokens(seed: u64, rows: usize, vocab: u32) -> TokenBatch {
@@ -82,17 +77,6 @@ fn loss(symmetric: bool, block: Option<usize>, sim: Similarity) -> InfoNce {
         .unwrap()
 }
 
-fn max_abs(t: &Tensor) -> f64 {
-    t.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap() as f64
-}
-
 /// Asserts equal losses and gradients; `zero` names parameters whose true gradient is 0.
 fn assert_equivalent(
     name: &str,
@@ -115,29 +99,7 @@ fn assert_equivalent(
         reference.loss
     );
 
-    let global = reference
-        .grads
-        .iter()
-        .map(|(_, g)| max_abs(g))
-        .fold(0.0, f64::max);
-    let keep = |g: &Gradients| -> Gradients {
-        g.iter()
-            .filter(|(n, _)| !zero.contains(n))
-            .map(|(n, t)| (n.to_string(), t.clone()))
-            .collect()
-    };
-    for z in zero {
-        for (which, grads) in [("reference", reference), ("cached", cached)] {
-            let noise = max_abs(grads.grads.get(z).unwrap()) / global;
-            assert!(
-                noise <= ZERO_TOL,
-                "{name}: {which} gradient of `{z}` should be 0, is {noise:e} of the largest"
-            );
-        }
-    }
-    let grad_err = keep(&cached.grads)
-        .max_rel_err(&keep(&reference.grads), 0.0)
-        .unwrap();
+    let grad_err = rel_err_with_zeros(&cached.grads, &reference.grads, zero, ZERO_TOL);
     assert!(
         grad_err <= TOL,
         "{name}: max relative gradient error {grad_err:e} > {TOL:e}"
@@ -307,7 +269,9 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
     let q = Tower::build(&store, "query", |vb| Mlp::new(&mlp_cfg(16), vb)).unwrap();
     let p = Tower::build(&store, "passage", |vb| Mlp::new(&mlp_cfg(16), vb)).unwrap();
     let gc = GradCache::two_towers(q, p, 2, 5, l()).unwrap().with_seed(9);
-    let out = gc.cache_step(0, &features(52, B), &features(53, B)).unwrap();
+    let out = gc
+        .cache_step(0, &features(52, B), &features(53, B))
+        .unwrap();
     check("two towers", &out.grads, store.params().names().collect());
     assert_eq!(store.params().len(), 16);
 
@@ -327,6 +291,8 @@ fn every_parameter_gets_a_finite_nonzero_gradient() {
     let types =
         Tensor::from_vec((0..50u32).map(|i| i % 2).collect(), (10, 5), &Device::Cpu).unwrap();
     let batch = TokenBatch::new(ids, ones, types).unwrap();
-    let out = gc.cache_step(0, &batch, &batch.slice(0, 10).unwrap()).unwrap();
+    let out = gc
+        .cache_step(0, &batch, &batch.slice(0, 10).unwrap())
+        .unwrap();
     check("bag of words", &out.grads, store.params().names().collect());
 }

@@ -1,14 +1,14 @@
-//! Every bad input gets a typed error that names the problem, and nothing changes: the step
-//! counter does not advance and no gradient is returned.
-
-use std::cell::Cell;
+//! Every bad input gets a typed error that names the problem, and nothing changes: no
+//! chunk is replayed and no gradient is returned.
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::toy::{Mlp, MlpConfig};
 use gradcache::{
-    Ctx, Dropout, Encoder, Error, GradCache, Gradients, InfoNce, Network, ParamStore, Params, Side,
-    Tower,
+    Ctx, Dropout, Encoder, Error, GradCache, InfoNce, Network, ParamStore, Side, Tower,
 };
+
+mod common;
+use common::Spy;
 
 fn cfg(output: usize) -> MlpConfig {
     MlpConfig {
@@ -127,34 +127,9 @@ fn towers_with_different_widths() {
 }
 
 /// Counts replays, to show that a failed loss replays nothing.
-struct CountingReplays<E> {
-    inner: E,
-    replays: Cell<usize>,
-}
-
-impl<E: Encoder> Encoder for CountingReplays<E> {
-    type Input = E::Input;
-    fn params(&self) -> &Params {
-        self.inner.params()
-    }
-    fn encode(&self, input: &Self::Input, ctx: &Ctx) -> gradcache::Result<Tensor> {
-        self.inner.encode(input, ctx)
-    }
-    fn forward(&self, input: &Self::Input, ctx: &Ctx) -> gradcache::Result<Tensor> {
-        self.inner.forward(input, ctx)
-    }
-    fn replay(&self, input: &Self::Input, g: &Tensor, ctx: &Ctx) -> gradcache::Result<Gradients> {
-        self.replays.set(self.replays.get() + 1);
-        self.inner.replay(input, g, ctx)
-    }
-}
-
 #[test]
 fn non_finite_loss_is_caught_before_any_gradient() {
-    let enc = CountingReplays {
-        inner: tower(&store(), "", 4),
-        replays: Cell::new(0),
-    };
+    let enc = Spy::new(tower(&store(), "", 4));
     let gc = GradCache::shared(enc, 2, loss()).unwrap();
     let mut q = features(4).to_vec2::<f32>().unwrap();
     q[1][3] = f32::NAN;

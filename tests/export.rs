@@ -6,10 +6,12 @@ use std::fs;
 
 use candle_core::{DType, Device};
 use gradcache::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions, Pooling};
-use gradcache::hub::export::{export_bert, read_sentence_transformers_config, SentenceTransformersConfig};
+use gradcache::hub::export::{
+    export_bert, read_sentence_transformers_config, SentenceTransformersConfig,
+};
 use gradcache::hub::files::ModelFiles;
 use gradcache::hub::tokenizer::Tokenizer;
-use gradcache::{Recompute, Ctx, Encoder, Error, ParamStore, Similarity};
+use gradcache::{Ctx, Encoder, Error, ParamStore, Recompute, Similarity};
 
 mod common;
 use common::write_tokenizer;

@@ -8,8 +8,10 @@ use gradcache::{
     TokenBatch, Tower,
 };
 
+mod common;
+
 fn features(seed: u64, rows: usize) -> Tensor {
-    gradcache::rng::normal(seed, 0.0, 1.0, &(rows, 10).into(), DType::F32, &Device::Cpu).unwrap()
+    common::features(seed, rows, 10)
 }
 
 fn setup() -> (ParamStore, GradCache<Tower<Mlp>>) {

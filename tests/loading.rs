@@ -6,49 +6,17 @@ use std::fs;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use gradcache::bert::{load_pretrained, BertEncoder, BertOptions};
+use gradcache::bert::{load_pretrained, BertOptions};
 use gradcache::hub::files::{HubSettings, ModelFiles};
 use gradcache::hub::tokenizer::Tokenizer;
 use gradcache::{Error, ParamStore};
 
 mod common;
-use common::write_tokenizer;
-
-const CONFIG: &str = r#"{
-  "model_type": "bert",
-  "vocab_size": 12,
-  "hidden_size": 8,
-  "num_hidden_layers": 2,
-  "num_attention_heads": 2,
-  "intermediate_size": 16,
-  "hidden_act": "gelu_new",
-  "max_position_embeddings": 16,
-  "type_vocab_size": 2,
-  "initializer_range": 0.02,
-  "layer_norm_eps": 1e-12
-}"#;
+use common::{write_bert_dir, write_tokenizer, TINY_BERT};
 
 /// A complete model directory: config, weights (optionally `bert.`-prefixed), tokenizer.
 fn write_model(dir: &Path, bert_prefix: bool) -> ParamStore {
-    fs::create_dir_all(dir).unwrap();
-    fs::write(dir.join("config.json"), CONFIG).unwrap();
-    let store = ParamStore::new(5, DType::F32, &Device::Cpu);
-    let cfg = serde_json::from_str(CONFIG).unwrap();
-    BertEncoder::build(&store, "", &cfg, &BertOptions::default()).unwrap();
-    let prefix = if bert_prefix { "bert." } else { "" };
-    let mut tensors: HashMap<String, Tensor> = store
-        .params()
-        .iter()
-        .map(|(n, v)| (format!("{prefix}{n}"), v.as_tensor().clone()))
-        .collect();
-    // Heads a BertForPreTraining checkpoint carries and an encoder does not use.
-    tensors.insert(
-        "cls.predictions.bias".into(),
-        Tensor::zeros(12, DType::F32, &Device::Cpu).unwrap(),
-    );
-    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
-    write_tokenizer(&dir.join("tokenizer.json"));
-    store
+    write_bert_dir(dir, TINY_BERT, bert_prefix)
 }
 
 fn same_weights(a: &ParamStore, b: &ParamStore) {
@@ -240,7 +208,7 @@ fn missing_config_or_weights() {
         err.to_string().starts_with("missing model config: "),
         "{err}"
     );
-    fs::write(dir.path().join("config.json"), CONFIG).unwrap();
+    fs::write(dir.path().join("config.json"), TINY_BERT).unwrap();
     let err = ModelFiles::from_dir(dir.path()).unwrap_err();
     assert!(
         matches!(
@@ -258,7 +226,7 @@ fn missing_config_or_weights() {
 #[test]
 fn pickle_only_directory() {
     let dir = tempfile::tempdir().unwrap();
-    fs::write(dir.path().join("config.json"), CONFIG).unwrap();
+    fs::write(dir.path().join("config.json"), TINY_BERT).unwrap();
     fs::write(dir.path().join("pytorch_model.bin"), b"not really a pickle").unwrap();
     let err = ModelFiles::from_dir(dir.path()).unwrap_err();
     assert!(matches!(err, Error::PickleOnly { .. }), "{err:?}");
@@ -275,7 +243,7 @@ fn unsupported_activation() {
     write_model(dir.path(), false);
     fs::write(
         dir.path().join("config.json"),
-        CONFIG.replace("gelu_new", "swish"),
+        TINY_BERT.replace("gelu_new", "swish"),
     )
     .unwrap();
     let files = ModelFiles::from_dir(dir.path()).unwrap();
@@ -307,7 +275,7 @@ fn weight_with_the_wrong_shape_or_missing() {
     // The config now promises a wider intermediate layer than the weights have.
     fs::write(
         dir.path().join("config.json"),
-        CONFIG.replace("\"intermediate_size\": 16", "\"intermediate_size\": 20"),
+        TINY_BERT.replace("\"intermediate_size\": 16", "\"intermediate_size\": 20"),
     )
     .unwrap();
     let files = ModelFiles::from_dir(dir.path()).unwrap();
@@ -326,7 +294,7 @@ fn weight_with_the_wrong_shape_or_missing() {
     // A config with more layers than the file has.
     fs::write(
         dir.path().join("config.json"),
-        CONFIG.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3"),
+        TINY_BERT.replace("\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3"),
     )
     .unwrap();
     let err = load_pretrained(&files, "", &BertOptions::default(), fresh())
@@ -406,7 +374,8 @@ fn trained_vocabulary_is_deterministic_with_character_fallback() {
         "THE LIGHT shines",
         "zebra",
     ];
-    let train = || gradcache::hub::tokenizer::train_wordpiece(texts.iter().copied(), 60, true).unwrap();
+    let train =
+        || gradcache::hub::tokenizer::train_wordpiece(texts.iter().copied(), 60, true).unwrap();
     let (a, b) = (train(), train());
     assert_eq!(
         a.to_string(false).unwrap(),

@@ -4,6 +4,8 @@
 use candle_core::{DType, Device, Tensor};
 use gradcache::{InfoNce, Loss, Similarity};
 
+mod common;
+
 type Mat = Vec<Vec<f64>>;
 
 fn mat(t: &Tensor) -> Mat {
@@ -11,15 +13,7 @@ fn mat(t: &Tensor) -> Mat {
 }
 
 fn random(seed: u64, rows: usize, cols: usize) -> Tensor {
-    gradcache::rng::normal(
-        seed,
-        0.0,
-        1.0,
-        &(rows, cols).into(),
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap()
+    common::random(seed, &[rows, cols])
 }
 
 /// Mean cross-entropy of `anchors` against `candidates` with targets `i * stride`, and its

@@ -1,25 +1,11 @@
 //! The differentiable layers compute what candle's own (fused or plain) versions compute,
 //! and gradients reach their parameters.
 
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{Var, D};
 use gradcache::nn::{layer_norm, linear};
 
-fn random(seed: u64, dims: &[usize]) -> Tensor {
-    gradcache::rng::normal(seed, 0.0, 1.0, &dims.into(), DType::F32, &Device::Cpu).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    a.sub(b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar()
-        .unwrap()
-}
+mod common;
+use common::{max_diff, random};
 
 #[test]
 fn linear_equals_x_times_w_transposed_plus_b() {

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor, Var};
-use gradcache::train::data::Position;
 use gradcache::train::checkpoint::{latest, list, load, restore, save, write_files, TrainerState};
+use gradcache::train::data::Position;
 use gradcache::Params;
 
 fn params(scale: f32) -> Params {

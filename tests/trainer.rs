@@ -6,7 +6,7 @@ use std::path::Path;
 
 use gradcache::train::config::{apply_override, Config, OptimName};
 use gradcache::train::trainer::{Quiet, Trainer};
-use gradcache::{Recompute, Error};
+use gradcache::{Error, Recompute};
 
 /// A tiny run over the first pairs of the quickstart data.
 fn setup(dir: &Path) -> std::path::PathBuf {
@@ -265,7 +265,8 @@ fn run_evaluates_checkpoints_and_exports() {
     let (before, after) = trainer.run(&mut Quiet).unwrap();
     assert_eq!(before.unwrap().queries, 10);
     assert_eq!(after.queries, 10);
-    let ckpts = gradcache::train::checkpoint::list(&dir.path().join("run").join("checkpoints")).unwrap();
+    let ckpts =
+        gradcache::train::checkpoint::list(&dir.path().join("run").join("checkpoints")).unwrap();
     assert_eq!(ckpts.iter().map(|c| c.0).collect::<Vec<_>>(), vec![2, 4]);
     let out = dir.path().join("exported");
     trainer.export(&out, gradcache::Side::Query).unwrap();
