@@ -157,32 +157,26 @@ impl InfoNce {
         }
     }
 
-    /// The loss terms: each is (anchors, candidates, target of anchor row r, weight).
-    /// q2p: queries against all passages, target `i * group`; p2q (symmetric): positive
-    /// passages against all queries, target `i`. Each term is a mean over its anchors.
+    /// The loss terms over prepared (normalised for cosine) representations `q` and `p`:
+    /// q2p, queries against all passages (target of query `i`: passage `i * group`); and,
+    /// when symmetric, p2q, each query's positive passage against all queries (target
+    /// `i`). Each term is a mean over its anchors.
     fn terms(&self, q: &Tensor, p: &Tensor) -> Result<Vec<Term>> {
         let queries = q.rows();
         let group = group_size(queries, p.rows())?;
-        let (q, p) = (self.prepare(q)?, self.prepare(p)?);
         let weight = if self.symmetric { 0.5 } else { 1.0 } / queries as f64;
         let mut terms = vec![Term {
+            direction: Direction::QueryToPassage,
             anchors: q.clone(),
             candidates: p.clone(),
             target_stride: group,
             weight,
         }];
         if self.symmetric {
-            let positives = if group == 1 {
-                p
-            } else {
-                let d = p.dim(1)?;
-                p.reshape((queries, group, d))?
-                    .narrow(1, 0, 1)?
-                    .squeeze(1)?
-            };
             terms.push(Term {
-                anchors: positives,
-                candidates: q,
+                direction: Direction::PassageToQuery,
+                anchors: positives(p, queries, group)?,
+                candidates: q.clone(),
                 target_stride: 1,
                 weight,
             });
@@ -190,10 +184,16 @@ impl InfoNce {
         Ok(terms)
     }
 
-    /// Sum over anchor rows `rows` of the cross-entropy of one term, times its weight.
-    fn term_loss(&self, term: &Term, rows: Range<usize>) -> Result<Tensor> {
-        let anchors = term.anchors.narrow(0, rows.start, rows.len())?;
-        let logits = (anchors.matmul(&term.candidates.t()?)? / self.temperature)?;
+    /// The weighted cross-entropy summed over anchor rows `rows` (absolute row numbers of
+    /// the term) whose representations are `anchors` (`rows.len()` of them).
+    fn block_loss(
+        &self,
+        anchors: &Tensor,
+        candidates: &Tensor,
+        rows: Range<usize>,
+        term: &Term,
+    ) -> Result<Tensor> {
+        let logits = (anchors.matmul(&candidates.t()?)? / self.temperature)?;
         let targets: Vec<u32> = rows.map(|r| (r * term.target_stride) as u32).collect();
         let n = targets.len();
         let targets = Tensor::from_vec(targets, (n, 1), logits.device())?;
@@ -201,20 +201,93 @@ impl InfoNce {
         let picked = log_probs.gather(&targets, D::Minus1)?;
         Ok((picked.sum_all()? * (-term.weight))?)
     }
+
+    /// One term, `block` anchor rows at a time, on detached values: returns the term's
+    /// loss and its gradients with respect to the anchors and the candidates. Each block
+    /// back-propagates from its own `block x C` logits into its own anchor rows and the
+    /// candidates, and its graph is gone before the next block starts: peak memory is
+    /// one block's logits (and their temporaries) plus the `[rows, d]` gradients, linear
+    /// in the batch.
+    fn term_value_and_grads(&self, term: &Term, block: usize) -> Result<(f64, Tensor, Tensor)> {
+        let candidates = Var::from_tensor(&term.candidates)?;
+        let mut grad_candidates = term.candidates.zeros_like()?;
+        let mut grad_anchors = Vec::new();
+        let mut loss = 0f64;
+        let rows = term.anchors.rows();
+        for start in (0..rows).step_by(block) {
+            let len = block.min(rows - start);
+            // A leaf of its own, so the block's backward does not pad a gradient of all
+            // anchors with zeros.
+            let anchors = Var::from_tensor(&term.anchors.narrow(0, start, len)?)?;
+            let l = self.block_loss(
+                anchors.as_tensor(),
+                candidates.as_tensor(),
+                start..start + len,
+                term,
+            )?;
+            loss += f64::from(scalar(&l)?);
+            let store = l.backward()?;
+            // Gradients carry the graph that computed them: detach before keeping them, or
+            // every block's logits would stay alive until the end.
+            let grad = |v: &Var| -> Result<Tensor> {
+                Ok(match store.get(v.as_tensor()) {
+                    Some(g) => g.detach(),
+                    None => v.as_tensor().zeros_like()?,
+                })
+            };
+            grad_anchors.push(grad(&anchors)?);
+            grad_candidates = (grad_candidates + grad(&candidates)?)?.detach();
+        }
+        Ok((loss, Tensor::cat(&grad_anchors, 0)?, grad_candidates))
+    }
+}
+
+/// Which way a loss term scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// Queries are anchors, all passages candidates.
+    QueryToPassage,
+    /// Positive passages are anchors, all queries candidates.
+    PassageToQuery,
 }
 
 struct Term {
+    direction: Direction,
     anchors: Tensor,
     candidates: Tensor,
     target_stride: usize,
     weight: f64,
 }
 
+/// The positive passage of each of `queries` queries: rows `0, group, 2 group, ...` of `p`.
+fn positives(p: &Tensor, queries: usize, group: usize) -> Result<Tensor> {
+    if group == 1 {
+        return Ok(p.clone());
+    }
+    let d = p.dim(1)?;
+    Ok(p.reshape((queries, group, d))?
+        .narrow(1, 0, 1)?
+        .squeeze(1)?)
+}
+
+/// The inverse of [`positives`] for gradients: `[queries, d]` rows placed at rows
+/// `0, group, ...` of a `[queries * group, d]` zero matrix.
+fn scatter_positives(g: &Tensor, group: usize) -> Result<Tensor> {
+    if group == 1 {
+        return Ok(g.clone());
+    }
+    let (queries, d) = g.dims2()?;
+    let rest = Tensor::zeros((queries, group - 1, d), g.dtype(), g.device())?;
+    Ok(Tensor::cat(&[&g.unsqueeze(1)?, &rest], 1)?.reshape((queries * group, d))?)
+}
+
 impl Loss for InfoNce {
     fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
+        let (q, p) = (self.prepare(queries)?, self.prepare(passages)?);
         let mut total: Option<Tensor> = None;
-        for term in self.terms(queries, passages)? {
-            let l = self.term_loss(&term, 0..term.anchors.rows())?;
+        for term in self.terms(&q, &p)? {
+            let rows = term.anchors.rows();
+            let l = self.block_loss(&term.anchors, &term.candidates, 0..rows, &term)?;
             total = Some(match total {
                 Some(t) => (t + l)?,
                 None => l,
@@ -226,33 +299,53 @@ impl Loss for InfoNce {
     }
 
     /// Back-propagates one row block at a time: only `block_rows x P` logits (and their
-    /// graph) exist at once. Gives the same value and gradients as the one-block form up to
-    /// float summation order.
+    /// graph) exist at once, in both directions of the symmetric loss. The blocks
+    /// back-propagate into the normalised representations; the normalisation's backward
+    /// runs once at the end. Gives the same value and gradients as the one-block form up
+    /// to float summation order.
     fn value_and_grads(&self, queries: &Tensor, passages: &Tensor) -> Result<LossValue> {
         let q = Var::from_tensor(&queries.detach())?;
         let p = Var::from_tensor(&passages.detach())?;
+        let (qn, pn) = (self.prepare(q.as_tensor())?, self.prepare(p.as_tensor())?);
         let mut loss = 0f64;
-        let mut grad_q = q.as_tensor().zeros_like()?;
-        let mut grad_p = p.as_tensor().zeros_like()?;
-        for term in self.terms(q.as_tensor(), p.as_tensor())? {
-            let rows = term.anchors.rows();
-            let block = self.block_rows.unwrap_or(rows).max(1);
-            for start in (0..rows).step_by(block) {
-                let l = self.term_loss(&term, start..rows.min(start + block))?;
-                loss += f64::from(scalar(&l)?);
-                let store = l.backward()?;
-                if let Some(g) = store.get(q.as_tensor()) {
-                    grad_q = (grad_q + g)?;
+        let mut grad_qn = qn.zeros_like()?;
+        let mut grad_pn = pn.zeros_like()?;
+        let group = group_size(qn.rows(), pn.rows())?;
+        for term in self.terms(&qn.detach(), &pn.detach())? {
+            let block = self.block_rows.unwrap_or(term.anchors.rows()).max(1);
+            let (l, g_anchors, g_candidates) = self.term_value_and_grads(&term, block)?;
+            loss += l;
+            match term.direction {
+                Direction::QueryToPassage => {
+                    grad_qn = (grad_qn + g_anchors)?;
+                    grad_pn = (grad_pn + g_candidates)?;
                 }
-                if let Some(g) = store.get(p.as_tensor()) {
-                    grad_p = (grad_p + g)?;
+                Direction::PassageToQuery => {
+                    grad_pn = (grad_pn + scatter_positives(&g_anchors, group)?)?;
+                    grad_qn = (grad_qn + g_candidates)?;
                 }
             }
         }
+        let (grad_queries, grad_passages) = match self.similarity {
+            Similarity::Dot => (grad_qn, grad_pn),
+            Similarity::Cosine => {
+                // Through the normalisation, once: the gradient of sum(qn * g_qn + pn * g_pn)
+                // with respect to q and p.
+                let surrogate = ((&qn * &grad_qn)?.sum_all()? + (&pn * &grad_pn)?.sum_all()?)?;
+                let store = surrogate.backward()?;
+                let grad = |v: &Var| -> Result<Tensor> {
+                    Ok(match store.get(v.as_tensor()) {
+                        Some(g) => g.detach(),
+                        None => v.as_tensor().zeros_like()?,
+                    })
+                };
+                (grad(&q)?, grad(&p)?)
+            }
+        };
         Ok(LossValue {
             loss: loss as f32,
-            grad_queries: grad_q.detach(),
-            grad_passages: grad_p.detach(),
+            grad_queries: grad_queries.detach(),
+            grad_passages: grad_passages.detach(),
         })
     }
 }

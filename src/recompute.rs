@@ -249,16 +249,10 @@ mod tests {
         assert_eq!(starts(Recompute::Sqrt, 12), vec![0, 3, 6, 9]);
         assert_eq!(starts(Recompute::Sqrt, 24), vec![0, 4, 9, 14, 19]);
         assert_eq!(starts(Recompute::Sqrt, 6), vec![0, 2, 4]);
-        assert_eq!(
-            starts(Recompute::Layers(vec![6, 3, 6]), 12),
-            vec![0, 3, 6]
-        );
+        assert_eq!(starts(Recompute::Layers(vec![6, 3, 6]), 12), vec![0, 3, 6]);
         let segs = Recompute::Every(5).segments(12).unwrap().unwrap();
         assert_eq!(segs, vec![0..5, 5..10, 10..12]);
-        assert_eq!(
-            Recompute::Sqrt.segments(0).unwrap().unwrap(),
-            vec![0..0]
-        );
+        assert_eq!(Recompute::Sqrt.segments(0).unwrap().unwrap(), vec![0..0]);
     }
 
     #[test]

@@ -209,7 +209,11 @@ pub fn agree<T>(comm: &dyn Collective, local: Result<T>) -> Result<T> {
 /// value to every rank (as JSON over the control plane). Used for work that must happen
 /// once and be seen identically everywhere: training the tokenizer, the evaluation. With
 /// one process this is `compute()`.
-pub fn from_root<T>(comm: &dyn Collective, what: &str, compute: impl FnOnce() -> Result<T>) -> Result<T>
+pub fn from_root<T>(
+    comm: &dyn Collective,
+    what: &str,
+    compute: impl FnOnce() -> Result<T>,
+) -> Result<T>
 where
     T: serde::Serialize + serde::de::DeserializeOwned,
 {
@@ -344,12 +348,15 @@ pub fn weights_checksum(params: &Params) -> Result<u64> {
 /// Checks that every rank holds bit-identical weights; returns the common checksum.
 pub fn ensure_identical_weights(comm: &dyn Collective, params: &Params) -> Result<u64> {
     let sum = weights_checksum(params)?;
-    ensure_same(comm, "the weights", &sum.to_le_bytes(), |b| {
-        match <[u8; 8]>::try_from(b) {
+    ensure_same(
+        comm,
+        "the weights",
+        &sum.to_le_bytes(),
+        |b| match <[u8; 8]>::try_from(b) {
             Ok(a) => format!("checksum {:016x}", u64::from_le_bytes(a)),
             Err(_) => format!("a malformed checksum of {} bytes", b.len()),
-        }
-    })?;
+        },
+    )?;
     Ok(sum)
 }
 

@@ -229,14 +229,16 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
     let similarity = if st_path.is_file() {
         match read(&st_path)?["similarity_fn_name"].as_str() {
             None => None,
-            Some(name) => Some(Similarity::from_sentence_transformers_name(name).ok_or_else(
-                || Error::UnsupportedConfig {
-                    field: "similarity_fn_name",
-                    value: name.to_string(),
-                    supported: "cosine, dot",
-                    path: st_path.clone(),
-                },
-            )?),
+            Some(name) => Some(
+                Similarity::from_sentence_transformers_name(name).ok_or_else(|| {
+                    Error::UnsupportedConfig {
+                        field: "similarity_fn_name",
+                        value: name.to_string(),
+                        supported: "cosine, dot",
+                        path: st_path.clone(),
+                    }
+                })?,
+            ),
         }
     } else {
         None

@@ -18,12 +18,12 @@ use candle_core::{Tensor, D};
 use candle_nn::{Embedding, Init, Module, VarBuilder};
 
 use crate::batch::TokenBatch;
-use crate::recompute::{Recomputed, Recompute, LayerStack};
 use crate::dropout::{Ctx, Dropout};
 use crate::encoder::Tower;
+use crate::hub::files::ModelFiles;
 use crate::nn::{LayerNorm, Linear};
 use crate::params::{ParamStore, WeightFile};
-use crate::hub::files::ModelFiles;
+use crate::recompute::{LayerStack, Recompute, Recomputed};
 use crate::{Error, Result};
 
 /// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).

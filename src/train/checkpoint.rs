@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
-use crate::train::data::Position;
 use crate::params::Params;
+use crate::train::data::Position;
 use crate::{Error, Result};
 
 const MODEL: &str = "model.safetensors";

@@ -6,11 +6,11 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::dist::Backend;
+use crate::loss::Similarity;
 use crate::models::bert::Pooling;
 use crate::recompute::Recompute;
 use crate::train::data::Fields;
-use crate::dist::Backend;
-use crate::loss::Similarity;
 use crate::{Error, Result};
 
 /// The whole run.

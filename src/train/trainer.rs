@@ -656,11 +656,11 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
 fn copy_tower(from: &Params, from_prefix: &str, to: &Params, to_prefix: &str) -> Result<()> {
     for (name, var) in to.iter() {
         let rest = name.strip_prefix(to_prefix).unwrap_or(name);
-        let source = from
-            .get(&format!("{from_prefix}{rest}"))
-            .ok_or_else(|| Error::DuplicateParameter {
-                name: name.to_string(),
-            })?;
+        let source =
+            from.get(&format!("{from_prefix}{rest}"))
+                .ok_or_else(|| Error::DuplicateParameter {
+                    name: name.to_string(),
+                })?;
         var.set(&source.as_tensor().copy()?)?;
     }
     Ok(())
@@ -805,16 +805,15 @@ pub fn export_run(
 
     let run_config = cfg.output_dir.join(MODEL_CONFIG_FILE);
     let run_tokenizer = cfg.output_dir.join(TOKENIZER_FILE);
-    let pretrained = if cfg.model.pretrained.is_empty()
-        || (run_config.is_file() && run_tokenizer.is_file())
-    {
-        None
-    } else {
-        Some(ModelFiles::resolve(
-            &cfg.model.pretrained,
-            &HubSettings::from_env(),
-        )?)
-    };
+    let pretrained =
+        if cfg.model.pretrained.is_empty() || (run_config.is_file() && run_tokenizer.is_file()) {
+            None
+        } else {
+            Some(ModelFiles::resolve(
+                &cfg.model.pretrained,
+                &HubSettings::from_env(),
+            )?)
+        };
     let bert = match &pretrained {
         None => BertConfig::from_file(&run_config)?,
         Some(files) => BertConfig::from_file(&files.config)?,
@@ -840,8 +839,8 @@ pub fn export_run(
         format!("{prefix}.")
     };
     let weights = WeightFile::open(&checkpoint::model_file(&dir), &file_prefix)?;
-    let store = ParamStore::new(cfg.seed, DType::F32, &Device::Cpu)
-        .with_weights(prefix, Arc::new(weights));
+    let store =
+        ParamStore::new(cfg.seed, DType::F32, &Device::Cpu).with_weights(prefix, Arc::new(weights));
     let options = bert_options(cfg);
     let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;
     export_bert(

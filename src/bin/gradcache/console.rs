@@ -74,4 +74,3 @@ impl Observer for Console {
         }
     }
 }
-

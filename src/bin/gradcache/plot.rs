@@ -48,4 +48,3 @@ pub fn plot_losses(metrics: &Path, png: &Path) -> Result<()> {
     root.present()?;
     Ok(())
 }
-
