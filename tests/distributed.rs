@@ -311,7 +311,8 @@ fn two_towers_cosine_blocks(comm: &Rc<dyn Collective>) -> Result<(), String> {
 
 /// The reference implementation's `DistributedContrastiveLoss` under DDP averaging yields
 /// 1/N of the union-batch gradient. Ours must be the union-batch gradient itself: check the
-/// norm ratio, and that averaging would indeed have been off by N.
+/// norm ratio; and that this rank's own share of the gradient, averaged over the ranks by
+/// the collective (`ReduceOp::Avg`, what DDP does), would indeed have been off by N.
 fn scale(comm: &Rc<dyn Collective>) -> Result<(), String> {
     let case = Case {
         two_towers: false,
@@ -341,12 +342,29 @@ fn scale(comm: &Rc<dyn Collective>) -> Result<(), String> {
             1.0 / comm.world_size() as f64
         )
     })?;
-    let mut averaged = dist.grads.clone();
-    averaged.scale(1.0 / comm.world_size() as f64).unwrap();
-    let avg_ratio = norm(&averaged) / norm(&single.grads);
+    // This rank's gradient before any reduction: the three phases by hand.
+    let (_, _, q_local, p_local) = data(case, comm.as_ref());
+    let gc = build(case, Some(comm));
+    let local = gc
+        .represent(0, &q_local, &p_local)
+        .and_then(|reps| reps.into_cache_across(gc.loss(), comm.as_ref()))
+        .and_then(|cache| cache.replay())
+        .map_err(|e| format!("local step: {e}"))?
+        .grads;
+    let averaged: gradcache::Gradients = local
+        .iter()
+        .map(|(name, g)| (name.to_string(), comm.all_reduce(g, ReduceOp::Avg).unwrap()))
+        .collect();
     let n = comm.world_size() as f64;
+    let avg_ratio = norm(&averaged) / norm(&single.grads);
     ensure((avg_ratio - 1.0 / n).abs() <= TOL, || {
-        format!("averaged ratio {avg_ratio}")
+        format!("averaged ratio {avg_ratio}, expected 1/{n}")
+    })?;
+    let mut rescaled = averaged.clone();
+    rescaled.scale(n).unwrap();
+    let err = rescaled.max_rel_err(&single.grads, 0.0).unwrap();
+    ensure(err <= TOL, || {
+        format!("N x the averaged gradient differs from the union batch's: {err:e}")
     })
 }
 

@@ -51,6 +51,16 @@ fn evaluate_scores_every_query_against_every_passage() {
     let m = evaluate(&q, &p, &[0, 2, 1], Similarity::Cosine, 2).unwrap();
     assert_eq!(m.recall_at_1, 1.0);
 
+    // Where the two disagree: a long passage that points half-way wins on dot, a short
+    // one that points the query's way wins on cosine. Query 0 = x; passage 0 = 10x + 10y
+    // (dot 10, cos 0.71), passage 1 = x + 0.1y (dot 1, cos 0.995). Target: passage 1.
+    let x = Tensor::new(&[[1f32, 0.0]], dev).unwrap();
+    let long_and_short = Tensor::new(&[[10f32, 10.0], [1.0, 0.1]], dev).unwrap();
+    let cosine = evaluate(&x, &long_and_short, &[1], Similarity::Cosine, 1).unwrap();
+    let dot = evaluate(&x, &long_and_short, &[1], Similarity::Dot, 1).unwrap();
+    assert_eq!(cosine.recall_at_1, 1.0, "cosine ranks the aligned passage first");
+    assert_eq!(dot.recall_at_1, 0.0, "dot ranks the long passage first");
+
     let err = evaluate(&q, &p, &[0, 1], Similarity::Dot, 2).unwrap_err();
     assert!(
         err.to_string().contains("one target passage per query"),
