@@ -3,7 +3,11 @@
 use std::fs;
 use std::process::Command;
 
-fn gradcache(args: &[&str]) -> (bool, String) {
+mod common;
+use common::{write_bert_dir, write_tiny_run, TINY_BERT};
+
+/// Runs the binary: success, standard error, standard output.
+fn run(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_gradcache"))
         .args(args)
         .env("HF_HUB_OFFLINE", "1")
@@ -14,7 +18,13 @@ fn gradcache(args: &[&str]) -> (bool, String) {
         !stderr.contains("panicked"),
         "the binary panicked:\n{stderr}"
     );
-    (out.status.success(), stderr)
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    (out.status.success(), stderr, stdout)
+}
+
+fn gradcache(args: &[&str]) -> (bool, String) {
+    let (ok, stderr, _) = run(args);
+    (ok, stderr)
 }
 
 #[test]
@@ -108,4 +118,115 @@ fn bad_configs_and_data_fail_cleanly() {
         !dir.path().join("run").join("checkpoints").exists(),
         "no failed run wrote a checkpoint"
     );
+}
+
+/// The embeddings `encode` printed, one per line.
+fn embeddings(stdout: &str) -> Vec<Vec<f64>> {
+    stdout
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn a_plain_model_directory_pools_as_told_and_the_log_says_which() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("plain-bert");
+    write_bert_dir(&model, TINY_BERT, false);
+    let model = model.display().to_string();
+    let texts = ["--text", "the lord is my shepherd", "--text", "light"];
+
+    let mut args = vec!["encode", "--model", &model];
+    args.extend(texts);
+    let (ok, stderr, stdout) = run(&args);
+    assert!(ok, "{stderr}");
+    for want in [
+        "pooling mean (default)",
+        "normalize false (default)",
+        "similarity cosine (default)",
+        "no sentence-transformers files in",
+    ] {
+        assert!(stderr.contains(want), "`{want}` missing:\n{stderr}");
+    }
+    let mean = embeddings(&stdout);
+
+    args.extend(["--pooling", "cls", "--normalize", "true"]);
+    let (ok, stderr, stdout) = run(&args);
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("pooling cls (given)") && stderr.contains("normalize true (given)"),
+        "{stderr}"
+    );
+    let cls = embeddings(&stdout);
+    assert_eq!(cls.len(), 2);
+    for (c, m) in cls.iter().zip(&mean) {
+        let norm = c.iter().map(|x| x * x).sum::<f64>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "normalised: |e| = {norm}");
+        assert_ne!(c, m, "CLS pooling gives other embeddings than mean pooling");
+    }
+}
+
+#[test]
+fn a_two_tower_run_exports_its_passage_tower_and_eval_uses_its_similarity() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_tiny_run(dir.path()).display().to_string();
+    let sets = [
+        "--set",
+        "model.shared=false",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "loss.similarity=dot",
+        "--set",
+        "model.normalize=false",
+    ];
+    let mut args = vec!["train", "--config", &config];
+    args.extend(sets);
+    let (ok, stderr) = gradcache(&args);
+    assert!(ok, "{stderr}");
+
+    let out = dir.path().join("passage-tower");
+    let out_arg = out.display().to_string();
+    let mut export = vec!["export", "--config", &config, "--output", &out_arg];
+    export.extend(sets);
+    export.extend(["--tower", "passage"]);
+    let (ok, stderr) = gradcache(&export);
+    assert!(ok && stderr.contains("exported step 2"), "{stderr}");
+    assert!(out.join("model.safetensors").is_file());
+
+    let eval = dir.path().join("eval.jsonl").display().to_string();
+    let args = [
+        "eval",
+        "--model",
+        &out_arg,
+        "--data",
+        &eval,
+        "--max-len",
+        "24",
+    ];
+    let (ok, stderr, stdout) = run(&args);
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("similarity dot (from config_sentence_transformers.json)"),
+        "{stderr}"
+    );
+    let metrics: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(metrics["queries"], 10);
+
+    // Exporting into the same directory again is refused and changes nothing.
+    let before = fs::read(out.join("model.safetensors")).unwrap();
+    let (ok, stderr) = gradcache(&export);
+    assert!(
+        !ok && stderr.contains("exists and is not empty"),
+        "{stderr}"
+    );
+    assert_eq!(fs::read(out.join("model.safetensors")).unwrap(), before);
 }

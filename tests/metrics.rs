@@ -58,7 +58,10 @@ fn evaluate_scores_every_query_against_every_passage() {
     let long_and_short = Tensor::new(&[[10f32, 10.0], [1.0, 0.1]], dev).unwrap();
     let cosine = evaluate(&x, &long_and_short, &[1], Similarity::Cosine, 1).unwrap();
     let dot = evaluate(&x, &long_and_short, &[1], Similarity::Dot, 1).unwrap();
-    assert_eq!(cosine.recall_at_1, 1.0, "cosine ranks the aligned passage first");
+    assert_eq!(
+        cosine.recall_at_1, 1.0,
+        "cosine ranks the aligned passage first"
+    );
     assert_eq!(dot.recall_at_1, 0.0, "dot ranks the long passage first");
 
     let err = evaluate(&q, &p, &[0, 1], Similarity::Dot, 2).unwrap_err();

@@ -189,3 +189,53 @@ pub fn write_bert_dir(dir: &Path, config: &str, bert_prefix: bool) -> ParamStore
     write_tokenizer(&dir.join("tokenizer.json"));
     store
 }
+
+/// A tiny fresh-model run over the first 48 pairs of the quickstart data (10 held-out
+/// pairs), written as `dir/tiny.toml` with its data; the run directory is `dir/run`.
+pub fn write_tiny_run(dir: &Path) -> std::path::PathBuf {
+    let lines: Vec<String> = fs::read_to_string("data/quickstart/train.jsonl")
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    fs::write(dir.join("train.jsonl"), lines[..48].join("\n")).unwrap();
+    fs::write(dir.join("eval.jsonl"), lines[100..110].join("\n")).unwrap();
+    let config = format!(
+        r#"
+seed = 7
+output_dir = "{out}"
+[data]
+train_file = "{dir}/train.jsonl"
+eval_file = "{dir}/eval.jsonl"
+[model]
+query_max_len = 24
+passage_max_len = 24
+recompute = "every_layer"
+[model.fresh]
+vocab_size = 300
+hidden_size = 16
+num_layers = 2
+num_heads = 2
+intermediate_size = 32
+[loss]
+temperature = 0.1
+symmetric = true
+block_rows = 5
+[train]
+steps = 4
+batch_size = 8
+query_chunk = 3
+passage_chunk = 5
+checkpoint_every = 2
+keep_checkpoints = 3
+[optim]
+lr = 1e-3
+warmup_steps = 1
+"#,
+        out = dir.join("run").display(),
+        dir = dir.display()
+    );
+    let path = dir.join("tiny.toml");
+    fs::write(&path, config).unwrap();
+    path
+}
