@@ -1,8 +1,8 @@
 //! Dropout whose masks come from explicit seeds, so they can be replayed bit for bit.
 //!
 //! The gradient cache runs every chunk twice (representation pass, then replay) and
-//! checkpointing runs every segment twice again; the dropout masks of those runs must be
-//! identical or the gradients are wrong. candle cannot snapshot or even seed the CPU RNG,
+//! activation checkpointing runs every segment twice again; the dropout masks of those
+//! runs must be identical or the gradients are wrong. candle cannot snapshot or even seed the CPU RNG,
 //! so a mask here is a pure function of the tuple
 //! `(run seed, step, rank, tower, chunk, layer, site)`: the engine hands each chunk a
 //! [`ChunkSeed`] naming the first five, and the model names the layer and the site

@@ -147,7 +147,8 @@ pub enum Error {
     )]
     PickleOnly { dir: PathBuf, file: String },
 
-    /// A model file (config, weights, tokenizer) could not be read or parsed.
+    /// A model or checkpoint file (config, weights, tokenizer, trainer state) could not be
+    /// read or parsed.
     #[error("cannot read {path}: {reason}")]
     ModelFile { path: PathBuf, reason: String },
 

@@ -1,6 +1,7 @@
 //! Activation (gradient) checkpointing for any stack of layers (Chen et al. 2016,
 //! "Training Deep Nets with Sublinear Memory Cost"; the OpenAI `gradient-checkpointing`
-//! package; `torch.utils.checkpoint`).
+//! package; `torch.utils.checkpoint`). This crate calls it *recompute*, since
+//! "checkpoint" names the training checkpoints of [`crate::train::checkpoint`].
 //!
 //! A model that exposes itself as a [`LayerStack`] (an input stage, `n` layers, an output
 //! stage) can be wrapped in [`Recomputed`], an [`Encoder`] whose replay does not keep the
@@ -93,8 +94,8 @@ impl Recompute {
     }
 }
 
-/// A model as an input stage, a stack of layers and an output stage, which checkpointing
-/// can cut at layer boundaries. Layers may read per-chunk data that does not depend on the
+/// A model as an input stage, a stack of layers and an output stage, which activation
+/// checkpointing can cut at layer boundaries. Layers may read per-chunk data that does not depend on the
 /// parameters ([`LayerStack::Aux`], e.g. an attention mask): it is computed once per pass and
 /// receives no gradient.
 pub trait LayerStack {
@@ -125,7 +126,7 @@ pub trait LayerStack {
     }
 }
 
-/// A [`LayerStack`] as an [`Encoder`] with a checkpointing policy.
+/// A [`LayerStack`] as an [`Encoder`] with a recompute (activation checkpointing) policy.
 pub struct Recomputed<M> {
     tower: Tower<M>,
     policy: Recompute,
@@ -182,9 +183,9 @@ impl<M: LayerStack> Recomputed<M> {
         let mut g = cotangent.clone();
         let top = segments.len() - 1;
         for (s, segment) in segments.iter().enumerate().rev() {
-            let start = boundaries.pop().ok_or_else(|| {
-                Error::Concat("internal: a checkpoint boundary is missing".into())
-            })?;
+            let start = boundaries
+                .pop()
+                .ok_or_else(|| Error::Concat("internal: a segment boundary is missing".into()))?;
             let r = replay_with_input(params, &start, &g, |x| {
                 let mut h = x.clone();
                 for i in segment.clone() {

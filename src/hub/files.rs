@@ -6,7 +6,8 @@
 //! `sentence-transformers/all-MiniLM-L6-v2` (optionally `id@revision`). Repo ids are looked
 //! up in the Hugging Face cache first (`HF_HUB_CACHE`, else `HF_HOME/hub`, else
 //! `~/.cache/huggingface/hub`, the layout `huggingface_hub` writes); with `HF_HUB_OFFLINE=1`
-//! nothing else is tried, otherwise missing files are downloaded into that cache.
+//! nothing else is tried, otherwise missing files are downloaded into that cache (cargo
+//! feature `download`, on by default; without it the cache is all there is).
 //!
 //! Only safetensors weights are loaded: a PyTorch pickle checkpoint can run code when it is
 //! unpickled, so a model that has only `pytorch_model.bin` gets an error saying how to
@@ -142,24 +143,21 @@ impl ModelFiles {
             if let Some(path) = cache.get(file) {
                 return Ok(Some(path));
             }
-            if hub.offline {
+            if hub.offline || !cfg!(feature = "download") {
                 return Ok(None);
             }
-            let api = hf_hub::api::sync::ApiBuilder::new()
-                .with_cache_dir(hub.cache_dir.clone())
-                .with_progress(false)
-                .build()
-                .map_err(|e| hub_error(id, file, e.to_string()))?;
-            match api.repo(repo.clone()).get(file) {
-                Ok(path) => Ok(Some(path)),
-                Err(e) if e.to_string().contains("404") => Ok(None),
-                Err(e) => Err(hub_error(id, file, e.to_string())),
-            }
+            download(id, &repo, file, hub)
         };
         let missing = |file: &str| {
             let reason = if hub.offline {
                 format!(
                     "not in the local cache {} and HF_HUB_OFFLINE is set",
+                    hub.cache_dir.display()
+                )
+            } else if !cfg!(feature = "download") {
+                format!(
+                    "not in the local cache {}, and this build cannot download (cargo \
+                     feature `download`)",
                     hub.cache_dir.display()
                 )
             } else {
@@ -193,6 +191,27 @@ impl ModelFiles {
             tokenizer,
         })
     }
+}
+
+/// Downloads `file` of `repo` into the cache; `None` when the repo has no such file.
+#[cfg(feature = "download")]
+fn download(id: &str, repo: &Repo, file: &str, hub: &HubSettings) -> Result<Option<PathBuf>> {
+    let api = hf_hub::api::sync::ApiBuilder::new()
+        .with_cache_dir(hub.cache_dir.clone())
+        .with_progress(false)
+        .build()
+        .map_err(|e| hub_error(id, file, e.to_string()))?;
+    match api.repo(repo.clone()).get(file) {
+        Ok(path) => Ok(Some(path)),
+        Err(e) if e.to_string().contains("404") => Ok(None),
+        Err(e) => Err(hub_error(id, file, e.to_string())),
+    }
+}
+
+/// Without the `download` feature nothing is fetched: the local cache is all there is.
+#[cfg(not(feature = "download"))]
+fn download(_: &str, _: &Repo, _: &str, _: &HubSettings) -> Result<Option<PathBuf>> {
+    Ok(None)
 }
 
 fn hub_error(repo: &str, file: &str, reason: String) -> Error {

@@ -610,7 +610,7 @@ fn build_model(cfg: &Config, texts: &[String], comm: &dyn Collective) -> Result<
 fn fresh_tokenizer(cfg: &Config, texts: &[String]) -> Result<tokenizers::Tokenizer> {
     let path = cfg.output_dir.join(TOKENIZER_FILE);
     if path.is_file() {
-        return Ok(read_tokenizer_file(&path)?);
+        return read_tokenizer_file(&path);
     }
     let f = &cfg.model.fresh;
     train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase)
@@ -698,7 +698,7 @@ fn read_model_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
         path: files.dir.join(files::TOKENIZER),
         what: "tokenizer",
     })?;
-    Ok(read_tokenizer_file(&path)?)
+    read_tokenizer_file(&path)
 }
 
 /// Writes `tokenizer.json` (unless the same one is there) and `model_config.json` into
