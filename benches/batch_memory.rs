@@ -2,10 +2,10 @@
 //! of the gradient cache is the memory of one chunk whatever the batch. The tower is the
 //! quickstart's shape (fresh BERT, hidden 128, 2 layers, 4 heads, feed-forward 256,
 //! vocabulary 4,000), sequences of 64 tokens, chunks of 32, dropout off, the loss in row
-//! blocks of 256, symmetric term on and off.
+//! blocks of 256, with and without the symmetric term.
 //!
 //! ```text
-//! cargo bench --bench batch_memory            # batches 512 .. 4096
+//! cargo bench --bench batch_memory            # batches 512 .. 4096 (a few minutes)
 //! cargo bench --bench batch_memory -- --quick # 256 and 512
 //! ```
 //!
@@ -46,10 +46,17 @@ fn tokens(seed: u64, rows: usize, vocab: usize) -> anyhow::Result<TokenBatch> {
 
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
-    let batches: &[usize] = if quick {
-        &[256, 512]
+    // (batch, symmetric): the sweep, then the symmetric term at the largest batch.
+    let runs: &[(usize, bool)] = if quick {
+        &[(256, false), (512, false), (512, true)]
     } else {
-        &[512, 1024, 2048, 4096]
+        &[
+            (512, false),
+            (1024, false),
+            (2048, false),
+            (4096, false),
+            (4096, true),
+        ]
     };
     let cfg = BertConfig::new(4000, 128, 2, 4, 256, LEN);
     println!(
@@ -58,24 +65,22 @@ fn main() -> anyhow::Result<()> {
     );
     println!("| batch | symmetric | peak MiB | step s |");
     println!("|---:|---|---:|---:|");
-    for symmetric in [false, true] {
-        for &batch in batches {
-            let store = ParamStore::new(0, DType::F32, &Device::Cpu);
-            let encoder = BertEncoder::build(&store, "", &cfg, &BertOptions::default())?;
-            let loss = InfoNce::new(0.05)?
-                .with_similarity(Similarity::Cosine)
-                .with_symmetric(symmetric)
-                .with_block_rows(Some(256))?;
-            let gc = GradCache::shared(encoder, 32, loss)?.with_dropout(false);
-            let (q, p) = (tokens(1, batch, 4000)?, tokens(2, batch, 4000)?);
-            let (ms, peak, out) = measure(|| gc.cache_step(0, &q, &p));
-            out?;
-            println!(
-                "| {batch} | {symmetric} | {:.0} | {:.1} |",
-                mib(peak),
-                ms / 1e3
-            );
-        }
+    for &(batch, symmetric) in runs {
+        let store = ParamStore::new(0, DType::F32, &Device::Cpu);
+        let encoder = BertEncoder::build(&store, "", &cfg, &BertOptions::default())?;
+        let loss = InfoNce::new(0.05)?
+            .with_similarity(Similarity::Cosine)
+            .with_symmetric(symmetric)
+            .with_block_rows(Some(256))?;
+        let gc = GradCache::shared(encoder, 32, loss)?.with_dropout(false);
+        let (q, p) = (tokens(1, batch, 4000)?, tokens(2, batch, 4000)?);
+        let (ms, peak, out) = measure(|| gc.cache_step(0, &q, &p));
+        out?;
+        println!(
+            "| {batch} | {symmetric} | {:.0} | {:.1} |",
+            mib(peak),
+            ms / 1e3
+        );
     }
     Ok(())
 }

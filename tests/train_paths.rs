@@ -217,15 +217,22 @@ fn a_token_limit_beyond_the_position_table_names_its_key() {
     assert!(!dir.path().join("run").exists(), "nothing was written");
 }
 
-#[test]
-fn export_reads_only_the_run_directory_and_writes_only_its_output() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = write_tiny_run(dir.path());
+/// The tiny run of `dir`, trained for 2 steps (a checkpoint at step 2): its config file
+/// and configuration.
+fn trained_tiny_run(dir: &Path) -> (PathBuf, Config) {
+    let path = write_tiny_run(dir);
     let cfg = load(&path, &["train.steps=2"]);
     Trainer::new(cfg.clone(), None)
         .unwrap()
         .run(&mut Quiet)
         .unwrap();
+    (path, cfg)
+}
+
+#[test]
+fn export_reads_only_the_run_directory_and_writes_only_its_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = trained_tiny_run(dir.path());
     fs::remove_file(dir.path().join("train.jsonl")).unwrap();
     fs::remove_file(dir.path().join("eval.jsonl")).unwrap();
     let run = dir.path().join("run");
@@ -267,12 +274,7 @@ fn export_reads_only_the_run_directory_and_writes_only_its_output() {
 #[test]
 fn a_failed_set_up_leaves_the_output_directory_untouched() {
     let dir = tempfile::tempdir().unwrap();
-    let path = write_tiny_run(dir.path());
-    let cfg = load(&path, &["train.steps=2"]);
-    Trainer::new(cfg.clone(), None)
-        .unwrap()
-        .run(&mut Quiet)
-        .unwrap();
+    let (path, _) = trained_tiny_run(dir.path());
     let good = dir
         .path()
         .join("run")
