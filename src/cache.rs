@@ -18,6 +18,7 @@
 
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 
@@ -259,6 +260,7 @@ impl GradientCache<'_> {
         Ok(StepOutput {
             loss: self.loss,
             grads,
+            times: StepTimes::default(),
         })
     }
 }
@@ -271,6 +273,39 @@ pub struct StepOutput {
     pub loss: f32,
     /// Parameter gradients, keyed by name.
     pub grads: Gradients,
+    /// Wall time of each phase ([`GradCache::cache_step`] fills it; zero elsewhere).
+    pub times: StepTimes,
+}
+
+/// Wall time of the phases of one cached step.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    /// Phase 1: every chunk encoded without a graph.
+    pub represent: Duration,
+    /// Phase 2: the loss over all representations and its gradient (with the all-gather
+    /// in a distributed step).
+    pub loss: Duration,
+    /// Phase 3: every chunk replayed from its cached gradient.
+    pub replay: Duration,
+    /// The gradient all-reduce across ranks (zero in one process).
+    pub reduce: Duration,
+}
+
+/// Laps of a stopwatch.
+struct PhaseClock(Instant);
+
+impl PhaseClock {
+    fn start() -> Self {
+        Self(Instant::now())
+    }
+
+    /// Time since the last lap (or the start), and a new lap begins.
+    fn lap(&mut self) -> Duration {
+        let now = Instant::now();
+        let d = now - self.0;
+        self.0 = now;
+        d
+    }
 }
 
 /// The gradient cache: one shared tower or two towers, a chunk size per side, a loss.
@@ -456,13 +491,23 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         passages: &P::Input,
     ) -> Result<StepOutput> {
         let comm = &*self.comm;
+        let mut clock = PhaseClock::start();
         let reps = dist::agree(comm, self.represent(step, queries, passages))?;
+        let represent = clock.lap();
         let cache = reps.into_cache_across(&self.loss, comm)?;
+        let loss = clock.lap();
         let out = dist::agree(comm, cache.replay())?;
+        let replay = clock.lap();
         let grads = dist::reduce_gradients(comm, &self.params, out.grads, self.bucket_bytes)?;
         Ok(StepOutput {
             loss: out.loss,
             grads,
+            times: StepTimes {
+                represent,
+                loss,
+                replay,
+                reduce: clock.lap(),
+            },
         })
     }
 
@@ -515,6 +560,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         Ok(StepOutput {
             loss: value,
             grads: self.params.grads_from(&store),
+            times: StepTimes::default(),
         })
     }
 }

@@ -61,7 +61,9 @@ pub mod rng;
 pub mod train;
 
 pub use batch::{Batch, TokenBatch};
-pub use cache::{cached, cat_reps, GradCache, GradientCache, Representations, StepOutput};
+pub use cache::{
+    cached, cat_reps, GradCache, GradientCache, Representations, StepOutput, StepTimes,
+};
 pub use dist::{Collective, ReduceOp, Single};
 pub use dropout::{ChunkSeed, Ctx, Dropout};
 pub use encoder::{Encoder, Network, Tower};

@@ -153,6 +153,21 @@ impl BertConfig {
         }
     }
 
+    /// Matrix-product FLOPs of one forward pass over `rows` sequences of `len` tokens
+    /// (multiply and add counted as two): per layer and token, the Q, K, V and output
+    /// projections (`8 h^2`), the feed-forward (`4 h I`), and the attention scores and
+    /// their product with the values (`4 len h`). Element-wise work is not counted; it is
+    /// what the achieved GFLOP/s of a step is set against.
+    pub fn forward_flops(&self, rows: usize, len: usize) -> f64 {
+        let (h, i, s) = (
+            self.hidden_size as f64,
+            self.intermediate_size as f64,
+            len as f64,
+        );
+        let per_token = 8.0 * h * h + 4.0 * h * i + 4.0 * s * h;
+        per_token * s * rows as f64 * self.num_hidden_layers as f64
+    }
+
     /// Reads and checks a `config.json`.
     pub fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {

@@ -12,4 +12,4 @@ pub mod optim;
 pub mod trainer;
 
 pub use config::Config;
-pub use trainer::{export_run, Event, Observer, Quiet, StepReport, Trainer};
+pub use trainer::{export_run, Event, Observer, PhaseTimes, Quiet, StepReport, Trainer};

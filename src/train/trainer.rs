@@ -26,6 +26,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 
+use crate::batch::{Batch, TokenBatch};
 use crate::cache::GradCache;
 use crate::dist::{self, Collective};
 use crate::encoder::Encoder;
@@ -40,7 +41,7 @@ use crate::train::config::Config;
 use crate::train::data::{read_jsonl, split, Loader, Pair, TextBatch};
 use crate::train::metrics::{evaluate, RetrievalMetrics};
 use crate::train::optim::{clip_grad_norm, Optimizer, Schedule};
-use crate::{Error, Result, Side};
+use crate::{Error, Recompute, Result, Side};
 
 /// What one optimizer step did.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -59,6 +60,46 @@ pub struct StepReport {
     pub peak_bytes: usize,
     /// Hard negatives that were missing and filled from other pairs.
     pub filled_negatives: usize,
+    /// Wall time of each phase of the step.
+    pub phases: PhaseTimes,
+    /// Matrix-product FLOPs the step executed: this rank's chunks, at their padded
+    /// lengths, through every pass the engine runs (graph-free forward, replay forward
+    /// and its backward, and the recompute forward when on). See
+    /// [`BertConfig::forward_flops`].
+    pub flops: f64,
+}
+
+/// Wall time of the phases of a training step, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct PhaseTimes {
+    /// Tokenizing this rank's share of the batch.
+    pub tokenize_ms: f64,
+    /// The graph-free representation pass.
+    pub represent_ms: f64,
+    /// The loss over the global batch and its gradient (with the all-gather).
+    pub loss_ms: f64,
+    /// The replay of every chunk.
+    pub replay_ms: f64,
+    /// The gradient all-reduce across ranks.
+    pub reduce_ms: f64,
+    /// Clipping and the optimizer update.
+    pub optimizer_ms: f64,
+}
+
+impl PhaseTimes {
+    /// The sum of the phases.
+    pub fn total_ms(&self) -> f64 {
+        self.tokenize_ms
+            + self.represent_ms
+            + self.loss_ms
+            + self.replay_ms
+            + self.reduce_ms
+            + self.optimizer_ms
+    }
+}
+
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 /// Something the trainer reports while it runs.
@@ -338,7 +379,10 @@ impl Trainer {
                 Ok((q, p))
             });
             let (q, p) = dist::agree(&*self.comm, inputs)?;
+            let tokenize_ms = ms(start.elapsed());
+            let flops = self.step_flops(&q, &p)?;
             let out = self.gc.cache_step(self.step, &q, &p)?;
+            let optimizer_start = Instant::now();
             let mut grads = out.grads;
             let max_norm = match self.cfg.optim.max_grad_norm {
                 0.0 => f64::INFINITY,
@@ -347,9 +391,18 @@ impl Trainer {
             let grad_norm = clip_grad_norm(&mut grads, max_norm)?;
             let lr = self.schedule.lr_at(self.step);
             self.optimizer.step(self.step, &grads, lr)?;
-            Ok((out.loss, lr, grad_norm))
+            let t = out.times;
+            let phases = PhaseTimes {
+                tokenize_ms,
+                represent_ms: ms(t.represent),
+                loss_ms: ms(t.loss),
+                replay_ms: ms(t.replay),
+                reduce_ms: ms(t.reduce),
+                optimizer_ms: ms(optimizer_start.elapsed()),
+            };
+            Ok((out.loss, lr, grad_norm, phases, flops))
         });
-        let (loss, lr, grad_norm) = out?;
+        let (loss, lr, grad_norm, phases, flops) = out?;
         self.step += 1;
         let every = self.cfg.dist.check_weights_every;
         if self.world_size() > 1
@@ -366,7 +419,29 @@ impl Trainer {
             pairs_per_sec: batch.queries.len() as f64 / secs,
             peak_bytes: peak,
             filled_negatives: batch.filled,
+            phases,
+            flops,
         })
+    }
+
+    /// Matrix-product FLOPs a cached step executes on these batches (see
+    /// [`StepReport::flops`]).
+    fn step_flops(&self, queries: &TokenBatch, passages: &TokenBatch) -> Result<f64> {
+        // Graph-free forward, replay forward, backward (two forwards' worth); a recompute
+        // policy adds the graph-free forward of the replay's segments.
+        let passes = if self.cfg.model.recompute == Recompute::Off {
+            4.0
+        } else {
+            5.0
+        };
+        let t = &self.cfg.train;
+        let mut forward = 0.0;
+        for (batch, chunk) in [(queries, t.query_chunk), (passages, t.passage_chunk)] {
+            for piece in batch.chunks(chunk)? {
+                forward += self.bert.forward_flops(piece.rows(), piece.seq_len());
+            }
+        }
+        Ok(forward * passes)
     }
 
     /// This rank's queries and passages of a global batch: an equal, contiguous share

@@ -42,8 +42,11 @@ impl Observer for Console {
                     r.pairs_per_sec,
                     r.peak_bytes as f64 / 1048576.0
                 ));
+                let seconds = r.phases.total_ms() / 1e3;
                 self.line(serde_json::json!({"type": "step", "step": r.step, "loss": r.loss, "lr": r.lr,
-                    "grad_norm": r.grad_norm, "pairs_per_sec": r.pairs_per_sec, "peak_bytes": r.peak_bytes}));
+                    "grad_norm": r.grad_norm, "pairs_per_sec": r.pairs_per_sec, "peak_bytes": r.peak_bytes,
+                    "phases_ms": r.phases, "flops": r.flops,
+                    "gflops_per_sec": r.flops / seconds.max(1e-9) / 1e9}));
                 if !self.bar.is_hidden() {
                     return;
                 }

@@ -1,0 +1,133 @@
+//! Where a training step's time goes: the real trainer on the quickstart configuration and
+//! on a MiniLM-shaped one, per step the pairs/s, the time of each phase (tokenize,
+//! representation pass, loss + cache, replay, gradient reduction, optimizer), the
+//! matrix-product FLOPs executed and the achieved GFLOP/s, set against candle's own sgemm
+//! peak measured in the same run (so the fraction of the machine's matmul peak shows on
+//! any machine).
+//!
+//! ```text
+//! cargo bench --bench train_step                # both configurations, 4 steps each
+//! cargo bench --bench train_step -- --quick     # the quickstart, 2 steps
+//! GRADCACHE_MINILM=/path/to/all-MiniLM-L6-v2 cargo bench --bench train_step
+//! ```
+//!
+//! Without `GRADCACHE_MINILM` the MiniLM-shaped run is a fresh BERT of MiniLM's size
+//! (hidden 384, 6 layers, 12 heads, feed-forward 1536; its own 4,000-word vocabulary, which
+//! changes nothing the FLOP count sees). Threads: `RAYON_NUM_THREADS` (default: the
+//! physical cores).
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use gradcache::train::{Config, PhaseTimes, Quiet, StepReport, Trainer};
+
+/// candle's f32 matmul throughput at `n^3`, best of 3, in GFLOP/s.
+fn sgemm_peak(n: usize) -> anyhow::Result<f64> {
+    let a = Tensor::randn(0f32, 1., (n, n), &Device::Cpu)?;
+    let b = Tensor::randn(0f32, 1., (n, n), &Device::Cpu)?;
+    a.matmul(&b)?; // warm up
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let c = a.matmul(&b)?;
+        let _ = c.to_dtype(DType::F32)?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (n as f64).powi(3) / best / 1e9)
+}
+
+fn row(label: &str, r: &StepReport, p: &PhaseTimes, peak: f64) {
+    let secs = p.total_ms() / 1e3;
+    let gflops = r.flops / secs / 1e9;
+    println!(
+        "| {label} | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0}% |",
+        r.pairs_per_sec,
+        p.tokenize_ms,
+        p.represent_ms,
+        p.loss_ms,
+        p.replay_ms,
+        p.reduce_ms,
+        p.optimizer_ms,
+        r.flops / 1e9,
+        gflops,
+        100.0 * gflops / peak
+    );
+}
+
+fn run(name: &str, sets: &[String], steps: usize, peak: f64) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut sets = sets.to_vec();
+    sets.push(format!("output_dir={}", dir.path().display()));
+    sets.push(format!("train.steps={}", steps + 1));
+    let cfg = Config::load(Path::new("configs/quickstart.toml"), &sets)?;
+    let mut trainer = Trainer::new(cfg, None)?;
+    trainer.train_step()?; // warm up (allocator, thread pool)
+    let mut mean = PhaseTimes::default();
+    let mut reports = Vec::new();
+    for step in 1..=steps {
+        let r = trainer.train_step()?;
+        row(&format!("{name} step {step}"), &r, &r.phases, peak);
+        let p = &r.phases;
+        mean.tokenize_ms += p.tokenize_ms / steps as f64;
+        mean.represent_ms += p.represent_ms / steps as f64;
+        mean.loss_ms += p.loss_ms / steps as f64;
+        mean.replay_ms += p.replay_ms / steps as f64;
+        mean.reduce_ms += p.reduce_ms / steps as f64;
+        mean.optimizer_ms += p.optimizer_ms / steps as f64;
+        reports.push(r);
+    }
+    let mut avg = reports[0].clone();
+    avg.pairs_per_sec = reports.iter().map(|r| r.pairs_per_sec).sum::<f64>() / steps as f64;
+    avg.flops = reports.iter().map(|r| r.flops).sum::<f64>() / steps as f64;
+    row(&format!("**{name} mean**"), &avg, &mean, peak);
+    let _ = trainer.run(&mut Quiet); // finishes the last step; evaluation not timed
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let peak = sgemm_peak(2048)?;
+    println!(
+        "# candle sgemm 2048^3: {peak:.1} GFLOP/s; {} threads",
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
+    );
+    println!(
+        "| step | pairs/s | tokenize ms | represent ms | loss ms | replay ms | reduce ms | \
+         optimizer ms | GFLOP | GFLOP/s | of sgemm peak |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let steps = if quick { 2 } else { 4 };
+    let quickstart: Vec<String> = vec!["train.eval_every=0".into()];
+    run("quickstart", &quickstart, steps, peak)?;
+    if quick {
+        return Ok(());
+    }
+    let mut minilm: Vec<String> = [
+        "train.batch_size=64",
+        "train.query_chunk=16",
+        "train.passage_chunk=16",
+        "model.query_max_len=128",
+        "model.passage_max_len=128",
+        "loss.symmetric=false",
+        "train.eval_every=0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    match std::env::var("GRADCACHE_MINILM") {
+        Ok(dir) => minilm.push(format!("model.pretrained={dir}")),
+        Err(_) => minilm.extend(
+            [
+                "model.fresh.hidden_size=384",
+                "model.fresh.num_layers=6",
+                "model.fresh.num_heads=12",
+                "model.fresh.intermediate_size=1536",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        ),
+    }
+    run("minilm", &minilm, steps, peak)?;
+    Ok(())
+}
