@@ -56,6 +56,20 @@ fn row(label: &str, r: &StepReport, p: &PhaseTimes, peak: f64) {
 }
 
 fn run(name: &str, sets: &[String], steps: usize, peak: f64) -> anyhow::Result<()> {
+    for fused in [true, false] {
+        gradcache::nn::set_fused_kernels(fused);
+        let label = if fused {
+            name.to_string()
+        } else {
+            format!("{name} (composed)")
+        };
+        run_one(&label, sets, steps, peak)?;
+    }
+    gradcache::nn::set_fused_kernels(true);
+    Ok(())
+}
+
+fn run_one(name: &str, sets: &[String], steps: usize, peak: f64) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let mut sets = sets.to_vec();
     sets.push(format!("output_dir={}", dir.path().display()));

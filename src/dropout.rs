@@ -95,14 +95,7 @@ impl Dropout {
     pub fn forward(&self, x: &Tensor, ctx: &Ctx, layer: u32, site: u32) -> Result<Tensor> {
         match ctx.dropout {
             Some(seed) if self.p > 0.0 => {
-                let mask = rng::dropout_mask(
-                    seed.mask_seed(layer, site),
-                    self.p,
-                    x.shape(),
-                    x.dtype(),
-                    x.device(),
-                )?;
-                Ok(x.mul(&mask)?)
+                crate::nn::dropout(x, seed.mask_seed(layer, site), self.p)
             }
             _ => Ok(x.clone()),
         }

@@ -90,8 +90,25 @@ pub fn normal(
     })
 }
 
+/// Whether element `index` survives dropout with probability `p` under the mask of `seed`:
+/// a counter-based stream (SplitMix64: the `index`-th output of the generator started at
+/// `seed`), so any element's draw is computed directly, in any order, on any thread, and
+/// the fused kernel and the mask tensor agree bit for bit.
+#[inline]
+pub fn keep(seed: u64, index: u64, p: f32) -> bool {
+    const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut z = seed.wrapping_add(index.wrapping_add(1).wrapping_mul(GAMMA));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    // 24 random bits: a uniform f32 in [0, 1).
+    let u = (z >> 40) as f32 * (1.0 / (1u64 << 24) as f32);
+    u >= p
+}
+
 /// A dropout mask: each element is `0` with probability `p` and `1 / (1 - p)` otherwise
-/// (inverted dropout, so the expectation is 1 and evaluation needs no rescaling).
+/// (inverted dropout, so the expectation is 1 and evaluation needs no rescaling). Element
+/// `i` (row-major) is kept when [`keep`]`(seed, i, p)`.
 pub fn dropout_mask(
     seed: u64,
     p: f32,
@@ -99,14 +116,12 @@ pub fn dropout_mask(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
-    let scale = 1.0 / (1.0 - p);
-    tensor_from_fn(seed, shape, dtype, device, |rng| {
-        if rng.random::<f32>() < p {
-            0.0
-        } else {
-            scale
-        }
-    })
+    // The scale as the fused kernel computes it, so the two agree bit for bit.
+    let scale = (1.0 / (1.0 - f64::from(p))) as f32;
+    let values: Vec<f32> = (0..shape.elem_count() as u64)
+        .map(|i| if keep(seed, i, p) { scale } else { 0.0 })
+        .collect();
+    Ok(Tensor::from_vec(values, shape.clone(), device)?.to_dtype(dtype)?)
 }
 
 #[cfg(test)]

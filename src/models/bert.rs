@@ -120,6 +120,15 @@ impl Activation {
             Activation::Relu => x.relu()?,
         })
     }
+
+    /// The fused kernel's name for it.
+    pub fn fused(self) -> crate::nn::Act {
+        match self {
+            Activation::Gelu => crate::nn::Act::GeluErf,
+            Activation::GeluTanh => crate::nn::Act::GeluTanh,
+            Activation::Relu => crate::nn::Act::Relu,
+        }
+    }
 }
 
 impl BertConfig {
@@ -434,12 +443,11 @@ impl Bert {
     }
 }
 
-/// `softmax(q k^T / sqrt(d) + bias)` over the keys, differentiable (composed softmax; the
-/// fused `softmax_last_dim` has no backward).
+/// `softmax(q k^T / sqrt(d) + bias)` over the keys, differentiable ([`crate::nn::masked_softmax`];
+/// candle's fused `softmax_last_dim` has no backward).
 pub fn attention_probs(q: &Tensor, k: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-    let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(bias)?;
-    Ok(candle_nn::ops::softmax(&scores, D::Minus1)?)
+    crate::nn::masked_softmax(&q.matmul(&k.t()?)?, bias, scale)
 }
 
 /// Dropout layer ids: 0 for the embeddings, `i + 1` for transformer layer `i`.
@@ -495,7 +503,9 @@ impl LayerStack for Bert {
             .hidden_dropout
             .forward(&attended, ctx, id, site::ATTENTION_OUTPUT)?;
         let x = layer.attention_norm.forward(&(attended + x)?)?;
-        let hidden = self.activation.forward(&layer.intermediate.forward(&x)?)?;
+        let hidden = layer
+            .intermediate
+            .forward_activated(&x, self.activation.fused())?;
         let out = layer.output.forward(&hidden)?;
         let out = self
             .hidden_dropout

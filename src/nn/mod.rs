@@ -3,14 +3,40 @@
 //! Some of candle's fused ops have no backward pass and silently cut the graph:
 //! `candle_nn::LayerNorm` on contiguous input (it calls the fused `ops::layer_norm`),
 //! `ops::rms_norm`, `ops::softmax_last_dim`. Nothing fails, the parameters behind them just
-//! never receive a gradient. The layers here are composed from differentiable ops, and each
-//! hot piece sits behind one small function so that a fused kernel with a hand-written
-//! backward can replace it later, checked against the composed version.
+//! never receive a gradient. The layers here are differentiable. Each hot piece is one
+//! function with two implementations side by side: a fused kernel with a hand-written
+//! backward ([`fused`]) for f32/f64 tensors on the CPU, and the composed candle ops it
+//! replaces (`*_composed`), which run everywhere else (CUDA, half precision). The tests
+//! hold the two equal forward and backward.
 
-use candle_core::{Tensor, D};
+pub mod fused;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use candle_core::{DType, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::Result;
+
+pub use fused::Act;
+
+static FUSED: AtomicBool = AtomicBool::new(true);
+
+/// Turns the fused kernels on (the default) or off for the whole process, so that a
+/// benchmark can time the composed versions side by side in one run. Results agree either
+/// way (to float rounding; the tests hold them to 1e-6).
+pub fn set_fused_kernels(on: bool) {
+    FUSED.store(on, Ordering::Relaxed);
+}
+
+/// Whether the fused CPU kernels can run on these tensors: all on the CPU, all f32 or all
+/// f64 (and not turned off with [`set_fused_kernels`]).
+fn fused_ok(ts: &[&Tensor]) -> bool {
+    let dtype = ts[0].dtype();
+    FUSED.load(Ordering::Relaxed)
+        && matches!(dtype, DType::F32 | DType::F64)
+        && ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dtype)
+}
 
 /// Layer normalisation over the last dimension with learned scale and shift
 /// (Hugging Face names `weight` and `bias`), differentiable end to end.
@@ -49,8 +75,19 @@ pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
     Ok(x.broadcast_div(&norm)?)
 }
 
-/// Composed (differentiable) layer norm over the last dimension.
+/// Layer norm over the last dimension: the fused kernel where it runs, else
+/// [`layer_norm_composed`].
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if fused_ok(&[x, weight, bias]) {
+        return Ok(x
+            .contiguous()?
+            .apply_op3(weight, bias, fused::LayerNorm { eps })?);
+    }
+    layer_norm_composed(x, weight, bias, eps)
+}
+
+/// Composed (differentiable) layer norm over the last dimension.
+pub fn layer_norm_composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let centered = x.broadcast_sub(&mean)?;
     let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
@@ -96,6 +133,18 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         linear(x, &self.weight, self.bias.as_ref())
     }
+
+    /// `act(x W^T + b)`, the bias added inside the fused activation.
+    pub fn forward_activated(&self, x: &Tensor, act: Act) -> Result<Tensor> {
+        let y = linear(x, &self.weight, None)?;
+        match &self.bias {
+            Some(b) => bias_activation(&y, b, act),
+            None => {
+                let zero = Tensor::zeros(y.dim(D::Minus1)?, y.dtype(), y.device())?;
+                bias_activation(&y, &zero, act)
+            }
+        }
+    }
 }
 
 /// `x W^T + b`, computed as `(W x^T)^T` on the flattened rows of `x`.
@@ -118,4 +167,59 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let last = out_dims.len() - 1;
     out_dims[last] = weight.dim(0)?;
     Ok(y.reshape(out_dims)?)
+}
+
+/// `softmax(scale * scores + bias)` over the last dimension, for attention scores
+/// `[n, heads, q, k]` and an additive key mask `bias` `[n, 1, 1, k]`: the fused kernel
+/// where it runs, else [`masked_softmax_composed`]. No gradient flows to `bias`.
+pub fn masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    if fused_ok(&[scores, bias]) && scores.rank() == 4 {
+        return Ok(scores
+            .contiguous()?
+            .apply_op2(&bias.contiguous()?.detach(), fused::MaskedSoftmax { scale })?);
+    }
+    masked_softmax_composed(scores, bias, scale)
+}
+
+/// Composed `softmax(scale * scores + bias)` (candle's differentiable `ops::softmax`).
+pub fn masked_softmax_composed(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    let x = (scores * scale)?.broadcast_add(bias)?;
+    Ok(candle_nn::ops::softmax(&x, D::Minus1)?)
+}
+
+/// Inverted dropout with the mask of `seed` ([`crate::rng::keep`]): the fused kernel (no
+/// mask stored, the backward regenerates it) where it runs, else [`dropout_composed`].
+/// The two give the same mask bit for bit.
+pub fn dropout(x: &Tensor, seed: u64, p: f32) -> Result<Tensor> {
+    if fused_ok(&[x]) {
+        return Ok(x.contiguous()?.apply_op1(fused::Dropout { seed, p })?);
+    }
+    dropout_composed(x, seed, p)
+}
+
+/// Dropout as a product with a mask tensor.
+pub fn dropout_composed(x: &Tensor, seed: u64, p: f32) -> Result<Tensor> {
+    let mask = crate::rng::dropout_mask(seed, p, x.shape(), x.dtype(), x.device())?;
+    Ok(x.mul(&mask)?)
+}
+
+/// `act(x + bias)` over the last dimension: the fused kernel where it runs, else
+/// [`bias_activation_composed`].
+pub fn bias_activation(x: &Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
+    if fused_ok(&[x, bias]) {
+        return Ok(x
+            .contiguous()?
+            .apply_op2(bias, fused::BiasActivation { act })?);
+    }
+    bias_activation_composed(x, bias, act)
+}
+
+/// Composed `act(x + bias)` with candle's differentiable activations.
+pub fn bias_activation_composed(x: &Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
+    let pre = x.broadcast_add(bias)?;
+    Ok(match act {
+        Act::GeluErf => pre.gelu_erf()?,
+        Act::GeluTanh => pre.gelu()?,
+        Act::Relu => pre.relu()?,
+    })
 }

@@ -1,0 +1,210 @@
+//! Every fused kernel against the composed candle ops it replaces, forward and backward
+//! (f32, at most 1e-6 of the largest entry, with padding masks and dropout on), and its
+//! hand-written backward against central finite differences in f64.
+
+use candle_core::{DType, Device, Tensor, Var};
+use gradcache::nn::{
+    bias_activation, bias_activation_composed, dropout, dropout_composed, layer_norm,
+    layer_norm_composed, masked_softmax, masked_softmax_composed, Act,
+};
+
+mod common;
+use common::{max_abs, max_diff, random};
+
+const TOL: f64 = 1e-6;
+
+/// `f(inputs)` and the gradients of `sum(f(inputs) * cotangent)` with respect to every
+/// input.
+fn value_and_grads(
+    inputs: &[Tensor],
+    cotangent: &Tensor,
+    f: &dyn Fn(&[Tensor]) -> gradcache::Result<Tensor>,
+) -> (Tensor, Vec<Tensor>) {
+    let vars: Vec<Var> = inputs
+        .iter()
+        .map(|t| Var::from_tensor(t).unwrap())
+        .collect();
+    let tracked: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&tracked).unwrap();
+    let store = (&y * cotangent.to_dtype(y.dtype()).unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let grads = vars
+        .iter()
+        .map(|v| store.get(v.as_tensor()).expect("a gradient").detach())
+        .collect();
+    (y.detach(), grads)
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f64 {
+    max_diff(a, b) / max_abs(b).max(1e-30)
+}
+
+/// Fused and composed agree forward and for the gradient of every input in `check`.
+fn agree(
+    name: &str,
+    inputs: &[Tensor],
+    check: &[usize],
+    fused: &dyn Fn(&[Tensor]) -> gradcache::Result<Tensor>,
+    composed: &dyn Fn(&[Tensor]) -> gradcache::Result<Tensor>,
+) {
+    let (y, _) = value_and_grads(inputs, &inputs[0].ones_like().unwrap(), fused);
+    let cot = random(99, y.dims());
+    let (yf, gf) = value_and_grads(inputs, &cot, fused);
+    let (yc, gc) = value_and_grads(inputs, &cot, composed);
+    let e = rel(&yf, &yc);
+    assert!(e <= TOL, "{name}: forward differs by {e:e}");
+    for &i in check {
+        let e = rel(&gf[i], &gc[i]);
+        assert!(e <= TOL, "{name}: gradient of input {i} differs by {e:e}");
+    }
+}
+
+/// The fused backward in f64 against central differences of `sum(f(x) * c)`, entry by
+/// entry, for every input in `check`.
+fn finite_differences(
+    name: &str,
+    inputs: &[Tensor],
+    check: &[usize],
+    f: &dyn Fn(&[Tensor]) -> gradcache::Result<Tensor>,
+) {
+    let inputs: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.to_dtype(DType::F64).unwrap())
+        .collect();
+    let (y, _) = value_and_grads(&inputs, &inputs[0].ones_like().unwrap(), f);
+    let cot = random(7, y.dims()).to_dtype(DType::F64).unwrap();
+    let (_, grads) = value_and_grads(&inputs, &cot, f);
+    let objective = |xs: &[Tensor]| -> f64 {
+        (f(xs).unwrap() * &cot)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    };
+    let h = 1e-6;
+    for &i in check {
+        let flat = inputs[i].flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let analytic = grads[i].flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let scale = analytic.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+        for j in 0..flat.len() {
+            let at = |delta: f64| {
+                let mut v = flat.clone();
+                v[j] += delta;
+                let mut xs = inputs.clone();
+                xs[i] = Tensor::from_vec(v, inputs[i].shape(), &Device::Cpu).unwrap();
+                objective(&xs)
+            };
+            let numeric = (at(h) - at(-h)) / (2.0 * h);
+            let err = (numeric - analytic[j]).abs() / scale;
+            assert!(
+                err <= 1e-6,
+                "{name}: input {i} entry {j}: analytic {} vs numeric {numeric} ({err:e})",
+                analytic[j]
+            );
+        }
+    }
+}
+
+#[test]
+fn layer_norm_matches_its_composed_form_and_finite_differences() {
+    let x = random(1, &[6, 10, 16]);
+    // Non-trivial scale and shift, so their gradients are not the trivial ones.
+    let gamma = random(2, &[16]).affine(0.5, 1.0).unwrap();
+    let beta = random(3, &[16]);
+    let inputs = [x, gamma, beta];
+    agree(
+        "layer norm",
+        &inputs,
+        &[0, 1, 2],
+        &|t| layer_norm(&t[0], &t[1], &t[2], 1e-12),
+        &|t| layer_norm_composed(&t[0], &t[1], &t[2], 1e-12),
+    );
+    let small = [
+        random(4, &[3, 5]),
+        (random(5, &[5]) + 1.0).unwrap(),
+        random(6, &[5]),
+    ];
+    finite_differences("layer norm", &small, &[0, 1, 2], &|t| {
+        layer_norm(&t[0], &t[1], &t[2], 1e-5)
+    });
+}
+
+/// An additive key mask `[n, 1, 1, k]`: sequence `i` has `k - i` real keys, the rest are
+/// padding at -10000 (BERT's bias).
+fn padding_bias(n: usize, k: usize) -> Tensor {
+    let v: Vec<f32> = (0..n)
+        .flat_map(|i| (0..k).map(move |j| if j + i < k { 0.0 } else { -10000.0 }))
+        .collect();
+    Tensor::from_vec(v, (n, 1, 1, k), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn masked_softmax_matches_its_composed_form_and_finite_differences() {
+    let scores = random(10, &[3, 2, 5, 7]);
+    let bias = padding_bias(3, 7);
+    let f = |t: &[Tensor]| masked_softmax(&t[0], &bias, 0.35);
+    let c = |t: &[Tensor]| masked_softmax_composed(&t[0], &bias, 0.35);
+    agree("masked softmax", &[scores], &[0], &f, &c);
+    let bias64 = padding_bias(2, 4).to_dtype(DType::F64).unwrap();
+    finite_differences("masked softmax", &[random(11, &[2, 2, 3, 4])], &[0], &|t| {
+        masked_softmax(&t[0], &bias64, 0.7)
+    });
+}
+
+#[test]
+fn dropout_has_the_composed_mask_bit_for_bit() {
+    // 4 x 1,033 elements: several kernel blocks and a ragged last one.
+    let x = random(20, &[4, 1033]);
+    for (seed, p) in [(3u64, 0.1f32), (4, 0.5), (5, 0.0)] {
+        let fused = dropout(&x, seed, p).unwrap();
+        let composed = dropout_composed(&x, seed, p).unwrap();
+        let (a, b) = (common::bits(&fused), common::bits(&composed));
+        let differ = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+        assert_eq!(differ, 0, "seed {seed}, p {p}: {differ} entries differ");
+        agree(
+            "dropout",
+            std::slice::from_ref(&x),
+            &[0],
+            &|t| dropout(&t[0], seed, p),
+            &|t| dropout_composed(&t[0], seed, p),
+        );
+    }
+    let kept = dropout(&x.ones_like().unwrap(), 9, 0.25)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let dropped = kept.iter().filter(|&&v| v == 0.0).count() as f64 / kept.len() as f64;
+    assert!((dropped - 0.25).abs() < 0.02, "drop rate {dropped}");
+    assert!(kept.iter().all(|&v| v == 0.0 || v == 1.0 / 0.75));
+}
+
+#[test]
+fn bias_activations_match_their_composed_forms_and_finite_differences() {
+    for act in [Act::GeluErf, Act::GeluTanh, Act::Relu] {
+        let x = random(30, &[5, 9, 12]);
+        let b = random(31, &[12]);
+        agree(
+            &format!("{act:?}"),
+            &[x, b],
+            &[0, 1],
+            &|t| bias_activation(&t[0], &t[1], act),
+            &|t| bias_activation_composed(&t[0], &t[1], act),
+        );
+        // Away from ReLU's kink, where the derivative is undefined.
+        let x = random(32, &[3, 4]);
+        let x = (x.sign().unwrap() * 0.1 + &x).unwrap();
+        finite_differences(
+            &format!("{act:?}"),
+            &[x, Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap()],
+            &[0, 1],
+            &|t| bias_activation(&t[0], &t[1], act),
+        );
+    }
+}
