@@ -90,6 +90,15 @@ impl Dropout {
         self.p
     }
 
+    /// The mask seed and drop probability of `(layer, site)` in the context's chunk, or
+    /// `None` when this dropout is the identity (evaluation, `p == 0`).
+    pub fn mask(&self, ctx: &Ctx, layer: u32, site: u32) -> Option<(u64, f32)> {
+        match ctx.dropout {
+            Some(seed) if self.p > 0.0 => Some((seed.mask_seed(layer, site), self.p)),
+            _ => None,
+        }
+    }
+
     /// Applies dropout to `x` with the mask of `(layer, site)` in the context's chunk.
     /// Identity in evaluation or when `p == 0`.
     pub fn forward(&self, x: &Tensor, ctx: &Ctx, layer: u32, site: u32) -> Result<Tensor> {

@@ -51,8 +51,7 @@ fn agree(
     fused: &dyn Fn(&[Tensor]) -> gradcache::Result<Tensor>,
     composed: &dyn Fn(&[Tensor]) -> gradcache::Result<Tensor>,
 ) {
-    let (y, _) = value_and_grads(inputs, &inputs[0].ones_like().unwrap(), fused);
-    let cot = random(99, y.dims());
+    let cot = random(99, fused(inputs).unwrap().dims());
     let (yf, gf) = value_and_grads(inputs, &cot, fused);
     let (yc, gc) = value_and_grads(inputs, &cot, composed);
     let e = rel(&yf, &yc);
@@ -75,8 +74,9 @@ fn finite_differences(
         .iter()
         .map(|t| t.to_dtype(DType::F64).unwrap())
         .collect();
-    let (y, _) = value_and_grads(&inputs, &inputs[0].ones_like().unwrap(), f);
-    let cot = random(7, y.dims()).to_dtype(DType::F64).unwrap();
+    let cot = random(7, f(&inputs).unwrap().dims())
+        .to_dtype(DType::F64)
+        .unwrap();
     let (_, grads) = value_and_grads(&inputs, &cot, f);
     let objective = |xs: &[Tensor]| -> f64 {
         (f(xs).unwrap() * &cot)
@@ -206,5 +206,67 @@ fn bias_activations_match_their_composed_forms_and_finite_differences() {
             &[0, 1],
             &|t| bias_activation(&t[0], &t[1], act),
         );
+    }
+}
+
+#[test]
+fn linear_node_matches_the_composed_product_and_finite_differences() {
+    use gradcache::nn::{linear, linear_composed};
+    let inputs = [
+        random(40, &[3, 7, 12]),
+        random(41, &[5, 12]),
+        random(42, &[5]),
+    ];
+    agree(
+        "linear",
+        &inputs,
+        &[0, 1, 2],
+        &|t| linear(&t[0], &t[1], Some(&t[2])),
+        &|t| linear_composed(&t[0], &t[1], Some(&t[2])),
+    );
+    let small = [
+        random(43, &[2, 3, 4]),
+        random(44, &[3, 4]),
+        random(45, &[3]),
+    ];
+    finite_differences("linear", &small, &[0, 1, 2], &|t| {
+        linear(&t[0], &t[1], Some(&t[2]))
+    });
+}
+
+#[test]
+fn attention_node_matches_the_composed_attention_and_finite_differences() {
+    use gradcache::nn::{attention, attention_composed, AttentionSpec};
+    let (n, heads, s, d) = (3, 2, 7, 4);
+    let inputs = [
+        random(50, &[n, heads, s, d]),
+        random(51, &[n, heads, s, d]),
+        random(52, &[n, heads, s, d]),
+    ];
+    for dropout in [None, Some((11u64, 0.3f32))] {
+        let spec = AttentionSpec {
+            bias: padding_bias(n, s),
+            scale: 0.5,
+            dropout,
+        };
+        agree(
+            &format!("attention, dropout {dropout:?}"),
+            &inputs,
+            &[0, 1, 2],
+            &|t| attention(&t[0], &t[1], &t[2], &spec),
+            &|t| attention_composed(&t[0], &t[1], &t[2], &spec),
+        );
+        let spec64 = AttentionSpec {
+            bias: padding_bias(2, 3).to_dtype(DType::F64).unwrap(),
+            ..spec.clone()
+        };
+        let small = [
+            random(53, &[2, 2, 3, 2]),
+            random(54, &[2, 2, 3, 2]),
+            random(55, &[2, 2, 3, 2]),
+        ];
+        finite_differences("attention", &small, &[0, 1, 2], &|t| {
+            attention(&t[0], &t[1], &t[2], &spec64)
+        });
     }
 }

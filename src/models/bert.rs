@@ -435,11 +435,15 @@ impl Bert {
         let q = split(layer.query.forward(x)?)?;
         let k = split(layer.key.forward(x)?)?;
         let v = split(layer.value.forward(x)?)?;
-        let probs = attention_probs(&q, &k, &aux.bias)?;
-        let probs =
-            self.attention_dropout
-                .forward(&probs, ctx, layer_id(i), site::ATTENTION_PROBS)?;
-        Ok(probs.matmul(&v)?.transpose(1, 2)?.reshape((n, s, hidden))?)
+        let spec = crate::nn::AttentionSpec {
+            bias: aux.bias.clone(),
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            dropout: self
+                .attention_dropout
+                .mask(ctx, layer_id(i), site::ATTENTION_PROBS),
+        };
+        let attended = crate::nn::attention(&q, &k, &v, &spec)?;
+        Ok(attended.transpose(1, 2)?.reshape((n, s, hidden))?)
     }
 }
 

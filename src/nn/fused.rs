@@ -491,19 +491,34 @@ pub enum Act {
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
 
-fn erf<T: Float>(x: T) -> T {
-    // libm's erf in f64 is exact to the last bit of f32, and candle's own erf for f32
-    // goes through f64 as well.
-    T::of(libm::erf(
-        num_traits::ToPrimitive::to_f64(&x).unwrap_or(0.0),
-    ))
+/// `(erf(x / sqrt 2), exp(-x^2 / 2))`, the two pieces of GELU and its derivative. f64
+/// takes libm's erf (exact to the last bit); f32 a rational approximation (Abramowitz and
+/// Stegun 7.1.26, absolute error below 1.5e-7, about the f32 rounding of the result) whose
+/// one `exp` is the Gaussian factor itself, where libm's erf costs several times that and
+/// dominated the GELU kernels.
+fn erf_and_gaussian<T: Float>(x: T) -> (T, T) {
+    let gaussian = (-T::of(0.5) * x * x).exp();
+    if std::mem::size_of::<T>() == 8 {
+        let z = num_traits::ToPrimitive::to_f64(&x).unwrap_or(0.0) * FRAC_1_SQRT_2;
+        return (T::of(libm::erf(z)), gaussian);
+    }
+    let a = x.abs() * T::of(FRAC_1_SQRT_2);
+    let t = T::one() / (T::one() + T::of(0.327_591_1) * a);
+    let poly = t
+        * (T::of(0.254_829_592)
+            + t * (T::of(-0.284_496_736)
+                + t * (T::of(1.421_413_741)
+                    + t * (T::of(-1.453_152_027) + t * T::of(1.061_405_429)))));
+    // exp(-a^2) with a = |x| / sqrt 2 is the Gaussian factor.
+    let y = T::one() - poly * gaussian;
+    (if x < T::zero() { -y } else { y }, gaussian)
 }
 
 impl Act {
     fn value<T: Float>(self, x: T) -> T {
         let half = T::of(0.5);
         match self {
-            Act::GeluErf => half * x * (T::one() + erf(x * T::of(FRAC_1_SQRT_2))),
+            Act::GeluErf => half * x * (T::one() + erf_and_gaussian(x).0),
             Act::GeluTanh => {
                 let inner = T::of(SQRT_2_OVER_PI) * (x + T::of(0.044715) * x * x * x);
                 half * x * (T::one() + inner.tanh())
@@ -516,9 +531,9 @@ impl Act {
         let half = T::of(0.5);
         match self {
             Act::GeluErf => {
-                let cdf = half * (T::one() + erf(x * T::of(FRAC_1_SQRT_2)));
-                let pdf = (-half * x * x).exp() * T::of(0.398_942_280_401_432_7);
-                cdf + x * pdf
+                let (erf, gaussian) = erf_and_gaussian(x);
+                let cdf = half * (T::one() + erf);
+                cdf + x * gaussian * T::of(0.398_942_280_401_432_7)
             }
             Act::GeluTanh => {
                 let c = T::of(SQRT_2_OVER_PI);
@@ -644,4 +659,191 @@ impl CustomOp3 for BiasActivationBackward {
             Ok((T::to_cpu_storage_owned(out), Shape::from((rows + 1, w))))
         })
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Nodes with an explicit backward
+
+/// The hand-written backward of a [`Node`]: the gradient of the node's output in, the
+/// gradients of its (up to three) inputs out. Runs on detached tensors, so it records no
+/// graph of its own.
+type Backward =
+    Box<dyn Fn(&Tensor) -> candle_core::Result<[Option<Tensor>; 3]> + Send + Sync + 'static>;
+
+/// A graph node whose forward was computed without a graph and whose backward is written
+/// by hand: candle's autograd sees one node where the composed form records a dozen, each
+/// with a zero-filled accumulator and an addition in the backward pass. The forward kernel
+/// hands back a copy of the precomputed output.
+struct Node {
+    name: &'static str,
+    output: Tensor,
+    backward: Backward,
+}
+
+impl CustomOp3 for Node {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (storage, layout) = self.output.storage_and_layout();
+        match (&*storage, layout.contiguous_offsets()) {
+            (candle_core::Storage::Cpu(s), Some((0, end)))
+                if end == layout.shape().elem_count() =>
+            {
+                Ok((s.try_clone(layout)?, layout.shape().clone()))
+            }
+            _ => candle_core::bail!(
+                "{}: the precomputed output must be a contiguous CPU tensor",
+                self.name
+            ),
+        }
+    }
+
+    fn bwd(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [a, b, c] = (self.backward)(&grad.detach())?;
+        Ok((a, b, c))
+    }
+}
+
+/// Records `output` (computed from detached copies of `inputs`) as one node over the
+/// inputs with the given backward; when no input is tracked, `output` is returned as is.
+fn node(
+    name: &'static str,
+    inputs: [&Tensor; 3],
+    output: Tensor,
+    backward: Backward,
+) -> candle_core::Result<Tensor> {
+    if !inputs.iter().any(|t| t.track_op()) {
+        return Ok(output);
+    }
+    let output = output.contiguous()?;
+    let output = if output.layout().start_offset() == 0 {
+        output
+    } else {
+        output.copy()?
+    };
+    inputs[0].apply_op3(
+        inputs[1],
+        inputs[2],
+        Node {
+            name,
+            output,
+            backward,
+        },
+    )
+}
+
+/// `x W^T + b` over the last dimension as one node: forward one matrix product (the
+/// transposed weight read in place) and a bias add; backward `dx = dy W`, `dW = dy^T x`,
+/// `db = sum(dy)`, three products and a column sum, with no transposed copies.
+pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+    let (out, inp) = weight.dims2()?;
+    let rows = x.elem_count() / inp.max(1);
+    let mut out_dims = x.dims().to_vec();
+    if let Some(last) = out_dims.last_mut() {
+        *last = out;
+    }
+    let (xd, wd, bd) = (x.detach(), weight.detach(), bias.detach());
+    let x2 = xd.reshape((rows, inp))?;
+    let y = x2.matmul(&wd.t()?)?.broadcast_add(&bd)?.reshape(out_dims)?;
+    let x_shape = x.shape().clone();
+    node(
+        "gradcache-linear",
+        [x, weight, bias],
+        y,
+        Box::new(move |dy| {
+            let dy2 = dy.reshape((rows, out))?;
+            let dx = dy2.matmul(&wd)?.reshape(x_shape.clone())?;
+            let dw = dy2.t()?.matmul(&x2)?;
+            let db = dy2.sum(0)?;
+            Ok([Some(dx), Some(dw), Some(db)])
+        }),
+    )
+}
+
+/// What scaled dot-product attention needs besides `q`, `k`, `v`.
+#[derive(Debug, Clone)]
+pub struct AttentionSpec {
+    /// Additive key mask `[n, 1, 1, k]` (BERT's -10000 on padding).
+    pub bias: Tensor,
+    /// Multiplies the scores (`1 / sqrt(head_dim)`).
+    pub scale: f64,
+    /// Dropout on the probabilities: `(mask seed, drop probability)`.
+    pub dropout: Option<(u64, f32)>,
+}
+
+/// The probabilities after dropout, and before.
+fn attention_probs(
+    q: &Tensor,
+    k: &Tensor,
+    spec: &AttentionSpec,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let scores = q.matmul(&k.t()?)?;
+    let probs = scores.apply_op2_no_bwd(&spec.bias, &MaskedSoftmax { scale: spec.scale })?;
+    let dropped = match spec.dropout {
+        Some((seed, p)) if p > 0.0 => probs.apply_op1_no_bwd(&Dropout { seed, p })?,
+        _ => probs.clone(),
+    };
+    Ok((dropped, probs))
+}
+
+/// `dropout(softmax(scale * q k^T + bias)) v` for `q`, `k`, `v` `[n, heads, s, d]`, as one
+/// node that keeps nothing of size `[n, heads, s, s]`: the backward recomputes the
+/// probabilities from `q` and `k` (a matrix product and a softmax row pass, cheap next to
+/// the rest of the layer), regenerates the dropout mask from its seed, and runs the
+/// softmax backward kernel. This is Megatron's selective recompute of attention, here for
+/// speed as much as for memory.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+) -> candle_core::Result<Tensor> {
+    let (qd, kd, vd) = (
+        q.contiguous()?.detach(),
+        k.contiguous()?.detach(),
+        v.contiguous()?.detach(),
+    );
+    let spec = AttentionSpec {
+        bias: spec.bias.contiguous()?.detach(),
+        ..spec.clone()
+    };
+    let (dropped, _) = attention_probs(&qd, &kd, &spec)?;
+    let ctx = dropped.matmul(&vd)?;
+    node(
+        "gradcache-attention",
+        [q, k, v],
+        ctx,
+        Box::new(move |dctx| {
+            let (dropped, probs) = attention_probs(&qd, &kd, &spec)?;
+            let dctx = dctx.contiguous()?;
+            let dv = dropped.t()?.matmul(&dctx)?;
+            let d_dropped = dctx.matmul(&vd.t()?)?;
+            let d_probs = match spec.dropout {
+                Some((seed, p)) if p > 0.0 => d_dropped.apply_op1_no_bwd(&Dropout { seed, p })?,
+                _ => d_dropped,
+            };
+            let d_scores =
+                probs.apply_op2_no_bwd(&d_probs, &SoftmaxBackward { scale: spec.scale })?;
+            let dq = d_scores.matmul(&kd)?;
+            let dk = d_scores.t()?.matmul(&qd)?;
+            Ok([Some(dq), Some(dk), Some(dv)])
+        }),
+    )
 }

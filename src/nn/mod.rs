@@ -18,7 +18,7 @@ use candle_nn::VarBuilder;
 
 use crate::Result;
 
-pub use fused::Act;
+pub use fused::{Act, AttentionSpec};
 
 static FUSED: AtomicBool = AtomicBool::new(true);
 
@@ -147,13 +147,24 @@ impl Linear {
     }
 }
 
-/// `x W^T + b`, computed as `(W x^T)^T` on the flattened rows of `x`.
+/// `x W^T + b` on the flattened rows of `x`: one node with a hand-written backward
+/// ([`fused::linear`]) where the fused kernels run, else composed as `(W x^T)^T`.
 ///
-/// Written this way round, candle's backward produces the weight gradient as one
+/// The composed form is written this way round, candle's backward produces the weight gradient as one
 /// contiguous `[out, in]` matmul, with no transpose node on the weight: `x.matmul(W.t())`
 /// records a transpose whose backward allocates and adds a second weight-sized, strided
 /// gradient. The replay of a gradient cache pays that once per chunk, so it matters.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if let Some(b) = bias {
+        if fused_ok(&[x, weight, b]) {
+            return Ok(fused::linear(x, weight, b)?);
+        }
+    }
+    linear_composed(x, weight, bias)
+}
+
+/// Composed `x W^T + b` (see [`linear`]).
+pub fn linear_composed(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let input = dims[dims.len() - 1];
     let rows = x.elem_count() / input.max(1);
@@ -222,4 +233,35 @@ pub fn bias_activation_composed(x: &Tensor, bias: &Tensor, act: Act) -> Result<T
         Act::GeluTanh => pre.gelu()?,
         Act::Relu => pre.relu()?,
     })
+}
+
+/// Scaled dot-product attention with an additive key mask and dropout on the
+/// probabilities, `dropout(softmax(scale * q k^T + bias)) v`, for `q`, `k`, `v`
+/// `[n, heads, s, d]`: one node that recomputes the probabilities in its backward
+/// ([`fused::attention`]) where the fused kernels run, else [`attention_composed`].
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &fused::AttentionSpec,
+) -> Result<Tensor> {
+    if fused_ok(&[q, k, v, &spec.bias]) && q.rank() == 4 {
+        return Ok(fused::attention(q, k, v, spec)?);
+    }
+    attention_composed(q, k, v, spec)
+}
+
+/// Composed attention (see [`attention`]); keeps the probabilities for the backward.
+pub fn attention_composed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &fused::AttentionSpec,
+) -> Result<Tensor> {
+    let probs = masked_softmax_composed(&q.matmul(&k.t()?)?, &spec.bias, spec.scale)?;
+    let probs = match spec.dropout {
+        Some((seed, p)) if p > 0.0 => dropout_composed(&probs, seed, p)?,
+        _ => probs,
+    };
+    Ok(probs.matmul(v)?)
 }
