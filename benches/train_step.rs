@@ -102,6 +102,10 @@ fn run_one(name: &str, sets: &[String], steps: usize, peak: f64) -> anyhow::Resu
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let peak = sgemm_peak(2048)?;
+    if std::env::args().any(|a| a == "--sgemm") {
+        println!("{peak:.1}");
+        return Ok(());
+    }
     println!(
         "# candle sgemm 2048^3: {peak:.1} GFLOP/s; {} threads",
         std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())

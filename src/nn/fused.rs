@@ -322,8 +322,11 @@ fn softmax_fwd<T: Float>(x: &[T], bias: &[T], k: usize, rows_per_seq: usize, sca
                 max = num_traits::Float::max(max, y[j]);
             }
             let mut sum = T::zero();
+            // Exponentials first (a loop the compiler vectorises), then the sum.
             for v in y.iter_mut() {
-                *v = (*v - max).exp();
+                *v = exp(*v - max);
+            }
+            for v in y.iter() {
                 sum += *v;
             }
             let inv = T::one() / sum;
@@ -491,13 +494,46 @@ pub enum Act {
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
 
+/// `e^x`: f64 takes libm's; f32 a branch-free polynomial (range reduction to
+/// `|r| <= ln 2 / 2`, degree-7 Taylor polynomial, the power of two set in the exponent
+/// bits; within 2 ulp), which the compiler vectorises where a call to `expf` would stop it.
+#[inline(always)]
+pub fn exp<T: Float>(x: T) -> T {
+    if std::mem::size_of::<T>() == 8 {
+        return x.exp();
+    }
+    let x = num_traits::ToPrimitive::to_f32(&x).unwrap_or(0.0);
+    T::of(f64::from(exp_f32(x)))
+}
+
+#[inline(always)]
+fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Round to nearest without a call: adding 1.5 * 2^23 pushes the fraction out.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0
+                    + r * (1.0 / 24.0
+                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    p * scale
+}
+
 /// `(erf(x / sqrt 2), exp(-x^2 / 2))`, the two pieces of GELU and its derivative. f64
 /// takes libm's erf (exact to the last bit); f32 a rational approximation (Abramowitz and
 /// Stegun 7.1.26, absolute error below 1.5e-7, about the f32 rounding of the result) whose
 /// one `exp` is the Gaussian factor itself, where libm's erf costs several times that and
 /// dominated the GELU kernels.
+#[inline(always)]
 fn erf_and_gaussian<T: Float>(x: T) -> (T, T) {
-    let gaussian = (-T::of(0.5) * x * x).exp();
+    let gaussian = exp(-T::of(0.5) * x * x);
     if std::mem::size_of::<T>() == 8 {
         let z = num_traits::ToPrimitive::to_f64(&x).unwrap_or(0.0) * FRAC_1_SQRT_2;
         return (T::of(libm::erf(z)), gaussian);
@@ -515,6 +551,7 @@ fn erf_and_gaussian<T: Float>(x: T) -> (T, T) {
 }
 
 impl Act {
+    #[inline(always)]
     fn value<T: Float>(self, x: T) -> T {
         let half = T::of(0.5);
         match self {
@@ -527,6 +564,7 @@ impl Act {
         }
     }
 
+    #[inline(always)]
     fn derivative<T: Float>(self, x: T) -> T {
         let half = T::of(0.5);
         match self {
@@ -567,8 +605,19 @@ fn bias_act_fwd<T: Float>(x: &[T], b: &[T], act: Act) -> Vec<T> {
         let base = blk * BLOCK_ROWS * w;
         for (r, y) in chunk.chunks_mut(w).enumerate() {
             let xr = &x[base + r * w..base + (r + 1) * w];
-            for j in 0..w {
-                y[j] = act.value(xr[j] + b[j]);
+            // The activation chosen outside the loop and no indexing inside it, so the
+            // compiler can vectorise the element loop.
+            macro_rules! each {
+                ($a:expr) => {
+                    for ((y, &x), &b) in y.iter_mut().zip(xr).zip(b) {
+                        *y = $a.value(x + b);
+                    }
+                };
+            }
+            match act {
+                Act::GeluErf => each!(Act::GeluErf),
+                Act::GeluTanh => each!(Act::GeluTanh),
+                Act::Relu => each!(Act::Relu),
             }
         }
     });
@@ -626,10 +675,22 @@ fn bias_act_bwd<T: Float>(x: &[T], b: &[T], dy: &[T], act: Act) -> Vec<T> {
         let base = blk * BLOCK_ROWS * w;
         for (r, dxr) in chunk.chunks_mut(w).enumerate() {
             let off = base + r * w;
-            for j in 0..w {
-                let d = dy[off + j] * act.derivative(x[off + j] + b[j]);
-                dxr[j] = d;
-                acc[j] += d;
+            let (xr, dyr) = (&x[off..off + w], &dy[off..off + w]);
+            macro_rules! each {
+                ($a:expr) => {
+                    for ((((dx, a), &x), &b), &dy) in
+                        dxr.iter_mut().zip(acc.iter_mut()).zip(xr).zip(b).zip(dyr)
+                    {
+                        let d = dy * $a.derivative(x + b);
+                        *dx = d;
+                        *a += d;
+                    }
+                };
+            }
+            match act {
+                Act::GeluErf => each!(Act::GeluErf),
+                Act::GeluTanh => each!(Act::GeluTanh),
+                Act::Relu => each!(Act::Relu),
             }
         }
     });
@@ -752,27 +813,34 @@ fn node(
 /// `x W^T + b` over the last dimension as one node: forward one matrix product (the
 /// transposed weight read in place) and a bias add; backward `dx = dy W`, `dW = dy^T x`,
 /// `db = sum(dy)`, three products and a column sum, with no transposed copies.
-pub fn linear(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> candle_core::Result<Tensor> {
     let (out, inp) = weight.dims2()?;
     let rows = x.elem_count() / inp.max(1);
     let mut out_dims = x.dims().to_vec();
     if let Some(last) = out_dims.last_mut() {
         *last = out;
     }
-    let (xd, wd, bd) = (x.detach(), weight.detach(), bias.detach());
+    let (xd, wd) = (x.detach(), weight.detach());
     let x2 = xd.reshape((rows, inp))?;
-    let y = x2.matmul(&wd.t()?)?.broadcast_add(&bd)?.reshape(out_dims)?;
+    let y = x2.matmul(&wd.t()?)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(&b.detach())?,
+        None => y,
+    };
+    let y = y.reshape(out_dims)?;
     let x_shape = x.shape().clone();
+    let has_bias = bias.is_some();
+    // Without a bias the node's third input repeats the weight and gets no gradient.
     node(
         "gradcache-linear",
-        [x, weight, bias],
+        [x, weight, bias.unwrap_or(weight)],
         y,
         Box::new(move |dy| {
             let dy2 = dy.reshape((rows, out))?;
             let dx = dy2.matmul(&wd)?.reshape(x_shape.clone())?;
             let dw = dy2.t()?.matmul(&x2)?;
-            let db = dy2.sum(0)?;
-            Ok([Some(dx), Some(dw), Some(db)])
+            let db = if has_bias { Some(dy2.sum(0)?) } else { None };
+            Ok([Some(dx), Some(dw), db])
         }),
     )
 }

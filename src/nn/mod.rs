@@ -155,10 +155,12 @@ impl Linear {
 /// records a transpose whose backward allocates and adds a second weight-sized, strided
 /// gradient. The replay of a gradient cache pays that once per chunk, so it matters.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    if let Some(b) = bias {
-        if fused_ok(&[x, weight, b]) {
-            return Ok(fused::linear(x, weight, b)?);
-        }
+    let fits = match bias {
+        Some(b) => fused_ok(&[x, weight, b]),
+        None => fused_ok(&[x, weight]),
+    };
+    if fits {
+        return Ok(fused::linear(x, weight, bias)?);
     }
     linear_composed(x, weight, bias)
 }

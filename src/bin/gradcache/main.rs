@@ -381,7 +381,14 @@ fn encode(
     }
     let model = load_model(model, options)?;
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let start = std::time::Instant::now();
     let embeddings = model.embed(&refs, 32)?.to_vec2::<f32>()?;
+    let secs = start.elapsed().as_secs_f64();
+    tracing::info!(
+        "encoded {} texts in {secs:.2} s ({:.1} texts/s)",
+        texts.len(),
+        texts.len() as f64 / secs.max(1e-9)
+    );
     let mut out: Box<dyn Write> = match output {
         Some(p) => {
             Box::new(File::create(p).with_context(|| format!("cannot create {}", p.display()))?)
