@@ -394,3 +394,34 @@ fn trained_vocabulary_is_deterministic_with_character_fallback() {
     );
     assert_eq!(inner.token_to_id("[PAD]"), Some(0));
 }
+
+#[test]
+fn embedding_in_length_order_returns_each_text_its_own_embedding() {
+    use gradcache::hub::{EmbeddingModel, LoadOptions};
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), false);
+    let model =
+        EmbeddingModel::load(&dir.path().display().to_string(), &LoadOptions::default()).unwrap();
+    // Lengths out of order, so sorting moves texts between chunks.
+    let texts = [
+        "the lord is my shepherd, the light",
+        "light",
+        "my lords",
+        "the lord is my light, my shepherd is the lord",
+        "the",
+        "shepherds light the lord",
+    ];
+    let together = model.embed(&texts, 2).unwrap().to_vec2::<f32>().unwrap();
+    for (i, text) in texts.iter().enumerate() {
+        let alone = model.embed(&[text], 1).unwrap().to_vec2::<f32>().unwrap();
+        let diff = together[i]
+            .iter()
+            .zip(&alone[0])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            diff <= 1e-6,
+            "text {i}: differs by {diff:e} from its own embedding"
+        );
+    }
+}

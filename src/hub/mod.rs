@@ -30,8 +30,13 @@ use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions,
 use crate::params::ParamStore;
 use crate::{Error, Result};
 
-/// Embeds `texts` with `encoder` in evaluation mode (no dropout, no graph), tokenizing
-/// `chunk * 8` texts at a time and encoding `chunk` at a time. Returns `[texts, width]`.
+/// Embeds `texts` with `encoder` in evaluation mode (no dropout, no graph), `chunk` texts
+/// at a time. Returns `[texts, width]`, in the order of `texts`.
+///
+/// Texts are tokenized `chunk * 64` at a time and, within that block, encoded in order of
+/// length (as `SentenceTransformer.encode` does), so each chunk is padded only to the
+/// longest of texts of similar length: the padding a chunk computes on is small. Masked
+/// positions contribute nothing, so a text's embedding does not depend on its neighbours.
 pub fn embed<E: Encoder<Input = TokenBatch>>(
     encoder: &E,
     tokenizer: &Tokenizer,
@@ -41,11 +46,32 @@ pub fn embed<E: Encoder<Input = TokenBatch>>(
 ) -> Result<Tensor> {
     let chunk = chunk.max(1);
     let mut parts = Vec::new();
-    for block in texts.chunks(chunk * 8) {
+    for block in texts.chunks(chunk * 64) {
         let batch = tokenizer.encode(block, device)?;
-        for piece in crate::batch::Batch::chunks(&batch, chunk)? {
-            parts.push(encoder.encode(&piece, &Ctx::eval())?);
+        let lengths = batch
+            .attention_mask
+            .to_dtype(DType::U32)?
+            .sum(1)?
+            .to_vec1::<u32>()?;
+        let mut order: Vec<u32> = (0..block.len() as u32).collect();
+        order.sort_by_key(|&i| lengths[i as usize]);
+        let mut inverse = vec![0u32; order.len()];
+        for (position, &i) in order.iter().enumerate() {
+            inverse[i as usize] = position as u32;
         }
+        let order = Tensor::new(order.as_slice(), device)?;
+        let pick = |t: &Tensor| t.index_select(&order, 0);
+        let sorted = TokenBatch::new(
+            pick(&batch.input_ids)?,
+            pick(&batch.attention_mask)?,
+            pick(&batch.token_type_ids)?,
+        )?;
+        let mut reps = Vec::new();
+        for piece in crate::batch::Batch::chunks(&sorted, chunk)? {
+            reps.push(encoder.encode(&piece, &Ctx::eval())?);
+        }
+        let reps = Tensor::cat(&reps, 0)?;
+        parts.push(reps.index_select(&Tensor::new(inverse.as_slice(), device)?, 0)?);
     }
     if parts.is_empty() {
         return Err(Error::EmptyBatch {
