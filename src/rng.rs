@@ -91,18 +91,24 @@ pub fn normal(
 }
 
 /// Whether element `index` survives dropout with probability `p` under the mask of `seed`:
-/// a counter-based stream (SplitMix64: the `index`-th output of the generator started at
-/// `seed`), so any element's draw is computed directly, in any order, on any thread, and
-/// the fused kernel and the mask tensor agree bit for bit.
+/// a counter-based stream (SplitMix64: output `index / 2` of the generator started at
+/// `seed`, whose two 32-bit halves serve two neighbouring elements), so any element's draw
+/// is computed directly, in any order, on any thread, and the fused kernel and the mask
+/// tensor agree bit for bit.
 #[inline]
 pub fn keep(seed: u64, index: u64, p: f32) -> bool {
     const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut z = seed.wrapping_add(index.wrapping_add(1).wrapping_mul(GAMMA));
+    let mut z = seed.wrapping_add((index / 2).wrapping_add(1).wrapping_mul(GAMMA));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^= z >> 31;
-    // 24 random bits: a uniform f32 in [0, 1).
-    let u = (z >> 40) as f32 * (1.0 / (1u64 << 24) as f32);
+    // 24 random bits of this element's half: a uniform f32 in [0, 1).
+    let half = if index % 2 == 0 {
+        z >> 40
+    } else {
+        (z >> 8) & 0xFF_FFFF
+    };
+    let u = half as f32 * (1.0 / (1u64 << 24) as f32);
     u >= p
 }
 

@@ -26,7 +26,9 @@
 //! backward.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, InplaceOp2, Layout, Shape, Tensor, WithDType,
+};
 
 /// Rows handled by one parallel task; also the granularity of cross-row reductions.
 const BLOCK_ROWS: usize = 32;
@@ -823,10 +825,9 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> candle_core
     let (xd, wd) = (x.detach(), weight.detach());
     let x2 = xd.reshape((rows, inp))?;
     let y = x2.matmul(&wd.t()?)?;
-    let y = match bias {
-        Some(b) => y.broadcast_add(&b.detach())?,
-        None => y,
-    };
+    if let Some(b) = bias {
+        y.inplace_op2(&b.detach(), &AddBiasInPlace)?;
+    }
     let y = y.reshape(out_dims)?;
     let x_shape = x.shape().clone();
     let has_bias = bias.is_some();
@@ -839,7 +840,11 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> candle_core
             let dy2 = dy.reshape((rows, out))?;
             let dx = dy2.matmul(&wd)?.reshape(x_shape.clone())?;
             let dw = dy2.t()?.matmul(&x2)?;
-            let db = if has_bias { Some(dy2.sum(0)?) } else { None };
+            let db = if has_bias {
+                Some(dy2.contiguous()?.apply_op1_no_bwd(&SumRows)?)
+            } else {
+                None
+            };
             Ok([Some(dx), Some(dw), db])
         }),
     )
@@ -914,4 +919,82 @@ pub fn attention(
             Ok([Some(dq), Some(dk), Some(dv)])
         }),
     )
+}
+
+// ---------------------------------------------------------------------------------------
+// Bias rows
+
+/// `y += b` on every row of a freshly computed `y`, in place (no second full-size tensor).
+struct AddBiasInPlace;
+
+impl InplaceOp2 for AddBiasInPlace {
+    fn name(&self) -> &'static str {
+        "gradcache-add-bias-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        let Some((start, end)) = l1.contiguous_offsets() else {
+            candle_core::bail!("add bias: the output must be contiguous");
+        };
+        match (s1, s2) {
+            (CpuStorage::F32(y), CpuStorage::F32(_)) => {
+                add_rows(&mut y[start..end], contiguous::<f32>(s2, l2)?);
+                Ok(())
+            }
+            (CpuStorage::F64(y), CpuStorage::F64(_)) => {
+                add_rows(&mut y[start..end], contiguous::<f64>(s2, l2)?);
+                Ok(())
+            }
+            _ => candle_core::bail!("add bias: f32 or f64 of one dtype"),
+        }
+    }
+}
+
+fn add_rows<T: Float>(y: &mut [T], b: &[T]) {
+    for_blocks(y, b.len(), |_, rows| {
+        for row in rows.chunks_mut(b.len()) {
+            for (v, &bias) in row.iter_mut().zip(b) {
+                *v += bias;
+            }
+        }
+    });
+}
+
+/// The sum over rows of a `[rows, w]` matrix (a bias gradient), in fixed blocks.
+struct SumRows;
+
+impl CustomOp1 for SumRows {
+    fn name(&self) -> &'static str {
+        "gradcache-sum-rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let w = *l.shape().dims().last().unwrap_or(&1);
+        dispatch!(s, T => {
+            let x = contiguous::<T>(s, l)?;
+            let blocks = x.len().div_ceil(BLOCK_ROWS * w.max(1));
+            let mut partials = vec![<T as num_traits::Zero>::zero(); blocks * w];
+            let shared = SharedMut(partials.as_mut_ptr());
+            candle_core::utils::barrier_pool().execute_chunked(blocks, |range| {
+                for blk in range {
+                    // SAFETY: block `blk` owns partials `blk * w .. (blk + 1) * w`.
+                    let acc = unsafe { std::slice::from_raw_parts_mut(shared.get().add(blk * w), w) };
+                    let base = blk * BLOCK_ROWS * w;
+                    for row in x[base..x.len().min(base + BLOCK_ROWS * w)].chunks(w) {
+                        for (a, &v) in acc.iter_mut().zip(row) {
+                            *a += v;
+                        }
+                    }
+                }
+            });
+            let partials: Vec<Vec<T>> = partials.chunks(w.max(1)).map(<[T]>::to_vec).collect();
+            Ok((T::to_cpu_storage_owned(sum_partials(partials, w)), Shape::from(w)))
+        })
+    }
 }
