@@ -97,19 +97,73 @@ pub fn normal(
 /// tensor agree bit for bit.
 #[inline]
 pub fn keep(seed: u64, index: u64, p: f32) -> bool {
+    let z = splitmix(seed, index / 2);
+    let half = if index % 2 == 0 { high(z) } else { low(z) };
+    half >= threshold(p)
+}
+
+/// [`keep`] for the `len` elements from `start` on, as `f(j, kept)` for `j` in `0..len`:
+/// one generator output per two elements (where [`keep`] computes it for each).
+#[inline]
+pub fn keep_run(seed: u64, start: u64, len: usize, p: f32, mut f: impl FnMut(usize, bool)) {
+    let t = threshold(p);
+    let mut j = 0;
+    if start % 2 == 1 && len > 0 {
+        f(0, keep(seed, start, p));
+        j = 1;
+    }
+    // Eight outputs at a time in a loop of its own, which the compiler vectorises.
+    const LANES: usize = 8;
+    while j + 2 * LANES <= len {
+        let first = (start + j as u64) / 2;
+        let mut z = [0u64; LANES];
+        for (k, z) in z.iter_mut().enumerate() {
+            *z = splitmix(seed, first + k as u64);
+        }
+        for (k, &z) in z.iter().enumerate() {
+            f(j + 2 * k, high(z) >= t);
+            f(j + 2 * k + 1, low(z) >= t);
+        }
+        j += 2 * LANES;
+    }
+    while j + 1 < len {
+        let z = splitmix(seed, (start + j as u64) / 2);
+        f(j, high(z) >= t);
+        f(j + 1, low(z) >= t);
+        j += 2;
+    }
+    if j < len {
+        f(j, keep(seed, start + j as u64, p));
+    }
+}
+
+/// Output `n` of SplitMix64 started at `seed`.
+#[inline(always)]
+fn splitmix(seed: u64, n: u64) -> u64 {
     const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut z = seed.wrapping_add((index / 2).wrapping_add(1).wrapping_mul(GAMMA));
+    let mut z = seed.wrapping_add(n.wrapping_add(1).wrapping_mul(GAMMA));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    // 24 random bits of this element's half: a uniform f32 in [0, 1).
-    let half = if index % 2 == 0 {
-        z >> 40
-    } else {
-        (z >> 8) & 0xFF_FFFF
-    };
-    let u = half as f32 * (1.0 / (1u64 << 24) as f32);
-    u >= p
+    z ^ (z >> 31)
+}
+
+/// The even element's 24 random bits.
+#[inline(always)]
+fn high(z: u64) -> u32 {
+    (z >> 40) as u32
+}
+
+/// The odd element's 24 random bits.
+#[inline(always)]
+fn low(z: u64) -> u32 {
+    ((z >> 8) & 0xFF_FFFF) as u32
+}
+
+/// An element survives when its 24 bits `h`, read as the uniform f32 `u = h / 2^24`, have
+/// `u >= p`; `u` and `p * 2^24` are exact, so that is `h >= ceil(p * 2^24)`.
+#[inline(always)]
+fn threshold(p: f32) -> u32 {
+    (f64::from(p) * f64::from(1u32 << 24)).ceil() as u32
 }
 
 /// A dropout mask: each element is `0` with probability `p` and `1 / (1 - p)` otherwise
@@ -124,15 +178,44 @@ pub fn dropout_mask(
 ) -> Result<Tensor> {
     // The scale as the fused kernel computes it, so the two agree bit for bit.
     let scale = (1.0 / (1.0 - f64::from(p))) as f32;
-    let values: Vec<f32> = (0..shape.elem_count() as u64)
-        .map(|i| if keep(seed, i, p) { scale } else { 0.0 })
-        .collect();
+    let mut values = vec![0f32; shape.elem_count()];
+    keep_run(seed, 0, values.len(), p, |j, kept| {
+        if kept {
+            values[j] = scale;
+        }
+    });
     Ok(Tensor::from_vec(values, shape.clone(), device)?.to_dtype(dtype)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keep_run_agrees_with_keep_and_the_float_comparison() {
+        for p in [0.0f32, 0.1, 0.25, 0.5, 0.9, 1.0 / 3.0] {
+            for (start, len) in [(0u64, 64usize), (1, 64), (7, 33), (4096, 1), (5, 0)] {
+                let mut seen = 0;
+                keep_run(42, start, len, p, |j, kept| {
+                    let i = start + j as u64;
+                    assert_eq!(kept, keep(42, i, p), "p {p}, element {i}");
+                    // The integer threshold is the comparison `u >= p` of the uniform f32.
+                    let z = splitmix(42, i / 2);
+                    let h = if i % 2 == 0 { high(z) } else { low(z) };
+                    let u = h as f32 * (1.0 / (1u64 << 24) as f32);
+                    assert_eq!(kept, u >= p, "p {p}, element {i}");
+                    assert_eq!(j, seen);
+                    seen += 1;
+                });
+                assert_eq!(seen, len);
+            }
+        }
+        // At the threshold itself: h = ceil(p * 2^24) survives, h - 1 does not.
+        let p = 0.1f32;
+        let t = threshold(p);
+        assert!((t as f32) / (1u64 << 24) as f32 >= p);
+        assert!(((t - 1) as f32) / ((1u64 << 24) as f32) < p);
+    }
 
     #[test]
     fn derive_seed_is_order_and_length_sensitive() {

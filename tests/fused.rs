@@ -271,6 +271,102 @@ fn attention_node_matches_the_composed_attention_and_finite_differences() {
     }
 }
 
+/// Self-attention from the hidden states as the nodes it replaces compute it (each checked
+/// against its composed form above): three projections (the rows of the stacked weight),
+/// heads split, attention, heads merged.
+fn self_attention_unfused(
+    t: &[Tensor],
+    heads: usize,
+    spec: &gradcache::nn::AttentionSpec,
+) -> gradcache::Result<Tensor> {
+    use gradcache::nn::{attention as attention_composed, linear as linear_composed};
+    let (n, s, h) = t[0].dims3()?;
+    let project = |i: usize| -> gradcache::Result<Tensor> {
+        let w = t[1].narrow(0, i * h, h)?;
+        let b = t[2].narrow(0, i * h, h)?;
+        let y = linear_composed(&t[0], &w, Some(&b))?;
+        Ok(y.reshape((n, s, heads, h / heads))?
+            .transpose(1, 2)?
+            .contiguous()?)
+    };
+    let ctx = attention_composed(&project(0)?, &project(1)?, &project(2)?, spec)?;
+    Ok(ctx.transpose(1, 2)?.reshape((n, s, h))?)
+}
+
+#[test]
+fn self_attention_node_matches_the_projection_and_attention_nodes_and_finite_differences() {
+    use gradcache::nn::{fused, AttentionSpec};
+    let (n, s, h, heads) = (3, 7, 8, 2);
+    let inputs = [
+        random(60, &[n, s, h]),
+        random(61, &[3 * h, h]),
+        random(62, &[3 * h]),
+    ];
+    for dropout in [None, Some((13u64, 0.3f32))] {
+        let spec = AttentionSpec {
+            bias: padding_bias(n, s),
+            scale: 0.5,
+            dropout,
+        };
+        let fused_fn = |t: &[Tensor]| -> gradcache::Result<Tensor> {
+            Ok(fused::self_attention(&t[0], &t[1], &t[2], heads, &spec)?)
+        };
+        let name = format!("self-attention, dropout {dropout:?}");
+        agree(&name, &inputs, &[0], &fused_fn, &|t| {
+            self_attention_unfused(t, heads, &spec)
+        });
+        // The stacked [3h, h] product sums in another order than three [h, h] products
+        // (measured 1.2e-6 on the query blocks, whose gradients are small next to the
+        // terms they sum): the parameter gradients are held to 2e-6, and exactly to the
+        // mathematics by the finite differences below. The key bias shifts every score of
+        // a row equally, which softmax ignores: its gradient is zero, and both sides hold
+        // rounding noise there.
+        let cot = random(99, &[n, s, h]);
+        let (_, gf) = value_and_grads(&inputs, &cot, &fused_fn);
+        let (_, gu) = value_and_grads(&inputs, &cot, &|t| self_attention_unfused(t, heads, &spec));
+        let block = |g: &Tensor, i: usize| g.narrow(0, i * h, h).unwrap();
+        for i in 0..3 {
+            let e = rel(&block(&gf[1], i), &block(&gu[1], i));
+            assert!(e <= 2e-6, "{name}: weight block {i} differs by {e:e}");
+        }
+        for i in [0, 2] {
+            let e = rel(&block(&gf[2], i), &block(&gu[2], i));
+            assert!(e <= 2e-6, "{name}: bias block {i} differs by {e:e}");
+        }
+        let noise = max_abs(&block(&gf[2], 1)) / max_abs(&gf[2]);
+        assert!(
+            noise <= 1e-5,
+            "{name}: key bias gradient {noise:e}, not zero"
+        );
+        let spec64 = AttentionSpec {
+            bias: padding_bias(2, 3).to_dtype(DType::F64).unwrap(),
+            ..spec.clone()
+        };
+        let small = [
+            random(63, &[2, 3, 4]),
+            random(64, &[12, 4]),
+            random(65, &[12]),
+        ];
+        finite_differences("self-attention", &small, &[0, 1, 2], &|t| {
+            Ok(fused::self_attention(&t[0], &t[1], &t[2], 2, &spec64)?)
+        });
+    }
+    // A projection that does not stack three hidden-size blocks is an error, not a panic.
+    let wrong = random(66, &[2 * h, h]);
+    assert!(fused::self_attention(
+        &inputs[0],
+        &wrong,
+        &inputs[2],
+        heads,
+        &AttentionSpec {
+            bias: padding_bias(n, s),
+            scale: 0.5,
+            dropout: None,
+        }
+    )
+    .is_err());
+}
+
 #[test]
 fn the_f32_exponential_is_within_two_ulp() {
     let mut worst = 0f64;

@@ -425,16 +425,7 @@ impl Bert {
     /// Self-attention of layer `i` (without the output projection).
     fn self_attention(&self, i: usize, x: &Tensor, aux: &BertAux, ctx: &Ctx) -> Result<Tensor> {
         let layer = &self.layers[i];
-        let (n, s, hidden) = x.dims3()?;
-        let head_dim = hidden / self.heads;
-        let split = |t: Tensor| -> Result<Tensor> {
-            Ok(t.reshape((n, s, self.heads, head_dim))?
-                .transpose(1, 2)?
-                .contiguous()?)
-        };
-        let q = split(layer.query.forward(x)?)?;
-        let k = split(layer.key.forward(x)?)?;
-        let v = split(layer.value.forward(x)?)?;
+        let head_dim = x.dim(2)? / self.heads;
         let spec = crate::nn::AttentionSpec {
             bias: aux.bias.clone(),
             scale: 1.0 / (head_dim as f64).sqrt(),
@@ -442,8 +433,12 @@ impl Bert {
                 .attention_dropout
                 .mask(ctx, layer_id(i), site::ATTENTION_PROBS),
         };
-        let attended = crate::nn::attention(&q, &k, &v, &spec)?;
-        Ok(attended.transpose(1, 2)?.reshape((n, s, hidden))?)
+        crate::nn::self_attention(
+            x,
+            [&layer.query, &layer.key, &layer.value],
+            self.heads,
+            &spec,
+        )
     }
 }
 

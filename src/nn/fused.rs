@@ -441,17 +441,12 @@ fn dropout_fwd<T: Float>(x: &[T], seed: u64, p: f32) -> Vec<T> {
     let mut out = vec![T::zero(); x.len()];
     for_blocks(&mut out, BLOCK / BLOCK_ROWS, |b, chunk| {
         let base = b * BLOCK;
-        for (j, y) in chunk.iter_mut().enumerate() {
-            let i = base + j;
-            // A product with the mask value, as the composed form computes it (a dropped
-            // negative entry is -0.0 there too).
-            let m = if crate::rng::keep(seed, i as u64, p) {
-                scale
-            } else {
-                T::zero()
-            };
-            *y = x[i] * m;
-        }
+        let xs = &x[base..base + chunk.len()];
+        // A product with the mask value, as the composed form computes it (a dropped
+        // negative entry is -0.0 there too).
+        crate::rng::keep_run(seed, base as u64, chunk.len(), p, |j, kept| {
+            chunk[j] = xs[j] * if kept { scale } else { T::zero() };
+        });
     });
     out
 }
@@ -917,6 +912,83 @@ pub fn attention(
             let dq = d_scores.matmul(&kd)?;
             let dk = d_scores.t()?.matmul(&qd)?;
             Ok([Some(dq), Some(dk), Some(dv)])
+        }),
+    )
+}
+
+/// BERT's self-attention from the hidden states `x` `[n, s, h]` as one node over
+/// `(x, W_qkv, b_qkv)`, the query, key and value projections stacked into one `[3h, h]`
+/// weight: one matrix product gives `q`, `k` and `v`, which are split into `heads`, attend
+/// as in [`attention`], and come back with the heads merged, `[n, s, h]`. The backward
+/// recomputes the probabilities, merges `dq`, `dk`, `dv` into one `[n s, 3h]` gradient and
+/// runs one product for `dx` and one for `dW_qkv`. candle's autograd sees one node where
+/// three projections, the head split and merge and the attention record fifteen, each with
+/// a zero-filled accumulator and an addition in the backward pass.
+pub fn self_attention(
+    x: &Tensor,
+    w_qkv: &Tensor,
+    b_qkv: &Tensor,
+    heads: usize,
+    spec: &AttentionSpec,
+) -> candle_core::Result<Tensor> {
+    let (n, s, h) = x.dims3()?;
+    if heads == 0 || h % heads != 0 || w_qkv.dims2()? != (3 * h, h) {
+        candle_core::bail!(
+            "self-attention: hidden size {h}, {heads} heads and a {:?} projection do not fit",
+            w_qkv.dims()
+        );
+    }
+    let d = h / heads;
+    let rows = n * s;
+    let (xd, wd) = (x.detach(), w_qkv.detach());
+    let x2 = xd.reshape((rows, h))?;
+    let qkv = x2.matmul(&wd.t()?)?;
+    qkv.inplace_op2(&b_qkv.detach(), &AddBiasInPlace)?;
+    // [n, s, 3, heads, d] -> [3, n, heads, s, d]: q, k, v each a contiguous view.
+    let split = qkv
+        .reshape((n, s, 3, heads, d))?
+        .permute((2, 0, 3, 1, 4))?
+        .contiguous()?;
+    let (q, k, v) = (split.get(0)?, split.get(1)?, split.get(2)?);
+    let spec = AttentionSpec {
+        bias: spec.bias.contiguous()?.detach(),
+        ..spec.clone()
+    };
+    let (dropped, _) = attention_probs(&q, &k, &spec)?;
+    let out = dropped
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((n, s, h))?;
+    node(
+        "gradcache-self-attention",
+        [x, w_qkv, b_qkv],
+        out,
+        Box::new(move |dout| {
+            let dctx = dout
+                .reshape((n, s, heads, d))?
+                .transpose(1, 2)?
+                .contiguous()?;
+            let (dropped, probs) = attention_probs(&q, &k, &spec)?;
+            let dv = dropped.t()?.matmul(&dctx)?;
+            let d_dropped = dctx.matmul(&v.t()?)?;
+            let d_probs = match spec.dropout {
+                Some((seed, p)) if p > 0.0 => d_dropped.apply_op1_no_bwd(&Dropout { seed, p })?,
+                _ => d_dropped,
+            };
+            let d_scores =
+                probs.apply_op2_no_bwd(&d_probs, &SoftmaxBackward { scale: spec.scale })?;
+            let dq = d_scores.matmul(&k)?;
+            let dk = d_scores.t()?.matmul(&q)?;
+            // [n, heads, 3, s, d] -> [n, s, 3, heads, d] = [n s, 3h], the layout of qkv.
+            let dqkv = Tensor::stack(&[dq, dk, dv], 2)?
+                .permute((0, 3, 2, 1, 4))?
+                .contiguous()?
+                .reshape((rows, 3 * h))?;
+            let dx = dqkv.matmul(&wd)?.reshape((n, s, h))?;
+            let dw = dqkv.t()?.matmul(&x2)?;
+            let db = dqkv.apply_op1_no_bwd(&SumRows)?;
+            Ok([Some(dx), Some(dw), Some(db)])
         }),
     )
 }

@@ -253,6 +253,56 @@ pub fn attention(
     attention_composed(q, k, v, spec)
 }
 
+/// BERT's multi-head self-attention from the hidden states `x` `[n, s, h]`: the query,
+/// key and value projections, the split into `heads`, [`attention`], and the heads merged
+/// back, `[n, s, h]` (before the output projection). Where the fused kernels run, one node
+/// over the three projections stacked into one ([`fused::self_attention`]); else composed.
+pub fn self_attention(
+    x: &Tensor,
+    [query, key, value]: [&Linear; 3],
+    heads: usize,
+    spec: &fused::AttentionSpec,
+) -> Result<Tensor> {
+    if let (Some(bq), Some(bk), Some(bv)) = (&query.bias, &key.bias, &value.bias) {
+        let ts = [
+            x,
+            &query.weight,
+            &key.weight,
+            &value.weight,
+            bq,
+            bk,
+            bv,
+            &spec.bias,
+        ];
+        if fused_ok(&ts) && x.rank() == 3 {
+            let w = Tensor::cat(&[&query.weight, &key.weight, &value.weight], 0)?;
+            let b = Tensor::cat(&[bq, bk, bv], 0)?;
+            return Ok(fused::self_attention(x, &w, &b, heads, spec)?);
+        }
+    }
+    self_attention_composed(x, [query, key, value], heads, spec)
+}
+
+/// Composed self-attention (see [`self_attention`]).
+pub fn self_attention_composed(
+    x: &Tensor,
+    [query, key, value]: [&Linear; 3],
+    heads: usize,
+    spec: &fused::AttentionSpec,
+) -> Result<Tensor> {
+    let (n, s, h) = x.dims3()?;
+    let split = |t: Tensor| -> Result<Tensor> {
+        Ok(t.reshape((n, s, heads, h / heads))?
+            .transpose(1, 2)?
+            .contiguous()?)
+    };
+    let q = split(query.forward(x)?)?;
+    let k = split(key.forward(x)?)?;
+    let v = split(value.forward(x)?)?;
+    let attended = attention(&q, &k, &v, spec)?;
+    Ok(attended.transpose(1, 2)?.reshape((n, s, h))?)
+}
+
 /// Composed attention (see [`attention`]); keeps the probabilities for the backward.
 pub fn attention_composed(
     q: &Tensor,
