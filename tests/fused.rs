@@ -271,6 +271,43 @@ fn attention_node_matches_the_composed_attention_and_finite_differences() {
     }
 }
 
+#[test]
+fn add_norm_node_matches_dropout_addition_and_layer_norm_composed_and_finite_differences() {
+    use gradcache::nn::fused;
+    let h = 6;
+    let composed = |t: &[Tensor], dropout: Option<(u64, f32)>| -> gradcache::Result<Tensor> {
+        let x = match dropout {
+            Some((seed, p)) => dropout_composed(&t[0], seed, p)?,
+            None => t[0].clone(),
+        };
+        let (gamma, beta) = (t[2].get(0)?, t[2].get(1)?);
+        layer_norm_composed(&(x + &t[1])?, &gamma, &beta, 1e-5)
+    };
+    let inputs = [
+        random(70, &[3, 5, h]),
+        random(71, &[3, 5, h]),
+        random(72, &[2, h]),
+    ];
+    for dropout in [None, Some((17u64, 0.25f32))] {
+        agree(
+            &format!("add-norm, dropout {dropout:?}"),
+            &inputs,
+            &[0, 1, 2],
+            &|t| Ok(fused::add_norm(&t[0], &t[1], &t[2], 1e-5, dropout)?),
+            &|t| composed(t, dropout),
+        );
+        let small = [
+            random(73, &[2, 4]),
+            random(74, &[2, 4]),
+            random(75, &[2, 4]),
+        ];
+        finite_differences("add-norm", &small, &[0, 1, 2], &|t| {
+            Ok(fused::add_norm(&t[0], &t[1], &t[2], 1e-5, dropout)?)
+        });
+    }
+    assert!(fused::add_norm(&inputs[0], &inputs[1], &random(76, &[h]), 1e-5, None).is_err());
+}
+
 /// Self-attention from the hidden states as the nodes it replaces compute it (each checked
 /// against its composed form above): three projections (the rows of the stacked weight),
 /// heads split, attention, heads merged.

@@ -498,18 +498,22 @@ impl LayerStack for Bert {
         let attended = layer
             .attention_output
             .forward(&self.self_attention(i, x, aux, ctx)?)?;
-        let attended = self
-            .hidden_dropout
-            .forward(&attended, ctx, id, site::ATTENTION_OUTPUT)?;
-        let x = layer.attention_norm.forward(&(attended + x)?)?;
+        let x = crate::nn::add_norm(
+            &attended,
+            x,
+            &layer.attention_norm,
+            self.hidden_dropout.mask(ctx, id, site::ATTENTION_OUTPUT),
+        )?;
         let hidden = layer
             .intermediate
             .forward_activated(&x, self.activation.fused())?;
         let out = layer.output.forward(&hidden)?;
-        let out = self
-            .hidden_dropout
-            .forward(&out, ctx, id, site::FEED_FORWARD_OUTPUT)?;
-        layer.output_norm.forward(&(out + x)?)
+        crate::nn::add_norm(
+            &out,
+            &x,
+            &layer.output_norm,
+            self.hidden_dropout.mask(ctx, id, site::FEED_FORWARD_OUTPUT),
+        )
     }
 
     fn head(&self, x: &Tensor, aux: &BertAux, _: &Ctx) -> Result<Tensor> {

@@ -436,6 +436,11 @@ pub struct Dropout {
 }
 
 fn dropout_fwd<T: Float>(x: &[T], seed: u64, p: f32) -> Vec<T> {
+    dropout_add_fwd(x, None, seed, p)
+}
+
+/// `dropout(x) + residual` (the residual optional) in one pass.
+fn dropout_add_fwd<T: Float>(x: &[T], residual: Option<&[T]>, seed: u64, p: f32) -> Vec<T> {
     const BLOCK: usize = 4096;
     let scale = T::of(1.0 / (1.0 - f64::from(p)));
     let mut out = vec![T::zero(); x.len()];
@@ -447,8 +452,47 @@ fn dropout_fwd<T: Float>(x: &[T], seed: u64, p: f32) -> Vec<T> {
         crate::rng::keep_run(seed, base as u64, chunk.len(), p, |j, kept| {
             chunk[j] = xs[j] * if kept { scale } else { T::zero() };
         });
+        if let Some(r) = residual {
+            for (y, &r) in chunk.iter_mut().zip(&r[base..base + xs.len()]) {
+                *y += r;
+            }
+        }
     });
     out
+}
+
+/// `dropout(x) + residual`, `CustomOp2(x, residual)`, without a backward: the forward of
+/// [`add_norm`].
+struct DropoutAdd {
+    seed: u64,
+    p: f32,
+}
+
+impl CustomOp2 for DropoutAdd {
+    fn name(&self) -> &'static str {
+        "gradcache-dropout-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if l1.shape() != l2.shape() {
+            candle_core::bail!("dropout-add: shapes {:?} and {:?}", l1.shape(), l2.shape());
+        }
+        dispatch!(s1, T => {
+            let out = dropout_add_fwd::<T>(
+                contiguous(s1, l1)?,
+                Some(contiguous(s2, l2)?),
+                self.seed,
+                self.p,
+            );
+            Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
+        })
+    }
 }
 
 impl CustomOp1 for Dropout {
@@ -989,6 +1033,56 @@ pub fn self_attention(
             let dw = dqkv.t()?.matmul(&x2)?;
             let db = dqkv.apply_op1_no_bwd(&SumRows)?;
             Ok([Some(dx), Some(dw), Some(db)])
+        }),
+    )
+}
+
+/// The residual block's tail, `LayerNorm(dropout(x) + residual)` with the scale and shift
+/// stacked as `gamma_beta` `[2, h]`, as one node over `(x, residual, gamma_beta)`: one pass
+/// for dropout and the addition, one for the normalisation; the backward runs the
+/// LayerNorm backward kernel and regenerates the dropout mask. It keeps only the sum.
+/// Where the composed form records three nodes (dropout, addition, LayerNorm), each with
+/// its accumulator in the backward, this is one.
+pub fn add_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    gamma_beta: &Tensor,
+    eps: f64,
+    dropout: Option<(u64, f32)>,
+) -> candle_core::Result<Tensor> {
+    let h = *x.dims().last().unwrap_or(&0);
+    if x.shape() != residual.shape() || gamma_beta.dims2()? != (2, h) {
+        candle_core::bail!(
+            "add-norm: input {:?}, residual {:?} and scale/shift {:?} do not fit",
+            x.dims(),
+            residual.dims(),
+            gamma_beta.dims()
+        );
+    }
+    let rows = x.elem_count() / h.max(1);
+    let (xd, rd) = (x.contiguous()?.detach(), residual.contiguous()?.detach());
+    let sum = match dropout {
+        Some((seed, p)) if p > 0.0 => xd.apply_op2_no_bwd(&rd, &DropoutAdd { seed, p })?,
+        _ => (&xd + &rd)?,
+    };
+    let gb = gamma_beta.detach();
+    let (gamma, beta) = (gb.get(0)?, gb.get(1)?);
+    let out = sum.apply_op3_no_bwd(&gamma, &beta, &LayerNorm { eps })?;
+    let shape = x.shape().clone();
+    node(
+        "gradcache-add-norm",
+        [x, residual, gamma_beta],
+        out,
+        Box::new(move |dout| {
+            let packed =
+                sum.apply_op3_no_bwd(&gamma, &dout.contiguous()?, &LayerNormBackward { eps })?;
+            let dsum = packed.narrow(0, 0, rows)?.reshape(&shape)?;
+            let dgb = packed.narrow(0, rows, 2)?;
+            let dx = match dropout {
+                Some((seed, p)) if p > 0.0 => dsum.apply_op1_no_bwd(&Dropout { seed, p })?,
+                _ => dsum.clone(),
+            };
+            Ok([Some(dx), Some(dsum), Some(dgb)])
         }),
     )
 }

@@ -68,6 +68,42 @@ impl LayerNorm {
     }
 }
 
+/// The residual block's tail, `norm(dropout(x) + residual)`, `dropout` the mask seed and
+/// probability ([`crate::rng::keep`]) or `None`: one node ([`fused::add_norm`]) where the
+/// fused kernels run, else composed.
+pub fn add_norm(
+    x: &Tensor,
+    residual: &Tensor,
+    norm: &LayerNorm,
+    dropout: Option<(u64, f32)>,
+) -> Result<Tensor> {
+    if fused_ok(&[x, residual, &norm.weight, &norm.bias]) {
+        let gamma_beta = Tensor::stack(&[&norm.weight, &norm.bias], 0)?;
+        return Ok(fused::add_norm(
+            x,
+            residual,
+            &gamma_beta,
+            norm.eps,
+            dropout,
+        )?);
+    }
+    add_norm_composed(x, residual, norm, dropout)
+}
+
+/// Composed `norm(dropout(x) + residual)` (see [`add_norm`]).
+pub fn add_norm_composed(
+    x: &Tensor,
+    residual: &Tensor,
+    norm: &LayerNorm,
+    dropout: Option<(u64, f32)>,
+) -> Result<Tensor> {
+    let x = match dropout {
+        Some((seed, p)) if p > 0.0 => dropout_composed(x, seed, p)?,
+        _ => x.clone(),
+    };
+    layer_norm_composed(&(x + residual)?, &norm.weight, &norm.bias, norm.eps)
+}
+
 /// `x / max(||x||, 1e-12)` over the last dimension (as `torch.nn.functional.normalize`),
 /// differentiable.
 pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
