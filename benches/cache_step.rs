@@ -1,5 +1,7 @@
 //! Time and peak memory of `cache_step` against a plain full-batch step, side by side in one
-//! run (these machines are noisy: compare ratios, not absolute numbers across runs).
+//! run (these machines are noisy: compare ratios, not absolute numbers across runs): a toy
+//! MLP tower over several batches and chunk sizes, then BERT towers (the quickstart's
+//! shape at batch 128, chunk 32; MiniLM's at batch 64, chunk 16).
 //!
 //! ```text
 //! cargo bench --bench cache_step            # full sweep
@@ -12,9 +14,10 @@
 //! Time is the median of several repetitions, plain and cached alternating.
 
 use candle_core::{DType, Device, Tensor};
+use gradcache::bert::{BertConfig, BertEncoder, BertOptions};
 use gradcache::memory::{measure, CountingAllocator};
 use gradcache::toy::{Mlp, MlpConfig};
-use gradcache::{GradCache, InfoNce, ParamStore, Tower};
+use gradcache::{GradCache, InfoNce, ParamStore, Similarity, StepOutput, TokenBatch, Tower};
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
@@ -26,6 +29,58 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// Random token ids (from 5, below the vocabulary of 4,000), no padding.
+fn tokens(seed: u64, rows: usize, len: usize) -> anyhow::Result<TokenBatch> {
+    let noise = gradcache::rng::uniform(
+        seed,
+        5.0,
+        4000.0,
+        &(rows, len).into(),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let mask = Tensor::ones((rows, len), DType::U32, &Device::Cpu)?;
+    Ok(TokenBatch::new(
+        noise.to_dtype(DType::U32)?,
+        mask.clone(),
+        mask.zeros_like()?,
+    )?)
+}
+
+/// Times `plain` and `cached` alternating (after one warm-up each) and prints the medians,
+/// the peak memory of each and the ratios.
+fn compare(
+    label: &str,
+    reps: usize,
+    plain: impl Fn() -> gradcache::Result<StepOutput>,
+    cached: impl Fn() -> gradcache::Result<StepOutput>,
+) -> anyhow::Result<()> {
+    plain()?;
+    cached()?;
+    let (mut plain_ms, mut cached_ms) = (vec![], vec![]);
+    let (mut plain_peak, mut cached_peak) = (0, 0);
+    for _ in 0..reps {
+        let (ms, peak, out) = measure(&plain);
+        out?;
+        plain_ms.push(ms);
+        plain_peak = plain_peak.max(peak);
+        let (ms, peak, out) = measure(&cached);
+        out?;
+        cached_ms.push(ms);
+        cached_peak = cached_peak.max(peak);
+    }
+    let (plain, cached) = (median(plain_ms), median(cached_ms));
+    println!(
+        "{label} plain_ms={plain:.1} cached_ms={cached:.1} time_ratio={:.2} \
+         plain_peak_mib={:.1} cached_peak_mib={:.1} memory_ratio={:.2}",
+        cached / plain,
+        mib(plain_peak),
+        mib(cached_peak),
+        cached_peak as f64 / plain_peak as f64,
+    );
+    Ok(())
 }
 
 fn main() -> anyhow::Result<()> {
@@ -64,31 +119,49 @@ fn main() -> anyhow::Result<()> {
         let dev = &Device::Cpu;
         let queries = Tensor::randn(0f32, 1., (batch, cfg.input), dev)?;
         let passages = Tensor::randn(0f32, 1., (batch, cfg.input), dev)?;
-        // Warm up both paths once.
-        gc.full_batch_step(0, &queries, &passages)?;
-        gc.cache_step(0, &queries, &passages)?;
+        compare(
+            &format!("batch={batch} chunk={chunk}"),
+            reps,
+            || gc.full_batch_step(0, &queries, &passages),
+            || gc.cache_step(0, &queries, &passages),
+        )?;
+    }
 
-        let (mut plain_ms, mut cached_ms) = (vec![], vec![]);
-        let (mut plain_peak, mut cached_peak) = (0, 0);
-        for _ in 0..reps {
-            let (ms, peak, out) = measure(|| gc.full_batch_step(0, &queries, &passages));
-            out?;
-            plain_ms.push(ms);
-            plain_peak = plain_peak.max(peak);
-            let (ms, peak, out) = measure(|| gc.cache_step(0, &queries, &passages));
-            out?;
-            cached_ms.push(ms);
-            cached_peak = cached_peak.max(peak);
-        }
-        let (plain, cached) = (median(plain_ms), median(cached_ms));
+    // BERT towers: the quickstart's shape, and MiniLM's (full sweep only).
+    let mut berts = vec![(
+        "quickstart-shaped BERT",
+        BertConfig::new(4000, 128, 2, 4, 256, 64),
+        128,
+        32,
+        64,
+    )];
+    if !quick {
+        berts.push((
+            "MiniLM-shaped BERT",
+            BertConfig::new(4000, 384, 6, 12, 1536, 128),
+            64,
+            16,
+            128,
+        ));
+    }
+    for (name, bert, batch, chunk, len) in berts {
         println!(
-            "batch={batch} chunk={chunk} plain_ms={plain:.1} cached_ms={cached:.1} \
-             time_ratio={:.2} plain_peak_mib={:.1} cached_peak_mib={:.1} memory_ratio={:.2}",
-            cached / plain,
-            mib(plain_peak),
-            mib(cached_peak),
-            cached_peak as f64 / plain_peak as f64,
+            "# {name} (fresh; hidden {}, {} layers), {len} tokens, dropout on, symmetric loss",
+            bert.hidden_size, bert.num_hidden_layers
         );
+        let store = ParamStore::new(0, DType::F32, &Device::Cpu);
+        let encoder = BertEncoder::build(&store, "", &bert, &BertOptions::default())?;
+        let loss = InfoNce::new(0.05)?
+            .with_similarity(Similarity::Cosine)
+            .with_symmetric(true);
+        let gc = GradCache::shared(encoder, chunk, loss)?.with_seed(1);
+        let (q, p) = (tokens(1, batch, len)?, tokens(2, batch, len)?);
+        compare(
+            &format!("bert batch={batch} chunk={chunk}"),
+            3,
+            || gc.full_batch_step(0, &q, &p),
+            || gc.cache_step(0, &q, &p),
+        )?;
     }
     Ok(())
 }

@@ -27,7 +27,7 @@ use crate::dist::{self, Collective, Single};
 use crate::dropout::{ChunkSeed, Ctx};
 use crate::encoder::Encoder;
 use crate::loss::{group_size, scalar, InfoNce, Loss};
-use crate::params::{Gradients, Params};
+use crate::params::{GradAccumulator, Gradients, Params};
 use crate::{Error, Result, Side};
 
 /// A deferred replay: cotangent in, parameter gradients out.
@@ -253,13 +253,13 @@ impl GradientCache<'_> {
     /// Phase 3: replays every chunk with its slice of the cache and sums the parameter
     /// gradients across chunks and towers (a shared tower accumulates both sides).
     pub fn replay(self) -> Result<StepOutput> {
-        let mut grads = Gradients::default();
+        let mut grads = GradAccumulator::default();
         for (chunk, cotangent) in self.pending {
-            grads.accumulate(chunk.replay(&cotangent)?)?;
+            grads.add(chunk.replay(&cotangent)?)?;
         }
         Ok(StepOutput {
             loss: self.loss,
-            grads,
+            grads: grads.finish(),
             times: StepTimes::default(),
         })
     }

@@ -1132,6 +1132,56 @@ fn add_rows<T: Float>(y: &mut [T], b: &[T]) {
     });
 }
 
+/// `acc += g` element by element, in place, for same-shape contiguous CPU tensors in f32
+/// or f64 (gradient accumulation without a new tensor per addition); the caller must own
+/// `acc`'s storage. Each element is the same `acc + g` as [`Tensor::add`] computes.
+pub fn add_in_place(acc: &Tensor, g: &Tensor) -> candle_core::Result<()> {
+    if acc.shape() != g.shape() {
+        candle_core::bail!("add in place: shapes {:?} and {:?}", acc.dims(), g.dims());
+    }
+    acc.inplace_op2(&g.contiguous()?, &AddInPlace)
+}
+
+struct AddInPlace;
+
+impl InplaceOp2 for AddInPlace {
+    fn name(&self) -> &'static str {
+        "gradcache-add-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        let Some((start, end)) = l1.contiguous_offsets() else {
+            candle_core::bail!("add in place: the accumulator must be contiguous");
+        };
+        fn add<T: Float>(acc: &mut [T], g: &[T]) {
+            const WIDTH: usize = 1024;
+            for_blocks(acc, WIDTH, |blk, chunk| {
+                let base = blk * BLOCK_ROWS * WIDTH;
+                for (a, &v) in chunk.iter_mut().zip(&g[base..]) {
+                    *a += v;
+                }
+            });
+        }
+        match (s1, s2) {
+            (CpuStorage::F32(a), CpuStorage::F32(_)) => {
+                add(&mut a[start..end], contiguous::<f32>(s2, l2)?);
+                Ok(())
+            }
+            (CpuStorage::F64(a), CpuStorage::F64(_)) => {
+                add(&mut a[start..end], contiguous::<f64>(s2, l2)?);
+                Ok(())
+            }
+            _ => candle_core::bail!("add in place: f32 or f64 of one dtype"),
+        }
+    }
+}
+
 /// The sum over rows of a `[rows, w]` matrix (a bias gradient), in fixed blocks.
 struct SumRows;
 
