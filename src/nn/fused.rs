@@ -915,6 +915,28 @@ fn attention_probs(
     Ok((dropped, probs))
 }
 
+/// `[dq, dk, dv]` of attention from `dctx` (contiguous, `[n, heads, s, d]`): the
+/// probabilities recomputed from `q` and `k`, the dropout mask regenerated from its seed.
+fn attention_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+    dctx: &Tensor,
+) -> candle_core::Result<[Tensor; 3]> {
+    let (dropped, probs) = attention_probs(q, k, spec)?;
+    let dv = dropped.t()?.matmul(dctx)?;
+    let d_dropped = dctx.matmul(&v.t()?)?;
+    let d_probs = match spec.dropout {
+        Some((seed, p)) if p > 0.0 => d_dropped.apply_op1_no_bwd(&Dropout { seed, p })?,
+        _ => d_dropped,
+    };
+    let d_scores = probs.apply_op2_no_bwd(&d_probs, &SoftmaxBackward { scale: spec.scale })?;
+    let dq = d_scores.matmul(k)?;
+    let dk = d_scores.t()?.matmul(q)?;
+    Ok([dq, dk, dv])
+}
+
 /// `dropout(softmax(scale * q k^T + bias)) v` for `q`, `k`, `v` `[n, heads, s, d]`, as one
 /// node that keeps nothing of size `[n, heads, s, s]`: the backward recomputes the
 /// probabilities from `q` and `k` (a matrix product and a softmax row pass, cheap next to
@@ -943,18 +965,7 @@ pub fn attention(
         [q, k, v],
         ctx,
         Box::new(move |dctx| {
-            let (dropped, probs) = attention_probs(&qd, &kd, &spec)?;
-            let dctx = dctx.contiguous()?;
-            let dv = dropped.t()?.matmul(&dctx)?;
-            let d_dropped = dctx.matmul(&vd.t()?)?;
-            let d_probs = match spec.dropout {
-                Some((seed, p)) if p > 0.0 => d_dropped.apply_op1_no_bwd(&Dropout { seed, p })?,
-                _ => d_dropped,
-            };
-            let d_scores =
-                probs.apply_op2_no_bwd(&d_probs, &SoftmaxBackward { scale: spec.scale })?;
-            let dq = d_scores.matmul(&kd)?;
-            let dk = d_scores.t()?.matmul(&qd)?;
+            let [dq, dk, dv] = attention_backward(&qd, &kd, &vd, &spec, &dctx.contiguous()?)?;
             Ok([Some(dq), Some(dk), Some(dv)])
         }),
     )
@@ -1013,17 +1024,7 @@ pub fn self_attention(
                 .reshape((n, s, heads, d))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let (dropped, probs) = attention_probs(&q, &k, &spec)?;
-            let dv = dropped.t()?.matmul(&dctx)?;
-            let d_dropped = dctx.matmul(&v.t()?)?;
-            let d_probs = match spec.dropout {
-                Some((seed, p)) if p > 0.0 => d_dropped.apply_op1_no_bwd(&Dropout { seed, p })?,
-                _ => d_dropped,
-            };
-            let d_scores =
-                probs.apply_op2_no_bwd(&d_probs, &SoftmaxBackward { scale: spec.scale })?;
-            let dq = d_scores.matmul(&k)?;
-            let dk = d_scores.t()?.matmul(&q)?;
+            let [dq, dk, dv] = attention_backward(&q, &k, &v, &spec, &dctx)?;
             // [n, heads, 3, s, d] -> [n, s, 3, heads, d] = [n s, 3h], the layout of qkv.
             let dqkv = Tensor::stack(&[dq, dk, dv], 2)?
                 .permute((0, 3, 2, 1, 4))?
