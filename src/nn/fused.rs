@@ -865,7 +865,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> candle_core
     let x2 = xd.reshape((rows, inp))?;
     let y = x2.matmul(&wd.t()?)?;
     if let Some(b) = bias {
-        y.inplace_op2(&b.detach(), &AddBiasInPlace)?;
+        y.inplace_op2(&b.detach(), &AddInPlace { rows: true })?;
     }
     let y = y.reshape(out_dims)?;
     let x_shape = x.shape().clone();
@@ -998,7 +998,7 @@ pub fn self_attention(
     let (xd, wd) = (x.detach(), w_qkv.detach());
     let x2 = xd.reshape((rows, h))?;
     let qkv = x2.matmul(&wd.t()?)?;
-    qkv.inplace_op2(&b_qkv.detach(), &AddBiasInPlace)?;
+    qkv.inplace_op2(&b_qkv.detach(), &AddInPlace { rows: true })?;
     // [n, s, 3, heads, d] -> [3, n, heads, s, d]: q, k, v each a contiguous view.
     let split = qkv
         .reshape((n, s, 3, heads, d))?
@@ -1091,12 +1091,15 @@ pub fn add_norm(
 // ---------------------------------------------------------------------------------------
 // Bias rows
 
-/// `y += b` on every row of a freshly computed `y`, in place (no second full-size tensor).
-struct AddBiasInPlace;
+/// `y += b` in place (no second full-size tensor): on every row of `y` (`rows`, a bias
+/// `b` of the row width) or element by element (`b` of `y`'s size).
+struct AddInPlace {
+    rows: bool,
+}
 
-impl InplaceOp2 for AddBiasInPlace {
+impl InplaceOp2 for AddInPlace {
     fn name(&self) -> &'static str {
-        "gradcache-add-bias-in-place"
+        "gradcache-add-in-place"
     }
 
     fn cpu_fwd(
@@ -1107,18 +1110,28 @@ impl InplaceOp2 for AddBiasInPlace {
         l2: &Layout,
     ) -> candle_core::Result<()> {
         let Some((start, end)) = l1.contiguous_offsets() else {
-            candle_core::bail!("add bias: the output must be contiguous");
+            candle_core::bail!("add in place: the output must be contiguous");
         };
         match (s1, s2) {
             (CpuStorage::F32(y), CpuStorage::F32(_)) => {
-                add_rows(&mut y[start..end], contiguous::<f32>(s2, l2)?);
+                let b = contiguous::<f32>(s2, l2)?;
+                if self.rows {
+                    add_rows(&mut y[start..end], b)
+                } else {
+                    add_elementwise(&mut y[start..end], b)
+                }
                 Ok(())
             }
             (CpuStorage::F64(y), CpuStorage::F64(_)) => {
-                add_rows(&mut y[start..end], contiguous::<f64>(s2, l2)?);
+                let b = contiguous::<f64>(s2, l2)?;
+                if self.rows {
+                    add_rows(&mut y[start..end], b)
+                } else {
+                    add_elementwise(&mut y[start..end], b)
+                }
                 Ok(())
             }
-            _ => candle_core::bail!("add bias: f32 or f64 of one dtype"),
+            _ => candle_core::bail!("add in place: f32 or f64 of one dtype"),
         }
     }
 }
@@ -1140,47 +1153,17 @@ pub fn add_in_place(acc: &Tensor, g: &Tensor) -> candle_core::Result<()> {
     if acc.shape() != g.shape() {
         candle_core::bail!("add in place: shapes {:?} and {:?}", acc.dims(), g.dims());
     }
-    acc.inplace_op2(&g.contiguous()?, &AddInPlace)
+    acc.inplace_op2(&g.contiguous()?, &AddInPlace { rows: false })
 }
 
-struct AddInPlace;
-
-impl InplaceOp2 for AddInPlace {
-    fn name(&self) -> &'static str {
-        "gradcache-add-in-place"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &mut CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<()> {
-        let Some((start, end)) = l1.contiguous_offsets() else {
-            candle_core::bail!("add in place: the accumulator must be contiguous");
-        };
-        fn add<T: Float>(acc: &mut [T], g: &[T]) {
-            const WIDTH: usize = 1024;
-            for_blocks(acc, WIDTH, |blk, chunk| {
-                let base = blk * BLOCK_ROWS * WIDTH;
-                for (a, &v) in chunk.iter_mut().zip(&g[base..]) {
-                    *a += v;
-                }
-            });
+fn add_elementwise<T: Float>(acc: &mut [T], g: &[T]) {
+    const WIDTH: usize = 1024;
+    for_blocks(acc, WIDTH, |blk, chunk| {
+        let base = blk * BLOCK_ROWS * WIDTH;
+        for (a, &v) in chunk.iter_mut().zip(&g[base..]) {
+            *a += v;
         }
-        match (s1, s2) {
-            (CpuStorage::F32(a), CpuStorage::F32(_)) => {
-                add(&mut a[start..end], contiguous::<f32>(s2, l2)?);
-                Ok(())
-            }
-            (CpuStorage::F64(a), CpuStorage::F64(_)) => {
-                add(&mut a[start..end], contiguous::<f64>(s2, l2)?);
-                Ok(())
-            }
-            _ => candle_core::bail!("add in place: f32 or f64 of one dtype"),
-        }
-    }
+    });
 }
 
 /// The sum over rows of a `[rows, w]` matrix (a bias gradient), in fixed blocks.
