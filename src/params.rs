@@ -345,7 +345,7 @@ impl std::fmt::Debug for Params {
 
 /// Sums parameter gradients (of chunks, towers, segments) into buffers it owns: the first
 /// gradient of a parameter is copied into a fresh buffer, every later one is added into it
-/// in place (f32/f64 on the CPU; elsewhere as a new sum), so `n` chunks cost one copy and
+/// in place ([`crate::nn::accumulate`]: f32/f64 on the CPU; elsewhere as a new sum), so `n` chunks cost one copy and
 /// `n - 1` additions instead of `n - 1` new tensors. The buffers are handed out only by
 /// [`GradAccumulator::finish`], so nothing else holds them while they change. The sums are
 /// the ones [`Gradients::accumulate`] computes, bit for bit.
@@ -359,16 +359,7 @@ impl GradAccumulator {
     pub fn add(&mut self, grads: Gradients) -> Result<()> {
         for (name, g) in grads.map {
             match self.map.get_mut(&name) {
-                Some(acc) => {
-                    let in_place = acc.device().is_cpu()
-                        && matches!(acc.dtype(), DType::F32 | DType::F64)
-                        && acc.dtype() == g.dtype();
-                    if in_place {
-                        crate::nn::fused::add_in_place(acc, &g)?;
-                    } else {
-                        *acc = acc.add(&g)?;
-                    }
-                }
+                Some(acc) => crate::nn::accumulate(acc, &g)?,
                 None => {
                     // A copy of our own: `g` may share its storage with a tensor that
                     // someone else still holds.

@@ -416,3 +416,20 @@ fn the_f32_exponential_is_within_two_ulp() {
     }
     assert!(worst <= 2.5e-7, "max relative error {worst:e}");
 }
+
+#[test]
+fn shapes_that_do_not_fit_are_errors_not_panics() {
+    use gradcache::nn::fused;
+    let x = random(80, &[2, 3, 4]);
+    // A bias or LayerNorm parameter of another width than the input's last dimension.
+    assert!(bias_activation(&x, &random(81, &[5]), Act::GeluErf).is_err());
+    assert!(layer_norm(&x, &random(82, &[5]), &random(83, &[4]), 1e-5).is_err());
+    assert!(layer_norm(&x, &random(84, &[4]), &random(85, &[3]), 1e-5).is_err());
+    // A key mask for another number of keys.
+    assert!(masked_softmax(&random(86, &[2, 2, 3, 3]), &padding_bias(2, 4), 1.0).is_err());
+    // Accumulating a gradient of another shape leaves the accumulator as it was.
+    let acc = random(87, &[6]).copy().unwrap();
+    let before = acc.to_vec1::<f32>().unwrap();
+    assert!(fused::add_in_place(&acc, &random(88, &[5])).is_err());
+    assert_eq!(acc.to_vec1::<f32>().unwrap(), before);
+}

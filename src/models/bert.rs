@@ -112,16 +112,7 @@ pub enum Activation {
 }
 
 impl Activation {
-    /// Applies the activation.
-    pub fn forward(self, x: &Tensor) -> Result<Tensor> {
-        Ok(match self {
-            Activation::Gelu => x.gelu_erf()?,
-            Activation::GeluTanh => x.gelu()?,
-            Activation::Relu => x.relu()?,
-        })
-    }
-
-    /// The fused kernel's name for it.
+    /// The activation as [`crate::nn::bias_activation`] names it.
     pub fn fused(self) -> crate::nn::Act {
         match self {
             Activation::Gelu => crate::nn::Act::GeluErf,
@@ -440,13 +431,6 @@ impl Bert {
             &spec,
         )
     }
-}
-
-/// `softmax(q k^T / sqrt(d) + bias)` over the keys, differentiable ([`crate::nn::masked_softmax`];
-/// candle's fused `softmax_last_dim` has no backward).
-pub fn attention_probs(q: &Tensor, k: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-    crate::nn::masked_softmax(&q.matmul(&k.t()?)?, bias, scale)
 }
 
 /// Dropout layer ids: 0 for the embeddings, `i + 1` for transformer layer `i`.

@@ -69,6 +69,20 @@ fn contiguous<'a, T: candle_core::WithDType>(
     }
 }
 
+/// Checks that a per-feature vector (`what`: a bias, a LayerNorm scale) has the length of
+/// `x`'s last dimension; the row kernels would read out of bounds otherwise.
+fn check_width(op: &str, what: &str, x: &Layout, v: &Layout) -> candle_core::Result<()> {
+    let last = x.shape().dims().last().copied().unwrap_or(1);
+    if v.shape().elem_count() != last {
+        candle_core::bail!(
+            "{op}: {what} {:?} does not fit input {:?} (last dimension {last})",
+            v.shape().dims(),
+            x.shape().dims()
+        );
+    }
+    Ok(())
+}
+
 /// Calls `$body` with the element type of `$storage` bound to `$t` (f32 or f64).
 macro_rules! dispatch {
     ($storage:expr, $t:ident => $body:expr) => {
@@ -126,14 +140,14 @@ fn for_blocks<T: Send + Sync>(out: &mut [T], width: usize, f: impl Fn(usize, &mu
     });
 }
 
-/// Like [`for_blocks`], with one partial vector per block (for reductions across rows),
-/// returned in block order.
+/// Like [`for_blocks`], with one partial vector of `partial_len` per block (for reductions
+/// across rows), returned one after another in block order.
 fn for_blocks_with_partials<T: Float>(
     out: &mut [T],
     width: usize,
     partial_len: usize,
     f: impl Fn(usize, &mut [T], &mut [T]) + Sync,
-) -> Vec<Vec<T>> {
+) -> Vec<T> {
     let blocks = out.len().div_ceil(BLOCK_ROWS * width.max(1));
     let mut partials = vec![T::zero(); blocks * partial_len];
     let shared = SharedMut(partials.as_mut_ptr());
@@ -145,16 +159,14 @@ fn for_blocks_with_partials<T: Float>(
         f(b, rows, partial);
     });
     partials
-        .chunks(partial_len.max(1))
-        .map(<[T]>::to_vec)
-        .collect()
 }
 
-/// Sums per-block partial vectors in block order (deterministic).
-fn sum_partials<T: Float>(partials: Vec<Vec<T>>, width: usize) -> Vec<T> {
+/// Sums per-block partial vectors of `width` (one after another) in block order
+/// (deterministic).
+fn sum_partials<T: Float>(partials: &[T], width: usize) -> Vec<T> {
     let mut total = vec![T::zero(); width];
-    for p in partials {
-        for (t, v) in total.iter_mut().zip(p) {
+    for p in partials.chunks(width.max(1)) {
+        for (t, &v) in total.iter_mut().zip(p) {
             *t += v;
         }
     }
@@ -208,6 +220,8 @@ impl CustomOp3 for LayerNorm {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        check_width("layer norm", "scale", l1, l2)?;
+        check_width("layer norm", "shift", l1, l3)?;
         dispatch!(s1, T => {
             let out = ln_fwd::<T>(contiguous(s1, l1)?, contiguous(s2, l2)?, contiguous(s3, l3)?, self.eps);
             Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
@@ -269,7 +283,7 @@ fn ln_bwd<T: Float>(x: &[T], g: &[T], dy: &[T], eps: f64) -> Vec<T> {
             }
         }
     });
-    let sums = sum_partials(partials, 2 * h);
+    let sums = sum_partials(&partials, 2 * h);
     dx.extend(sums);
     dx
 }
@@ -677,6 +691,7 @@ impl CustomOp2 for BiasActivation {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        check_width("bias activation", "bias", l1, l2)?;
         dispatch!(s1, T => {
             let out = bias_act_fwd::<T>(contiguous(s1, l1)?, contiguous(s2, l2)?, self.act);
             Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
@@ -735,7 +750,7 @@ fn bias_act_bwd<T: Float>(x: &[T], b: &[T], dy: &[T], act: Act) -> Vec<T> {
             }
         }
     });
-    let db = sum_partials(partials, w);
+    let db = sum_partials(&partials, w);
     dx.extend(db);
     dx
 }
@@ -1193,8 +1208,7 @@ impl CustomOp1 for SumRows {
                     }
                 }
             });
-            let partials: Vec<Vec<T>> = partials.chunks(w.max(1)).map(<[T]>::to_vec).collect();
-            Ok((T::to_cpu_storage_owned(sum_partials(partials, w)), Shape::from(w)))
+            Ok((T::to_cpu_storage_owned(sum_partials(&partials, w)), Shape::from(w)))
         })
     }
 }
