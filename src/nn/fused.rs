@@ -135,9 +135,41 @@ fn for_blocks<T: Send + Sync>(out: &mut [T], width: usize, f: impl Fn(usize, &mu
             // SAFETY: blocks are disjoint ranges of `out`, which outlives the call (the
             // pool returns only when every task is done).
             let rows = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) };
-            f(b, rows);
+            with_wide_vectors(|| f(b, rows));
         }
     });
+}
+
+/// Runs `f` compiled for AVX2 + FMA when the CPU has them (the build targets baseline
+/// x86-64, whose SSE2 vectors are half as wide), else as built. The kernels' element loops
+/// are inlined into the copy compiled with the wider vectors; nothing is reassociated or
+/// fused by it (Rust never contracts `a * b + c` into an FMA on its own, and float
+/// reductions keep their order), so both copies give the same bits.
+#[inline(always)]
+fn with_wide_vectors<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if wide_vectors() {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { avx2_fma(f) };
+    }
+    f()
+}
+
+/// Whether the CPU has AVX2 and FMA (detected once).
+#[cfg(target_arch = "x86_64")]
+fn wide_vectors() -> bool {
+    #[cfg(test)]
+    if tests::BASELINE_ONLY.load(std::sync::atomic::Ordering::Relaxed) {
+        return false;
+    }
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2_fma<R>(f: impl FnOnce() -> R) -> R {
+    f()
 }
 
 /// Like [`for_blocks`], with one partial vector of `partial_len` per block (for reductions
@@ -1210,5 +1242,71 @@ impl CustomOp1 for SumRows {
             });
             Ok((T::to_cpu_storage_owned(sum_partials(&partials, w)), Shape::from(w)))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Makes every kernel take the baseline (SSE2) copy.
+    pub(super) static BASELINE_ONLY: AtomicBool = AtomicBool::new(false);
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed;
+        (0..n)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1);
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 6.0
+            })
+            .collect()
+    }
+
+    /// Every kernel's outputs, as bits.
+    fn run_all(width: usize) -> Vec<Vec<u32>> {
+        let rows = 3 * BLOCK_ROWS + 5; // several blocks and a short last one
+        let (x, dy) = (values(rows * width, 1), values(rows * width, 2));
+        let (g, b) = (values(width, 3), values(width, 4));
+        let mut outs = vec![
+            ln_fwd(&x, &g, &b, 1e-12),
+            ln_bwd(&x, &g, &dy, 1e-12),
+            softmax_fwd(&x, &b, width, rows, 0.125),
+            softmax_bwd(&softmax_fwd(&x, &b, width, rows, 0.125), &dy, width, 0.125),
+            dropout_add_fwd(&x, Some(&dy), 11, 0.1),
+        ];
+        for act in [Act::GeluErf, Act::GeluTanh, Act::Relu] {
+            outs.push(bias_act_fwd(&x, &b, act));
+            outs.push(bias_act_bwd(&x, &b, &dy, act));
+        }
+        let mut acc = x.clone();
+        add_rows(&mut acc, &b);
+        add_elementwise(&mut acc, &dy);
+        outs.push(acc);
+        outs.into_iter()
+            .map(|v| v.iter().map(|f| f.to_bits()).collect())
+            .collect()
+    }
+
+    #[test]
+    fn wide_vector_kernels_give_the_baseline_bits() {
+        #[cfg(target_arch = "x86_64")]
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
+            eprintln!("no AVX2 + FMA on this CPU: only the baseline copy runs");
+        }
+        for width in [384, 37] {
+            let wide = run_all(width);
+            BASELINE_ONLY.store(true, Ordering::Relaxed);
+            let baseline = run_all(width);
+            BASELINE_ONLY.store(false, Ordering::Relaxed);
+            for (i, (a, b)) in wide.iter().zip(&baseline).enumerate() {
+                assert!(
+                    a == b,
+                    "kernel output {i} (width {width}) differs between copies"
+                );
+            }
+        }
     }
 }
