@@ -47,6 +47,7 @@ fn main() -> anyhow::Result<()> {
         pooling: Pooling::Mean,
         normalize: true,
         recompute: Recompute::Sqrt,
+        ..Default::default()
     };
     let store = ParamStore::new(42, DType::F32, &device);
     let encoder = BertEncoder::build(&store, "", &cfg, &options)?;

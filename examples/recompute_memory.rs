@@ -88,6 +88,7 @@ fn main() -> anyhow::Result<()> {
             pooling: Pooling::Mean,
             normalize: false,
             recompute: policy,
+            ..Default::default()
         };
         BertEncoder::build(&store, "", &cfg, &options)
     };

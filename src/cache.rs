@@ -250,6 +250,17 @@ impl GradientCache<'_> {
         &self.grad_passages
     }
 
+    /// Multiplies every cached gradient by `factor` (loss scaling: the replay then
+    /// produces `factor` times the parameter gradients).
+    pub fn scale(&mut self, factor: f64) -> Result<()> {
+        self.grad_queries = (&self.grad_queries * factor)?;
+        self.grad_passages = (&self.grad_passages * factor)?;
+        for (_, cotangent) in &mut self.pending {
+            *cotangent = (&*cotangent * factor)?;
+        }
+        Ok(())
+    }
+
     /// Phase 3: replays every chunk with its slice of the cache and sums the parameter
     /// gradients across chunks and towers (a shared tower accumulates both sides).
     pub fn replay(self) -> Result<StepOutput> {
@@ -490,11 +501,29 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         queries: &Q::Input,
         passages: &P::Input,
     ) -> Result<StepOutput> {
+        self.cache_step_scaled(step, queries, passages, 1.0)
+    }
+
+    /// [`Self::cache_step`] with the loss multiplied by `loss_scale` where its gradient
+    /// enters the replay (the cached representation gradients), for f16 training with a
+    /// [`LossScaler`](crate::precision::LossScaler): the returned gradients are
+    /// `loss_scale` times the true ones (unscale them before clipping); the returned loss is
+    /// not scaled.
+    pub fn cache_step_scaled(
+        &self,
+        step: u64,
+        queries: &Q::Input,
+        passages: &P::Input,
+        loss_scale: f64,
+    ) -> Result<StepOutput> {
         let comm = &*self.comm;
         let mut clock = PhaseClock::start();
         let reps = dist::agree(comm, self.represent(step, queries, passages))?;
         let represent = clock.lap();
-        let cache = reps.into_cache_across(&self.loss, comm)?;
+        let mut cache = reps.into_cache_across(&self.loss, comm)?;
+        if loss_scale != 1.0 {
+            cache.scale(loss_scale)?;
+        }
         let loss = clock.lap();
         let out = dist::agree(comm, cache.replay())?;
         let replay = clock.lap();

@@ -218,6 +218,10 @@ pub enum Error {
         reason: String,
     },
 
+    /// A device cannot be used in this build or on this machine.
+    #[error("device `{device}` is unavailable: {reason}")]
+    DeviceUnavailable { device: String, reason: String },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

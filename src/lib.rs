@@ -23,6 +23,8 @@
 //! - [`params`]: the parameter store (seeded initialisation) and gradients keyed by name.
 //! - [`batch`]: splitting and concatenating inputs along the batch dimension.
 //! - [`memory`]: a counting allocator for peak-memory measurements.
+//! - [`precision`]: mixed precision (bf16/f16 compute over f32 master weights) and the
+//!   dynamic loss scaler; [`device`]: `cpu`, `cuda`, `cuda:N`.
 //!
 //! **Layers and models**: [`nn`] (differentiable layers where candle's fused ones cut the
 //! graph) and [`models`] ([`bert`], the trainable BERT-family encoder; [`toy`], tiny towers
@@ -45,6 +47,7 @@
 
 pub mod batch;
 pub mod cache;
+pub mod device;
 pub mod dist;
 pub mod dropout;
 pub mod encoder;
@@ -55,15 +58,18 @@ pub mod memory;
 pub mod models;
 pub mod nn;
 pub mod params;
+pub mod precision;
 pub mod recompute;
 pub mod replay;
 pub mod rng;
+pub mod selfcheck;
 pub mod train;
 
 pub use batch::{Batch, TokenBatch};
 pub use cache::{
     cached, cat_reps, GradCache, GradientCache, Representations, StepOutput, StepTimes,
 };
+pub use device::DeviceSpec;
 pub use dist::{Collective, ReduceOp, Single};
 pub use dropout::{ChunkSeed, Ctx, Dropout};
 pub use encoder::{Encoder, Network, Tower};
@@ -71,6 +77,7 @@ pub use error::{Error, Result, Side};
 pub use loss::{FnLoss, InfoNce, Loss, LossValue, Similarity};
 pub use models::{bert, toy};
 pub use params::{Gradients, ParamStore, Params};
+pub use precision::{LossScaler, Precision};
 pub use recompute::{LayerStack, Recompute, Recomputed};
 
 /// The README's code blocks, compiled and run as doctests so that they stay true.

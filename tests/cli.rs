@@ -114,6 +114,36 @@ fn bad_configs_and_data_fail_cleanly() {
     );
     let (ok, stderr) = gradcache(&["encode", "--model", "./nowhere"]);
     assert!(!ok && stderr.contains("nothing to encode"), "{stderr}");
+    // A GPU this build (no `cuda` feature in the tests) cannot open: an error, no panic.
+    for cmd in [
+        vec![
+            "encode",
+            "--model",
+            "./nowhere",
+            "--text",
+            "hi",
+            "--device",
+            "cuda",
+        ],
+        vec![
+            "eval",
+            "--model",
+            "./nowhere",
+            "--data",
+            "x.jsonl",
+            "--device",
+            "cuda:0",
+        ],
+    ] {
+        let (ok, stderr) = gradcache(&cmd);
+        assert!(
+            !ok && stderr.contains("device `cuda:0` is unavailable")
+                && !stderr.contains("panicked"),
+            "{cmd:?}: {stderr}"
+        );
+    }
+    let (ok, stderr) = gradcache(&["encode", "--model", "m", "--text", "hi", "--device", "tpu"]);
+    assert!(!ok && stderr.contains("invalid device tpu"), "{stderr}");
     assert!(
         !dir.path().join("run").join("checkpoints").exists(),
         "no failed run wrote a checkpoint"
@@ -229,4 +259,21 @@ fn a_two_tower_run_exports_its_passage_tower_and_eval_uses_its_similarity() {
         "{stderr}"
     );
     assert_eq!(fs::read(out.join("model.safetensors")).unwrap(), before);
+}
+
+#[test]
+fn self_check_passes_on_the_cpu_and_rejects_an_unavailable_gpu() {
+    let (ok, stderr, stdout) = run(&["self-check"]);
+    assert!(ok, "{stderr}\n{stdout}");
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with("ok ")).count(),
+        6,
+        "{stdout}"
+    );
+    assert!(stdout.contains("all 6 checks passed on cpu"), "{stdout}");
+    let (ok, stderr) = gradcache(&["self-check", "--device", "cuda"]);
+    assert!(
+        !ok && stderr.contains("device `cuda:0` is unavailable"),
+        "{stderr}"
+    );
 }

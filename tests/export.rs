@@ -38,6 +38,7 @@ fn exported_models_load_back_with_equal_embeddings() {
             pooling,
             normalize,
             recompute: Recompute::Sqrt,
+            ..Default::default()
         };
         // Two towers; export the query tower.
         let store = ParamStore::new(3, DType::F32, &Device::Cpu);

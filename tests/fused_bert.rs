@@ -43,6 +43,7 @@ fn step(fused: bool, recompute: Recompute) -> StepOutput {
         pooling,
         normalize: true,
         recompute: recompute.clone(),
+        ..Default::default()
     };
     let q = BertEncoder::build(&store, "query", &cfg, &options(Pooling::Cls)).unwrap();
     let p = BertEncoder::build(&store, "passage", &cfg, &options(Pooling::Mean)).unwrap();

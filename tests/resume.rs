@@ -24,6 +24,7 @@ fn state(step: u64) -> TrainerState {
             offset: 12,
         },
         config_fingerprint: "abc".into(),
+        loss_scaler: None,
     }
 }
 

@@ -91,6 +91,25 @@ fn every_bad_value_is_rejected_with_its_key() {
             "`model.fresh.dropout_prob`: 1",
         ),
         ("optim.beta1=1.5", "`optim.beta1`: 1.5"),
+        ("precision=f8", "unknown variant `f8`"),
+        (
+            "device=tpu",
+            "invalid device tpu: expected \"cpu\", \"cuda\" or \"cuda:N\"",
+        ),
+        ("device=cuda:x", "invalid device cuda:x"),
+        ("loss_scale.init=0", "`loss_scale.init`: 0"),
+        (
+            "loss_scale.backoff_factor=2",
+            "`loss_scale.backoff_factor`: 2",
+        ),
+        (
+            "loss_scale.growth_factor=0.5",
+            "`loss_scale.growth_factor`: 0.5",
+        ),
+        (
+            "loss_scale.growth_interval=0",
+            "`loss_scale.growth_interval`: 0",
+        ),
     ];
     for (set, want) in cases {
         let err = Config::load(q, &[set.to_string()]).unwrap_err();

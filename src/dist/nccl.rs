@@ -32,22 +32,13 @@ fn unavailable(reason: String) -> Error {
     }
 }
 
-/// Opens GPU `ordinal`. cudarc panics (rather than failing) when the CUDA driver library
-/// cannot be loaded; that becomes an error here, without the panic message.
+/// Opens GPU `ordinal` ([`crate::device`] turns cudarc's panic without a driver into an
+/// error), reported as this backend's failure.
 fn open_gpu(ordinal: usize) -> Result<Device> {
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let opened = std::panic::catch_unwind(|| Device::new_cuda(ordinal));
-    std::panic::set_hook(hook);
-    match opened {
-        Ok(Ok(device)) => Ok(device),
-        Ok(Err(e)) => Err(unavailable(format!("cannot open GPU {ordinal}: {e}"))),
-        Err(_) => Err(unavailable(
-            "the CUDA driver library (libcuda.so) could not be loaded: is this a machine \
-             with an NVIDIA GPU and driver?"
-                .into(),
-        )),
-    }
+    crate::device::open_cuda(ordinal).map_err(|e| match e {
+        Error::DeviceUnavailable { reason, .. } => unavailable(reason),
+        other => other,
+    })
 }
 
 impl Nccl {

@@ -23,6 +23,7 @@ use crate::encoder::Tower;
 use crate::hub::files::ModelFiles;
 use crate::nn::{LayerNorm, Linear};
 use crate::params::{ParamStore, WeightFile};
+use crate::precision::Precision;
 use crate::recompute::{LayerStack, Recompute, Recomputed};
 use crate::{Error, Result};
 
@@ -287,6 +288,10 @@ pub struct BertOptions {
     pub normalize: bool,
     /// Activation checkpointing policy.
     pub recompute: Recompute,
+    /// The dtype of the transformer layers: `F32` runs them in the weights' dtype; `Bf16`
+    /// and `F16` cast f32 weights where they are used (the embeddings' LayerNorm, the
+    /// pooling and the output stay in the weights' dtype).
+    pub precision: Precision,
 }
 
 /// Dropout sites inside a layer (the `site` of a mask seed).
@@ -469,6 +474,12 @@ impl LayerStack for Bert {
             .add(&e.token_types.forward(&input.token_type_ids)?)?
             .broadcast_add(&e.positions.forward(&positions)?)?;
         let x = e.norm.forward(&x)?;
+        // Mixed precision: the layers run in the half dtype (`F32` keeps the weights' own
+        // dtype, so a model stored in half precision runs in it).
+        let x = match self.options.precision {
+            Precision::F32 => x,
+            half => x.to_dtype(half.dtype())?,
+        };
         self.hidden_dropout.forward(&x, ctx, 0, site::EMBEDDINGS)
     }
 
@@ -501,6 +512,7 @@ impl LayerStack for Bert {
     }
 
     fn head(&self, x: &Tensor, aux: &BertAux, _: &Ctx) -> Result<Tensor> {
+        let x = &x.to_dtype(aux.mask.dtype())?;
         let pooled = match self.options.pooling {
             Pooling::Cls => x.narrow(1, 0, 1)?.squeeze(1)?,
             Pooling::Mean => {

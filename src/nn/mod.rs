@@ -8,6 +8,12 @@
 //! backward ([`fused`]) for f32/f64 tensors on the CPU, and the composed candle ops it
 //! replaces (`*_composed`), which run everywhere else (CUDA, half precision). The tests
 //! hold the two equal forward and backward.
+//!
+//! Mixed precision ([`crate::precision`]): the activations' dtype decides. A layer casts
+//! its (f32 master) weights to the dtype of its input with a tracked cast, so a bf16 or
+//! f16 input runs the layer in that dtype and the weight gradient comes back in f32;
+//! LayerNorm and the attention softmax widen half-precision inputs to f32 for their
+//! statistics and narrow the result back.
 
 pub mod fused;
 
@@ -16,6 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use candle_core::{DType, Tensor, D};
 use candle_nn::VarBuilder;
 
+use crate::precision::is_half;
 use crate::Result;
 
 pub use fused::{Act, AttentionSpec};
@@ -36,6 +43,15 @@ fn fused_ok(ts: &[&Tensor]) -> bool {
     FUSED.load(Ordering::Relaxed)
         && matches!(dtype, DType::F32 | DType::F64)
         && ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dtype)
+}
+
+/// `t` in `dtype`: a tracked cast, or `t` itself when it already is.
+fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    Ok(if t.dtype() == dtype {
+        t.clone()
+    } else {
+        t.to_dtype(dtype)?
+    })
 }
 
 /// `acc += g` for gradient accumulation: in place where the fused kernels run (the
@@ -88,6 +104,22 @@ pub fn add_norm(
     norm: &LayerNorm,
     dropout: Option<(u64, f32)>,
 ) -> Result<Tensor> {
+    if is_half(x.dtype()) {
+        // The residual sum and the statistics in f32 (the dropout mask is the same).
+        let f32 = DType::F32;
+        let wide_norm = LayerNorm {
+            weight: cast(&norm.weight, f32)?,
+            bias: cast(&norm.bias, f32)?,
+            eps: norm.eps,
+        };
+        let wide = add_norm(
+            &x.to_dtype(f32)?,
+            &cast(residual, f32)?,
+            &wide_norm,
+            dropout,
+        )?;
+        return Ok(wide.to_dtype(x.dtype())?);
+    }
     if fused_ok(&[x, residual, &norm.weight, &norm.bias]) {
         let gamma_beta = Tensor::stack(&[&norm.weight, &norm.bias], 0)?;
         return Ok(fused::add_norm(
@@ -125,6 +157,9 @@ pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
 /// Layer norm over the last dimension: the fused kernel where it runs, else
 /// [`layer_norm_composed`].
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if is_half(x.dtype()) {
+        return widened_layer_norm(layer_norm, x, weight, bias, eps);
+    }
     if fused_ok(&[x, weight, bias]) {
         return Ok(x
             .contiguous()?
@@ -135,11 +170,32 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
 
 /// Composed (differentiable) layer norm over the last dimension.
 pub fn layer_norm_composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if is_half(x.dtype()) {
+        return widened_layer_norm(layer_norm_composed, x, weight, bias, eps);
+    }
     let mean = x.mean_keepdim(D::Minus1)?;
     let centered = x.broadcast_sub(&mean)?;
     let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
     let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
     Ok(normed.broadcast_mul(weight)?.broadcast_add(bias)?)
+}
+
+/// `norm` run in f32 on a half-precision `x`, the result narrowed back to `x`'s dtype.
+fn widened_layer_norm(
+    norm: fn(&Tensor, &Tensor, &Tensor, f64) -> Result<Tensor>,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
+    let f32 = DType::F32;
+    let y = norm(
+        &x.to_dtype(f32)?,
+        &cast(weight, f32)?,
+        &cast(bias, f32)?,
+        eps,
+    )?;
+    Ok(y.to_dtype(x.dtype())?)
 }
 
 /// A fully connected layer `y = x W^T + b` with Hugging Face names (`weight` `[out, in]`,
@@ -202,6 +258,11 @@ impl Linear {
 /// records a transpose whose backward allocates and adds a second weight-sized, strided
 /// gradient. The replay of a gradient cache pays that once per chunk, so it matters.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if weight.dtype() != x.dtype() {
+        let weight = weight.to_dtype(x.dtype())?;
+        let bias = bias.map(|b| b.to_dtype(x.dtype())).transpose()?;
+        return linear(x, &weight, bias.as_ref());
+    }
     let fits = match bias {
         Some(b) => fused_ok(&[x, weight, b]),
         None => fused_ok(&[x, weight]),
@@ -233,6 +294,9 @@ pub fn linear_composed(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Re
 /// `[n, heads, q, k]` and an additive key mask `bias` `[n, 1, 1, k]`: the fused kernel
 /// where it runs, else [`masked_softmax_composed`]. No gradient flows to `bias`.
 pub fn masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    if is_half(scores.dtype()) {
+        return widened_softmax(masked_softmax, scores, bias, scale);
+    }
     if fused_ok(&[scores, bias]) && scores.rank() == 4 {
         return Ok(scores
             .contiguous()?
@@ -243,8 +307,24 @@ pub fn masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tens
 
 /// Composed `softmax(scale * scores + bias)` (candle's differentiable `ops::softmax`).
 pub fn masked_softmax_composed(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    let x = (scores * scale)?.broadcast_add(bias)?;
+    if is_half(scores.dtype()) {
+        return widened_softmax(masked_softmax_composed, scores, bias, scale);
+    }
+    let bias = cast(bias, scores.dtype())?;
+    let x = (scores * scale)?.broadcast_add(&bias)?;
     Ok(candle_nn::ops::softmax(&x, D::Minus1)?)
+}
+
+/// `softmax` run in f32 on half-precision scores, the probabilities narrowed back.
+fn widened_softmax(
+    softmax: fn(&Tensor, &Tensor, f64) -> Result<Tensor>,
+    scores: &Tensor,
+    bias: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let f32 = DType::F32;
+    let p = softmax(&scores.to_dtype(f32)?, &cast(bias, f32)?, scale)?;
+    Ok(p.to_dtype(scores.dtype())?)
 }
 
 /// Inverted dropout with the mask of `seed` ([`crate::rng::keep`]): the fused kernel (no
@@ -266,6 +346,7 @@ pub fn dropout_composed(x: &Tensor, seed: u64, p: f32) -> Result<Tensor> {
 /// `act(x + bias)` over the last dimension: the fused kernel where it runs, else
 /// [`bias_activation_composed`].
 pub fn bias_activation(x: &Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
+    let bias = &cast(bias, x.dtype())?;
     if fused_ok(&[x, bias]) {
         return Ok(x
             .contiguous()?
@@ -276,7 +357,7 @@ pub fn bias_activation(x: &Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
 
 /// Composed `act(x + bias)` with candle's differentiable activations.
 pub fn bias_activation_composed(x: &Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
-    let pre = x.broadcast_add(bias)?;
+    let pre = x.broadcast_add(&cast(bias, x.dtype())?)?;
     Ok(match act {
         Act::GeluErf => pre.gelu_erf()?,
         Act::GeluTanh => pre.gelu()?,

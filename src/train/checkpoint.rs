@@ -32,6 +32,9 @@ pub struct TrainerState {
     pub data: Position,
     /// A fingerprint of the configuration, to refuse resuming with another one.
     pub config_fingerprint: String,
+    /// The dynamic loss scaler's state (f16 training).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scaler: Option<crate::precision::LossScaler>,
 }
 
 /// Everything read back from a checkpoint.

@@ -6,9 +6,11 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::device::DeviceSpec;
 use crate::dist::Backend;
 use crate::loss::Similarity;
 use crate::models::bert::Pooling;
+use crate::precision::{LossScaler, Precision};
 use crate::recompute::Recompute;
 use crate::train::data::Fields;
 use crate::{Error, Result};
@@ -39,6 +41,62 @@ pub struct Config {
     /// Multi-process training.
     #[serde(default)]
     pub dist: DistConfig,
+    /// Where the encoder runs: `"cpu"`, `"cuda"` (GPU 0) or `"cuda:N"`. Unset: the CPU, or
+    /// with `dist.backend = "nccl"` each rank's local GPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<DeviceSpec>,
+    /// The dtype of the encoder's forward and backward: `"f32"`, `"bf16"` or `"f16"`
+    /// (master weights, optimizer state, LayerNorm and softmax statistics and the loss stay
+    /// f32; f16 uses the dynamic loss scaler of `[loss_scale]`).
+    #[serde(default, skip_serializing_if = "Precision::is_f32")]
+    pub precision: Precision,
+    /// The dynamic loss scaler of `precision = "f16"`.
+    #[serde(default, skip_serializing_if = "LossScaleConfig::is_default")]
+    pub loss_scale: LossScaleConfig,
+}
+
+/// Dynamic loss scaling for f16 (PyTorch's `GradScaler` defaults).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LossScaleConfig {
+    /// The first scale.
+    pub init: f64,
+    /// Good steps in a row before the scale grows.
+    pub growth_interval: u64,
+    /// Multiplies the scale when it grows.
+    pub growth_factor: f64,
+    /// Multiplies the scale after a step with an inf or NaN gradient (which is skipped).
+    pub backoff_factor: f64,
+}
+
+impl Default for LossScaleConfig {
+    fn default() -> Self {
+        let s = LossScaler::default();
+        Self {
+            init: s.scale,
+            growth_interval: s.growth_interval,
+            growth_factor: s.growth_factor,
+            backoff_factor: s.backoff_factor,
+        }
+    }
+}
+
+impl LossScaleConfig {
+    /// Whether every value is the default (then the section is left out of fingerprints).
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// A scaler in its starting state.
+    pub fn scaler(&self) -> LossScaler {
+        LossScaler {
+            scale: self.init,
+            growth_factor: self.growth_factor,
+            backoff_factor: self.backoff_factor,
+            growth_interval: self.growth_interval,
+            good_steps: 0,
+        }
+    }
 }
 
 fn default_seed() -> u64 {
@@ -352,6 +410,26 @@ impl Config {
         if t.passage_chunk == 0 {
             return Err(invalid("train.passage_chunk", 0, "must be at least 1"));
         }
+        self.loss_scale.scaler().validate()?;
+        if self.dist.backend == Backend::Nccl {
+            match self.device {
+                Some(DeviceSpec::Cpu) => {
+                    return Err(invalid(
+                        "device",
+                        "cpu",
+                        "dist.backend = \"nccl\" runs on GPUs: set device = \"cuda\" or leave it unset",
+                    ))
+                }
+                Some(DeviceSpec::Cuda(n)) if n > 0 => {
+                    return Err(invalid(
+                        "device",
+                        format!("cuda:{n}"),
+                        "with dist.backend = \"nccl\" each rank takes its local GPU: set device = \"cuda\"",
+                    ))
+                }
+                _ => {}
+            }
+        }
         if self.dist.bucket_mib == 0 {
             return Err(invalid("dist.bucket_mib", 0, "must be at least 1"));
         }
@@ -460,6 +538,8 @@ impl Config {
         shaping.dist = DistConfig::default();
         // Nor where the run's files go: a run directory may be moved or copied.
         shaping.output_dir = PathBuf::new();
+        // Nor where it runs: a run may move between the CPU and a GPU (the dtype stays).
+        shaping.device = None;
         let text = serde_json::to_string(&shaping).map_err(|e| Error::InvalidArgument {
             what: "configuration",
             value: e.to_string(),

@@ -28,7 +28,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::batch::{Batch, TokenBatch};
 use crate::cache::GradCache;
-use crate::dist::{self, Collective};
+use crate::dist::{self, Backend, Collective};
 use crate::encoder::Encoder;
 use crate::hub::tokenizer::{read_tokenizer_file, train_wordpiece};
 use crate::hub::{embed, export_bert, files, HubSettings, ModelFiles, Tokenizer};
@@ -36,6 +36,7 @@ use crate::loss::InfoNce;
 use crate::memory;
 use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
 use crate::params::{ParamStore, Params, WeightFile};
+use crate::precision::{LossScaler, Precision};
 use crate::train::checkpoint::{self, TrainerState};
 use crate::train::config::Config;
 use crate::train::data::{read_jsonl, split, Loader, Pair, TextBatch};
@@ -67,6 +68,18 @@ pub struct StepReport {
     /// and its backward, and the recompute forward when on). See
     /// [`BertConfig::forward_flops`].
     pub flops: f64,
+    /// f16 training: the loss scale this step used, and whether the step was skipped.
+    pub loss_scaling: Option<LossScaling>,
+}
+
+/// What the dynamic loss scaler did in a step.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct LossScaling {
+    /// The scale the step's loss gradient was multiplied by.
+    pub used: f64,
+    /// The gradients held an inf or NaN: no weight or optimizer state changed, and the
+    /// scale backed off for the next step.
+    pub skipped: bool,
 }
 
 /// Wall time of the phases of a training step, in milliseconds.
@@ -174,6 +187,8 @@ pub struct Trainer {
     step: u64,
     notes: Vec<String>,
     comm: Rc<dyn Collective>,
+    /// The dynamic loss scaler of f16 training.
+    scaler: Option<LossScaler>,
 }
 
 impl Trainer {
@@ -201,8 +216,21 @@ impl Trainer {
         check_batch_splits(&cfg, &*comm)?;
         let mut notes = Vec::new();
         let data = load_data(&cfg, &*comm, &mut notes)?;
-        let model = build_model(&cfg, &data.texts, &*comm)?;
-        let mut trainer = Self::assemble(cfg, data, model, comm, notes)?;
+        let device = dist::agree(&*comm, run_device(&cfg, &*comm))?;
+        if cfg.precision != Precision::F32 || !device.is_cpu() {
+            notes.push(format!(
+                "device {}, precision {}{}",
+                describe_device(&device),
+                cfg.precision,
+                if cfg.precision.needs_loss_scaling() {
+                    format!(" (dynamic loss scale from {})", cfg.loss_scale.init)
+                } else {
+                    String::new()
+                }
+            ));
+        }
+        let model = build_model(&cfg, &data.texts, &*comm, &device)?;
+        let mut trainer = Self::assemble(cfg, data, model, comm, notes, device)?;
         if let Some(path) = resume {
             let restored = trainer.restore(path);
             dist::agree(&*trainer.comm, restored)?;
@@ -219,6 +247,7 @@ impl Trainer {
         model: Model,
         comm: Rc<dyn Collective>,
         notes: Vec<String>,
+        device: Device,
     ) -> Result<Self> {
         let m = &cfg.model;
         let query_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.query_max_len)?;
@@ -244,7 +273,11 @@ impl Trainer {
             total: cfg.train.steps,
         };
         Ok(Self {
-            device: comm.device(),
+            device,
+            scaler: cfg
+                .precision
+                .needs_loss_scaling()
+                .then(|| cfg.loss_scale.scaler()),
             options: bert_options(&cfg),
             store: model.store,
             bert: model.bert,
@@ -277,6 +310,9 @@ impl Trainer {
                 detail: e.to_string(),
             })?;
         self.step = ckpt.state.step;
+        if self.scaler.is_some() {
+            self.scaler = ckpt.state.loss_scaler.or(self.scaler);
+        }
         self.notes.push(format!(
             "resumed from {} at step {}",
             ckpt.dir.display(),
@@ -338,6 +374,12 @@ impl Trainer {
         self.gc.params()
     }
 
+    /// The optimizer's state (AdamW's moments, by `m.<name>` / `v.<name>`), as a
+    /// checkpoint writes it.
+    pub fn optimizer_state(&self) -> std::collections::BTreeMap<String, Tensor> {
+        self.optimizer.state()
+    }
+
     /// The parameter store.
     pub fn store(&self) -> &ParamStore {
         &self.store
@@ -381,16 +423,34 @@ impl Trainer {
             let (q, p) = dist::agree(&*self.comm, inputs)?;
             let tokenize_ms = ms(start.elapsed());
             let flops = self.step_flops(&q, &p)?;
-            let out = self.gc.cache_step(self.step, &q, &p)?;
+            let loss_scale = self.scaler.map(|s| s.scale);
+            let out = self
+                .gc
+                .cache_step_scaled(self.step, &q, &p, loss_scale.unwrap_or(1.0))?;
             let optimizer_start = Instant::now();
             let mut grads = out.grads;
+            // f16: unscale before clipping; a step with an inf or NaN gradient changes no
+            // weight and no optimizer state, and the scale backs off.
+            let finite = match &mut self.scaler {
+                Some(scaler) => {
+                    let finite = scaler.unscale(&mut grads)?;
+                    scaler.update(finite);
+                    finite
+                }
+                None => true,
+            };
             let max_norm = match self.cfg.optim.max_grad_norm {
                 0.0 => f64::INFINITY,
                 n => n,
             };
-            let grad_norm = clip_grad_norm(&mut grads, max_norm)?;
             let lr = self.schedule.lr_at(self.step);
-            self.optimizer.step(self.step, &grads, lr)?;
+            let grad_norm = if finite {
+                let norm = clip_grad_norm(&mut grads, max_norm)?;
+                self.optimizer.step(self.step, &grads, lr)?;
+                norm
+            } else {
+                f64::NAN
+            };
             let t = out.times;
             let phases = PhaseTimes {
                 tokenize_ms,
@@ -400,9 +460,13 @@ impl Trainer {
                 reduce_ms: ms(t.reduce),
                 optimizer_ms: ms(optimizer_start.elapsed()),
             };
-            Ok((out.loss, lr, grad_norm, phases, flops))
+            let scaling = loss_scale.map(|used| LossScaling {
+                used,
+                skipped: !finite,
+            });
+            Ok((out.loss, lr, grad_norm, phases, flops, scaling))
         });
-        let (loss, lr, grad_norm, phases, flops) = out?;
+        let (loss, lr, grad_norm, phases, flops, loss_scaling) = out?;
         self.step += 1;
         let every = self.cfg.dist.check_weights_every;
         if self.world_size() > 1
@@ -421,6 +485,7 @@ impl Trainer {
             filled_negatives: batch.filled,
             phases,
             flops,
+            loss_scaling,
         })
     }
 
@@ -474,6 +539,7 @@ impl Trainer {
             step: self.step,
             data: self.loader.position(),
             config_fingerprint: self.cfg.fingerprint()?,
+            loss_scaler: self.scaler,
         };
         checkpoint::save(
             &self.cfg.output_dir.join("checkpoints"),
@@ -589,6 +655,24 @@ fn bert_options(cfg: &Config) -> BertOptions {
         pooling: cfg.model.pooling,
         normalize: cfg.model.normalize,
         recompute: cfg.model.recompute.clone(),
+        precision: cfg.precision,
+    }
+}
+
+/// The device this rank trains on: with NCCL its local GPU, else `device` (the CPU unset).
+fn run_device(cfg: &Config, comm: &dyn Collective) -> Result<Device> {
+    if cfg.dist.backend == Backend::Nccl {
+        return Ok(comm.device());
+    }
+    cfg.device.unwrap_or_default().open()
+}
+
+/// `cpu` or `cuda:N`.
+fn describe_device(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
     }
 }
 
@@ -657,8 +741,13 @@ fn load_pairs(cfg: &Config) -> Result<(Vec<Pair>, Vec<Pair>)> {
 
 /// The towers and tokenizer of a run, fresh or pretrained, checked against the
 /// configured token limits. Writes nothing.
-fn build_model(cfg: &Config, texts: &[String], comm: &dyn Collective) -> Result<Model> {
-    let store = ParamStore::new(cfg.seed, DType::F32, &comm.device());
+fn build_model(
+    cfg: &Config,
+    texts: &[String],
+    comm: &dyn Collective,
+    device: &Device,
+) -> Result<Model> {
+    let store = ParamStore::new(cfg.seed, DType::F32, device);
     let model = if cfg.model.pretrained.is_empty() {
         let tokenizer = dist::from_root(comm, "the tokenizer", || fresh_tokenizer(cfg, texts))?;
         dist::agree(comm, fresh_model(cfg, tokenizer, store))?

@@ -46,7 +46,19 @@ impl Observer for Console {
                 self.line(serde_json::json!({"type": "step", "step": r.step, "loss": r.loss, "lr": r.lr,
                     "grad_norm": r.grad_norm, "pairs_per_sec": r.pairs_per_sec, "peak_bytes": r.peak_bytes,
                     "phases_ms": r.phases, "flops": r.flops,
-                    "gflops_per_sec": r.flops / seconds.max(1e-9) / 1e9}));
+                    "gflops_per_sec": r.flops / seconds.max(1e-9) / 1e9,
+                    "loss_scale": r.loss_scaling.map(|s| s.used),
+                    "skipped": r.loss_scaling.is_some_and(|s| s.skipped)}));
+                if let Some(s) = r.loss_scaling.filter(|s| s.skipped) {
+                    self.bar.suspend(|| {
+                        tracing::warn!(
+                            "step {}: inf/NaN gradients at loss scale {}: step skipped (no weight \
+                             or optimizer state changed), the scale backs off",
+                            r.step,
+                            s.used
+                        )
+                    });
+                }
                 if !self.bar.is_hidden() {
                     return;
                 }

@@ -56,6 +56,9 @@ struct HeadArgs {
     /// sentence-transformers files, else cosine).
     #[arg(long, value_enum)]
     similarity: Option<SimilarityArg>,
+    /// Where to run: cpu, cuda (GPU 0) or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: gradcache::DeviceSpec,
 }
 
 #[derive(Subcommand)]
@@ -138,6 +141,14 @@ enum Command {
         #[arg(long, value_enum, default_value_t = TowerArg::Query)]
         tower: TowerArg,
     },
+    /// Check a device before training on it: the gradient cache against a plain
+    /// full-batch step, bf16/f16 against f32, f16 overflow detection (a tiny BERT built in
+    /// code). Prints one line per check; fails if any is out of its limit.
+    SelfCheck {
+        /// cpu, cuda (GPU 0) or cuda:N.
+        #[arg(long, default_value = "cpu")]
+        device: gradcache::DeviceSpec,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -159,8 +170,8 @@ enum TowerArg {
 }
 
 impl HeadArgs {
-    fn load_options(&self, max_len: usize) -> LoadOptions {
-        LoadOptions {
+    fn load_options(&self, max_len: usize) -> Result<LoadOptions> {
+        Ok(LoadOptions {
             pooling: self.pooling.map(|p| match p {
                 PoolingArg::Mean => Pooling::Mean,
                 PoolingArg::Cls => Pooling::Cls,
@@ -171,8 +182,8 @@ impl HeadArgs {
                 SimilarityArg::Dot => Similarity::Dot,
             }),
             max_len,
-            ..LoadOptions::default()
-        }
+            device: self.device.open()?,
+        })
     }
 }
 
@@ -208,6 +219,7 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> Result<()> {
     match command {
+        Command::SelfCheck { device } => self_check(device),
         Command::Train {
             config,
             set,
@@ -219,7 +231,7 @@ fn run(command: Command) -> Result<()> {
             max_len,
             chunk,
             head,
-        } => eval(&model, &data, chunk, &head.load_options(max_len)),
+        } => eval(&model, &data, chunk, &head.load_options(max_len)?),
         Command::Encode {
             model,
             text,
@@ -232,7 +244,7 @@ fn run(command: Command) -> Result<()> {
             text,
             input.as_deref(),
             output.as_deref(),
-            &head.load_options(max_len),
+            &head.load_options(max_len)?,
         ),
         Command::Export {
             config,
@@ -330,6 +342,24 @@ fn train_on(cfg: Config, resume: Option<&Path>, comm: Rc<dyn Collective>) -> Res
 
 /// Loads a model for `eval` or `encode` and logs where its pooling, normalisation and
 /// similarity came from.
+fn self_check(device: gradcache::DeviceSpec) -> Result<()> {
+    let results = gradcache::selfcheck::run(&device.open()?)?;
+    let mut failed = 0;
+    for r in &results {
+        let verdict = if r.passed() { "ok" } else { "FAIL" };
+        failed += usize::from(!r.passed());
+        println!(
+            "{verdict:4} {}: {:.2e} (limit {:.0e})",
+            r.name, r.value, r.limit
+        );
+    }
+    if failed > 0 {
+        bail!("{failed} of {} checks failed on {device}", results.len());
+    }
+    println!("all {} checks passed on {device}", results.len());
+    Ok(())
+}
+
 fn load_model(model: &str, options: &LoadOptions) -> Result<EmbeddingModel> {
     let loaded = EmbeddingModel::load(model, options)?;
     tracing::info!("{model}: {}", loaded.settings());
