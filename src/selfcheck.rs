@@ -28,15 +28,16 @@ impl CheckResult {
     }
 }
 
-const CONFIG: &str = r#"{
+/// The tiny BERT the checks train (3 layers, hidden 32, 4 heads, dropout 0.1).
+pub const TINY_BERT: &str = r#"{
   "model_type": "bert", "vocab_size": 60, "hidden_size": 32, "num_hidden_layers": 3,
   "num_attention_heads": 4, "intermediate_size": 48, "hidden_act": "gelu",
   "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
   "max_position_embeddings": 32, "type_vocab_size": 2, "initializer_range": 0.2
 }"#;
 
-/// `rows` right-padded token rows of different lengths on `device`.
-fn tokens(seed: u64, rows: usize, device: &Device) -> Result<TokenBatch> {
+/// `rows` right-padded token rows of different lengths (ids below 60) on `device`.
+pub fn tokens(seed: u64, rows: usize, device: &Device) -> Result<TokenBatch> {
     let len = 10;
     let (mut ids, mut mask) = (vec![], vec![]);
     for r in 0..rows {
@@ -91,7 +92,7 @@ fn encoder(
     recompute: Recompute,
 ) -> Result<BertEncoder> {
     let cfg: BertConfig =
-        serde_json::from_str(CONFIG).map_err(|e| crate::Error::InvalidArgument {
+        serde_json::from_str(TINY_BERT).map_err(|e| crate::Error::InvalidArgument {
             what: "self-check model config",
             value: e.to_string(),
             reason: "does not parse",

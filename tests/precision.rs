@@ -3,41 +3,20 @@
 //! getting a finite gradient in f32, loss scaling that multiplies the gradients exactly
 //! where the loss gradient enters the replay, and an overflow that the scaler detects.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
 use gradcache::precision::{all_finite, LossScaler};
-use gradcache::selfcheck::{is_key_bias, relative_error};
+use gradcache::selfcheck::{is_key_bias, relative_error, tokens, TINY_BERT};
 use gradcache::{GradCache, Gradients, InfoNce, ParamStore, Precision, TokenBatch};
 
-const CONFIG: &str = r#"{
-  "model_type": "bert", "vocab_size": 60, "hidden_size": 32, "num_hidden_layers": 2,
-  "num_attention_heads": 4, "intermediate_size": 48, "hidden_act": "gelu",
-  "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
-  "max_position_embeddings": 32, "type_vocab_size": 2, "initializer_range": 0.2
-}"#;
-
-fn tokens(seed: u64, rows: usize) -> TokenBatch {
-    let len = 10;
-    let (mut ids, mut mask) = (vec![], vec![]);
-    for r in 0..rows {
-        let real = 3 + (r * 5 + seed as usize) % (len - 3);
-        for c in 0..len {
-            ids.push(if c < real {
-                1 + ((r * 31 + c * 17 + seed as usize * 13) % 59) as u32
-            } else {
-                0
-            });
-            mask.push(u32::from(c < real));
-        }
-    }
-    let t = |v| Tensor::from_vec(v, (rows, len), &Device::Cpu).unwrap();
-    TokenBatch::new(t(ids), t(mask.clone()), t(vec![0u32; rows * len])).unwrap()
+fn batch(seed: u64) -> TokenBatch {
+    tokens(seed, 8, &Device::Cpu).unwrap()
 }
 
 /// A cached step (chunks of 3, dropout on) of a BERT tower computing in `precision`,
 /// over the weights in `store`.
 fn step(store: &ParamStore, precision: Precision, scale: f64) -> (f32, Gradients) {
-    let cfg: BertConfig = serde_json::from_str(CONFIG).unwrap();
+    let cfg: BertConfig = serde_json::from_str(TINY_BERT).unwrap();
     let options = BertOptions {
         pooling: Pooling::Mean,
         normalize: true,
@@ -48,7 +27,7 @@ fn step(store: &ParamStore, precision: Precision, scale: f64) -> (f32, Gradients
     let loss = InfoNce::new(0.05).unwrap().with_symmetric(true);
     let gc = GradCache::shared(encoder, 3, loss).unwrap().with_seed(9);
     let out = gc
-        .cache_step_scaled(0, &tokens(1, 8), &tokens(2, 8), scale)
+        .cache_step_scaled(0, &batch(1), &batch(2), scale)
         .unwrap();
     (out.loss, out.grads)
 }
