@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Throughput of gradcache against sentence-transformers on one GPU (part of the GPU
+bundle, `./run bench`; not in CI).
+
+    gpu_bench.py --gradcache BIN --out DIR [--steps 3] [--batch 4096] [--mini 256]
+                 [--max-len 128] [--device cuda] [--models minilm,bert-base]
+
+For each model shape (all-MiniLM-L6-v2's: hidden 384 x 6 layers; BERT-base's: 768 x 12;
+fresh weights, one WordPiece vocabulary trained on the quickstart data, saved as a
+`transformers` directory both sides load), both sides train the same work: global batch
+BATCH pairs in mini-batches (chunks) of MINI, max_len tokens, in-batch negatives at scale
+20, AdamW, dropout on, bf16 compute over f32 weights (torch.autocast for
+sentence-transformers' CachedMultipleNegativesRankingLoss; `precision = "bf16"` for
+gradcache). Prints pairs/s (mean of the steps after the first) and the peak GPU memory
+the run took (nvidia-smi's memory.used sampled every 0.1 s, minus the idle reading), as a
+Markdown table; writes it to OUT/gpu-table.md.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# In the bundle data/ and configs/ sit beside this file; in the repository, one level up.
+ROOT = HERE if os.path.isdir(os.path.join(HERE, "data")) else os.path.dirname(HERE)
+SHAPES = {
+    "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                   intermediate_size=1536),
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                      intermediate_size=3072),
+    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64),
+}
+
+
+def pairs_file(out, n):
+    """n pairs, cycling the quickstart's training pairs."""
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "data/quickstart/train.jsonl"))]
+    path = os.path.join(out, f"pairs-{n}.jsonl")
+    with open(path, "w") as f:
+        for i in range(n):
+            r = rows[i % len(rows)]
+            f.write(json.dumps({"query": r["query"], "positive": r["positive"]}) + "\n")
+    return path, rows
+
+
+def make_model(out, shape, rows):
+    """A fresh BERT of `shape` with a WordPiece vocabulary, as a transformers directory."""
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    d = os.path.join(out, f"model-{shape}")
+    if os.path.exists(os.path.join(d, "config.json")):
+        return d
+    os.makedirs(d, exist_ok=True)
+    tok = BertWordPieceTokenizer(lowercase=True)
+    texts = [r[k] for r in rows for k in ("query", "positive")]
+    tok.train_from_iterator(texts, vocab_size=30522 if shape != "tiny" else 500)
+    tok.save(os.path.join(d, "tokenizer.json"))
+    BertTokenizerFast(tokenizer_file=os.path.join(d, "tokenizer.json")).save_pretrained(d)
+    cfg = BertConfig(vocab_size=tok.get_vocab_size(), max_position_embeddings=512,
+                     **SHAPES[shape])
+    BertModel(cfg).save_pretrained(d, safe_serialization=True)
+    return d
+
+
+class GpuMemory:
+    """Peak of nvidia-smi's memory.used (MiB) while running, minus the reading before."""
+
+    def __init__(self):
+        self.peak, self.base, self.stop = None, None, False
+
+    @staticmethod
+    def read():
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                                  "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10).stdout
+            return float(out.split()[0])
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
+
+    def __enter__(self):
+        self.base = self.read()
+        self.peak = self.base
+
+        def poll():
+            while not self.stop:
+                v = self.read()
+                if v is not None and self.peak is not None:
+                    self.peak = max(self.peak, v)
+                time.sleep(0.1)
+        self.thread = threading.Thread(target=poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_):
+        self.stop = True
+        self.thread.join()
+
+    def used(self):
+        if self.base is None:
+            return "n/a"
+        return f"{(self.peak - self.base) / 1024:.1f} GiB"
+
+
+def st_side(model_dir, pairs, batch, mini, max_len, steps, device):
+    """Runs in its own process: prints pairs/s."""
+    import torch
+    from sentence_transformers import SentenceTransformer, losses
+
+    rows = [json.loads(line) for line in open(pairs)]
+    model = SentenceTransformer(model_dir, device=device)
+    model.max_seq_length = max_len
+    model.train()
+    loss = losses.CachedMultipleNegativesRankingLoss(model, scale=20.0, mini_batch_size=mini)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01)
+    rates = []
+    for step in range(steps + 1):
+        b = rows[step * batch:(step + 1) * batch]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16):
+            q = model.tokenize([p["query"] for p in b])
+            d = model.tokenize([p["positive"] for p in b])
+            q = {k: v.to(device) if hasattr(v, "to") else v for k, v in q.items()}
+            d = {k: v.to(device) if hasattr(v, "to") else v for k, v in d.items()}
+            value = loss([q, d], None)
+            value.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if step:
+            rates.append(len(b) / (time.perf_counter() - start))
+    print(f"{sum(rates) / len(rates):.2f}")
+
+
+def gradcache_side(binary, model_dir, pairs, eval_file, out, batch, mini, max_len, steps, device):
+    run = os.path.join(out, "gradcache-" + os.path.basename(model_dir))
+    sets = {
+        "model.pretrained": model_dir, "model.query_max_len": max_len,
+        "model.passage_max_len": max_len, "model.recompute": "off",
+        "data.train_file": pairs, "data.eval_file": eval_file, "output_dir": run,
+        "train.steps": steps + 1, "train.batch_size": batch, "train.query_chunk": mini,
+        "train.passage_chunk": mini, "train.eval_every": 0, "train.checkpoint_every": 0,
+        "optim.lr": 2e-5, "optim.warmup_ratio": 0, "loss.symmetric": "false",
+        "device": device,
+        "precision": "bf16",
+    }
+    args = [binary, "train", "--config", os.path.join(ROOT, "configs/minilm.toml")]
+    for k, v in sets.items():
+        args += ["--set", f"{k}={v}"]
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
+    rates = [json.loads(line)["pairs_per_sec"] for line in open(os.path.join(run, "metrics.jsonl"))
+             if json.loads(line).get("type") == "step"]
+    return sum(rates[1:]) / len(rates[1:])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gradcache", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--mini", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=128)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--models", default="minilm,bert-base")
+    ap.add_argument("--st-side", nargs=4, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.st_side:
+        model_dir, pairs, _, _ = a.st_side
+        st_side(model_dir, pairs, a.batch, a.mini, a.max_len, a.steps, a.device)
+        return
+    os.makedirs(a.out, exist_ok=True)
+    pairs, rows = pairs_file(a.out, a.batch * (a.steps + 1))
+    eval_file = os.path.join(a.out, "eval.jsonl")
+    with open(eval_file, "w") as f:
+        for r in rows[:64]:
+            f.write(json.dumps({"query": r["query"], "positive": r["positive"]}) + "\n")
+    lines = [f"# {a.device}, global batch {a.batch}, mini-batch {a.mini}, max_len {a.max_len}, "
+             f"bf16, {a.steps} timed steps after one warm-up",
+             "| model | gradcache pairs/s | sentence-transformers pairs/s | ratio "
+             "| gradcache peak GPU memory | sentence-transformers peak GPU memory |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for shape in a.models.split(","):
+        model_dir = make_model(a.out, shape, rows)
+        with GpuMemory() as mem_gc:
+            gc = gradcache_side(a.gradcache, model_dir, pairs, eval_file, a.out, a.batch,
+                                a.mini, a.max_len, a.steps, a.device)
+        with GpuMemory() as mem_st:
+            res = subprocess.run([sys.executable, __file__, "--gradcache", a.gradcache,
+                                  "--out", a.out, "--steps", str(a.steps), "--batch",
+                                  str(a.batch), "--mini", str(a.mini), "--max-len",
+                                  str(a.max_len), "--device", a.device,
+                                  "--st-side", model_dir, pairs, "-", "-"],
+                                 check=True, capture_output=True, text=True)
+        st = float(res.stdout.strip().splitlines()[-1])
+        lines.append(f"| {shape} (fresh) | {gc:.1f} | {st:.1f} | {gc / st:.2f}x "
+                     f"| {mem_gc.used()} | {mem_st.used()} |")
+        print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    with open(os.path.join(a.out, "gpu-table.md"), "w") as f:
+        f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
