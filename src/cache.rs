@@ -18,7 +18,7 @@
 
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use candle_core::Tensor;
 
@@ -27,6 +27,7 @@ use crate::dist::{self, Collective, Single};
 use crate::dropout::{ChunkSeed, Ctx};
 use crate::encoder::Encoder;
 use crate::loss::{group_size, scalar, InfoNce, Loss};
+use crate::memory::PhaseMeter;
 use crate::params::{GradAccumulator, Gradients, Params};
 use crate::{Error, Result, Side};
 
@@ -272,6 +273,7 @@ impl GradientCache<'_> {
             loss: self.loss,
             grads: grads.finish(),
             times: StepTimes::default(),
+            peaks: StepPeaks::default(),
         })
     }
 }
@@ -286,6 +288,10 @@ pub struct StepOutput {
     pub grads: Gradients,
     /// Wall time of each phase ([`GradCache::cache_step`] fills it; zero elsewhere).
     pub times: StepTimes,
+    /// Peak heap bytes of each phase above the step's start ([`GradCache::cache_step`]
+    /// fills it when the binary installs [`crate::memory::CountingAllocator`]; zero
+    /// elsewhere).
+    pub peaks: StepPeaks,
 }
 
 /// Wall time of the phases of one cached step.
@@ -302,21 +308,18 @@ pub struct StepTimes {
     pub reduce: Duration,
 }
 
-/// Laps of a stopwatch.
-struct PhaseClock(Instant);
-
-impl PhaseClock {
-    fn start() -> Self {
-        Self(Instant::now())
-    }
-
-    /// Time since the last lap (or the start), and a new lap begins.
-    fn lap(&mut self) -> Duration {
-        let now = Instant::now();
-        let d = now - self.0;
-        self.0 = now;
-        d
-    }
+/// Peak heap bytes of the phases of one cached step, each counted from the bytes allocated
+/// when the step began (the weights, optimizer state and batch are below that line).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct StepPeaks {
+    /// Phase 1: the representations of every chunk, plus one chunk's graph-free pass.
+    pub represent: usize,
+    /// Phase 2: the loss (its row blocks) and the cached gradients.
+    pub loss: usize,
+    /// Phase 3: one chunk's graph and the accumulated parameter gradients.
+    pub replay: usize,
+    /// The gradient all-reduce (its buckets).
+    pub reduce: usize,
 }
 
 /// The gradient cache: one shared tower or two towers, a chunk size per side, a loss.
@@ -517,25 +520,32 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         loss_scale: f64,
     ) -> Result<StepOutput> {
         let comm = &*self.comm;
-        let mut clock = PhaseClock::start();
+        let mut meter = PhaseMeter::start();
         let reps = dist::agree(comm, self.represent(step, queries, passages))?;
-        let represent = clock.lap();
+        let represent = meter.lap();
         let mut cache = reps.into_cache_across(&self.loss, comm)?;
         if loss_scale != 1.0 {
             cache.scale(loss_scale)?;
         }
-        let loss = clock.lap();
+        let loss = meter.lap();
         let out = dist::agree(comm, cache.replay())?;
-        let replay = clock.lap();
+        let replay = meter.lap();
         let grads = dist::reduce_gradients(comm, &self.params, out.grads, self.bucket_bytes)?;
+        let reduce = meter.lap();
         Ok(StepOutput {
             loss: out.loss,
             grads,
             times: StepTimes {
-                represent,
-                loss,
-                replay,
-                reduce: clock.lap(),
+                represent: represent.0,
+                loss: loss.0,
+                replay: replay.0,
+                reduce: reduce.0,
+            },
+            peaks: StepPeaks {
+                represent: represent.1,
+                loss: loss.1,
+                replay: replay.1,
+                reduce: reduce.1,
             },
         })
     }
@@ -590,6 +600,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
             loss: value,
             grads: self.params.grads_from(&store),
             times: StepTimes::default(),
+            peaks: StepPeaks::default(),
         })
     }
 }

@@ -67,7 +67,7 @@ pub mod train;
 
 pub use batch::{Batch, TokenBatch};
 pub use cache::{
-    cached, cat_reps, GradCache, GradientCache, Representations, StepOutput, StepTimes,
+    cached, cat_reps, GradCache, GradientCache, Representations, StepOutput, StepPeaks, StepTimes,
 };
 pub use device::DeviceSpec;
 pub use dist::{Collective, ReduceOp, Single};

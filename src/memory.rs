@@ -72,13 +72,57 @@ pub fn current_bytes() -> usize {
 }
 
 /// Runs `f` and returns its wall time in milliseconds, the peak number of bytes allocated
-/// during it above what was allocated before it, and its result.
+/// during it above what was allocated before it, and its result. Measurements nest: an
+/// enclosing `measure` (or [`PhaseMeter`]) still sees the peak reached inside.
 pub fn measure<T>(f: impl FnOnce() -> T) -> (f64, usize, T) {
+    let outer = PEAK.load(Ordering::Relaxed);
     let base = CURRENT.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
     let start = Instant::now();
     let out = f();
     let ms = start.elapsed().as_secs_f64() * 1e3;
-    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(base);
+    let peak = PEAK
+        .fetch_max(outer, Ordering::Relaxed)
+        .saturating_sub(base);
     (ms, peak, out)
+}
+
+/// Wall time and peak memory of consecutive phases of one piece of work (a training step),
+/// every peak counted from the bytes allocated when the meter started, so the phases of a
+/// step compare directly. Nests inside [`measure`] like `measure` itself.
+pub struct PhaseMeter {
+    base: usize,
+    outer: usize,
+    lap_start: Instant,
+}
+
+impl PhaseMeter {
+    /// Starts the first phase.
+    pub fn start() -> Self {
+        let outer = PEAK.load(Ordering::Relaxed);
+        let base = CURRENT.load(Ordering::Relaxed);
+        PEAK.store(base, Ordering::Relaxed);
+        Self {
+            base,
+            outer,
+            lap_start: Instant::now(),
+        }
+    }
+
+    /// Ends the current phase and starts the next: the phase's wall time and its peak bytes
+    /// above the meter's start.
+    pub fn lap(&mut self) -> (std::time::Duration, usize) {
+        let now = Instant::now();
+        let time = now - self.lap_start;
+        self.lap_start = now;
+        let peak = PEAK.swap(CURRENT.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.outer = self.outer.max(peak);
+        (time, peak.saturating_sub(self.base))
+    }
+}
+
+impl Drop for PhaseMeter {
+    fn drop(&mut self) {
+        PEAK.fetch_max(self.outer, Ordering::Relaxed);
+    }
 }

@@ -222,6 +222,40 @@ fn a_two_tower_run_exports_its_passage_tower_and_eval_uses_its_similarity() {
     args.extend(sets);
     let (ok, stderr) = gradcache(&args);
     assert!(ok, "{stderr}");
+    // Where each step's time and memory went: in metrics.jsonl, in the log, in phases.png.
+    let run_dir = dir.path().join("run");
+    let steps: Vec<serde_json::Value> = fs::read_to_string(run_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["type"] == "step")
+        .collect();
+    assert_eq!(steps.len(), 2);
+    for s in &steps {
+        let peaks = &s["phase_peak_bytes"];
+        let bytes = |k: &str| peaks[k].as_u64().unwrap_or_else(|| panic!("no {k} in {s}"));
+        // The counting allocator sees each phase: the replay holds a chunk's graph and the
+        // gradients, more than the graph-free pass holds for the representations.
+        assert!(
+            bytes("represent") > 0 && bytes("replay") > bytes("represent"),
+            "{peaks}"
+        );
+        assert!(bytes("optimizer") > 0, "{peaks}");
+        // The step's own peak (measured around the whole step) still sees the phases'.
+        let step_peak = s["peak_bytes"].as_u64().unwrap();
+        assert!(
+            step_peak >= bytes("replay"),
+            "step peak {step_peak} < {peaks}"
+        );
+        assert!(s["phases_ms"]["replay_ms"].as_f64().unwrap() > 0.0);
+    }
+    assert!(stderr.contains("step 1: represent "), "{stderr}");
+    assert!(stderr.contains(" MiB, loss "), "{stderr}");
+    if stderr.contains("time and memory per phase") {
+        assert!(run_dir.join("phases.png").is_file());
+    } else {
+        assert!(stderr.contains("no phase plot: no font"), "{stderr}");
+    }
 
     let out = dir.path().join("passage-tower");
     let out_arg = out.display().to_string();

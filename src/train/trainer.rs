@@ -63,6 +63,9 @@ pub struct StepReport {
     pub filled_negatives: usize,
     /// Wall time of each phase of the step.
     pub phases: PhaseTimes,
+    /// Peak heap bytes of each phase above the step's start (0 unless the binary counts
+    /// allocations).
+    pub phase_peaks: PhasePeaks,
     /// Matrix-product FLOPs the step executed: this rank's chunks, at their padded
     /// lengths, through every pass the engine runs (graph-free forward, replay forward
     /// and its backward, and the recompute forward when on). See
@@ -80,6 +83,23 @@ pub struct LossScaling {
     /// The gradients held an inf or NaN: no weight or optimizer state changed, and the
     /// scale backed off for the next step.
     pub skipped: bool,
+}
+
+/// Peak heap bytes of the phases of a training step, each above the bytes allocated when
+/// the step's computation began (after tokenizing): what the weights, the optimizer state
+/// and the batch leave free is what a phase may use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct PhasePeaks {
+    /// The graph-free representation pass.
+    pub represent: usize,
+    /// The loss and the cached gradients.
+    pub loss: usize,
+    /// The replay of every chunk.
+    pub replay: usize,
+    /// The gradient all-reduce.
+    pub reduce: usize,
+    /// Clipping and the optimizer update.
+    pub optimizer: usize,
 }
 
 /// Wall time of the phases of a training step, in milliseconds.
@@ -424,9 +444,11 @@ impl Trainer {
             let tokenize_ms = ms(start.elapsed());
             let flops = self.step_flops(&q, &p)?;
             let loss_scale = self.scaler.map(|s| s.scale);
+            let mut meter = memory::PhaseMeter::start();
             let out = self
                 .gc
                 .cache_step_scaled(self.step, &q, &p, loss_scale.unwrap_or(1.0))?;
+            meter.lap();
             let optimizer_start = Instant::now();
             let mut grads = out.grads;
             // f16: unscale before clipping; a step with an inf or NaN gradient changes no
@@ -451,7 +473,15 @@ impl Trainer {
             } else {
                 f64::NAN
             };
-            let t = out.times;
+            let (_, optimizer_peak) = meter.lap();
+            let (t, m) = (out.times, out.peaks);
+            let phase_peaks = PhasePeaks {
+                represent: m.represent,
+                loss: m.loss,
+                replay: m.replay,
+                reduce: m.reduce,
+                optimizer: optimizer_peak,
+            };
             let phases = PhaseTimes {
                 tokenize_ms,
                 represent_ms: ms(t.represent),
@@ -464,9 +494,9 @@ impl Trainer {
                 used,
                 skipped: !finite,
             });
-            Ok((out.loss, lr, grad_norm, phases, flops, scaling))
+            Ok((out.loss, lr, grad_norm, phases, phase_peaks, flops, scaling))
         });
-        let (loss, lr, grad_norm, phases, flops, loss_scaling) = out?;
+        let (loss, lr, grad_norm, phases, phase_peaks, flops, loss_scaling) = out?;
         self.step += 1;
         let every = self.cfg.dist.check_weights_every;
         if self.world_size() > 1
@@ -484,6 +514,7 @@ impl Trainer {
             peak_bytes: peak,
             filled_negatives: batch.filled,
             phases,
+            phase_peaks,
             flops,
             loss_scaling,
         })

@@ -45,7 +45,7 @@ impl Observer for Console {
                 let seconds = r.phases.total_ms() / 1e3;
                 self.line(serde_json::json!({"type": "step", "step": r.step, "loss": r.loss, "lr": r.lr,
                     "grad_norm": r.grad_norm, "pairs_per_sec": r.pairs_per_sec, "peak_bytes": r.peak_bytes,
-                    "phases_ms": r.phases, "flops": r.flops,
+                    "phases_ms": r.phases, "phase_peak_bytes": r.phase_peaks, "flops": r.flops,
                     "gflops_per_sec": r.flops / seconds.max(1e-9) / 1e9,
                     "loss_scale": r.loss_scaling.map(|s| s.used),
                     "skipped": r.loss_scaling.is_some_and(|s| s.skipped)}));
@@ -59,11 +59,17 @@ impl Observer for Console {
                         )
                     });
                 }
+                // Every ~20th of the run, one line of where the step's time and memory went.
+                let every = (self.bar.length().unwrap_or(1) / 20).max(1);
+                if r.step % every == 0 || r.step == 1 {
+                    let line = phase_summary(r);
+                    self.bar
+                        .suspend(|| tracing::info!("step {}: {line}", r.step));
+                }
                 if !self.bar.is_hidden() {
                     return;
                 }
                 // No terminal (CI, logs to a file): a line now and then instead of the bar.
-                let every = (self.bar.length().unwrap_or(1) / 20).max(1);
                 if r.step % every == 0 || r.step == 1 {
                     tracing::info!(
                         "step {}/{}  loss {:.4}  lr {:.2e}  {:.0} pairs/s",
@@ -88,4 +94,22 @@ impl Observer for Console {
             Event::Note(note) => self.bar.suspend(|| tracing::info!("{note}")),
         }
     }
+}
+
+/// `represent 183 ms / 41.2 MiB, loss ..., replay ..., reduce ..., optimizer ...`: each
+/// phase's wall time and peak memory above the step's start.
+fn phase_summary(r: &gradcache::train::trainer::StepReport) -> String {
+    let (t, m) = (&r.phases, &r.phase_peaks);
+    let mib = |b: usize| b as f64 / 1048576.0;
+    [
+        ("represent", t.represent_ms, m.represent),
+        ("loss", t.loss_ms, m.loss),
+        ("replay", t.replay_ms, m.replay),
+        ("reduce", t.reduce_ms, m.reduce),
+        ("optimizer", t.optimizer_ms, m.optimizer),
+    ]
+    .iter()
+    .map(|(name, ms, bytes)| format!("{name} {ms:.0} ms / {:.1} MiB", mib(*bytes)))
+    .collect::<Vec<_>>()
+    .join(", ")
 }

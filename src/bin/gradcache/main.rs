@@ -337,11 +337,15 @@ fn train_on(cfg: Config, resume: Option<&Path>, comm: Rc<dyn Collective>) -> Res
         Ok(()) => tracing::info!("loss curve: {}", png.display()),
         Err(e) => tracing::warn!("no loss curve: {e:#}"),
     }
+    let png = cfg.output_dir.join("phases.png");
+    match plot::plot_phases(&metrics_path, &png) {
+        Ok(()) => tracing::info!("time and memory per phase: {}", png.display()),
+        Err(e) => tracing::warn!("no phase plot: {e:#}"),
+    }
     Ok(())
 }
 
-/// Loads a model for `eval` or `encode` and logs where its pooling, normalisation and
-/// similarity came from.
+/// `gradcache self-check`: one line per check, an error if any fails.
 fn self_check(device: gradcache::DeviceSpec) -> Result<()> {
     let results = gradcache::selfcheck::run(&device.open()?)?;
     let mut failed = 0;
@@ -360,6 +364,8 @@ fn self_check(device: gradcache::DeviceSpec) -> Result<()> {
     Ok(())
 }
 
+/// Loads a model for `eval` or `encode` and logs where its pooling, normalisation and
+/// similarity came from.
 fn load_model(model: &str, options: &LoadOptions) -> Result<EmbeddingModel> {
     let loaded = EmbeddingModel::load(model, options)?;
     tracing::info!("{model}: {}", loaded.settings());

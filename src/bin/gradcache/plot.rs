@@ -1,4 +1,5 @@
-//! `loss.png`: the loss curve of a run, from its `metrics.jsonl`.
+//! `loss.png`: the loss curve of a run, and `phases.png`: the time and peak memory of each
+//! phase of its steps, from its `metrics.jsonl`.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -22,13 +23,7 @@ pub fn plot_losses(metrics: &Path, png: &Path) -> Result<()> {
     if points.is_empty() {
         bail!("no steps recorded");
     }
-    let font = ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"]
-        .iter()
-        .find_map(|p| std::fs::read(p).ok())
-        .context("no font for the plot labels (install fonts-dejavu-core)")?;
-    let font: &'static [u8] = Box::leak(font.into_boxed_slice());
-    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
-        .map_err(|_| anyhow::anyhow!("the font file is not a valid font"))?;
+    register_font()?;
     let max_step = points.last().map_or(1, |p| p.0).max(1);
     let max_loss = points.iter().map(|p| p.1).fold(0f32, f32::max).max(1e-3);
     let root = BitMapBackend::new(png, (800, 480)).into_drawing_area();
@@ -45,6 +40,95 @@ pub fn plot_losses(metrics: &Path, png: &Path) -> Result<()> {
         .y_desc("loss")
         .draw()?;
     chart.draw_series(LineSeries::new(points, &BLUE))?;
+    root.present()?;
+    Ok(())
+}
+
+/// Registers the DejaVu font for the labels (once per process is enough; again is harmless).
+fn register_font() -> Result<()> {
+    use plotters::prelude::*;
+    let font = ["/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"]
+        .iter()
+        .find_map(|p| std::fs::read(p).ok())
+        .context("no font for the plot labels (install fonts-dejavu-core)")?;
+    let font: &'static [u8] = Box::leak(font.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
+        .map_err(|_| anyhow::anyhow!("the font file is not a valid font"))?;
+    Ok(())
+}
+
+/// The phases of a step, as `metrics.jsonl` names them (`phases_ms`, `phase_peak_bytes`).
+const PHASES: [(&str, &str); 5] = [
+    ("represent_ms", "represent"),
+    ("loss_ms", "loss"),
+    ("replay_ms", "replay"),
+    ("reduce_ms", "reduce"),
+    ("optimizer_ms", "optimizer"),
+];
+
+/// Two panels over the steps: each phase's wall time (ms) and its peak memory (MiB).
+pub fn plot_phases(metrics: &Path, png: &Path) -> Result<()> {
+    use plotters::prelude::*;
+    // step -> ([ms; 5], [MiB; 5]); a resumed run's repeated steps keep the last record.
+    let mut rows: Vec<(u64, [f64; 5], [f64; 5])> = Vec::new();
+    for line in BufReader::new(File::open(metrics)?).lines() {
+        let v: serde_json::Value = serde_json::from_str(&line?)?;
+        let Some(step) = v["step"].as_u64().filter(|_| v["type"] == "step") else {
+            continue;
+        };
+        let mut ms = [0.0; 5];
+        let mut mib = [0.0; 5];
+        for (i, (key, name)) in PHASES.iter().enumerate() {
+            ms[i] = v["phases_ms"][key].as_f64().unwrap_or(0.0);
+            mib[i] = v["phase_peak_bytes"][name].as_f64().unwrap_or(0.0) / 1048576.0;
+        }
+        rows.retain(|(s, _, _)| *s < step);
+        rows.push((step, ms, mib));
+    }
+    if rows.is_empty() {
+        bail!("no steps recorded");
+    }
+    register_font()?;
+    let max_step = rows.last().map_or(1, |r| r.0).max(1);
+    let root = BitMapBackend::new(png, (800, 720)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let panels = root.split_evenly((2, 1));
+    let colors = [&BLUE, &RED, &GREEN, &MAGENTA, &BLACK];
+    for (panel, (title, unit, pick)) in panels.iter().zip([
+        ("time per phase", "ms", 0usize),
+        ("peak memory per phase (above the step's start)", "MiB", 1),
+    ]) {
+        let value =
+            |r: &(u64, [f64; 5], [f64; 5]), i: usize| if pick == 0 { r.1[i] } else { r.2[i] };
+        let top = rows
+            .iter()
+            .flat_map(|r| (0..5).map(move |i| (r, i)))
+            .map(|(r, i)| value(r, i))
+            .fold(0f64, f64::max)
+            .max(1e-3);
+        let mut chart = ChartBuilder::on(panel)
+            .caption(title, ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0u64..max_step, 0f64..top * 1.1)?;
+        chart.configure_mesh().x_desc("step").y_desc(unit).draw()?;
+        for (i, (_, name)) in PHASES.iter().enumerate() {
+            let color = colors[i];
+            chart
+                .draw_series(LineSeries::new(
+                    rows.iter().map(|r| (r.0, value(r, i))),
+                    color,
+                ))?
+                .label(*name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
+    }
     root.present()?;
     Ok(())
 }
