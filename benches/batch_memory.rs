@@ -7,7 +7,13 @@
 //! ```text
 //! cargo bench --bench batch_memory            # batches 512 .. 4096 (a few minutes)
 //! cargo bench --bench batch_memory -- --quick # 256 and 512
+//! cargo bench --bench batch_memory -- --scale # 1,024 .. 65,536 pairs of 32 tokens
 //! ```
+//!
+//! `--scale` is the gradient cache's point: sequences of 32 tokens, global batches of
+//! 1,024, 4,096, 16,384 and 65,536 pairs, the loss in the trainer's default row blocks
+//! ([`AUTO_BLOCK_LOGITS`] logits at a time: the full `65,536 x 65,536` logits would be
+//! 16 GiB). It also prints each phase's peak (representation pass, loss + cache, replay).
 //!
 //! Peak memory is counted by a global allocator: the largest number of bytes allocated at
 //! once during the step (representation pass, loss and cache, replay), above what was
@@ -18,36 +24,39 @@
 use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions};
 use gradcache::memory::{measure, CountingAllocator};
+use gradcache::train::config::{LossConfig, AUTO_BLOCK_LOGITS};
 use gradcache::{GradCache, InfoNce, ParamStore, Similarity, TokenBatch};
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
-const LEN: usize = 64;
-
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-/// `rows` sequences of `LEN` token ids drawn from the seed, no padding.
-fn tokens(seed: u64, rows: usize, vocab: usize) -> anyhow::Result<TokenBatch> {
+/// `rows` sequences of `len` token ids drawn from the seed, no padding.
+fn tokens(seed: u64, rows: usize, len: usize, vocab: usize) -> anyhow::Result<TokenBatch> {
     let noise = gradcache::rng::uniform(
         seed,
         5.0,
         vocab as f64,
-        &(rows, LEN).into(),
+        &(rows, len).into(),
         DType::F32,
         &Device::Cpu,
     )?;
     let ids = noise.to_dtype(DType::U32)?;
-    let mask = Tensor::ones((rows, LEN), DType::U32, &Device::Cpu)?;
+    let mask = Tensor::ones((rows, len), DType::U32, &Device::Cpu)?;
     Ok(TokenBatch::new(ids, mask.clone(), mask.zeros_like()?)?)
 }
 
 fn main() -> anyhow::Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
+    let scale = std::env::args().any(|a| a == "--scale");
+    let len = if scale { 32 } else { 64 };
     // (batch, symmetric): the sweep, then the symmetric term at the largest batch.
-    let runs: &[(usize, bool)] = if quick {
+    let runs: &[(usize, bool)] = if scale {
+        &[(1024, false), (4096, false), (16384, false), (65536, false)]
+    } else if quick {
         &[(256, false), (512, false), (512, true)]
     } else {
         &[
@@ -58,27 +67,44 @@ fn main() -> anyhow::Result<()> {
             (4096, true),
         ]
     };
-    let cfg = BertConfig::new(4000, 128, 2, 4, 256, LEN);
+    let cfg = BertConfig::new(4000, 128, 2, 4, 256, len);
+    let blocks = if scale {
+        format!("the trainer's default row blocks ({AUTO_BLOCK_LOGITS} logits)")
+    } else {
+        "loss blocks of 256".to_string()
+    };
     println!(
-        "# quickstart-shaped BERT, {LEN} tokens, chunk 32, loss blocks of 256, dropout off, {} cores",
+        "# quickstart-shaped BERT, {len} tokens, chunk 32, {blocks}, dropout off, {} cores",
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-    println!("| batch | symmetric | peak MiB | step s |");
-    println!("|---:|---|---:|---:|");
+    println!("| batch | symmetric | block rows | peak MiB | represent MiB | loss + cache MiB | replay MiB | reps + cached grads MiB | step s |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     for &(batch, symmetric) in runs {
+        let block_rows = if scale {
+            LossConfig::default().effective_block_rows(batch, 0)
+        } else {
+            Some(256)
+        };
         let store = ParamStore::new(0, DType::F32, &Device::Cpu);
         let encoder = BertEncoder::build(&store, "", &cfg, &BertOptions::default())?;
         let loss = InfoNce::new(0.05)?
             .with_similarity(Similarity::Cosine)
             .with_symmetric(symmetric)
-            .with_block_rows(Some(256))?;
+            .with_block_rows(block_rows)?;
         let gc = GradCache::shared(encoder, 32, loss)?.with_dropout(false);
-        let (q, p) = (tokens(1, batch, 4000)?, tokens(2, batch, 4000)?);
+        let (q, p) = (tokens(1, batch, len, 4000)?, tokens(2, batch, len, 4000)?);
         let (ms, peak, out) = measure(|| gc.cache_step(0, &q, &p));
-        out?;
+        let m = out?.peaks;
+        // Representations of both sides and their cached gradients, f32, d = 128.
+        let reps = 2 * 2 * batch * 128 * 4;
         println!(
-            "| {batch} | {symmetric} | {:.0} | {:.1} |",
+            "| {batch} | {symmetric} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1} |",
+            block_rows.map_or("one block".to_string(), |b| b.to_string()),
             mib(peak),
+            mib(m.represent),
+            mib(m.loss),
+            mib(m.replay),
+            mib(reps),
             ms / 1e3
         );
     }

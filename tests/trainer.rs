@@ -252,3 +252,28 @@ fn run_evaluates_checkpoints_and_exports() {
         toml::Value::Array(vec![1.into(), 2.into()])
     );
 }
+
+#[test]
+fn the_loss_splits_into_row_blocks_by_itself_only_when_the_batch_is_large() {
+    let cfg = Config::load(Path::new("configs/quickstart.toml"), &[]).unwrap();
+    let l = &cfg.loss;
+    assert_eq!(l.block_rows, 0);
+    assert_eq!(
+        l.effective_block_rows(128, 0),
+        None,
+        "the quickstart: one block"
+    );
+    assert_eq!(
+        l.effective_block_rows(2048, 0),
+        None,
+        "2^22 logits still fit"
+    );
+    assert_eq!(l.effective_block_rows(4096, 0), Some(1024));
+    // 65,536 pairs: 64 rows x 65,536 candidates = 2^22 logits per block.
+    assert_eq!(l.effective_block_rows(65_536, 0), Some(64));
+    // Hard negatives widen the candidates and narrow the blocks.
+    assert_eq!(l.effective_block_rows(4096, 3), Some(256));
+    let sets = ["loss.block_rows=5".to_string()];
+    let set = Config::load(Path::new("configs/quickstart.toml"), &sets).unwrap();
+    assert_eq!(set.loss.effective_block_rows(65_536, 0), Some(5));
+}

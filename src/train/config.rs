@@ -208,8 +208,36 @@ pub struct LossConfig {
     pub similarity: Similarity,
     /// Add the passage-to-query term.
     pub symmetric: bool,
-    /// Compute the loss in blocks of this many query rows (0: one block).
+    /// Compute the loss in blocks of this many anchor rows; 0: one block while the
+    /// logits fit in [`AUTO_BLOCK_LOGITS`], else blocks that do (see
+    /// [`LossConfig::effective_block_rows`]).
     pub block_rows: usize,
+}
+
+/// The most logits (2^22, 16 MiB of f32) one block of the loss holds when
+/// `loss.block_rows = 0`: one block up to a batch of 2,048 pairs without hard negatives,
+/// row blocks beyond, so that the loss, the one piece of a cached step that grows with the
+/// square of the batch, grows only linearly. A block's forward and backward hold about a
+/// dozen logits-sized temporaries (measured: one block of 4,096 x 4,096 logits, 64 MiB,
+/// peaked at 814 MiB), so a block peaks near 200 MiB.
+pub const AUTO_BLOCK_LOGITS: usize = 1 << 22;
+
+impl LossConfig {
+    /// The row blocks the loss is computed in for a global batch of `batch` pairs with
+    /// `hard_negatives` per query: `block_rows` when set, else one block (`None`) while
+    /// `batch x batch(1 + hard_negatives)` logits fit in [`AUTO_BLOCK_LOGITS`], else as many
+    /// rows as fit (at least one).
+    pub fn effective_block_rows(&self, batch: usize, hard_negatives: usize) -> Option<usize> {
+        if self.block_rows > 0 {
+            return Some(self.block_rows);
+        }
+        let candidates = batch.saturating_mul(1 + hard_negatives).max(1);
+        if batch.saturating_mul(candidates) <= AUTO_BLOCK_LOGITS {
+            None
+        } else {
+            Some((AUTO_BLOCK_LOGITS / candidates).max(1))
+        }
+    }
 }
 
 impl Default for LossConfig {

@@ -272,7 +272,9 @@ impl Trainer {
         let m = &cfg.model;
         let query_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.query_max_len)?;
         let passage_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.passage_max_len)?;
-        let block = (cfg.loss.block_rows > 0).then_some(cfg.loss.block_rows);
+        let block = cfg
+            .loss
+            .effective_block_rows(cfg.train.batch_size, cfg.train.hard_negatives);
         let loss = InfoNce::new(cfg.loss.temperature)?
             .with_similarity(cfg.loss.similarity)
             .with_symmetric(cfg.loss.symmetric)
