@@ -242,6 +242,19 @@ impl InfoNce {
     }
 }
 
+/// The gradient with respect to `x` of `sum(g * x / max(||x||, 1e-12))` (rows over the
+/// last dimension): `(g - y (g . y)) / ||x||` with `y` the normalised rows, and `g / 1e-12`
+/// on rows whose norm was clamped (the clamp is a constant there), as autograd through
+/// [`crate::nn::l2_normalize`] gives it.
+fn l2_normalize_backward(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?;
+    let clamped = norm.maximum(1e-12)?;
+    let y = x.broadcast_div(&clamped)?;
+    let live = norm.ge(1e-12)?.to_dtype(x.dtype())?;
+    let along = ((g * &y)?.sum_keepdim(D::Minus1)? * live)?;
+    Ok((g - y.broadcast_mul(&along)?)?.broadcast_div(&clamped)?)
+}
+
 /// Which way a loss term scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Direction {
@@ -304,9 +317,8 @@ impl Loss for InfoNce {
     /// runs once at the end. Gives the same value and gradients as the one-block form up
     /// to float summation order.
     fn value_and_grads(&self, queries: &Tensor, passages: &Tensor) -> Result<LossValue> {
-        let q = Var::from_tensor(&queries.detach())?;
-        let p = Var::from_tensor(&passages.detach())?;
-        let (qn, pn) = (self.prepare(q.as_tensor())?, self.prepare(p.as_tensor())?);
+        let (q, p) = (queries.detach(), passages.detach());
+        let (qn, pn) = (self.prepare(&q)?, self.prepare(&p)?);
         let mut loss = 0f64;
         let mut grad_qn = qn.zeros_like()?;
         let mut grad_pn = pn.zeros_like()?;
@@ -328,19 +340,12 @@ impl Loss for InfoNce {
         }
         let (grad_queries, grad_passages) = match self.similarity {
             Similarity::Dot => (grad_qn, grad_pn),
-            Similarity::Cosine => {
-                // Through the normalisation, once: the gradient of sum(qn * g_qn + pn * g_pn)
-                // with respect to q and p.
-                let surrogate = ((&qn * &grad_qn)?.sum_all()? + (&pn * &grad_pn)?.sum_all()?)?;
-                let store = surrogate.backward()?;
-                let grad = |v: &Var| -> Result<Tensor> {
-                    Ok(match store.get(v.as_tensor()) {
-                        Some(g) => g.detach(),
-                        None => v.as_tensor().zeros_like()?,
-                    })
-                };
-                (grad(&q)?, grad(&p)?)
-            }
+            // Through the normalisation, once, in closed form (no graph: autograd kept
+            // about twenty `[B, d]` temporaries alive here, the peak of a large batch).
+            Similarity::Cosine => (
+                l2_normalize_backward(&q, &grad_qn)?,
+                l2_normalize_backward(&p, &grad_pn)?,
+            ),
         };
         Ok(LossValue {
             loss: loss as f32,
