@@ -252,12 +252,20 @@ impl GradientCache<'_> {
     }
 
     /// Multiplies every cached gradient by `factor` (loss scaling: the replay then
-    /// produces `factor` times the parameter gradients).
+    /// produces `factor` times the parameter gradients). Each side is scaled once and the
+    /// chunks' cotangents are taken again as views of it.
     pub fn scale(&mut self, factor: f64) -> Result<()> {
         self.grad_queries = (&self.grad_queries * factor)?;
         self.grad_passages = (&self.grad_passages * factor)?;
-        for (_, cotangent) in &mut self.pending {
-            *cotangent = (&*cotangent * factor)?;
+        let (mut queries, mut passages) = (0, 0);
+        for (chunk, cotangent) in &mut self.pending {
+            let (grads, start) = match chunk.side() {
+                Side::Query => (&self.grad_queries, &mut queries),
+                Side::Passage => (&self.grad_passages, &mut passages),
+            };
+            let rows = cotangent.dim(0)?;
+            *cotangent = grads.narrow(0, *start, rows)?;
+            *start += rows;
         }
         Ok(())
     }

@@ -184,4 +184,13 @@ fn an_unavailable_gpu_is_an_error_naming_it() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("runs on GPUs"), "{err}");
+    let err = Config::load(
+        &setup(dir.path()),
+        &["dist.backend=nccl".to_string(), "device=cuda:1".to_string()],
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("each rank takes its local GPU"),
+        "{err}"
+    );
 }
