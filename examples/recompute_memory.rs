@@ -4,6 +4,9 @@
 //! ```text
 //! cargo run --release --example recompute_memory
 //! cargo run --release --example recompute_memory -- --quick   # smaller models
+//! cargo run --release --example recompute_memory -- --len 256 --bert-only
+//! cargo run --release --example recompute_memory -- --len 256 --bert-only --composed \
+//!     --policies off,attention,sqrt+attention
 //! ```
 //!
 //! A step is one `cache_step` (dropout on) over a batch that fits in one chunk per side, so
@@ -24,7 +27,8 @@ use gradcache::{
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
-fn policies() -> Vec<(&'static str, Recompute)> {
+/// The segment policies, for any stack of layers.
+fn segment_policies() -> Vec<(&'static str, Recompute)> {
     vec![
         ("off", Recompute::Off),
         ("every_layer", Recompute::EveryLayer),
@@ -34,14 +38,48 @@ fn policies() -> Vec<(&'static str, Recompute)> {
     ]
 }
 
+/// The segment policies and selective recompute inside the layers (BERT's sub-layer
+/// sites), alone, by name and composed with segments.
+fn bert_policies() -> Vec<(&'static str, Recompute)> {
+    let selective = |segments: Recompute, keep: &[&str]| Recompute::Selective {
+        segments: Box::new(segments),
+        keep: keep.iter().map(|s| s.to_string()).collect(),
+    };
+    let mut all = segment_policies();
+    all.extend([
+        ("attention", Recompute::Attention),
+        ("keep_intermediate", Recompute::keep(&["intermediate"])),
+        (
+            "probs_only",
+            selective(Recompute::Off, &gradcache::bert::SITES[1..]),
+        ),
+        ("sqrt+attention", selective(Recompute::Sqrt, &[])),
+        ("every_2+attention", selective(Recompute::Every(2), &[])),
+    ]);
+    all
+}
+
 /// Runs one cached step per policy, off first, and prints one line each.
-fn run<E, F>(model: &str, build: F, queries: &E::Input, passages: &E::Input) -> anyhow::Result<()>
+fn run<E, F>(
+    model: &str,
+    policies: Vec<(&'static str, Recompute)>,
+    build: F,
+    queries: &E::Input,
+    passages: &E::Input,
+) -> anyhow::Result<()>
 where
     E: Encoder,
     F: Fn(Recompute) -> gradcache::Result<E>,
 {
     let mut reference: Option<Gradients> = None;
-    for (name, policy) in policies() {
+    let only: Option<Vec<String>> = std::env::args()
+        .skip_while(|a| a != "--policies")
+        .nth(1)
+        .map(|list| list.split(',').map(str::to_string).collect());
+    for (name, policy) in policies {
+        if only.as_ref().is_some_and(|o| !o.iter().any(|p| p == name)) {
+            continue;
+        }
         let chunk = queries.rows().max(passages.rows());
         let loss = InfoNce::new(0.05)?.with_symmetric(true);
         let gc = GradCache::shared(build(policy)?, chunk, loss)?.with_seed(7);
@@ -73,12 +111,24 @@ fn tokens(rows: usize, len: usize, vocab: u32, seed: u32) -> anyhow::Result<Toke
 }
 
 fn main() -> anyhow::Result<()> {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let (hidden, rows, len) = if quick { (64, 4, 32) } else { (256, 16, 128) };
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    // The composed ops (what runs on a GPU and in half precision) instead of the fused
+    // CPU kernels.
+    let composed = args.iter().any(|a| a == "--composed");
+    gradcache::nn::set_fused_kernels(!composed);
+    let (hidden, rows, mut len) = if quick { (64, 4, 32) } else { (256, 16, 128) };
+    if let Some(i) = args.iter().position(|a| a == "--len") {
+        len = args
+            .get(i + 1)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| anyhow::anyhow!("--len needs a sequence length, e.g. --len 256"))?;
+    }
     let cfg = BertConfig::new(1000, hidden, 12, 4, 4 * hidden, 512);
     println!(
         "# bert: 12 layers, hidden {hidden}, {rows} queries + {rows} passages of {len} tokens, \
-         one chunk per side; cores: {}",
+         one chunk per side, {} ops; cores: {}",
+        if composed { "composed" } else { "fused" },
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     let store = ParamStore::new(1, DType::F32, &Device::Cpu);
@@ -92,7 +142,10 @@ fn main() -> anyhow::Result<()> {
         };
         BertEncoder::build(&store, "", &cfg, &options)
     };
-    run("bert12", build, &q, &p)?;
+    run("bert12", bert_policies(), build, &q, &p)?;
+    if args.iter().any(|a| a == "--bert-only") {
+        return Ok(());
+    }
 
     let mlp = DeepMlpConfig {
         input: 64,
@@ -113,6 +166,6 @@ fn main() -> anyhow::Result<()> {
     };
     let x =
         |seed| gradcache::rng::normal(seed, 0.0, 1.0, &(rows, 64).into(), DType::F32, &Device::Cpu);
-    run("deep_mlp24", build, &x(3)?, &x(4)?)?;
+    run("deep_mlp24", segment_policies(), build, &x(3)?, &x(4)?)?;
     Ok(())
 }

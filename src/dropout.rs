@@ -10,6 +10,7 @@
 
 use candle_core::Tensor;
 
+use crate::recompute::Sites;
 use crate::rng;
 use crate::{Error, Result};
 
@@ -50,18 +51,22 @@ impl ChunkSeed {
 pub struct Ctx {
     /// Seeds for this chunk's dropout masks; `None` disables dropout.
     pub dropout: Option<ChunkSeed>,
+    /// The sub-layer sites a graph forward recomputes in its backward instead of keeping
+    /// (selective recompute; set by [`Recomputed`](crate::Recomputed) from its policy).
+    pub recompute: Sites,
 }
 
 impl Ctx {
     /// Evaluation: no dropout.
     pub fn eval() -> Self {
-        Self { dropout: None }
+        Self::default()
     }
 
     /// Training with the masks of `seed`.
     pub fn train(seed: ChunkSeed) -> Self {
         Self {
             dropout: Some(seed),
+            recompute: Sites::NONE,
         }
     }
 }

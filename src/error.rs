@@ -97,6 +97,25 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// A memory budget that no setting fits, found before any step ran.
+    #[error(
+        "memory budget of {} is too small: {what} needs {} (train.memory_budget)",
+        crate::memory::human_bytes(*budget),
+        crate::memory::human_bytes(*needed)
+    )]
+    MemoryBudget {
+        budget: u64,
+        needed: u64,
+        what: String,
+    },
+
+    /// A selective recompute policy names a sub-layer site the model does not have.
+    #[error(
+        "unknown sub-layer site `{name}` in `recompute.keep`: this model's sites are {}",
+        known.join(", ")
+    )]
+    UnknownSite { name: String, known: Vec<String> },
+
     /// A config file is not valid TOML, or does not fit the configuration (an unknown key,
     /// a value of the wrong type).
     #[error("invalid config file {path}: {reason}")]

@@ -27,13 +27,33 @@ use crate::params::{Gradients, Params};
 use crate::replay::{replay, replay_with_input};
 use crate::{Error, Result};
 
-/// Where to cut a stack of layers into recomputed segments. Default: off.
+/// What to recompute in the backward pass instead of keeping it: segments of the layer
+/// stack (cut at layer boundaries), pieces inside each layer (selective recompute), or
+/// both. Default: off.
 #[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Recompute {
-    /// Keep every activation (no recomputation).
+    /// Keep every activation the backward pass reads (no recomputation).
     #[default]
     Off,
+    /// Selective recompute (Megatron-LM's "selective", the OpenAI package's `speed`):
+    /// inside each layer keep the outputs of the matrix products and recompute the cheap
+    /// pieces between them in the backward, the attention probabilities above all
+    /// (`[heads, tokens, tokens]` per sequence: the scores' softmax and its dropout mask),
+    /// also the residual sums under the LayerNorms and the feed-forward activation. Every
+    /// sub-layer site of [`LayerStack::sites`] is recomputed; no segments.
+    Attention,
+    /// Selective recompute of every sub-layer site except those named in `keep`, inside
+    /// the segments of `segments` (any other policy; `off` for none). The OpenAI
+    /// package's `collection`, for the sites inside a layer.
+    Selective {
+        /// How the stack is cut into segments.
+        #[serde(default)]
+        segments: Box<Recompute>,
+        /// Sub-layer sites to keep (names from [`LayerStack::sites`]).
+        #[serde(default)]
+        keep: Vec<String>,
+    },
     /// A boundary before every layer.
     EveryLayer,
     /// A boundary every `k` layers.
@@ -46,9 +66,63 @@ pub enum Recompute {
 }
 
 impl Recompute {
+    /// Selective recompute of every sub-layer site except `keep`, with no segments.
+    pub fn keep(keep: &[&str]) -> Self {
+        Recompute::Selective {
+            segments: Box::new(Recompute::Off),
+            keep: keep.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    /// The sub-layer sites recomputed in a stack whose layers offer `sites`: none unless
+    /// the policy is selective. Fails on a selective policy for a stack without sites and
+    /// on a name in `keep` that is not a site.
+    pub fn recomputed_sites(&self, sites: &[&str]) -> Result<Sites> {
+        let keep: &[String] = match self {
+            Recompute::Attention => &[],
+            Recompute::Selective { keep, .. } => keep,
+            _ => return Ok(Sites::NONE),
+        };
+        if sites.is_empty() {
+            return Err(Error::InvalidConfig {
+                field: "recompute",
+                value: format!("{self:?}"),
+                reason: "selective recompute needs a model with sub-layer sites (BERT has them; \
+                         this model has none): use a segment policy",
+            });
+        }
+        if let Some(unknown) = keep.iter().find(|k| !sites.contains(&k.as_str())) {
+            return Err(Error::UnknownSite {
+                name: unknown.clone(),
+                known: sites.iter().map(|s| s.to_string()).collect(),
+            });
+        }
+        let mut set = Sites::NONE;
+        for (i, site) in sites.iter().enumerate() {
+            if !keep.iter().any(|k| k == site) {
+                set.0 |= 1 << i;
+            }
+        }
+        Ok(set)
+    }
+
     /// Checks the policy against a stack of `layers` layers.
     pub fn validate(&self, layers: usize) -> Result<()> {
         match self {
+            Recompute::Selective { segments, .. } => {
+                if matches!(
+                    **segments,
+                    Recompute::Attention | Recompute::Selective { .. }
+                ) {
+                    return Err(Error::InvalidConfig {
+                        field: "recompute",
+                        value: format!("{self:?}"),
+                        reason: "`segments` must be a segment policy (off, every_layer, \
+                                 every, sqrt, layers)",
+                    });
+                }
+                segments.validate(layers)
+            }
             Recompute::Every(0) => Err(Error::InvalidConfig {
                 field: "recompute",
                 value: "every(0)".into(),
@@ -70,7 +144,8 @@ impl Recompute {
     pub fn segments(&self, layers: usize) -> Result<Option<Vec<Range<usize>>>> {
         self.validate(layers)?;
         let mut starts: Vec<usize> = match self {
-            Recompute::Off => return Ok(None),
+            Recompute::Off | Recompute::Attention => return Ok(None),
+            Recompute::Selective { segments, .. } => return segments.segments(layers),
             Recompute::EveryLayer => (0..layers).collect(),
             Recompute::Every(k) => (0..layers).step_by(*k).collect(),
             Recompute::Sqrt => {
@@ -91,6 +166,21 @@ impl Recompute {
                 .map(|(s, e)| s..e)
                 .collect(),
         ))
+    }
+}
+
+/// The sub-layer sites a layer recomputes, as a set of indices into
+/// [`LayerStack::sites`] (at most 32). Carried in [`Ctx::recompute`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Sites(u32);
+
+impl Sites {
+    /// Nothing recomputed.
+    pub const NONE: Sites = Sites(0);
+
+    /// Whether site `index` (into [`LayerStack::sites`]) is recomputed.
+    pub fn recomputes(self, index: usize) -> bool {
+        index < 32 && self.0 & (1 << index) != 0
     }
 }
 
@@ -115,6 +205,13 @@ pub trait LayerStack {
     /// The output stage: last activations to representations `[rows, width]`.
     fn head(&self, x: &Tensor, aux: &Self::Aux, ctx: &Ctx) -> Result<Tensor>;
 
+    /// Names of the pieces inside a layer that selective recompute can recompute in the
+    /// backward instead of keeping ([`Recompute::Attention`], [`Recompute::Selective`]);
+    /// [`LayerStack::layer`] reads which from [`Ctx::recompute`]. None by default.
+    fn sites(&self) -> &'static [&'static str] {
+        &[]
+    }
+
     /// The whole forward: input stage, the layers in order, output stage.
     fn run(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {
         let aux = self.aux(input)?;
@@ -130,13 +227,24 @@ pub trait LayerStack {
 pub struct Recomputed<M> {
     tower: Tower<M>,
     policy: Recompute,
+    sites: Sites,
 }
 
 impl<M: LayerStack> Recomputed<M> {
     /// Wraps a tower; fails if the policy does not fit the stack.
     pub fn new(tower: Tower<M>, policy: Recompute) -> Result<Self> {
-        policy.validate(tower.graph_model().num_layers())?;
-        Ok(Self { tower, policy })
+        let sites = Self::check(&tower, &policy)?;
+        Ok(Self {
+            tower,
+            policy,
+            sites,
+        })
+    }
+
+    fn check(tower: &Tower<M>, policy: &Recompute) -> Result<Sites> {
+        let model = tower.graph_model();
+        policy.validate(model.num_layers())?;
+        policy.recomputed_sites(model.sites())
     }
 
     /// The policy.
@@ -146,9 +254,17 @@ impl<M: LayerStack> Recomputed<M> {
 
     /// Changes the policy.
     pub fn set_policy(&mut self, policy: Recompute) -> Result<()> {
-        policy.validate(self.tower.graph_model().num_layers())?;
+        self.sites = Self::check(&self.tower, &policy)?;
         self.policy = policy;
         Ok(())
+    }
+
+    /// `ctx` with this policy's sub-layer sites.
+    fn ctx(&self, ctx: &Ctx) -> Ctx {
+        Ctx {
+            recompute: self.sites,
+            ..*ctx
+        }
     }
 
     /// The underlying tower.
@@ -217,10 +333,11 @@ impl<M: LayerStack> Encoder for Recomputed<M> {
     }
 
     fn forward(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {
-        self.tower.graph_model().run(input, ctx)
+        self.tower.graph_model().run(input, &self.ctx(ctx))
     }
 
     fn replay(&self, input: &Self::Input, cotangent: &Tensor, ctx: &Ctx) -> Result<Gradients> {
+        let ctx = &self.ctx(ctx);
         let layers = self.tower.graph_model().num_layers();
         match self.policy.segments(layers)? {
             None => replay(self.params(), cotangent, || self.forward(input, ctx)),

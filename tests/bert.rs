@@ -227,6 +227,120 @@ fn checkpointing_does_not_change_bert_gradients() {
     }
 }
 
+/// The first parameter whose gradient differs in any bit (or is missing), if any.
+fn differing_bits(got: &Gradients, want: &Gradients) -> Option<String> {
+    if got.len() != want.len() {
+        return Some(format!("{} gradients, want {}", got.len(), want.len()));
+    }
+    want.iter()
+        .find(|(name, w)| got.get(name).map(common::bits) != Some(common::bits(w)))
+        .map(|(name, _)| name.to_string())
+}
+
+/// The selective recompute policies (each sub-layer site alone, all of them, and
+/// composed with segments) leave every gradient of `off` unchanged, bit for bit, dropout
+/// on, on padded rows.
+#[test]
+fn selective_recompute_gives_the_gradients_of_off_bit_for_bit() {
+    let cfg = config();
+    let store = ParamStore::new(16, DType::F32, &Device::Cpu);
+    let build = |policy| BertEncoder::build(&store, "", &cfg, &options(Pooling::Mean, policy));
+    let (ids, mask) = (
+        Tensor::new(&[[5u32, 9, 14, 3, 0, 0], [7, 2, 11, 4, 8, 6]], &Device::Cpu).unwrap(),
+        Tensor::new(&[[1u32, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], &Device::Cpu).unwrap(),
+    );
+    let batch = TokenBatch::new(ids.clone(), mask, ids.zeros_like().unwrap()).unwrap();
+    let ctx = Ctx::train(ChunkSeed {
+        run: 3,
+        step: 1,
+        rank: 0,
+        tower: 1,
+        chunk: 0,
+    });
+    let g = gradcache::rng::normal(8, 0.0, 1.0, &(2, 16).into(), DType::F32, &Device::Cpu).unwrap();
+    let want = build(Recompute::Off)
+        .unwrap()
+        .replay(&batch, &g, &ctx)
+        .unwrap();
+    let mut policies = vec![
+        Recompute::Attention,
+        Recompute::Selective {
+            segments: Box::new(Recompute::Sqrt),
+            keep: vec![],
+        },
+        Recompute::Selective {
+            segments: Box::new(Recompute::EveryLayer),
+            keep: vec!["intermediate".into(), "attention.probs".into()],
+        },
+    ];
+    for site in gradcache::bert::SITES {
+        // Only `site` recomputed: keep the others.
+        let keep: Vec<&str> = gradcache::bert::SITES
+            .into_iter()
+            .filter(|s| *s != site)
+            .collect();
+        policies.push(Recompute::keep(&keep));
+    }
+    for policy in policies {
+        let got = build(policy.clone())
+            .unwrap()
+            .replay(&batch, &g, &ctx)
+            .unwrap();
+        let diff = differing_bits(&got, &want);
+        assert_eq!(diff, None, "{policy:?}: gradients differ from `off`");
+    }
+    // The test can fail: other dropout masks change the bits.
+    let other = Ctx::train(ChunkSeed {
+        chunk: 1,
+        ..ctx.dropout.unwrap()
+    });
+    let moved = build(Recompute::Attention)
+        .unwrap()
+        .replay(&batch, &g, &other)
+        .unwrap();
+    assert!(
+        differing_bits(&moved, &want).is_some(),
+        "other masks, same gradients"
+    );
+}
+
+#[test]
+fn unknown_sub_layer_sites_and_selective_recompute_without_sites_are_refused() {
+    let cfg = config();
+    let store = ParamStore::new(17, DType::F32, &Device::Cpu);
+    let policy = Recompute::keep(&["attention.probs", "attention.dropout"]);
+    let e = BertEncoder::build(&store, "", &cfg, &options(Pooling::Cls, policy))
+        .err()
+        .expect("an unknown site is an error");
+    let msg = e.to_string();
+    assert!(msg.contains("`attention.dropout`"), "{msg}");
+    assert!(
+        msg.contains("attention.probs, attention.output.LayerNorm"),
+        "{msg}"
+    );
+    let nested = Recompute::Selective {
+        segments: Box::new(Recompute::Attention),
+        keep: vec![],
+    };
+    let e = BertEncoder::build(&store, "", &cfg, &options(Pooling::Cls, nested))
+        .err()
+        .expect("a selective policy as segments is an error");
+    assert!(e.to_string().contains("segment policy"), "{e}");
+    // A model without sub-layer sites (the residual MLP) refuses selective recompute.
+    let mlp = DeepMlpConfig {
+        input: 4,
+        hidden: 8,
+        blocks: 2,
+        output: 4,
+        dropout: 0.0,
+    };
+    let tower = Tower::build(&store, "mlp", |vb| DeepMlp::new(&mlp, vb)).unwrap();
+    let e = Recomputed::new(tower, Recompute::Attention)
+        .err()
+        .expect("no sites");
+    assert!(e.to_string().contains("sub-layer sites"), "{e}");
+}
+
 #[test]
 fn checkpointing_does_not_change_deep_mlp_gradients() {
     let cfg = DeepMlpConfig {

@@ -68,6 +68,13 @@ fn bad_configs_and_data_fail_cleanly() {
             "HF_HUB_OFFLINE is set".into(),
         ),
         (
+            vec![
+                "--set",
+                "model.recompute={ selective = { keep = [\"attention.prob\"] } }",
+            ],
+            "unknown sub-layer site `attention.prob` in `recompute.keep`".into(),
+        ),
+        (
             vec!["--set", "dist.bucket_mib=0"],
             "invalid value for `dist.bucket_mib`: 0".into(),
         ),

@@ -243,14 +243,16 @@ fn attention_node_matches_the_composed_attention_and_finite_differences() {
         random(51, &[n, heads, s, d]),
         random(52, &[n, heads, s, d]),
     ];
-    for dropout in [None, Some((11u64, 0.3f32))] {
+    let drop = Some((11u64, 0.3f32));
+    for (dropout, recompute) in [(None, false), (None, true), (drop, false), (drop, true)] {
         let spec = AttentionSpec {
             bias: padding_bias(n, s),
             scale: 0.5,
             dropout,
+            recompute,
         };
         agree(
-            &format!("attention, dropout {dropout:?}"),
+            &format!("attention, dropout {dropout:?}, recompute {recompute}"),
             &inputs,
             &[0, 1, 2],
             &|t| attention(&t[0], &t[1], &t[2], &spec),
@@ -339,16 +341,18 @@ fn self_attention_node_matches_the_projection_and_attention_nodes_and_finite_dif
         random(61, &[3 * h, h]),
         random(62, &[3 * h]),
     ];
-    for dropout in [None, Some((13u64, 0.3f32))] {
+    let drop = Some((13u64, 0.3f32));
+    for (dropout, recompute) in [(None, false), (None, true), (drop, false), (drop, true)] {
         let spec = AttentionSpec {
             bias: padding_bias(n, s),
             scale: 0.5,
             dropout,
+            recompute,
         };
         let fused_fn = |t: &[Tensor]| -> gradcache::Result<Tensor> {
             Ok(fused::self_attention(&t[0], &t[1], &t[2], heads, &spec)?)
         };
-        let name = format!("self-attention, dropout {dropout:?}");
+        let name = format!("self-attention, dropout {dropout:?}, recompute {recompute}");
         agree(&name, &inputs, &[0], &fused_fn, &|t| {
             self_attention_unfused(t, heads, &spec)
         });
@@ -399,6 +403,7 @@ fn self_attention_node_matches_the_projection_and_attention_nodes_and_finite_dif
             bias: padding_bias(n, s),
             scale: 0.5,
             dropout: None,
+            recompute: false,
         }
     )
     .is_err());
@@ -432,4 +437,54 @@ fn shapes_that_do_not_fit_are_errors_not_panics() {
     let before = acc.to_vec1::<f32>().unwrap();
     assert!(fused::add_in_place(&acc, &random(88, &[5])).is_err());
     assert_eq!(acc.to_vec1::<f32>().unwrap(), before);
+}
+
+/// The selective-recompute node keeps only its inputs and gives the gradients of the
+/// function recorded directly, bit for bit: for one to five inputs (beyond three the
+/// gradients travel through relay nodes), composed ops inside and fused ones.
+#[test]
+fn recomputed_nodes_give_the_gradients_of_the_recorded_function_bit_for_bit() {
+    use gradcache::nn::{linear_composed, recomputed};
+    type F = fn(&[Tensor]) -> gradcache::Result<Tensor>;
+    let cases: [(&str, Vec<Vec<usize>>, F); 5] = [
+        ("one input", vec![vec![5, 6]], |t| Ok(t[0].exp()?)),
+        ("two inputs", vec![vec![5, 6]; 2], |t| {
+            Ok((&t[0] * &t[1])?.tanh()?)
+        }),
+        (
+            "four inputs: activation and linear, composed",
+            vec![vec![5, 6], vec![6], vec![3, 6], vec![3]],
+            |t| {
+                let h = bias_activation_composed(&t[0], &t[1], Act::GeluErf)?;
+                linear_composed(&h, &t[2], Some(&t[3]))
+            },
+        ),
+        (
+            "four inputs: fused layer norm of a sum",
+            vec![vec![5, 6], vec![5, 6], vec![6], vec![6]],
+            |t| layer_norm(&(&t[0] + &t[1])?, &t[2], &t[3], 1e-5),
+        ),
+        ("five inputs", vec![vec![4, 3]; 5], |t| {
+            Ok(((((&t[0] * &t[1])? + &t[2])?.tanh()? * &t[3])? - &t[4])?)
+        }),
+    ];
+    for (c, (name, shapes, f)) in cases.into_iter().enumerate() {
+        let inputs: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| random(200 + 10 * c as u64 + i as u64, s))
+            .collect();
+        let cot = random(299, f(&inputs).unwrap().dims());
+        let (y, g) = value_and_grads(&inputs, &cot, &f);
+        let node = move |t: &[Tensor]| {
+            let refs: Vec<&Tensor> = t.iter().collect();
+            recomputed("test", &refs, f)
+        };
+        let (yr, gr) = value_and_grads(&inputs, &cot, &node);
+        assert_eq!(max_diff(&y, &yr), 0.0, "{name}: forward");
+        assert_eq!(g.len(), gr.len());
+        for (i, (a, b)) in g.iter().zip(&gr).enumerate() {
+            assert_eq!(max_diff(a, b), 0.0, "{name}: gradient of input {i}");
+        }
+    }
 }

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
-use gradcache::{GradCache, InfoNce, ParamStore, Recompute, StepOutput, TokenBatch};
+use gradcache::{GradCache, InfoNce, ParamStore, Precision, Recompute, StepOutput, TokenBatch};
 
 mod common;
 use common::rel_err_with_zeros;
@@ -36,6 +36,10 @@ fn tokens(seed: usize, rows: usize) -> TokenBatch {
 }
 
 fn step(fused: bool, recompute: Recompute) -> StepOutput {
+    step_in(fused, recompute, Precision::F32)
+}
+
+fn step_in(fused: bool, recompute: Recompute, precision: Precision) -> StepOutput {
     gradcache::nn::set_fused_kernels(fused);
     let cfg = config();
     let store = ParamStore::new(21, DType::F32, &Device::Cpu);
@@ -43,7 +47,7 @@ fn step(fused: bool, recompute: Recompute) -> StepOutput {
         pooling,
         normalize: true,
         recompute: recompute.clone(),
-        ..Default::default()
+        precision,
     };
     let q = BertEncoder::build(&store, "query", &cfg, &options(Pooling::Cls)).unwrap();
     let p = BertEncoder::build(&store, "passage", &cfg, &options(Pooling::Mean)).unwrap();
@@ -81,5 +85,34 @@ fn fused_kernels_give_the_composed_step() {
             err <= 1e-5,
             "{recompute:?}: max relative gradient error {err:e}"
         );
+    }
+
+    // Selective recompute on the composed path (what runs on a GPU) and in half
+    // precision: the gradients of `off`, bit for bit.
+    for (fused, precision) in [(false, Precision::F32), (true, Precision::Bf16)] {
+        let off = step_in(fused, Recompute::Off, precision);
+        for policy in [
+            Recompute::Attention,
+            Recompute::Selective {
+                segments: Box::new(Recompute::Sqrt),
+                keep: vec!["output.LayerNorm".into()],
+            },
+        ] {
+            let got = step_in(fused, policy.clone(), precision);
+            assert_eq!(
+                got.loss.to_bits(),
+                off.loss.to_bits(),
+                "{policy:?} {precision:?}"
+            );
+            assert_eq!(got.grads.len(), off.grads.len());
+            for (name, want) in off.grads.iter() {
+                let g = got.grads.get(name).expect("a gradient");
+                assert_eq!(
+                    common::bits(g),
+                    common::bits(want),
+                    "{policy:?} {precision:?} fused={fused}: `{name}` differs from off"
+                );
+            }
+        }
     }
 }

@@ -52,6 +52,28 @@ fn quickstart_config_parses_with_overrides() {
     assert_eq!(cfg.optim.lr, 0.5);
     assert_eq!(cfg.model.recompute, Recompute::Every(2));
     assert_eq!(cfg.model.fresh.hidden_size, 64);
+    let selective = |value: &str| {
+        let set = format!("model.recompute={value}");
+        Config::load(Path::new("configs/quickstart.toml"), &[set])
+            .unwrap()
+            .model
+            .recompute
+    };
+    assert_eq!(selective("\"attention\""), Recompute::Attention);
+    assert_eq!(
+        selective("{ selective = { segments = \"sqrt\", keep = [\"intermediate\"] } }"),
+        Recompute::Selective {
+            segments: Box::new(Recompute::Sqrt),
+            keep: vec!["intermediate".into()],
+        }
+    );
+    assert_eq!(
+        selective("{ selective = { segments = { every = 2 } } }"),
+        Recompute::Selective {
+            segments: Box::new(Recompute::Every(2)),
+            keep: vec![],
+        }
+    );
     assert_eq!(cfg.data.fields.query, "anchor");
     assert_eq!(cfg.seed, 3);
     assert_eq!(cfg.output_dir, Path::new("/tmp/elsewhere"));

@@ -294,6 +294,21 @@ pub struct BertOptions {
     pub precision: Precision,
 }
 
+/// The sub-layer sites of a BERT layer that selective recompute can recompute instead of
+/// keeping (Hugging Face module names): the attention probabilities (scores, softmax and
+/// dropout), the residual sum under each LayerNorm, and the feed-forward activation (the
+/// output of `intermediate`, four times the hidden width).
+pub const SITES: [&str; 4] = [
+    "attention.probs",
+    "attention.output.LayerNorm",
+    "intermediate",
+    "output.LayerNorm",
+];
+const SITE_ATTENTION_PROBS: usize = 0;
+const SITE_ATTENTION_NORM: usize = 1;
+const SITE_INTERMEDIATE: usize = 2;
+const SITE_OUTPUT_NORM: usize = 3;
+
 /// Dropout sites inside a layer (the `site` of a mask seed).
 mod site {
     pub const EMBEDDINGS: u32 = 0;
@@ -428,6 +443,7 @@ impl Bert {
             dropout: self
                 .attention_dropout
                 .mask(ctx, layer_id(i), site::ATTENTION_PROBS),
+            recompute: ctx.recompute.recomputes(SITE_ATTENTION_PROBS),
         };
         crate::nn::self_attention(
             x,
@@ -490,25 +506,42 @@ impl LayerStack for Bert {
     fn layer(&self, i: usize, x: &Tensor, aux: &BertAux, ctx: &Ctx) -> Result<Tensor> {
         let layer = &self.layers[i];
         let id = layer_id(i);
+        let recompute = |site: usize| ctx.recompute.recomputes(site);
+        let add_norm = |x: &Tensor, residual: &Tensor, norm: &LayerNorm, mask, site: usize| {
+            if recompute(site) {
+                crate::nn::add_norm_recomputed(x, residual, norm, mask)
+            } else {
+                crate::nn::add_norm(x, residual, norm, mask)
+            }
+        };
         let attended = layer
             .attention_output
             .forward(&self.self_attention(i, x, aux, ctx)?)?;
-        let x = crate::nn::add_norm(
+        let x = add_norm(
             &attended,
             x,
             &layer.attention_norm,
             self.hidden_dropout.mask(ctx, id, site::ATTENTION_OUTPUT),
+            SITE_ATTENTION_NORM,
         )?;
-        let hidden = layer
-            .intermediate
-            .forward_activated(&x, self.activation.fused())?;
-        let out = layer.output.forward(&hidden)?;
-        crate::nn::add_norm(
+        let out = crate::nn::feed_forward(
+            &x,
+            &layer.intermediate,
+            self.activation.fused(),
+            &layer.output,
+            recompute(SITE_INTERMEDIATE),
+        )?;
+        add_norm(
             &out,
             &x,
             &layer.output_norm,
             self.hidden_dropout.mask(ctx, id, site::FEED_FORWARD_OUTPUT),
+            SITE_OUTPUT_NORM,
         )
+    }
+
+    fn sites(&self) -> &'static [&'static str] {
+        &SITES
     }
 
     fn head(&self, x: &Tensor, aux: &BertAux, _: &Ctx) -> Result<Tensor> {

@@ -25,6 +25,8 @@
 //! the composed versions elsewhere (CUDA), and the tests hold the two equal forward and
 //! backward.
 
+use std::sync::{Arc, Mutex};
+
 use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, InplaceOp2, Layout, Shape, Tensor, WithDType,
@@ -822,10 +824,12 @@ type Backward =
 /// A graph node whose forward was computed without a graph and whose backward is written
 /// by hand: candle's autograd sees one node where the composed form records a dozen, each
 /// with a zero-filled accumulator and an addition in the backward pass. The forward kernel
-/// hands back a copy of the precomputed output.
+/// hands back a copy of the precomputed output and drops the original: the node lives as
+/// long as its output does (candle keeps the op with the tensor), so holding the original
+/// would keep every fused output twice.
 struct Node {
     name: &'static str,
-    output: Tensor,
+    output: std::sync::Mutex<Option<Tensor>>,
     backward: Backward,
 }
 
@@ -843,7 +847,8 @@ impl CustomOp3 for Node {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (storage, layout) = self.output.storage_and_layout();
+        let output = self.take_output()?;
+        let (storage, layout) = output.storage_and_layout();
         match (&*storage, layout.contiguous_offsets()) {
             (candle_core::Storage::Cpu(s), Some((0, end)))
                 if end == layout.shape().elem_count() =>
@@ -857,6 +862,24 @@ impl CustomOp3 for Node {
         }
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let output = self.take_output()?;
+        let (storage, layout) = output.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
+            _ => candle_core::bail!("{}: the precomputed output must be on the GPU", self.name),
+        }
+    }
+
     fn bwd(
         &self,
         _: &Tensor,
@@ -867,6 +890,17 @@ impl CustomOp3 for Node {
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let [a, b, c] = (self.backward)(&grad.detach())?;
         Ok((a, b, c))
+    }
+}
+
+impl Node {
+    /// The precomputed output, handed over once.
+    fn take_output(&self) -> candle_core::Result<Tensor> {
+        self.output
+            .lock()
+            .map_err(|_| candle_core::Error::Msg(format!("{}: poisoned output", self.name)))?
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg(format!("{}: the forward ran twice", self.name)))
     }
 }
 
@@ -892,9 +926,128 @@ fn node(
         inputs[2],
         Node {
             name,
-            output,
+            output: std::sync::Mutex::new(Some(output)),
             backward,
         },
+    )
+}
+
+/// The backward of a node over any number of inputs: one gradient (or `None`) per input.
+type BackwardN =
+    Box<dyn Fn(&Tensor) -> candle_core::Result<Vec<Option<Tensor>>> + Send + Sync + 'static>;
+
+/// [`node`] over any number of inputs. candle's custom ops take at most three, so inputs
+/// beyond the second hang off a *relay*: a node over them whose output is a one-element
+/// token, passed as the main node's third input. The main node's backward computes every
+/// gradient at once, leaves those of the relayed inputs in a shared cell and hands the
+/// token a zero; candle then reaches the relay (its output has a gradient), which gives
+/// the relayed inputs their gradients from the cell.
+fn node_n(
+    name: &'static str,
+    inputs: &[&Tensor],
+    output: Tensor,
+    backward: BackwardN,
+) -> candle_core::Result<Tensor> {
+    let count = inputs.len();
+    if count == 0 {
+        candle_core::bail!("{name}: a node needs at least one input");
+    }
+    if count <= 3 {
+        // Pad with the first input; the padding gets no gradient.
+        let padded = [
+            inputs[0],
+            inputs[1.min(count - 1)],
+            inputs[2.min(count - 1)],
+        ];
+        return node(
+            name,
+            padded,
+            output,
+            Box::new(move |dy| {
+                let mut grads = backward(dy)?.into_iter();
+                let mut next = |i: usize| {
+                    if i < count {
+                        grads.next().flatten()
+                    } else {
+                        None
+                    }
+                };
+                Ok([next(0), next(1), next(2)])
+            }),
+        );
+    }
+    let cell: Arc<Mutex<Vec<Option<Tensor>>>> = Arc::default();
+    let token = Tensor::zeros(1, output.dtype(), output.device())?;
+    let relayed = {
+        let cell = cell.clone();
+        node_n(
+            "gradcache-relay",
+            &inputs[2..],
+            token.clone(),
+            Box::new(move |_| {
+                let grads = std::mem::take(
+                    &mut *cell
+                        .lock()
+                        .map_err(|_| candle_core::Error::Msg("relay: poisoned cell".into()))?,
+                );
+                if grads.is_empty() {
+                    candle_core::bail!("relay: the main node's backward has not run");
+                }
+                Ok(grads)
+            }),
+        )?
+    };
+    let zero = token;
+    node(
+        name,
+        [inputs[0], inputs[1], &relayed],
+        output,
+        Box::new(move |dy| {
+            let mut grads = backward(dy)?;
+            if grads.len() != count {
+                candle_core::bail!("{name}: {} gradients for {count} inputs", grads.len());
+            }
+            let rest = grads.split_off(2);
+            *cell
+                .lock()
+                .map_err(|_| candle_core::Error::Msg("relay: poisoned cell".into()))? = rest;
+            let mut head = grads.into_iter();
+            Ok([
+                head.next().flatten(),
+                head.next().flatten(),
+                Some(zero.clone()),
+            ])
+        }),
+    )
+}
+
+/// `f(inputs)` as one graph node that keeps nothing but its inputs (selective
+/// recompute): the forward runs `f` without a graph; the backward runs it again with a
+/// graph over fresh copies of the inputs and back-propagates the output's gradient through
+/// it, handing each input its gradient. The recomputation is the same arithmetic (and the
+/// same dropout masks, which come from seeds) as the forward, so the gradients are those
+/// of `f` recorded directly, bit for bit. Every tensor `f` reads that needs a gradient
+/// must be one of `inputs`; anything else it captures is a constant.
+pub fn recomputed<F>(name: &'static str, inputs: &[&Tensor], f: F) -> candle_core::Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+{
+    let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
+    let output = f(&detached)?.detach();
+    node_n(
+        name,
+        inputs,
+        output,
+        Box::new(move |dy| {
+            let vars = detached
+                .iter()
+                .map(candle_core::Var::from_tensor)
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let tracked: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let out = f(&tracked)?;
+            let store = out.mul(&dy.to_dtype(out.dtype())?)?.sum_all()?.backward()?;
+            Ok(tracked.iter().map(|t| store.get(t).cloned()).collect())
+        }),
     )
 }
 
@@ -945,6 +1098,10 @@ pub struct AttentionSpec {
     pub scale: f64,
     /// Dropout on the probabilities: `(mask seed, drop probability)`.
     pub dropout: Option<(u64, f32)>,
+    /// Recompute the probabilities (scores, softmax, dropout mask) in the backward pass
+    /// instead of keeping them (selective recompute): nothing of size `[n, heads, s, s]`
+    /// outlives the forward, for one more `q k^T` product and softmax in the backward.
+    pub recompute: bool,
 }
 
 /// The probabilities after dropout, and before.
@@ -962,16 +1119,21 @@ fn attention_probs(
     Ok((dropped, probs))
 }
 
-/// `[dq, dk, dv]` of attention from `dctx` (contiguous, `[n, heads, s, d]`): the
-/// probabilities recomputed from `q` and `k`, the dropout mask regenerated from its seed.
+/// `[dq, dk, dv]` of attention from `dctx` (contiguous, `[n, heads, s, d]`): the kept
+/// probabilities `(after dropout, before)`, or with `None` the probabilities recomputed
+/// from `q` and `k` (the dropout mask is always regenerated from its seed).
 fn attention_backward(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     spec: &AttentionSpec,
+    kept: Option<&(Tensor, Tensor)>,
     dctx: &Tensor,
 ) -> candle_core::Result<[Tensor; 3]> {
-    let (dropped, probs) = attention_probs(q, k, spec)?;
+    let (dropped, probs) = match kept {
+        Some((dropped, probs)) => (dropped.clone(), probs.clone()),
+        None => attention_probs(q, k, spec)?,
+    };
     let dv = dropped.t()?.matmul(dctx)?;
     let d_dropped = dctx.matmul(&v.t()?)?;
     let d_probs = match spec.dropout {
@@ -985,11 +1147,11 @@ fn attention_backward(
 }
 
 /// `dropout(softmax(scale * q k^T + bias)) v` for `q`, `k`, `v` `[n, heads, s, d]`, as one
-/// node that keeps nothing of size `[n, heads, s, s]`: the backward recomputes the
-/// probabilities from `q` and `k` (a matrix product and a softmax row pass, cheap next to
-/// the rest of the layer), regenerates the dropout mask from its seed, and runs the
-/// softmax backward kernel. This is Megatron's selective recompute of attention, here for
-/// speed as much as for memory.
+/// node. With `spec.recompute` it keeps nothing of size `[n, heads, s, s]`: the backward
+/// recomputes the probabilities from `q` and `k` (a matrix product and a softmax row
+/// pass, cheap next to the rest of the layer), regenerates the dropout mask from its
+/// seed, and runs the softmax backward kernel (Megatron's selective recompute of
+/// attention); without it the node keeps the probabilities before and after dropout.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -1005,14 +1167,16 @@ pub fn attention(
         bias: spec.bias.contiguous()?.detach(),
         ..spec.clone()
     };
-    let (dropped, _) = attention_probs(&qd, &kd, &spec)?;
-    let ctx = dropped.matmul(&vd)?;
+    let probs = attention_probs(&qd, &kd, &spec)?;
+    let ctx = probs.0.matmul(&vd)?;
+    let kept = (!spec.recompute).then_some(probs);
     node(
         "gradcache-attention",
         [q, k, v],
         ctx,
         Box::new(move |dctx| {
-            let [dq, dk, dv] = attention_backward(&qd, &kd, &vd, &spec, &dctx.contiguous()?)?;
+            let dctx = dctx.contiguous()?;
+            let [dq, dk, dv] = attention_backward(&qd, &kd, &vd, &spec, kept.as_ref(), &dctx)?;
             Ok([Some(dq), Some(dk), Some(dv)])
         }),
     )
@@ -1022,7 +1186,8 @@ pub fn attention(
 /// `(x, W_qkv, b_qkv)`, the query, key and value projections stacked into one `[3h, h]`
 /// weight: one matrix product gives `q`, `k` and `v`, which are split into `heads`, attend
 /// as in [`attention`], and come back with the heads merged, `[n, s, h]`. The backward
-/// recomputes the probabilities, merges `dq`, `dk`, `dv` into one `[n s, 3h]` gradient and
+/// takes the kept probabilities or recomputes them (`spec.recompute`), merges `dq`, `dk`,
+/// `dv` into one `[n s, 3h]` gradient and
 /// runs one product for `dx` and one for `dW_qkv`. candle's autograd sees one node where
 /// three projections, the head split and merge and the attention record fifteen, each with
 /// a zero-filled accumulator and an addition in the backward pass.
@@ -1056,12 +1221,14 @@ pub fn self_attention(
         bias: spec.bias.contiguous()?.detach(),
         ..spec.clone()
     };
-    let (dropped, _) = attention_probs(&q, &k, &spec)?;
-    let out = dropped
+    let probs = attention_probs(&q, &k, &spec)?;
+    let out = probs
+        .0
         .matmul(&v)?
         .transpose(1, 2)?
         .contiguous()?
         .reshape((n, s, h))?;
+    let kept = (!spec.recompute).then_some(probs);
     node(
         "gradcache-self-attention",
         [x, w_qkv, b_qkv],
@@ -1071,7 +1238,7 @@ pub fn self_attention(
                 .reshape((n, s, heads, d))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let [dq, dk, dv] = attention_backward(&q, &k, &v, &spec, &dctx)?;
+            let [dq, dk, dv] = attention_backward(&q, &k, &v, &spec, kept.as_ref(), &dctx)?;
             // [n, heads, 3, s, d] -> [n, s, 3, heads, d] = [n s, 3h], the layout of qkv.
             let dqkv = Tensor::stack(&[dq, dk, dv], 2)?
                 .permute((0, 3, 2, 1, 4))?

@@ -133,6 +133,57 @@ pub fn add_norm(
     add_norm_composed(x, residual, norm, dropout)
 }
 
+/// [`add_norm`] as a node that keeps only its inputs: the residual sum under the
+/// LayerNorm (kept by [`add_norm`]) is recomputed in the backward pass.
+pub fn add_norm_recomputed(
+    x: &Tensor,
+    residual: &Tensor,
+    norm: &LayerNorm,
+    dropout: Option<(u64, f32)>,
+) -> Result<Tensor> {
+    let eps = norm.eps;
+    recomputed(
+        "gradcache-add-norm-recomputed",
+        &[x, residual, &norm.weight, &norm.bias],
+        move |t| {
+            let norm = LayerNorm {
+                weight: t[2].clone(),
+                bias: t[3].clone(),
+                eps,
+            };
+            add_norm(&t[0], &t[1], &norm, dropout)
+        },
+    )
+}
+
+/// A transformer's feed-forward block without the residual, `down(act(up(x)))`. With
+/// `recompute` the activation's output (`[.., up width]`, the widest activation of the
+/// layer) is not kept: the activation and `down` form one node over `up`'s output that
+/// recomputes the activation in the backward pass ([`recomputed`]).
+pub fn feed_forward(
+    x: &Tensor,
+    up: &Linear,
+    act: Act,
+    down: &Linear,
+    recompute: bool,
+) -> Result<Tensor> {
+    if !recompute {
+        return down.forward(&up.forward_activated(x, act)?);
+    }
+    let pre = linear(x, &up.weight, None)?;
+    let width = pre.dim(D::Minus1)?;
+    let up_bias = match &up.bias {
+        Some(b) => b.clone(),
+        None => Tensor::zeros(width, up.weight.dtype(), up.weight.device())?,
+    };
+    let mut inputs = vec![&pre, &up_bias, &down.weight];
+    inputs.extend(down.bias.as_ref());
+    recomputed("gradcache-feed-forward-recomputed", &inputs, move |t| {
+        let hidden = bias_activation(&t[0], &t[1], act)?;
+        linear(&hidden, &t[2], t.get(3))
+    })
+}
+
 /// Composed `norm(dropout(x) + residual)` (see [`add_norm`]).
 pub fn add_norm_composed(
     x: &Tensor,
@@ -367,8 +418,10 @@ pub fn bias_activation_composed(x: &Tensor, bias: &Tensor, act: Act) -> Result<T
 
 /// Scaled dot-product attention with an additive key mask and dropout on the
 /// probabilities, `dropout(softmax(scale * q k^T + bias)) v`, for `q`, `k`, `v`
-/// `[n, heads, s, d]`: one node that recomputes the probabilities in its backward
-/// ([`fused::attention`]) where the fused kernels run, else [`attention_composed`].
+/// `[n, heads, s, d]`: one node ([`fused::attention`]) where the fused kernels run, else
+/// [`attention_composed`]. With `spec.recompute` nothing of size `[n, heads, s, s]` is
+/// kept for the backward, which recomputes the probabilities (the composed form then runs
+/// inside a [`recomputed`] node).
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -378,7 +431,29 @@ pub fn attention(
     if fused_ok(&[q, k, v, &spec.bias]) && q.rank() == 4 {
         return Ok(fused::attention(q, k, v, spec)?);
     }
+    if spec.recompute {
+        let spec = spec.clone();
+        return recomputed("gradcache-attention-recomputed", &[q, k, v], move |t| {
+            attention_composed(&t[0], &t[1], &t[2], &spec)
+        });
+    }
     attention_composed(q, k, v, spec)
+}
+
+/// `f(inputs)` as one graph node that keeps only its inputs and recomputes the rest in
+/// the backward pass, bit for bit ([`fused::recomputed`]): selective recompute of a cheap
+/// piece of a layer, on any device and dtype. Every tensor `f` reads that needs a
+/// gradient must be one of `inputs`.
+pub fn recomputed<F>(name: &'static str, inputs: &[&Tensor], f: F) -> Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+{
+    Ok(fused::recomputed(name, inputs, move |t| {
+        f(t).map_err(|e| match e {
+            crate::Error::Candle(e) => e,
+            e => candle_core::Error::Msg(e.to_string()),
+        })
+    })?)
 }
 
 /// BERT's multi-head self-attention from the hidden states `x` `[n, s, h]`: the query,
