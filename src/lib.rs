@@ -46,6 +46,7 @@
 //! [candle]: https://github.com/huggingface/candle
 
 pub mod batch;
+pub mod budget;
 pub mod cache;
 pub mod device;
 pub mod dist;

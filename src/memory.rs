@@ -66,6 +66,18 @@ unsafe impl GlobalAlloc for CountingAllocator {
     }
 }
 
+/// `bytes` for people: `1.50 GiB`, `312.0 MiB`, `12.0 KiB`, `900 B`.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    for (unit, size) in UNITS {
+        if bytes >= size {
+            let digits = if unit == "GiB" { 2 } else { 1 };
+            return format!("{:.*} {unit}", digits, bytes as f64 / size as f64);
+        }
+    }
+    format!("{bytes} B")
+}
+
 /// Bytes allocated right now (0 unless [`CountingAllocator`] is installed).
 pub fn current_bytes() -> usize {
     CURRENT.load(Ordering::Relaxed)

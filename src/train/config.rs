@@ -273,6 +273,12 @@ pub struct TrainConfig {
     pub checkpoint_every: u64,
     /// Checkpoints to keep.
     pub keep_checkpoints: usize,
+    /// Heap memory a step may use, e.g. `"2GiB"` (CPU runs). When set, a probe at
+    /// start-up measures the encoder's replay per row and picks the chunk sizes and the
+    /// recompute policy (`query_chunk`, `passage_chunk` and `model.recompute` are then
+    /// chosen, not read); a budget nothing fits is refused before any step. See
+    /// [`crate::budget`].
+    pub memory_budget: Option<String>,
 }
 
 impl Default for TrainConfig {
@@ -286,6 +292,7 @@ impl Default for TrainConfig {
             eval_every: 0,
             checkpoint_every: 0,
             keep_checkpoints: 2,
+            memory_budget: None,
         }
     }
 }
@@ -437,6 +444,9 @@ impl Config {
         }
         if t.passage_chunk == 0 {
             return Err(invalid("train.passage_chunk", 0, "must be at least 1"));
+        }
+        if let Some(budget) = &t.memory_budget {
+            crate::budget::parse_bytes(budget)?;
         }
         self.loss_scale.scaler().validate()?;
         if self.dist.backend == Backend::Nccl {

@@ -209,6 +209,8 @@ pub struct Trainer {
     comm: Rc<dyn Collective>,
     /// The dynamic loss scaler of f16 training.
     scaler: Option<LossScaler>,
+    /// With `train.memory_budget`: the predicted heap peak of a step (bytes).
+    predicted_peak: Option<u64>,
 }
 
 impl Trainer {
@@ -249,8 +251,20 @@ impl Trainer {
                 }
             ));
         }
-        let model = build_model(&cfg, &data.texts, &*comm, &device)?;
+        let mut model = build_model(&cfg, &data.texts, &*comm, &device)?;
+        let mut cfg = cfg;
+        let mut predicted_peak = None;
+        if let Some(budget) = cfg.train.memory_budget.clone() {
+            let world = comm.world_size();
+            let plan = plan_memory(&cfg, &mut model, &data.texts, &device, world, &budget)?;
+            cfg.model.recompute = plan.policy.clone();
+            cfg.train.query_chunk = plan.query_chunk;
+            cfg.train.passage_chunk = plan.passage_chunk;
+            predicted_peak = Some(plan.predicted);
+            notes.push(plan.note);
+        }
         let mut trainer = Self::assemble(cfg, data, model, comm, notes, device)?;
+        trainer.predicted_peak = predicted_peak;
         if let Some(path) = resume {
             let restored = trainer.restore(path);
             dist::agree(&*trainer.comm, restored)?;
@@ -296,6 +310,7 @@ impl Trainer {
         };
         Ok(Self {
             device,
+            predicted_peak: None,
             scaler: cfg
                 .precision
                 .needs_loss_scaling()
@@ -364,6 +379,17 @@ impl Trainer {
             ));
         }
         Ok(())
+    }
+
+    /// With `train.memory_budget`: the heap peak a step was predicted to reach, in bytes
+    /// (what the chosen chunk sizes and recompute policy were fitted to).
+    pub fn predicted_peak(&self) -> Option<u64> {
+        self.predicted_peak
+    }
+
+    /// Notes of the set-up (device, memory plan, data), as the log shows them.
+    pub fn setup_notes(&self) -> &[String] {
+        &self.notes
     }
 
     /// This process's rank (0 in a single-process run).
@@ -527,11 +553,11 @@ impl Trainer {
     fn step_flops(&self, queries: &TokenBatch, passages: &TokenBatch) -> Result<f64> {
         // Graph-free forward, replay forward, backward (two forwards' worth); a recompute
         // policy adds the graph-free forward of the replay's segments.
-        let passes = if self.cfg.model.recompute == Recompute::Off {
-            4.0
-        } else {
-            5.0
-        };
+        // Selective recompute alone re-runs no matrix product but the attention scores
+        // (not counted as a pass).
+        let layers = self.bert.num_hidden_layers;
+        let segmented = self.cfg.model.recompute.segments(layers)?.is_some();
+        let passes = if segmented { 5.0 } else { 4.0 };
         let t = &self.cfg.train;
         let mut forward = 0.0;
         for (batch, chunk) in [(queries, t.query_chunk), (passages, t.passage_chunk)] {
@@ -683,6 +709,264 @@ impl Trainer {
 }
 
 /// The encoder options a configuration asks for.
+/// A memory plan with the line the log shows.
+struct MemoryPlan {
+    policy: Recompute,
+    query_chunk: usize,
+    passage_chunk: usize,
+    predicted: u64,
+    note: String,
+}
+
+/// Rows of the two probe replays per side and policy.
+const PROBE_ROWS: (usize, usize) = (2, 6);
+
+/// `train.memory_budget`: measures one replay of each side at the longest text's length
+/// for each policy from the fastest to the leanest (off, attention, sqrt + attention,
+/// every layer + attention), and the loss at the full batch, then picks the chunk sizes
+/// and the policy ([`crate::budget`]) and sets the policy on the towers. Runs before any
+/// file is written; an impossible budget is an error.
+fn plan_memory(
+    cfg: &Config,
+    model: &mut Model,
+    texts: &[String],
+    device: &Device,
+    world: usize,
+    budget: &str,
+) -> Result<MemoryPlan> {
+    use crate::budget::{equivalent_rows, parse_bytes, PolicyCost, ReplayCost, StepShape};
+    let budget = parse_bytes(budget)?;
+    let invalid = |reason| Error::InvalidConfig {
+        field: "train.memory_budget",
+        value: memory::human_bytes(budget),
+        reason,
+    };
+    if !device.is_cpu() {
+        return Err(invalid(
+            "the budget is measured on the CPU heap; on a GPU set train.query_chunk, \
+             train.passage_chunk and model.recompute",
+        ));
+    }
+    if memory::current_bytes() == 0 {
+        return Err(invalid(
+            "measuring needs gradcache::memory::CountingAllocator as the global allocator \
+             (the gradcache binary installs it)",
+        ));
+    }
+    let t = &cfg.train;
+    let width = model.bert.hidden_size;
+    let (q_rows, p_rows) = (
+        t.batch_size / world,
+        t.batch_size / world * (1 + t.hard_negatives),
+    );
+    // Chunks are padded to their longest text, so the probes run at the longest text of
+    // the training data (a sample of up to 20,000 texts), within each side's max_len.
+    let sample: Vec<&str> = texts
+        .iter()
+        .step_by(texts.len().div_ceil(20_000).max(1))
+        .map(String::as_str)
+        .collect();
+    let longest = |max_len| -> Result<usize> {
+        if sample.is_empty() {
+            return Ok(max_len);
+        }
+        let batch = Tokenizer::new(model.tokenizer.clone(), max_len)?.encode(&sample, device)?;
+        Ok(batch.input_ids.dim(1)?)
+    };
+    let (q_len, p_len) = (
+        longest(cfg.model.query_max_len)?,
+        longest(cfg.model.passage_max_len)?,
+    );
+    // One batch's worth of text lengths per side, shortest first, for the chunk padding.
+    let lengths = |max_len: usize, rows: usize| -> Result<Vec<usize>> {
+        let mut all = Vec::with_capacity(sample.len());
+        for texts in sample.chunks(1024) {
+            let b = Tokenizer::new(model.tokenizer.clone(), max_len)?.encode(texts, device)?;
+            let m = b
+                .attention_mask
+                .to_dtype(DType::U32)?
+                .sum(1)?
+                .to_vec1::<u32>()?;
+            all.extend(m.into_iter().map(|l| l as usize));
+        }
+        // Spread `rows` picks over the sample (which is in data order, not length order).
+        let step = (all.len() / rows.max(1)).max(1);
+        let mut picked: Vec<usize> = all.into_iter().step_by(step).take(rows).collect();
+        picked.sort_unstable();
+        Ok(picked)
+    };
+    let vocab = model.bert.vocab_size as u32;
+    let probe_batch = |rows: usize, len: usize| -> Result<TokenBatch> {
+        let ids: Vec<u32> = (0..rows * len)
+            .map(|i| 1 + (i as u32).wrapping_mul(2_654_435_761) % (vocab - 1).max(1))
+            .collect();
+        let ids = Tensor::from_vec(ids, (rows, len), device)?;
+        TokenBatch::new(ids.clone(), ids.ones_like()?, ids.zeros_like()?)
+    };
+    let ctx = crate::Ctx::train(crate::ChunkSeed {
+        run: cfg.seed,
+        step: 0,
+        rank: 0,
+        tower: 0,
+        chunk: 0,
+    });
+    // Peak bytes of one replay of `rows` rows of `len` tokens (with `warm`, the second of
+    // two runs, so that one-time allocations are not counted).
+    let replay_bytes = |enc: &BertEncoder, rows: usize, len: usize, warm: bool| -> Result<u64> {
+        let batch = probe_batch(rows, len)?;
+        let cot = Tensor::ones((rows, width), DType::F32, device)?;
+        if warm {
+            enc.replay(&batch, &cot, &ctx)?;
+        }
+        let (_, peak, grads) = memory::measure(|| enc.replay(&batch, &cot, &ctx));
+        grads?;
+        Ok(peak as u64)
+    };
+    let policies = [
+        Recompute::Off,
+        Recompute::Attention,
+        Recompute::Selective {
+            segments: Box::new(Recompute::Sqrt),
+            keep: vec![],
+        },
+        Recompute::Selective {
+            segments: Box::new(Recompute::EveryLayer),
+            keep: vec![],
+        },
+    ];
+    let (small, large) = PROBE_ROWS;
+    let mut costs = Vec::new();
+    for policy in &policies {
+        model.query.set_policy(policy.clone())?;
+        if let Some(p) = &mut model.passage {
+            p.set_policy(policy.clone())?;
+        }
+        let side = |enc: &BertEncoder, len| -> Result<ReplayCost> {
+            let a = replay_bytes(enc, small, len, true)?;
+            let b = replay_bytes(enc, large, len, false)?;
+            Ok(ReplayCost::from_probes(small, a, large, b))
+        };
+        let query = side(&model.query, q_len)?;
+        let passage = side(model.passage.as_ref().unwrap_or(&model.query), p_len)?;
+        costs.push(PolicyCost {
+            policy: policy.clone(),
+            query,
+            passage,
+        });
+    }
+    // The loss at the full (global) batch on stand-in representations of its shapes.
+    let global_q = t.batch_size;
+    let global_p = global_q * (1 + t.hard_negatives);
+    let reps =
+        |rows, seed| crate::rng::normal(seed, 0.0, 1.0, &(rows, width).into(), DType::F32, device);
+    let (rq, rp) = (reps(global_q, 1)?, reps(global_p, 2)?);
+    let loss = InfoNce::new(cfg.loss.temperature)?
+        .with_similarity(cfg.loss.similarity)
+        .with_symmetric(cfg.loss.symmetric)
+        .with_block_rows(
+            cfg.loss
+                .effective_block_rows(t.batch_size, t.hard_negatives),
+        )?;
+    let (_, loss_peak, value) = memory::measure(|| {
+        use crate::loss::Loss;
+        loss.value_and_grads(&rq, &rp)
+    });
+    value?;
+    drop((rq, rp));
+    let rep_bytes = ((global_q + global_p) * width * 4) as u64;
+    let param_bytes = (model.store.params().elem_count() * 4) as u64;
+    let moments = match cfg.optim.kind() {
+        crate::train::optim::OptimizerKind::AdamW { .. } => 2 * param_bytes,
+        crate::train::optim::OptimizerKind::Sgd => 0,
+    };
+    let tokens = ((q_rows * q_len + p_rows * p_len) * 3 * 4) as u64;
+    let shape = StepShape {
+        base: memory::current_bytes() as u64 + moments,
+        // Representations and cached gradients of the whole batch, the running gradient
+        // sums, the token batches.
+        resident: 2 * rep_bytes + param_bytes + tokens,
+        loss: rep_bytes + loss_peak as u64,
+        // The step's gradients and the update's temporaries.
+        optimizer: 3 * param_bytes,
+        query_rows: q_rows,
+        passage_rows: p_rows,
+        query_lengths: (lengths(cfg.model.query_max_len, q_rows)?, q_len),
+        passage_lengths: (lengths(cfg.model.passage_max_len, p_rows)?, p_len),
+    };
+    let mut plan = shape.choose(budget, &costs)?;
+    model.query.set_policy(plan.policy.clone())?;
+    if let Some(p) = &mut model.passage {
+        p.set_policy(plan.policy.clone())?;
+    }
+    // The line through the probes is a prediction; a replay at the chosen chunk sizes is
+    // a measurement. Shrink a side whose replay does not fit, and measure again.
+    let room = budget.saturating_sub(shape.base + shape.resident);
+    let passage_enc = model.passage.as_ref().unwrap_or(&model.query);
+    for _ in 0..4 {
+        let (lq, lp) = (&shape.query_lengths, &shape.passage_lengths);
+        let rows_q = equivalent_rows(&lq.0, lq.1, plan.query_chunk).max(1);
+        let rows_p = equivalent_rows(&lp.0, lp.1, plan.passage_chunk).max(1);
+        let q = replay_bytes(&model.query, rows_q, q_len, false)?;
+        let p = replay_bytes(passage_enc, rows_p, p_len, false)?;
+        let at = |fixed| ReplayCost { fixed, per_row: 0 };
+        let measured = PolicyCost {
+            policy: plan.policy.clone(),
+            query: at(q),
+            passage: at(p),
+        };
+        plan.predicted = shape.predict(&measured, 0, 0);
+        if plan.predicted <= budget {
+            break;
+        }
+        let shrink = |chunk: usize, bytes: u64| -> usize {
+            if bytes <= room {
+                chunk
+            } else {
+                ((chunk as u64 * room / bytes.max(1)) as usize).clamp(1, chunk.max(2) - 1)
+            }
+        };
+        let (qc, pc) = (shrink(plan.query_chunk, q), shrink(plan.passage_chunk, p));
+        if (qc, pc) == (plan.query_chunk, plan.passage_chunk) {
+            break;
+        }
+        (plan.query_chunk, plan.passage_chunk) = (qc, pc);
+    }
+    if plan.predicted > budget {
+        return Err(Error::MemoryBudget {
+            budget,
+            needed: plan.predicted,
+            what: format!(
+                "a step with recompute {:?} at chunks {}/{}",
+                plan.policy, plan.query_chunk, plan.passage_chunk
+            ),
+        });
+    }
+    let cost = costs
+        .iter()
+        .find(|c| c.policy == plan.policy)
+        .map_or(0, |c| c.query.per_row.max(c.passage.per_row));
+    let note = format!(
+        "memory budget {}: recompute {:?}, chunks {}/{}, predicted peak {} (weights and \
+         optimizer {}, replay {} per row at {} tokens, loss {})",
+        memory::human_bytes(budget),
+        plan.policy,
+        plan.query_chunk,
+        plan.passage_chunk,
+        memory::human_bytes(plan.predicted),
+        memory::human_bytes(shape.base),
+        memory::human_bytes(cost),
+        q_len.max(p_len),
+        memory::human_bytes(shape.loss),
+    );
+    Ok(MemoryPlan {
+        policy: plan.policy,
+        query_chunk: plan.query_chunk,
+        passage_chunk: plan.passage_chunk,
+        predicted: plan.predicted,
+        note,
+    })
+}
+
 fn bert_options(cfg: &Config) -> BertOptions {
     BertOptions {
         pooling: cfg.model.pooling,

@@ -1,0 +1,111 @@
+//! `train.memory_budget`: the trainer probes the encoder, picks chunk sizes and a
+//! recompute policy, and the steps it then runs stay within the budget; the prediction is
+//! held to 15% of the measured peak (counting allocator) at three budgets; a budget nothing
+//! fits is refused before any step and before any file is written.
+
+use std::path::Path;
+
+use gradcache::memory::{self, CountingAllocator};
+use gradcache::train::{Config, Trainer};
+use gradcache::Error;
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+/// The quickstart model and data at a test's size.
+fn config(dir: &Path, budget: &str) -> Config {
+    try_config(dir, budget).unwrap()
+}
+
+fn try_config(dir: &Path, budget: &str) -> gradcache::Result<Config> {
+    let sets = [
+        format!("output_dir={}", dir.display()),
+        "train.steps=3".into(),
+        "train.batch_size=48".into(),
+        "train.eval_every=0".into(),
+        "model.query_max_len=32".into(),
+        "model.passage_max_len=32".into(),
+        format!("train.memory_budget=\"{budget}\""),
+    ];
+    Config::load(Path::new("configs/quickstart.toml"), &sets)
+}
+
+/// The largest heap in use during any of `steps` steps: the bytes allocated when the step
+/// began plus the step's peak above them.
+fn measured_peak(trainer: &mut Trainer, steps: usize) -> u64 {
+    (0..steps)
+        .map(|_| {
+            let before = memory::current_bytes() as u64;
+            before + trainer.train_step().unwrap().peak_bytes as u64
+        })
+        .max()
+        .unwrap()
+}
+
+#[test]
+fn steps_fit_the_budget_and_the_prediction_is_within_15_percent() {
+    let dir = tempfile::tempdir().unwrap();
+    // A budget larger than any setting needs: the whole batch in one chunk, no recompute.
+    let roomy = Trainer::new(config(&dir.path().join("roomy"), "8GiB"), None).unwrap();
+    let full = roomy.predicted_peak().unwrap();
+    assert_eq!(roomy.config().train.query_chunk, 48);
+    assert_eq!(roomy.config().model.recompute, gradcache::Recompute::Off);
+    let base = memory::current_bytes() as u64;
+    drop(roomy);
+    // Three budgets between what the weights need and the whole batch.
+    let mut chunks = vec![];
+    for (i, fraction) in [1.0, 0.6, 0.35].into_iter().enumerate() {
+        let budget = base + ((full - base) as f64 * fraction) as u64;
+        let cfg = config(&dir.path().join(format!("run{i}")), &format!("{budget}B"));
+        let mut trainer = Trainer::new(cfg, None).unwrap();
+        let predicted = trainer.predicted_peak().unwrap();
+        assert!(
+            predicted <= budget,
+            "budget {budget}: predicted {predicted}"
+        );
+        assert!(
+            trainer
+                .setup_notes()
+                .iter()
+                .any(|n| n.starts_with("memory budget")),
+            "the plan is logged: {:?}",
+            trainer.setup_notes()
+        );
+        let t = &trainer.config().train;
+        chunks.push((
+            t.query_chunk,
+            format!("{:?}", trainer.config().model.recompute),
+        ));
+        let measured = measured_peak(&mut trainer, 3);
+        let err = (predicted as f64 - measured as f64).abs() / measured as f64;
+        println!(
+            "budget {budget}: chunks {:?}, predicted {predicted}, measured {measured}, error {err:.3}",
+            chunks.last().unwrap()
+        );
+        assert!(err <= 0.15, "budget {budget}: prediction off by {err:.3}");
+        assert!(
+            measured as f64 <= budget as f64 * 1.15,
+            "budget {budget}: a step used {measured}"
+        );
+    }
+    // Smaller budgets get smaller chunks (or a leaner policy).
+    assert!(chunks[2] != chunks[0], "{chunks:?}");
+}
+
+#[test]
+fn an_impossible_budget_is_refused_before_any_step_or_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    let err = Trainer::new(config(&out, "4MiB"), None)
+        .err()
+        .expect("4 MiB cannot hold a step");
+    assert!(matches!(err, Error::MemoryBudget { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("memory budget of 4.0 MiB is too small"),
+        "{msg}"
+    );
+    assert!(!out.exists(), "nothing may be written: {}", out.display());
+    let err = try_config(&out, "2 GiBs").expect_err("not a size");
+    assert!(err.to_string().contains("train.memory_budget"), "{err}");
+}
