@@ -299,3 +299,20 @@ fn the_loss_splits_into_row_blocks_by_itself_only_when_the_batch_is_large() {
     let set = Config::load(Path::new("configs/quickstart.toml"), &sets).unwrap();
     assert_eq!(set.loss.effective_block_rows(65_536, 0), Some(5));
 }
+
+/// `train.memory_budget` measures with the counting allocator; a program without it (this
+/// test binary) gets an error saying so, not a plan from zeros.
+#[test]
+fn a_memory_budget_without_the_counting_allocator_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let sets = vec![
+        format!("output_dir={}", dir.path().join("run").display()),
+        "train.memory_budget=\"1GiB\"".to_string(),
+    ];
+    let cfg = Config::load(Path::new("configs/quickstart.toml"), &sets).unwrap();
+    let e = Trainer::new(cfg, None)
+        .err()
+        .expect("no allocator to measure with");
+    assert!(e.to_string().contains("CountingAllocator"), "{e}");
+    assert!(!dir.path().join("run").exists());
+}

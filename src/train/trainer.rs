@@ -766,19 +766,8 @@ fn plan_memory(
         .step_by(texts.len().div_ceil(20_000).max(1))
         .map(String::as_str)
         .collect();
-    let longest = |max_len| -> Result<usize> {
-        if sample.is_empty() {
-            return Ok(max_len);
-        }
-        let batch = Tokenizer::new(model.tokenizer.clone(), max_len)?.encode(&sample, device)?;
-        Ok(batch.input_ids.dim(1)?)
-    };
-    let (q_len, p_len) = (
-        longest(cfg.model.query_max_len)?,
-        longest(cfg.model.passage_max_len)?,
-    );
-    // One batch's worth of text lengths per side, shortest first, for the chunk padding.
-    let lengths = |max_len: usize, rows: usize| -> Result<Vec<usize>> {
+    // Every sampled text's token length per side (within its max_len).
+    let sample_lengths = |max_len: usize| -> Result<Vec<usize>> {
         let mut all = Vec::with_capacity(sample.len());
         for texts in sample.chunks(1024) {
             let b = Tokenizer::new(model.tokenizer.clone(), max_len)?.encode(texts, device)?;
@@ -789,11 +778,24 @@ fn plan_memory(
                 .to_vec1::<u32>()?;
             all.extend(m.into_iter().map(|l| l as usize));
         }
-        // Spread `rows` picks over the sample (which is in data order, not length order).
+        Ok(all)
+    };
+    let (q_all, p_all) = (
+        sample_lengths(cfg.model.query_max_len)?,
+        sample_lengths(cfg.model.passage_max_len)?,
+    );
+    let longest = |all: &[usize], max_len| all.iter().copied().max().unwrap_or(max_len);
+    let (q_len, p_len) = (
+        longest(&q_all, cfg.model.query_max_len),
+        longest(&p_all, cfg.model.passage_max_len),
+    );
+    // One batch's worth of text lengths per side, shortest first, for the chunk padding:
+    // `rows` picks spread over the sample (which is in data order, not length order).
+    let lengths = |all: &[usize], rows: usize| -> Vec<usize> {
         let step = (all.len() / rows.max(1)).max(1);
-        let mut picked: Vec<usize> = all.into_iter().step_by(step).take(rows).collect();
+        let mut picked: Vec<usize> = all.iter().copied().step_by(step).take(rows).collect();
         picked.sort_unstable();
-        Ok(picked)
+        picked
     };
     let vocab = model.bert.vocab_size as u32;
     let probe_batch = |rows: usize, len: usize| -> Result<TokenBatch> {
@@ -890,8 +892,8 @@ fn plan_memory(
         optimizer: 3 * param_bytes,
         query_rows: q_rows,
         passage_rows: p_rows,
-        query_lengths: (lengths(cfg.model.query_max_len, q_rows)?, q_len),
-        passage_lengths: (lengths(cfg.model.passage_max_len, p_rows)?, p_len),
+        query_lengths: (lengths(&q_all, q_rows), q_len),
+        passage_lengths: (lengths(&p_all, p_rows), p_len),
     };
     let mut plan = shape.choose(budget, &costs)?;
     model.query.set_policy(plan.policy.clone())?;
