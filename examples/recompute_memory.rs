@@ -7,13 +7,16 @@
 //! cargo run --release --example recompute_memory -- --len 256 --bert-only
 //! cargo run --release --example recompute_memory -- --len 256 --bert-only --composed \
 //!     --policies off,attention,sqrt+attention
+//! cargo run --release --example recompute_memory -- --len 256 --bert-only --repeats 3 \
+//!     --policies off,attention,off,attention   # best of 3, twice, alternated
 //! ```
 //!
 //! A step is one `cache_step` (dropout on) over a batch that fits in one chunk per side, so
 //! the replay of that chunk, where checkpointing acts, dominates the peak. `peak_bytes` is
 //! the largest number of bytes allocated at once during the step above what was allocated
 //! before it (counting allocator); `max_rel_grad_err` compares the step's gradients with
-//! those of the `off` policy (same seeds, same dropout masks); the run fails above 1e-6.
+//! those of the first policy run, `off` unless `--policies` says otherwise (same seeds,
+//! same dropout masks); the run fails above 1e-6.
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
@@ -59,7 +62,9 @@ fn bert_policies() -> Vec<(&'static str, Recompute)> {
     all
 }
 
-/// Runs one cached step per policy, off first, and prints one line each.
+/// Runs one cached step per policy, off first, and prints one line each; with
+/// `--policies a,b,..` those, in that order (a name may come back, to alternate timings),
+/// the gradients compared with those of the first.
 fn run<E, F>(
     model: &str,
     policies: Vec<(&'static str, Recompute)>,
@@ -76,28 +81,58 @@ where
         .skip_while(|a| a != "--policies")
         .nth(1)
         .map(|list| list.split(',').map(str::to_string).collect());
-    for (name, policy) in policies {
-        if only.as_ref().is_some_and(|o| !o.iter().any(|p| p == name)) {
-            continue;
-        }
+    let chosen = match only {
+        None => policies,
+        Some(names) => names
+            .iter()
+            .filter_map(|n| {
+                let found = policies.iter().find(|(name, _)| name == n).cloned();
+                if found.is_none() {
+                    println!("# {model}: no policy `{n}`, skipped");
+                }
+                found
+            })
+            .collect(),
+    };
+    for (name, policy) in chosen {
         let chunk = queries.rows().max(passages.rows());
         let loss = InfoNce::new(0.05)?.with_symmetric(true);
         let gc = GradCache::shared(build(policy)?, chunk, loss)?.with_seed(7);
-        // Warm up, then measure the same step again (same step index: same dropout masks).
+        // Warm up, then measure the same step again (same step index: same dropout masks),
+        // `--repeats` times: the fastest time, the largest peak.
         gc.cache_step(0, queries, passages)?;
-        let (ms, peak, out) = measure(|| gc.cache_step(0, queries, passages));
-        let grads = out?.grads;
+        let (mut ms, mut peak, mut grads) = (f64::INFINITY, 0, None);
+        for _ in 0..repeats() {
+            let (t, p, out) = measure(|| gc.cache_step(0, queries, passages));
+            grads = Some(out?.grads);
+            (ms, peak) = (ms.min(t), peak.max(p));
+        }
+        let grads = grads.ok_or_else(|| anyhow::anyhow!("--repeats must be at least 1"))?;
         let err = match &reference {
             None => 0.0,
             Some(off) => grads.max_rel_err(off, 1e-4)?,
         };
-        println!("model={model} policy={name} peak_bytes={peak} step_ms={ms:.0} max_rel_grad_err={err:.2e}");
+        println!(
+            "model={model} policy={name} peak_bytes={peak} step_ms={ms:.0} \
+             max_rel_grad_err={err:.2e}"
+        );
         if err > 1e-6 {
-            anyhow::bail!("{model} {name}: gradients differ from `off` by {err:.2e} (> 1e-6)");
+            anyhow::bail!(
+                "{model} {name}: gradients differ from the first policy's by {err:.2e} (> 1e-6)"
+            );
         }
         reference.get_or_insert(grads);
     }
     Ok(())
+}
+
+/// `--repeats N`: measured steps per policy (default 1).
+fn repeats() -> usize {
+    std::env::args()
+        .skip_while(|a| a != "--repeats")
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1)
 }
 
 fn tokens(rows: usize, len: usize, vocab: u32, seed: u32) -> anyhow::Result<TokenBatch> {

@@ -363,7 +363,7 @@ impl GradAccumulator {
                 None => {
                     // A copy of our own: `g` may share its storage with a tensor that
                     // someone else still holds.
-                    self.map.insert(name, g.copy()?);
+                    self.map.insert(name, g.force_contiguous()?);
                 }
             }
         }

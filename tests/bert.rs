@@ -249,7 +249,9 @@ fn selective_recompute_gives_the_gradients_of_off_bit_for_bit() {
         Tensor::new(&[[5u32, 9, 14, 3, 0, 0], [7, 2, 11, 4, 8, 6]], &Device::Cpu).unwrap(),
         Tensor::new(&[[1u32, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], &Device::Cpu).unwrap(),
     );
-    let batch = TokenBatch::new(ids.clone(), mask, ids.zeros_like().unwrap()).unwrap();
+    // Two segments per row (the token types' gradient sums rows of both kinds).
+    let types = Tensor::new(&[[0u32, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]], &Device::Cpu).unwrap();
+    let batch = TokenBatch::new(ids, mask, types).unwrap();
     let ctx = Ctx::train(ChunkSeed {
         run: 3,
         step: 1,

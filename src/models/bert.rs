@@ -294,20 +294,24 @@ pub struct BertOptions {
     pub precision: Precision,
 }
 
-/// The sub-layer sites of a BERT layer that selective recompute can recompute instead of
-/// keeping (Hugging Face module names): the attention probabilities (scores, softmax and
-/// dropout), the residual sum under each LayerNorm, and the feed-forward activation (the
-/// output of `intermediate`, four times the hidden width).
-pub const SITES: [&str; 4] = [
+/// The sites of BERT that selective recompute can recompute instead of keeping (Hugging
+/// Face module names): in every layer the attention probabilities (scores, softmax and
+/// dropout), the residual sum under each LayerNorm and the feed-forward activation (the
+/// output of `intermediate`, four times the hidden width); below the layers the
+/// embeddings' lookups and their sum under `embeddings.LayerNorm` (on the fused CPU
+/// kernels; elsewhere the embeddings are kept).
+pub const SITES: [&str; 5] = [
     "attention.probs",
     "attention.output.LayerNorm",
     "intermediate",
     "output.LayerNorm",
+    "embeddings.LayerNorm",
 ];
 const SITE_ATTENTION_PROBS: usize = 0;
 const SITE_ATTENTION_NORM: usize = 1;
 const SITE_INTERMEDIATE: usize = 2;
 const SITE_OUTPUT_NORM: usize = 3;
+const SITE_EMBEDDINGS: usize = 4;
 
 /// Dropout sites inside a layer (the `site` of a mask seed).
 mod site {
@@ -482,6 +486,22 @@ impl LayerStack for Bert {
                 len: s,
                 max: self.max_positions,
             });
+        }
+        let dropout = self.hidden_dropout.mask(ctx, 0, site::EMBEDDINGS);
+        if ctx.recompute.recomputes(SITE_EMBEDDINGS) && self.options.precision == Precision::F32 {
+            let recomputed = crate::nn::embeddings_recomputed(
+                [&input.input_ids, &input.token_type_ids],
+                [
+                    e.words.embeddings(),
+                    e.token_types.embeddings(),
+                    e.positions.embeddings(),
+                ],
+                &e.norm,
+                dropout,
+            )?;
+            if let Some(x) = recomputed {
+                return Ok(x);
+            }
         }
         let positions = Tensor::arange(0u32, s as u32, input.input_ids.device())?;
         let x = e

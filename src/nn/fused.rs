@@ -174,6 +174,15 @@ unsafe fn avx2_fma<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// `len` zeros with room for `extra` more: a backward kernel appends its parameter
+/// gradients to its input gradient, and a vector grown past its capacity would double it,
+/// a copy and an activation-sized allocation that the output would then hold.
+fn zeros_with_room<T: Float>(len: usize, extra: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(len + extra);
+    v.resize(len, T::zero());
+    v
+}
+
 /// Like [`for_blocks`], with one partial vector of `partial_len` per block (for reductions
 /// across rows), returned one after another in block order.
 fn for_blocks_with_partials<T: Float>(
@@ -292,7 +301,7 @@ struct LayerNormBackward {
 
 fn ln_bwd<T: Float>(x: &[T], g: &[T], dy: &[T], eps: f64) -> Vec<T> {
     let h = g.len();
-    let mut dx = vec![T::zero(); x.len()];
+    let mut dx = zeros_with_room(x.len(), 2 * h);
     let partials = for_blocks_with_partials(&mut dx, h, 2 * h, |blk, chunk, acc| {
         let base = blk * BLOCK_ROWS * h;
         let mut xhat = vec![T::zero(); h];
@@ -483,12 +492,21 @@ pub struct Dropout {
     pub p: f32,
 }
 
-fn dropout_fwd<T: Float>(x: &[T], seed: u64, p: f32) -> Vec<T> {
-    dropout_add_fwd(x, None, seed, p)
+/// Dropout of `x`, the elements of a larger tensor from element `start` on (their masks
+/// are those of their places in it).
+fn dropout_fwd<T: Float>(x: &[T], seed: u64, p: f32, start: u64) -> Vec<T> {
+    dropout_add_fwd(x, None, seed, p, start)
 }
 
-/// `dropout(x) + residual` (the residual optional) in one pass.
-fn dropout_add_fwd<T: Float>(x: &[T], residual: Option<&[T]>, seed: u64, p: f32) -> Vec<T> {
+/// `dropout(x) + residual` (the residual optional) in one pass, the elements of `x` from
+/// element `start` of the masked tensor on.
+fn dropout_add_fwd<T: Float>(
+    x: &[T],
+    residual: Option<&[T]>,
+    seed: u64,
+    p: f32,
+    start: u64,
+) -> Vec<T> {
     const BLOCK: usize = 4096;
     let scale = T::of(1.0 / (1.0 - f64::from(p)));
     let mut out = vec![T::zero(); x.len()];
@@ -497,7 +515,7 @@ fn dropout_add_fwd<T: Float>(x: &[T], residual: Option<&[T]>, seed: u64, p: f32)
         let xs = &x[base..base + chunk.len()];
         // A product with the mask value, as the composed form computes it (a dropped
         // negative entry is -0.0 there too).
-        crate::rng::keep_run(seed, base as u64, chunk.len(), p, |j, kept| {
+        crate::rng::keep_run(seed, start + base as u64, chunk.len(), p, |j, kept| {
             chunk[j] = xs[j] * if kept { scale } else { T::zero() };
         });
         if let Some(r) = residual {
@@ -537,6 +555,7 @@ impl CustomOp2 for DropoutAdd {
                 Some(contiguous(s2, l2)?),
                 self.seed,
                 self.p,
+                0,
             );
             Ok((T::to_cpu_storage_owned(out), l1.shape().clone()))
         })
@@ -550,7 +569,7 @@ impl CustomOp1 for Dropout {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         dispatch!(s, T => {
-            let out = dropout_fwd::<T>(contiguous(s, l)?, self.seed, self.p);
+            let out = dropout_fwd::<T>(contiguous(s, l)?, self.seed, self.p, 0);
             Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
         })
     }
@@ -563,6 +582,28 @@ impl CustomOp1 for Dropout {
     ) -> candle_core::Result<Option<Tensor>> {
         // The same mask and scale: d(x * m)/dx = m.
         Ok(Some(grad.contiguous()?.apply_op1_no_bwd(self)?))
+    }
+}
+
+/// [`Dropout`] of a block of a larger tensor that starts at element `start` of it: the
+/// block's masks are those of its place in the whole (the attention backward recomputes
+/// the probabilities a few sequences at a time). No backward.
+struct DropoutFrom {
+    seed: u64,
+    p: f32,
+    start: u64,
+}
+
+impl CustomOp1 for DropoutFrom {
+    fn name(&self) -> &'static str {
+        "gradcache-dropout-from"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        dispatch!(s, T => {
+            let out = dropout_fwd::<T>(contiguous(s, l)?, self.seed, self.p, self.start);
+            Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
+        })
     }
 }
 
@@ -759,19 +800,25 @@ struct BiasActivationBackward {
 }
 
 fn bias_act_bwd<T: Float>(x: &[T], b: &[T], dy: &[T], act: Act) -> Vec<T> {
+    let mut dx = Vec::with_capacity(x.len() + b.len());
+    dx.extend_from_slice(dy);
+    let db = bias_act_bwd_in_place(x, b, &mut dx, act);
+    dx.extend(db);
+    dx
+}
+
+/// The backward of `act(x + b)` with `dy` overwritten by `dx`; returns `db`.
+fn bias_act_bwd_in_place<T: Float>(x: &[T], b: &[T], dy: &mut [T], act: Act) -> Vec<T> {
     let w = b.len();
-    let mut dx = vec![T::zero(); x.len()];
-    let partials = for_blocks_with_partials(&mut dx, w, w, |blk, chunk, acc| {
+    let partials = for_blocks_with_partials(dy, w, w, |blk, chunk, acc| {
         let base = blk * BLOCK_ROWS * w;
         for (r, dxr) in chunk.chunks_mut(w).enumerate() {
             let off = base + r * w;
-            let (xr, dyr) = (&x[off..off + w], &dy[off..off + w]);
+            let xr = &x[off..off + w];
             macro_rules! each {
                 ($a:expr) => {
-                    for ((((dx, a), &x), &b), &dy) in
-                        dxr.iter_mut().zip(acc.iter_mut()).zip(xr).zip(b).zip(dyr)
-                    {
-                        let d = dy * $a.derivative(x + b);
+                    for (((dx, a), &x), &b) in dxr.iter_mut().zip(acc.iter_mut()).zip(xr).zip(b) {
+                        let d = *dx * $a.derivative(x + b);
                         *dx = d;
                         *a += d;
                     }
@@ -784,9 +831,88 @@ fn bias_act_bwd<T: Float>(x: &[T], b: &[T], dy: &[T], act: Act) -> Vec<T> {
             }
         }
     });
-    let db = sum_partials(&partials, w);
-    dx.extend(db);
-    dx
+    sum_partials(&partials, w)
+}
+
+/// [`BiasActivationBackward`] in place: `InplaceOp3(dy, x, b)` turns `dy` into `dx` and
+/// leaves `db` in `db`, so the backward holds one activation-sized tensor where the
+/// packed form holds two.
+struct BiasActivationBackwardInPlace {
+    act: Act,
+    db: Mutex<Option<CpuStorage>>,
+}
+
+impl candle_core::InplaceOp3 for BiasActivationBackwardInPlace {
+    fn name(&self) -> &'static str {
+        "gradcache-bias-activation-backward-in-place"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<()> {
+        check_width("bias activation backward", "bias", l2, l3)?;
+        let Some((start, end)) = l1.contiguous_offsets() else {
+            candle_core::bail!("bias activation backward: the gradient must be contiguous");
+        };
+        if end - start != l2.shape().elem_count() {
+            candle_core::bail!(
+                "bias activation backward: gradient {:?} and input {:?} differ",
+                l1.shape(),
+                l2.shape()
+            );
+        }
+        let db = match s1 {
+            CpuStorage::F32(dy) => CpuStorage::F32(bias_act_bwd_in_place(
+                contiguous::<f32>(s2, l2)?,
+                contiguous::<f32>(s3, l3)?,
+                &mut dy[start..end],
+                self.act,
+            )),
+            CpuStorage::F64(dy) => CpuStorage::F64(bias_act_bwd_in_place(
+                contiguous::<f64>(s2, l2)?,
+                contiguous::<f64>(s3, l3)?,
+                &mut dy[start..end],
+                self.act,
+            )),
+            _ => candle_core::bail!("bias activation backward: f32 or f64"),
+        };
+        *self
+            .db
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("bias activation backward: poisoned".into()))? =
+            Some(db);
+        Ok(())
+    }
+}
+
+/// `dy` turned into the gradient of `act(x + b)`'s input in place; returns `db`.
+fn bias_activation_backward_in_place(
+    dy: &Tensor,
+    x: &Tensor,
+    b: &Tensor,
+    act: Act,
+) -> candle_core::Result<Tensor> {
+    let op = BiasActivationBackwardInPlace {
+        act,
+        db: Mutex::new(None),
+    };
+    dy.inplace_op3(x, b, &op)?;
+    let db = op
+        .db
+        .into_inner()
+        .map_err(|_| candle_core::Error::Msg("bias activation backward: poisoned".into()))?;
+    let w = b.elem_count();
+    match db {
+        Some(CpuStorage::F32(v)) => Tensor::from_vec(v, w, dy.device()),
+        Some(CpuStorage::F64(v)) => Tensor::from_vec(v, w, dy.device()),
+        _ => candle_core::bail!("bias activation backward: no bias gradient"),
+    }
 }
 
 impl CustomOp3 for BiasActivationBackward {
@@ -919,7 +1045,7 @@ fn node(
     let output = if output.layout().start_offset() == 0 {
         output
     } else {
-        output.copy()?
+        output.force_contiguous()?
     };
     inputs[0].apply_op3(
         inputs[1],
@@ -1089,6 +1215,196 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> candle_core
     )
 }
 
+/// A transformer's feed-forward block, `act(x W_up^T + b_up) W_down^T + b_down`, as one
+/// node over `(x, W_up, b_up, W_down, b_down)` that keeps the up projection's output and
+/// recomputes the activation in the backward (selective recompute of the widest
+/// activation of a layer). The backward runs the products and kernels of the three nodes
+/// [`linear`], [`BiasActivation`], [`linear`] in their order, one activation-sized
+/// temporary at a time, and gives their gradients bit for bit.
+pub fn feed_forward_recomputed(
+    x: &Tensor,
+    w_up: &Tensor,
+    b_up: &Tensor,
+    w_down: &Tensor,
+    b_down: Option<&Tensor>,
+    act: Act,
+) -> candle_core::Result<Tensor> {
+    let (width, inp) = w_up.dims2()?;
+    let (out, down_inp) = w_down.dims2()?;
+    if down_inp != width || b_up.dims1()? != width || x.dims().last() != Some(&inp) {
+        candle_core::bail!(
+            "feed-forward: input {:?}, up {:?} + {:?} and down {:?} do not fit",
+            x.dims(),
+            w_up.dims(),
+            b_up.dims(),
+            w_down.dims()
+        );
+    }
+    let rows = x.elem_count() / inp.max(1);
+    let mut out_dims = x.dims().to_vec();
+    if let Some(last) = out_dims.last_mut() {
+        *last = out;
+    }
+    let x2 = x.detach().reshape((rows, inp))?;
+    let (wu, bu, wd) = (w_up.detach(), b_up.detach(), w_down.detach());
+    let bd = b_down.map(Tensor::detach);
+    let pre = x2.matmul(&wu.t()?)?;
+    let y = {
+        let hidden = pre.apply_op2_no_bwd(&bu, &BiasActivation { act })?;
+        hidden.matmul(&wd.t()?)?
+    };
+    if let Some(b) = &bd {
+        y.inplace_op2(b, &AddInPlace { rows: true })?;
+    }
+    let y = y.reshape(out_dims)?;
+    let x_shape = x.shape().clone();
+    let mut inputs = vec![x, w_up, b_up, w_down];
+    inputs.extend(b_down);
+    node_n(
+        "gradcache-feed-forward-recomputed",
+        &inputs,
+        y,
+        Box::new(move |dy| {
+            let dy2 = dy.reshape((rows, out))?;
+            // The down projection's backward, on the recomputed activation.
+            let dwd = {
+                let hidden = pre.apply_op2_no_bwd(&bu, &BiasActivation { act })?;
+                dy2.t()?.matmul(&hidden)?
+            };
+            let dbd = match &bd {
+                Some(_) => Some(dy2.contiguous()?.apply_op1_no_bwd(&SumRows)?),
+                None => None,
+            };
+            // The activation's backward, in place: d hidden becomes d pre.
+            let dpre = dy2.matmul(&wd)?;
+            as_accumulated(&dpre)?;
+            let dbu = bias_activation_backward_in_place(&dpre, &pre, &bu, act)?;
+            as_accumulated(&dpre)?;
+            // The up projection's backward.
+            let dx = dpre.matmul(&wu)?.reshape(x_shape.clone())?;
+            let dwu = dpre.t()?.matmul(&x2)?;
+            let mut grads = vec![Some(dx), Some(dwu), Some(dbu), Some(dwd)];
+            if dbd.is_some() {
+                grads.push(dbd);
+            }
+            Ok(grads)
+        }),
+    )
+}
+
+/// BERT's embeddings, `dropout(LayerNorm(words[ids] + types[type_ids] + positions[0..s]))`
+/// for `ids` and `type_ids` `[n, s]`, as one node over the three tables and the
+/// LayerNorm's `[gamma, beta]` that keeps nothing but the ids (selective recompute: the
+/// three lookups, their sum and the normalised sum are not kept; the backward recomputes
+/// the sum). Forward and backward run candle's lookups, sums and scatter-adds and the
+/// fused LayerNorm and dropout kernels in the order the separate ops run them, with the
+/// accumulations candle makes between them, so the gradients are theirs bit for bit.
+pub fn embeddings_recomputed(
+    [ids, type_ids]: [&Tensor; 2],
+    [words, types, positions]: [&Tensor; 3],
+    [gamma, beta]: [&Tensor; 2],
+    eps: f64,
+    dropout: Option<(u64, f32)>,
+) -> candle_core::Result<Tensor> {
+    let (n, s) = ids.dims2()?;
+    let h = words.dim(1)?;
+    if type_ids.dims2()? != (n, s)
+        || types.dim(1)? != h
+        || positions.dim(1)? != h
+        || gamma.dims1()? != h
+        || beta.dims1()? != h
+    {
+        candle_core::bail!(
+            "embeddings: ids {:?} and {:?}, tables {:?}, {:?}, {:?} and LayerNorm {:?} do not fit",
+            ids.dims(),
+            type_ids.dims(),
+            words.dims(),
+            types.dims(),
+            positions.dims(),
+            gamma.dims()
+        );
+    }
+    let (wd, td, pd) = (words.detach(), types.detach(), positions.detach());
+    let (gd, bd) = (gamma.detach(), beta.detach());
+    let ids = ids.flatten_all()?.contiguous()?;
+    let type_ids = type_ids.flatten_all()?.contiguous()?;
+    let pos_ids = Tensor::arange(0u32, s as u32, ids.device())?;
+    // candle-nn's `Embedding::forward`: a row lookup, reshaped.
+    let sum = {
+        let (ids, type_ids, pos_ids) = (ids.clone(), type_ids.clone(), pos_ids.clone());
+        move || -> candle_core::Result<Tensor> {
+            let look = |table: &Tensor, ids: &Tensor, dims: &[usize]| {
+                table.index_select(ids, 0)?.reshape(dims)
+            };
+            look(&wd, &ids, &[n, s, h])?
+                .add(&look(&td, &type_ids, &[n, s, h])?)?
+                .broadcast_add(&look(&pd, &pos_ids, &[s, h])?)
+        }
+    };
+    let normed = sum()?
+        .contiguous()?
+        .apply_op3_no_bwd(&gd, &bd, &LayerNorm { eps })?;
+    let out = match dropout {
+        Some((seed, p)) if p > 0.0 => normed.apply_op1_no_bwd(&Dropout { seed, p })?,
+        _ => normed,
+    };
+    let (vocab, kinds, max_positions) = (words.dim(0)?, types.dim(0)?, positions.dim(0)?);
+    node_n(
+        "gradcache-embeddings-recomputed",
+        &[words, types, positions, gamma, beta],
+        out,
+        Box::new(move |dout| {
+            let dnormed = match dropout {
+                Some((seed, p)) if p > 0.0 => {
+                    let d = dout.contiguous()?.apply_op1_no_bwd(&Dropout { seed, p })?;
+                    as_accumulated(&d)?;
+                    d
+                }
+                _ => dout.clone(),
+            };
+            let packed = sum()?.contiguous()?.apply_op3_no_bwd(
+                &gd,
+                &dnormed.contiguous()?,
+                &LayerNormBackward { eps },
+            )?;
+            drop(dnormed);
+            let rows = n * s;
+            let dgamma = packed.narrow(0, rows, 1)?.reshape(h)?.force_contiguous()?;
+            let dbeta = packed
+                .narrow(0, rows + 1, 1)?
+                .reshape(h)?
+                .force_contiguous()?;
+            let dsum = packed.narrow(0, 0, rows)?;
+            as_accumulated(&dsum)?;
+            // The positions were broadcast over the batch: their gradient sums over it.
+            let dpos = dsum.reshape((n, s, h))?.sum_keepdim(0)?.squeeze(0)?;
+            as_accumulated(&dpos)?;
+            let scatter = |rows: usize, ids: &Tensor, g: &Tensor| {
+                Tensor::zeros((rows, h), g.dtype(), g.device())?.index_add(ids, g, 0)
+            };
+            let dwords = scatter(vocab, &ids, &dsum)?;
+            let dtypes = scatter(kinds, &type_ids, &dsum)?;
+            let dpositions = scatter(max_positions, &pos_ids, &dpos)?;
+            Ok(vec![
+                Some(dwords),
+                Some(dtypes),
+                Some(dpositions),
+                Some(dgamma),
+                Some(dbeta),
+            ])
+        }),
+    )
+}
+
+/// Adds +0 to `g` in place, which turns -0 into +0 and leaves every other value as it is:
+/// what candle's gradient accumulator (`zeros + g`) does to a gradient passed between two
+/// nodes, so a node that runs their backward passes back to back gives the same bits.
+fn as_accumulated(g: &Tensor) -> candle_core::Result<()> {
+    let width = *g.dims().last().unwrap_or(&1);
+    let zero = Tensor::zeros(width, g.dtype(), g.device())?;
+    g.inplace_op2(&zero, &AddInPlace { rows: true })
+}
+
 /// What scaled dot-product attention needs besides `q`, `k`, `v`.
 #[derive(Debug, Clone)]
 pub struct AttentionSpec {
@@ -1104,24 +1420,63 @@ pub struct AttentionSpec {
     pub recompute: bool,
 }
 
-/// The probabilities after dropout, and before.
+/// The probabilities after dropout, and before, of `q`, `k` `[n, heads, s, d]` whose first
+/// sequence is sequence `first` of the batch (the dropout mask of each probability is
+/// that of its place in the batch's `[N, heads, s, s]` probabilities).
 fn attention_probs(
     q: &Tensor,
     k: &Tensor,
     spec: &AttentionSpec,
+    first: usize,
 ) -> candle_core::Result<(Tensor, Tensor)> {
-    let scores = q.matmul(&k.t()?)?;
-    let probs = scores.apply_op2_no_bwd(&spec.bias, &MaskedSoftmax { scale: spec.scale })?;
+    let probs = {
+        let scores = q.matmul(&k.t()?)?;
+        scores.apply_op2_no_bwd(&spec.bias, &MaskedSoftmax { scale: spec.scale })?
+    };
     let dropped = match spec.dropout {
-        Some((seed, p)) if p > 0.0 => probs.apply_op1_no_bwd(&Dropout { seed, p })?,
+        Some((seed, p)) if p > 0.0 => {
+            let per_sequence = probs.elem_count() / q.dim(0)?.max(1);
+            probs.apply_op1_no_bwd(&DropoutFrom {
+                seed,
+                p,
+                start: (first * per_sequence) as u64,
+            })?
+        }
         _ => probs.clone(),
     };
     Ok((dropped, probs))
 }
 
-/// `[dq, dk, dv]` of attention from `dctx` (contiguous, `[n, heads, s, d]`): the kept
-/// probabilities `(after dropout, before)`, or with `None` the probabilities recomputed
-/// from `q` and `k` (the dropout mask is always regenerated from its seed).
+/// About how many probabilities the recomputing attention backward holds at once: it
+/// works through the batch a few sequences at a time, so its temporaries (the
+/// probabilities before and after dropout and their gradients, five `[n, heads, s, s]`
+/// tensors for the whole batch) stay a few MiB however large the chunk.
+const RECOMPUTE_BLOCK_PROBS: usize = 1 << 18;
+
+#[cfg(test)]
+thread_local! {
+    /// Sequences per block of the recomputing attention backward, when set (tests).
+    static RECOMPUTE_BLOCK: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Sequences per block of the recomputing attention backward for `[n, heads, s, kv]`
+/// probabilities.
+fn recompute_block(q: &Tensor, k: &Tensor) -> candle_core::Result<usize> {
+    #[cfg(test)]
+    if let Some(block) = RECOMPUTE_BLOCK.with(|b| b.get()) {
+        return Ok(block);
+    }
+    let (_, heads, s, _) = q.dims4()?;
+    let per_sequence = heads * s * k.dim(2)?;
+    Ok((RECOMPUTE_BLOCK_PROBS / per_sequence.max(1)).max(1))
+}
+
+/// The attention backward from `dctx` (contiguous, `[n, heads, s, d]`), handed to
+/// `each(first, [dq, dk, dv])` block by block (`first` the block's first sequence): with
+/// the kept probabilities `(after dropout, before)` one block of the whole batch; with
+/// `None` the probabilities are recomputed from `q` and `k` (the dropout mask regenerated
+/// from its seed) `block` sequences at a time.
+#[allow(clippy::too_many_arguments)]
 fn attention_backward(
     q: &Tensor,
     k: &Tensor,
@@ -1129,18 +1484,94 @@ fn attention_backward(
     spec: &AttentionSpec,
     kept: Option<&(Tensor, Tensor)>,
     dctx: &Tensor,
+    block: usize,
+    mut each: impl FnMut(usize, [Tensor; 3]) -> candle_core::Result<()>,
+) -> candle_core::Result<()> {
+    if let Some((dropped, probs)) = kept {
+        let grads =
+            attention_block_backward(q, k, v, spec, dropped.clone(), probs.clone(), dctx, 0)?;
+        return each(0, grads);
+    }
+    let n = q.dim(0)?;
+    for first in (0..n).step_by(block.max(1)) {
+        let len = block.min(n - first);
+        let rows = |t: &Tensor| t.narrow(0, first, len);
+        let spec = AttentionSpec {
+            bias: rows(&spec.bias)?,
+            ..spec.clone()
+        };
+        let (q, k) = (rows(q)?, rows(k)?);
+        let (dropped, probs) = attention_probs(&q, &k, &spec, first)?;
+        let grads = attention_block_backward(
+            &q,
+            &k,
+            &rows(v)?,
+            &spec,
+            dropped,
+            probs,
+            &rows(dctx)?,
+            first,
+        )?;
+        each(first, grads)?;
+    }
+    Ok(())
+}
+
+/// `[dq, dk, dv]` of attention, the blocks of [`attention_backward`] put together.
+fn attention_grads(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+    kept: Option<&(Tensor, Tensor)>,
+    dctx: &Tensor,
+    block: usize,
 ) -> candle_core::Result<[Tensor; 3]> {
-    let (dropped, probs) = match kept {
-        Some((dropped, probs)) => (dropped.clone(), probs.clone()),
-        None => attention_probs(q, k, spec)?,
-    };
+    let mut parts: [Vec<Tensor>; 3] = Default::default();
+    attention_backward(q, k, v, spec, kept, dctx, block, |_, grads| {
+        for (part, g) in parts.iter_mut().zip(grads) {
+            part.push(g);
+        }
+        Ok(())
+    })?;
+    let [dq, dk, dv] = parts.map(|p| match <[Tensor; 1]>::try_from(p) {
+        Ok([one]) => Ok(one),
+        Err(p) => Tensor::cat(&p, 0),
+    });
+    Ok([dq?, dk?, dv?])
+}
+
+/// The attention backward of sequences `first..` from their probabilities `(after
+/// dropout, before)`; each temporary is dropped as soon as it is used.
+#[allow(clippy::too_many_arguments)]
+fn attention_block_backward(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &AttentionSpec,
+    dropped: Tensor,
+    probs: Tensor,
+    dctx: &Tensor,
+    first: usize,
+) -> candle_core::Result<[Tensor; 3]> {
     let dv = dropped.t()?.matmul(dctx)?;
+    drop(dropped);
     let d_dropped = dctx.matmul(&v.t()?)?;
     let d_probs = match spec.dropout {
-        Some((seed, p)) if p > 0.0 => d_dropped.apply_op1_no_bwd(&Dropout { seed, p })?,
+        Some((seed, p)) if p > 0.0 => {
+            let per_sequence = d_dropped.elem_count() / q.dim(0)?.max(1);
+            let d_probs = d_dropped.apply_op1_no_bwd(&DropoutFrom {
+                seed,
+                p,
+                start: (first * per_sequence) as u64,
+            })?;
+            drop(d_dropped);
+            d_probs
+        }
         _ => d_dropped,
     };
     let d_scores = probs.apply_op2_no_bwd(&d_probs, &SoftmaxBackward { scale: spec.scale })?;
+    drop((probs, d_probs));
     let dq = d_scores.matmul(k)?;
     let dk = d_scores.t()?.matmul(q)?;
     Ok([dq, dk, dv])
@@ -1167,7 +1598,7 @@ pub fn attention(
         bias: spec.bias.contiguous()?.detach(),
         ..spec.clone()
     };
-    let probs = attention_probs(&qd, &kd, &spec)?;
+    let probs = attention_probs(&qd, &kd, &spec, 0)?;
     let ctx = probs.0.matmul(&vd)?;
     let kept = (!spec.recompute).then_some(probs);
     node(
@@ -1176,7 +1607,8 @@ pub fn attention(
         ctx,
         Box::new(move |dctx| {
             let dctx = dctx.contiguous()?;
-            let [dq, dk, dv] = attention_backward(&qd, &kd, &vd, &spec, kept.as_ref(), &dctx)?;
+            let block = recompute_block(&qd, &kd)?;
+            let [dq, dk, dv] = attention_grads(&qd, &kd, &vd, &spec, kept.as_ref(), &dctx, block)?;
             Ok([Some(dq), Some(dk), Some(dv)])
         }),
     )
@@ -1198,19 +1630,59 @@ pub fn self_attention(
     heads: usize,
     spec: &AttentionSpec,
 ) -> candle_core::Result<Tensor> {
+    self_attention_node(x, &[w_qkv], &[b_qkv], heads, spec)
+}
+
+/// [`self_attention`] over the three projections as they are stored, `[W_q, W_k, W_v]`
+/// and `[b_q, b_k, b_v]`: the node stacks them for its products and hands each its block
+/// of the gradient, so the graph holds no stacked copy of them.
+pub fn self_attention_projections(
+    x: &Tensor,
+    [wq, wk, wv]: [&Tensor; 3],
+    [bq, bk, bv]: [&Tensor; 3],
+    heads: usize,
+    spec: &AttentionSpec,
+) -> candle_core::Result<Tensor> {
+    self_attention_node(x, &[wq, wk, wv], &[bq, bk, bv], heads, spec)
+}
+
+/// The node of [`self_attention`] over `x`, the `weights` and the `biases` (one stacked
+/// projection, or one per query, key and value).
+fn self_attention_node(
+    x: &Tensor,
+    weights: &[&Tensor],
+    biases: &[&Tensor],
+    heads: usize,
+    spec: &AttentionSpec,
+) -> candle_core::Result<Tensor> {
     let (n, s, h) = x.dims3()?;
-    if heads == 0 || h % heads != 0 || w_qkv.dims2()? != (3 * h, h) {
+    // The stacked projection, made again in the backward: the graph keeps no copy.
+    let stack = |ts: &[Tensor]| -> candle_core::Result<Tensor> {
+        match ts {
+            [one] => Ok(one.clone()),
+            many => Tensor::cat(many, 0),
+        }
+    };
+    let weights_d: Vec<Tensor> = weights.iter().map(|t| t.detach()).collect();
+    let biases_d: Vec<Tensor> = biases.iter().map(|t| t.detach()).collect();
+    let (wd, bd) = (stack(&weights_d)?, stack(&biases_d)?);
+    if heads == 0
+        || h % heads != 0
+        || wd.dims2()? != (3 * h, h)
+        || bd.dims1()? != 3 * h
+        || weights.len() != biases.len()
+    {
         candle_core::bail!(
             "self-attention: hidden size {h}, {heads} heads and a {:?} projection do not fit",
-            w_qkv.dims()
+            wd.dims()
         );
     }
     let d = h / heads;
     let rows = n * s;
-    let (xd, wd) = (x.detach(), w_qkv.detach());
+    let xd = x.detach();
     let x2 = xd.reshape((rows, h))?;
     let qkv = x2.matmul(&wd.t()?)?;
-    qkv.inplace_op2(&b_qkv.detach(), &AddInPlace { rows: true })?;
+    qkv.inplace_op2(&bd, &AddInPlace { rows: true })?;
     // [n, s, 3, heads, d] -> [3, n, heads, s, d]: q, k, v each a contiguous view.
     let split = qkv
         .reshape((n, s, 3, heads, d))?
@@ -1221,7 +1693,7 @@ pub fn self_attention(
         bias: spec.bias.contiguous()?.detach(),
         ..spec.clone()
     };
-    let probs = attention_probs(&q, &k, &spec)?;
+    let probs = attention_probs(&q, &k, &spec, 0)?;
     let out = probs
         .0
         .matmul(&v)?
@@ -1229,25 +1701,68 @@ pub fn self_attention(
         .contiguous()?
         .reshape((n, s, h))?;
     let kept = (!spec.recompute).then_some(probs);
-    node(
+    drop((wd, bd));
+    let parts = weights.len();
+    let mut inputs = vec![x];
+    inputs.extend(weights);
+    inputs.extend(biases);
+    node_n(
         "gradcache-self-attention",
-        [x, w_qkv, b_qkv],
+        &inputs,
         out,
         Box::new(move |dout| {
             let dctx = dout
                 .reshape((n, s, heads, d))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let [dq, dk, dv] = attention_backward(&q, &k, &v, &spec, kept.as_ref(), &dctx)?;
-            // [n, heads, 3, s, d] -> [n, s, 3, heads, d] = [n s, 3h], the layout of qkv.
-            let dqkv = Tensor::stack(&[dq, dk, dv], 2)?
-                .permute((0, 3, 2, 1, 4))?
-                .contiguous()?
+            // Block by block, [g, heads, 3, s, d] -> [g, s, 3, heads, d]: the rows of
+            // `[n s, 3h]`, the layout of qkv.
+            let mut dqkv: Option<Tensor> = None;
+            let block = recompute_block(&q, &k)?;
+            attention_backward(
+                &q,
+                &k,
+                &v,
+                &spec,
+                kept.as_ref(),
+                &dctx,
+                block,
+                |first, g| {
+                    let merged = Tensor::stack(&g, 2)?
+                        .permute((0, 3, 2, 1, 4))?
+                        .contiguous()?;
+                    drop(g);
+                    if merged.dim(0)? == n {
+                        dqkv = Some(merged);
+                        return Ok(());
+                    }
+                    let all = match &dqkv {
+                        Some(all) => all,
+                        None => dqkv.insert(Tensor::zeros(
+                            (n, s, 3, heads, d),
+                            dout.dtype(),
+                            dout.device(),
+                        )?),
+                    };
+                    all.slice_set(&merged, 0, first)
+                },
+            )?;
+            drop(dctx);
+            let dqkv = dqkv
+                .ok_or_else(|| candle_core::Error::Msg("self-attention: no gradient".into()))?
                 .reshape((rows, 3 * h))?;
-            let dx = dqkv.matmul(&wd)?.reshape((n, s, h))?;
+            let dx = dqkv.matmul(&stack(&weights_d)?)?.reshape((n, s, h))?;
             let dw = dqkv.t()?.matmul(&x2)?;
             let db = dqkv.apply_op1_no_bwd(&SumRows)?;
-            Ok([Some(dx), Some(dw), Some(db)])
+            // Each projection its block of rows.
+            let block = 3 * h / parts;
+            let mut grads = vec![Some(dx)];
+            for g in [dw, db] {
+                for i in 0..parts {
+                    grads.push(Some(g.narrow(0, i * block, block)?));
+                }
+            }
+            Ok(grads)
         }),
     )
 }
@@ -1265,6 +1780,29 @@ pub fn add_norm(
     eps: f64,
     dropout: Option<(u64, f32)>,
 ) -> candle_core::Result<Tensor> {
+    add_norm_node(x, residual, gamma_beta, eps, dropout, false)
+}
+
+/// [`add_norm`] keeping nothing but its inputs (selective recompute): the backward
+/// recomputes the sum under the LayerNorm from them, with the same kernel and mask.
+pub fn add_norm_recomputed(
+    x: &Tensor,
+    residual: &Tensor,
+    gamma_beta: &Tensor,
+    eps: f64,
+    dropout: Option<(u64, f32)>,
+) -> candle_core::Result<Tensor> {
+    add_norm_node(x, residual, gamma_beta, eps, dropout, true)
+}
+
+fn add_norm_node(
+    x: &Tensor,
+    residual: &Tensor,
+    gamma_beta: &Tensor,
+    eps: f64,
+    dropout: Option<(u64, f32)>,
+    recompute: bool,
+) -> candle_core::Result<Tensor> {
     let h = *x.dims().last().unwrap_or(&0);
     if x.shape() != residual.shape() || gamma_beta.dims2()? != (2, h) {
         candle_core::bail!(
@@ -1275,22 +1813,38 @@ pub fn add_norm(
         );
     }
     let rows = x.elem_count() / h.max(1);
-    let (xd, rd) = (x.contiguous()?.detach(), residual.contiguous()?.detach());
-    let sum = match dropout {
-        Some((seed, p)) if p > 0.0 => xd.apply_op2_no_bwd(&rd, &DropoutAdd { seed, p })?,
-        _ => (&xd + &rd)?,
+    let sum_of = move |xd: &Tensor, rd: &Tensor| match dropout {
+        Some((seed, p)) if p > 0.0 => xd.apply_op2_no_bwd(rd, &DropoutAdd { seed, p }),
+        _ => xd + rd,
     };
+    let (xd, rd) = (x.contiguous()?.detach(), residual.contiguous()?.detach());
+    let sum = sum_of(&xd, &rd)?;
     let gb = gamma_beta.detach();
     let (gamma, beta) = (gb.get(0)?, gb.get(1)?);
     let out = sum.apply_op3_no_bwd(&gamma, &beta, &LayerNorm { eps })?;
+    // What the backward reads: the sum, or the inputs to recompute it from.
+    enum Kept {
+        Sum(Tensor),
+        Inputs(Tensor, Tensor),
+    }
+    let kept = if recompute {
+        Kept::Inputs(xd, rd)
+    } else {
+        Kept::Sum(sum)
+    };
     let shape = x.shape().clone();
     node(
         "gradcache-add-norm",
         [x, residual, gamma_beta],
         out,
         Box::new(move |dout| {
+            let sum = match &kept {
+                Kept::Sum(sum) => sum.clone(),
+                Kept::Inputs(xd, rd) => sum_of(xd, rd)?,
+            };
             let packed =
                 sum.apply_op3_no_bwd(&gamma, &dout.contiguous()?, &LayerNormBackward { eps })?;
+            drop(sum);
             let dsum = packed.narrow(0, 0, rows)?.reshape(&shape)?;
             let dgb = packed.narrow(0, rows, 2)?;
             let dx = match dropout {
@@ -1442,7 +1996,7 @@ mod tests {
             ln_bwd(&x, &g, &dy, 1e-12),
             softmax_fwd(&x, &b, width, rows, 0.125),
             softmax_bwd(&softmax_fwd(&x, &b, width, rows, 0.125), &dy, width, 0.125),
-            dropout_add_fwd(&x, Some(&dy), 11, 0.1),
+            dropout_add_fwd(&x, Some(&dy), 11, 0.1, 0),
         ];
         for act in [Act::GeluErf, Act::GeluTanh, Act::Relu] {
             outs.push(bias_act_fwd(&x, &b, act));
@@ -1473,6 +2027,71 @@ mod tests {
                     a == b,
                     "kernel output {i} (width {width}) differs between copies"
                 );
+            }
+        }
+    }
+
+    fn tensor(dims: &[usize], seed: u64) -> Tensor {
+        let n = dims.iter().product();
+        Tensor::from_vec(values(n, seed), dims, &candle_core::Device::Cpu).expect("tensor")
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        let v: Vec<f32> = t.flatten_all().and_then(|t| t.to_vec1()).expect("values");
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    #[test]
+    fn dropout_of_a_block_has_the_masks_of_its_place_in_the_whole() {
+        let x = tensor(&[7, 13], 5);
+        let whole = x
+            .apply_op1_no_bwd(&Dropout { seed: 3, p: 0.3 })
+            .expect("whole");
+        // Odd and even starts (one generator output covers two elements).
+        for (first, len) in [(0, 3), (1, 2), (3, 4), (6, 1)] {
+            let block = x
+                .narrow(0, first, len)
+                .and_then(|b| {
+                    b.apply_op1_no_bwd(&DropoutFrom {
+                        seed: 3,
+                        p: 0.3,
+                        start: (first * 13) as u64,
+                    })
+                })
+                .expect("block");
+            assert_eq!(
+                bits(&block),
+                bits(&whole.narrow(0, first, len).expect("rows"))
+            );
+        }
+    }
+
+    /// The recomputing attention backward gives the bits of the one that keeps the
+    /// probabilities, whatever the block of sequences it works in (dropout on, a padded key
+    /// in one sequence).
+    #[test]
+    fn attention_recomputed_block_by_block_gives_the_kept_gradients_bit_for_bit() {
+        let (n, heads, s, d) = (5, 2, 6, 4);
+        let (q, k, v) = (
+            tensor(&[n, heads, s, d], 1),
+            tensor(&[n, heads, s, d], 2),
+            tensor(&[n, heads, s, d], 3),
+        );
+        let dctx = tensor(&[n, heads, s, d], 4);
+        let mut bias = vec![0f32; n * s];
+        bias[2 * s + 5] = -10000.0;
+        let spec = AttentionSpec {
+            bias: Tensor::from_vec(bias, (n, 1, 1, s), &candle_core::Device::Cpu).expect("bias"),
+            scale: 0.5,
+            dropout: Some((9, 0.25)),
+            recompute: false,
+        };
+        let kept = attention_probs(&q, &k, &spec, 0).expect("probs");
+        let want = attention_grads(&q, &k, &v, &spec, Some(&kept), &dctx, n).expect("kept");
+        for block in [1, 2, 3, 5] {
+            let got = attention_grads(&q, &k, &v, &spec, None, &dctx, block).expect("recomputed");
+            for (g, w) in got.iter().zip(&want) {
+                assert_eq!(bits(g), bits(w), "blocks of {block} sequences");
             }
         }
     }

@@ -141,6 +141,16 @@ pub fn add_norm_recomputed(
     norm: &LayerNorm,
     dropout: Option<(u64, f32)>,
 ) -> Result<Tensor> {
+    if fused_ok(&[x, residual, &norm.weight, &norm.bias]) {
+        let gamma_beta = Tensor::stack(&[&norm.weight, &norm.bias], 0)?;
+        return Ok(fused::add_norm_recomputed(
+            x,
+            residual,
+            &gamma_beta,
+            norm.eps,
+            dropout,
+        )?);
+    }
     let eps = norm.eps;
     recomputed(
         "gradcache-add-norm-recomputed",
@@ -154,6 +164,29 @@ pub fn add_norm_recomputed(
             add_norm(&t[0], &t[1], &norm, dropout)
         },
     )
+}
+
+/// BERT's embeddings, `dropout(norm(words[ids] + types[type_ids] + positions[0..s]))`, as
+/// one node that keeps nothing but the ids ([`fused::embeddings_recomputed`]), where the
+/// fused kernels run; `None` elsewhere (the caller then runs the separate ops, which keep
+/// their activations).
+pub fn embeddings_recomputed(
+    ids: [&Tensor; 2],
+    tables: [&Tensor; 3],
+    norm: &LayerNorm,
+    dropout: Option<(u64, f32)>,
+) -> Result<Option<Tensor>> {
+    let [words, types, positions] = tables;
+    if !fused_ok(&[words, types, positions, &norm.weight, &norm.bias]) {
+        return Ok(None);
+    }
+    Ok(Some(fused::embeddings_recomputed(
+        ids,
+        tables,
+        [&norm.weight, &norm.bias],
+        norm.eps,
+        dropout,
+    )?))
 }
 
 /// A transformer's feed-forward block without the residual, `down(act(up(x)))`. With
@@ -170,12 +203,24 @@ pub fn feed_forward(
     if !recompute {
         return down.forward(&up.forward_activated(x, act)?);
     }
-    let pre = linear(x, &up.weight, None)?;
-    let width = pre.dim(D::Minus1)?;
+    let width = up.weight.dim(0)?;
     let up_bias = match &up.bias {
         Some(b) => b.clone(),
         None => Tensor::zeros(width, up.weight.dtype(), up.weight.device())?,
     };
+    let mut all = vec![x, &up.weight, &up_bias, &down.weight];
+    all.extend(down.bias.as_ref());
+    if fused_ok(&all) {
+        return Ok(fused::feed_forward_recomputed(
+            x,
+            &up.weight,
+            &up_bias,
+            &down.weight,
+            down.bias.as_ref(),
+            act,
+        )?);
+    }
+    let pre = linear(x, &up.weight, None)?;
     let mut inputs = vec![&pre, &up_bias, &down.weight];
     inputs.extend(down.bias.as_ref());
     recomputed("gradcache-feed-forward-recomputed", &inputs, move |t| {
@@ -459,7 +504,7 @@ where
 /// BERT's multi-head self-attention from the hidden states `x` `[n, s, h]`: the query,
 /// key and value projections, the split into `heads`, [`attention`], and the heads merged
 /// back, `[n, s, h]` (before the output projection). Where the fused kernels run, one node
-/// over the three projections stacked into one ([`fused::self_attention`]); else composed.
+/// over the three projections ([`fused::self_attention_projections`]); else composed.
 pub fn self_attention(
     x: &Tensor,
     [query, key, value]: [&Linear; 3],
@@ -478,9 +523,13 @@ pub fn self_attention(
             &spec.bias,
         ];
         if fused_ok(&ts) && x.rank() == 3 {
-            let w = Tensor::cat(&[&query.weight, &key.weight, &value.weight], 0)?;
-            let b = Tensor::cat(&[bq, bk, bv], 0)?;
-            return Ok(fused::self_attention(x, &w, &b, heads, spec)?);
+            return Ok(fused::self_attention_projections(
+                x,
+                [&query.weight, &key.weight, &value.weight],
+                [bq, bk, bv],
+                heads,
+                spec,
+            )?);
         }
     }
     self_attention_composed(x, [query, key, value], heads, spec)
