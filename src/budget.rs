@@ -116,14 +116,26 @@ pub struct StepShape {
     pub query_rows: usize,
     /// Rows per step on the passage side (this process's share).
     pub passage_rows: usize,
-    /// Token lengths of one batch's queries, shortest first (a sample of the data), and
-    /// the length the replays were probed at. A step chunks its rows in order of length and
-    /// pads each chunk to its longest text only, so a chunk of `c` rows costs what
-    /// `c * padded / probed` rows at the probed length cost (a bound: attention grows
-    /// faster than the length). Empty: every chunk at the probed length.
-    pub query_lengths: (Vec<usize>, usize),
+    /// Token lengths of the queries of batches like the run's (drawn from a sample of the
+    /// data, each shortest first), and the length the replays were probed at. A step
+    /// chunks its rows in order of length and pads each chunk to its longest text only, so
+    /// a chunk of `c` rows costs what `c * padded / probed` rows at the probed length cost
+    /// (a bound: attention grows faster than the length), and the run's peak is the
+    /// costliest chunk of its costliest batch. No batches: every chunk at the probed
+    /// length.
+    pub query_lengths: (Vec<Vec<usize>>, usize),
     /// The same for the passages.
-    pub passage_lengths: (Vec<usize>, usize),
+    pub passage_lengths: (Vec<Vec<usize>>, usize),
+}
+
+/// [`equivalent_rows`] of the costliest of `batches` (each shortest first); `chunk` when
+/// there are none.
+pub fn costliest_rows(batches: &[Vec<usize>], probed: usize, chunk: usize) -> usize {
+    batches
+        .iter()
+        .map(|lengths| equivalent_rows(lengths, probed, chunk))
+        .max()
+        .unwrap_or(chunk)
 }
 
 /// Rows at `probed` tokens that the costliest chunk of `chunk` rows weighs, when the
@@ -167,14 +179,19 @@ impl StepShape {
         let (lq, lp) = (&self.query_lengths, &self.passage_lengths);
         let replay = cost
             .query
-            .at(equivalent_rows(&lq.0, lq.1, query))
-            .max(cost.passage.at(equivalent_rows(&lp.0, lp.1, passage)));
+            .at(costliest_rows(&lq.0, lq.1, query))
+            .max(cost.passage.at(costliest_rows(&lp.0, lp.1, passage)));
         self.base + self.loss.max(self.resident + replay).max(self.optimizer)
     }
 
     /// The largest chunk of at most `rows` rows whose replay fits `room` bytes (0: none).
-    fn largest(rows: usize, lengths: &(Vec<usize>, usize), cost: &ReplayCost, room: u64) -> usize {
-        let fits = |c: usize| cost.at(equivalent_rows(&lengths.0, lengths.1, c)) <= room;
+    fn largest(
+        rows: usize,
+        lengths: &(Vec<Vec<usize>>, usize),
+        cost: &ReplayCost,
+        room: u64,
+    ) -> usize {
+        let fits = |c: usize| cost.at(costliest_rows(&lengths.0, lengths.1, c)) <= room;
         if !fits(1) {
             return 0;
         }
@@ -270,6 +287,12 @@ mod tests {
         assert_eq!(equivalent_rows(&lengths, 10, 4), 4);
         assert_eq!(equivalent_rows(&lengths, 10, 1), 1);
         assert_eq!(equivalent_rows(&[], 10, 7), 7);
+        // The costliest batch counts: one with longer texts weighs more.
+        let long = [6, 6, 7, 7, 8, 9, 9, 10, 10, 10];
+        assert_eq!(costliest_rows(&[lengths.to_vec()], 10, 4), 4);
+        assert_eq!(costliest_rows(&[lengths.to_vec(), long.to_vec()], 10, 8), 8);
+        assert_eq!(equivalent_rows(&lengths, 10, 8), 7);
+        assert_eq!(costliest_rows(&[], 10, 8), 8);
     }
 
     #[test]

@@ -65,6 +65,28 @@ pub enum Recompute {
     Layers(Vec<usize>),
 }
 
+/// The policy as the config writes it, shortly: `off`, `every_layer`, `every(2)`, `sqrt`,
+/// `layers([4, 8])`, `attention`, `sqrt + attention` (every site recomputed inside sqrt
+/// segments), `off + selective (keep intermediate)`.
+impl std::fmt::Display for Recompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Recompute::Off => write!(f, "off"),
+            Recompute::Attention => write!(f, "attention"),
+            Recompute::EveryLayer => write!(f, "every_layer"),
+            Recompute::Every(k) => write!(f, "every({k})"),
+            Recompute::Sqrt => write!(f, "sqrt"),
+            Recompute::Layers(layers) => write!(f, "layers({layers:?})"),
+            Recompute::Selective { segments, keep } if keep.is_empty() => {
+                write!(f, "{segments} + attention")
+            }
+            Recompute::Selective { segments, keep } => {
+                write!(f, "{segments} + selective (keep {})", keep.join(", "))
+            }
+        }
+    }
+}
+
 impl Recompute {
     /// Selective recompute of every sub-layer site except `keep`, with no segments.
     pub fn keep(keep: &[&str]) -> Self {
@@ -349,6 +371,22 @@ impl<M: LayerStack> Encoder for Recomputed<M> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn policies_print_as_the_config_writes_them() {
+        assert_eq!(Recompute::Off.to_string(), "off");
+        assert_eq!(Recompute::Every(2).to_string(), "every(2)");
+        assert_eq!(Recompute::Layers(vec![4, 8]).to_string(), "layers([4, 8])");
+        let sqrt = Recompute::Selective {
+            segments: Box::new(Recompute::Sqrt),
+            keep: vec![],
+        };
+        assert_eq!(sqrt.to_string(), "sqrt + attention");
+        assert_eq!(
+            Recompute::keep(&["intermediate", "attention.probs"]).to_string(),
+            "off + selective (keep intermediate, attention.probs)"
+        );
+    }
 
     fn starts(p: Recompute, n: usize) -> Vec<usize> {
         p.segments(n)

@@ -31,12 +31,20 @@ fn try_config(dir: &Path, budget: &str) -> gradcache::Result<Config> {
 }
 
 /// The largest heap in use during any of `steps` steps: the bytes allocated when the step
-/// began plus the step's peak above them.
+/// began plus the step's peak above them (the report's `heap_peak_bytes`, checked here).
 fn measured_peak(trainer: &mut Trainer, steps: usize) -> u64 {
     (0..steps)
         .map(|_| {
             let before = memory::current_bytes() as u64;
-            before + trainer.train_step().unwrap().peak_bytes as u64
+            let report = trainer.train_step().unwrap();
+            // The report reads the heap after drawing the batch (its texts, a few KiB).
+            let heap = report.heap_peak_bytes as u64;
+            let ours = before + report.peak_bytes as u64;
+            assert!(
+                heap.abs_diff(ours) < 1 << 20,
+                "heap peak {heap}, {ours} from here"
+            );
+            heap
         })
         .max()
         .unwrap()

@@ -59,6 +59,10 @@ pub struct StepReport {
     pub pairs_per_sec: f64,
     /// Peak bytes allocated during the step (0 unless the binary counts allocations).
     pub peak_bytes: usize,
+    /// The heap's peak during the step: the bytes in use when it began (weights,
+    /// optimizer state, data) plus `peak_bytes` (what `train.memory_budget` bounds; 0
+    /// unless the binary counts allocations).
+    pub heap_peak_bytes: usize,
     /// Hard negatives that were missing and filled from other pairs.
     pub filled_negatives: usize,
     /// Wall time of each phase of the step.
@@ -185,7 +189,9 @@ struct Model {
 struct RunData {
     loader: Loader,
     eval: Vec<Pair>,
-    /// The texts a fresh tokenizer learns from (the training split only).
+    /// The training split's texts, query then positive of each pair (what a fresh
+    /// tokenizer learns from and the memory budget samples lengths from; empty when
+    /// neither needs them).
     texts: Vec<String>,
 }
 
@@ -461,6 +467,7 @@ impl Trainer {
     pub fn train_step(&mut self) -> Result<StepReport> {
         let batch = self.loader.next_batch()?;
         let start = Instant::now();
+        let heap_at_start = memory::current_bytes();
         let (_, peak, out) = memory::measure(|| -> Result<_> {
             let share = self.share(&batch);
             let inputs = share.and_then(|(queries, passages)| {
@@ -540,6 +547,7 @@ impl Trainer {
             grad_norm,
             pairs_per_sec: batch.queries.len() as f64 / secs,
             peak_bytes: peak,
+            heap_peak_bytes: if peak > 0 { heap_at_start + peak } else { 0 },
             filled_negatives: batch.filled,
             phases,
             phase_peaks,
@@ -734,7 +742,7 @@ fn plan_memory(
     world: usize,
     budget: &str,
 ) -> Result<MemoryPlan> {
-    use crate::budget::{equivalent_rows, parse_bytes, PolicyCost, ReplayCost, StepShape};
+    use crate::budget::{costliest_rows, parse_bytes, PolicyCost, ReplayCost, StepShape};
     let budget = parse_bytes(budget)?;
     let invalid = |reason| Error::InvalidConfig {
         field: "train.memory_budget",
@@ -760,14 +768,20 @@ fn plan_memory(
         t.batch_size / world * (1 + t.hard_negatives),
     );
     // Chunks are padded to their longest text, so the probes run at the longest text of
-    // the training data (a sample of up to 20,000 texts), within each side's max_len.
-    let sample: Vec<&str> = texts
-        .iter()
-        .step_by(texts.len().div_ceil(20_000).max(1))
-        .map(String::as_str)
-        .collect();
-    // Every sampled text's token length per side (within its max_len).
-    let sample_lengths = |max_len: usize| -> Result<Vec<usize>> {
+    // the training data (a sample of up to 10,000 pairs), within each side's max_len.
+    // `texts` holds each pair's query, then its positive.
+    let every = (texts.len() / 2).div_ceil(10_000).max(1);
+    let side = |first: usize| -> Vec<&str> {
+        texts
+            .iter()
+            .skip(first)
+            .step_by(2 * every)
+            .map(String::as_str)
+            .collect()
+    };
+    let (q_sample, p_sample) = (side(0), side(1));
+    // Every sampled text's token length on one side (within its max_len).
+    let sample_lengths = |sample: &[&str], max_len: usize| -> Result<Vec<usize>> {
         let mut all = Vec::with_capacity(sample.len());
         for texts in sample.chunks(1024) {
             let b = Tokenizer::new(model.tokenizer.clone(), max_len)?.encode(texts, device)?;
@@ -781,21 +795,33 @@ fn plan_memory(
         Ok(all)
     };
     let (q_all, p_all) = (
-        sample_lengths(cfg.model.query_max_len)?,
-        sample_lengths(cfg.model.passage_max_len)?,
+        sample_lengths(&q_sample, cfg.model.query_max_len)?,
+        sample_lengths(&p_sample, cfg.model.passage_max_len)?,
     );
     let longest = |all: &[usize], max_len| all.iter().copied().max().unwrap_or(max_len);
     let (q_len, p_len) = (
         longest(&q_all, cfg.model.query_max_len),
         longest(&p_all, cfg.model.passage_max_len),
     );
-    // One batch's worth of text lengths per side, shortest first, for the chunk padding:
-    // `rows` picks spread over the sample (which is in data order, not length order).
-    let lengths = |all: &[usize], rows: usize| -> Vec<usize> {
-        let step = (all.len() / rows.max(1)).max(1);
-        let mut picked: Vec<usize> = all.iter().copied().step_by(step).take(rows).collect();
-        picked.sort_unstable();
-        picked
+    // Batches like the run's, each shortest first: `rows` lengths drawn from the sample,
+    // as many batches as the run has steps (at most 1,000), from the run's seed. The
+    // run's peak is its costliest chunk, in its batch with the most long texts.
+    let batches = |all: &[usize], rows: usize, side: u64| -> Vec<Vec<usize>> {
+        use rand::{Rng, SeedableRng};
+        if all.is_empty() {
+            return Vec::new();
+        }
+        let mut rng =
+            rand_chacha::ChaCha8Rng::seed_from_u64(crate::rng::derive_seed(&[cfg.seed, side]));
+        (0..t.steps.clamp(1, 1000))
+            .map(|_| {
+                let mut batch: Vec<usize> = (0..rows)
+                    .map(|_| all[rng.random_range(0..all.len())])
+                    .collect();
+                batch.sort_unstable();
+                batch
+            })
+            .collect()
     };
     let vocab = model.bert.vocab_size as u32;
     let probe_batch = |rows: usize, len: usize| -> Result<TokenBatch> {
@@ -892,63 +918,71 @@ fn plan_memory(
         optimizer: 3 * param_bytes,
         query_rows: q_rows,
         passage_rows: p_rows,
-        query_lengths: (lengths(&q_all, q_rows), q_len),
-        passage_lengths: (lengths(&p_all, p_rows), p_len),
+        query_lengths: (batches(&q_all, q_rows, 0), q_len),
+        passage_lengths: (batches(&p_all, p_rows, 1), p_len),
     };
-    let mut plan = shape.choose(budget, &costs)?;
-    model.query.set_policy(plan.policy.clone())?;
-    if let Some(p) = &mut model.passage {
-        p.set_policy(plan.policy.clone())?;
-    }
     // The line through the probes is a prediction; a replay at the chosen chunk sizes is
-    // a measurement. Shrink a side whose replay does not fit, and measure again.
+    // a measurement. Shrink a side whose replay does not fit, and measure again; a policy
+    // that still does not fit gives way to the next leaner one.
     let room = budget.saturating_sub(shape.base + shape.resident);
-    let passage_enc = model.passage.as_ref().unwrap_or(&model.query);
-    for _ in 0..4 {
-        let (lq, lp) = (&shape.query_lengths, &shape.passage_lengths);
-        let rows_q = equivalent_rows(&lq.0, lq.1, plan.query_chunk).max(1);
-        let rows_p = equivalent_rows(&lp.0, lp.1, plan.passage_chunk).max(1);
-        let q = replay_bytes(&model.query, rows_q, q_len, false)?;
-        let p = replay_bytes(passage_enc, rows_p, p_len, false)?;
-        let at = |fixed| ReplayCost { fixed, per_row: 0 };
-        let measured = PolicyCost {
-            policy: plan.policy.clone(),
-            query: at(q),
-            passage: at(p),
-        };
-        plan.predicted = shape.predict(&measured, 0, 0);
-        if plan.predicted <= budget {
-            break;
+    let mut candidates = costs.clone();
+    let plan = loop {
+        let mut plan = shape.choose(budget, &candidates)?;
+        model.query.set_policy(plan.policy.clone())?;
+        if let Some(p) = &mut model.passage {
+            p.set_policy(plan.policy.clone())?;
         }
-        let shrink = |chunk: usize, bytes: u64| -> usize {
-            if bytes <= room {
-                chunk
-            } else {
-                ((chunk as u64 * room / bytes.max(1)) as usize).clamp(1, chunk.max(2) - 1)
+        let passage_enc = model.passage.as_ref().unwrap_or(&model.query);
+        for _ in 0..6 {
+            let (lq, lp) = (&shape.query_lengths, &shape.passage_lengths);
+            let rows_q = costliest_rows(&lq.0, lq.1, plan.query_chunk).max(1);
+            let rows_p = costliest_rows(&lp.0, lp.1, plan.passage_chunk).max(1);
+            let q = replay_bytes(&model.query, rows_q, q_len, false)?;
+            let p = replay_bytes(passage_enc, rows_p, p_len, false)?;
+            let at = |fixed| ReplayCost { fixed, per_row: 0 };
+            let measured = PolicyCost {
+                policy: plan.policy.clone(),
+                query: at(q),
+                passage: at(p),
+            };
+            plan.predicted = shape.predict(&measured, 0, 0);
+            if plan.predicted <= budget {
+                break;
             }
-        };
-        let (qc, pc) = (shrink(plan.query_chunk, q), shrink(plan.passage_chunk, p));
-        if (qc, pc) == (plan.query_chunk, plan.passage_chunk) {
-            break;
+            let shrink = |chunk: usize, bytes: u64| -> usize {
+                if bytes <= room {
+                    chunk
+                } else {
+                    ((chunk as u64 * room / bytes.max(1)) as usize).clamp(1, chunk.max(2) - 1)
+                }
+            };
+            let (qc, pc) = (shrink(plan.query_chunk, q), shrink(plan.passage_chunk, p));
+            if (qc, pc) == (plan.query_chunk, plan.passage_chunk) {
+                break;
+            }
+            (plan.query_chunk, plan.passage_chunk) = (qc, pc);
         }
-        (plan.query_chunk, plan.passage_chunk) = (qc, pc);
-    }
-    if plan.predicted > budget {
-        return Err(Error::MemoryBudget {
-            budget,
-            needed: plan.predicted,
-            what: format!(
-                "a step with recompute {:?} at chunks {}/{}",
-                plan.policy, plan.query_chunk, plan.passage_chunk
-            ),
-        });
-    }
+        if plan.predicted <= budget {
+            break plan;
+        }
+        if candidates.len() <= 1 {
+            return Err(Error::MemoryBudget {
+                budget,
+                needed: plan.predicted,
+                what: format!(
+                    "a step with recompute {} at chunks {}/{}",
+                    plan.policy, plan.query_chunk, plan.passage_chunk
+                ),
+            });
+        }
+        candidates.retain(|c| c.policy != plan.policy);
+    };
     let cost = costs
         .iter()
         .find(|c| c.policy == plan.policy)
         .map_or(0, |c| c.query.per_row.max(c.passage.per_row));
     let note = format!(
-        "memory budget {}: recompute {:?}, chunks {}/{}, predicted peak {} (weights and \
+        "memory budget {}: recompute {}, chunks {}/{}, predicted peak {} (weights and \
          optimizer {}, replay {} per row at {} tokens, loss {})",
         memory::human_bytes(budget),
         plan.policy,
@@ -1032,8 +1066,10 @@ fn load_data(cfg: &Config, comm: &dyn Collective, notes: &mut Vec<String>) -> Re
             batch / world,
         ));
     }
-    // A fresh tokenizer learns from the training split only (never the held-out pairs).
-    let texts: Vec<String> = if cfg.model.pretrained.is_empty() {
+    // A fresh tokenizer learns from the training split only (never the held-out pairs);
+    // the memory budget samples text lengths from it.
+    let texts: Vec<String> = if cfg.model.pretrained.is_empty() || cfg.train.memory_budget.is_some()
+    {
         train
             .iter()
             .flat_map(|p| [p.query.clone(), p.positive.clone()])

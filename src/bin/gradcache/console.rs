@@ -45,6 +45,7 @@ impl Observer for Console {
                 let seconds = r.phases.total_ms() / 1e3;
                 self.line(serde_json::json!({"type": "step", "step": r.step, "loss": r.loss, "lr": r.lr,
                     "grad_norm": r.grad_norm, "pairs_per_sec": r.pairs_per_sec, "peak_bytes": r.peak_bytes,
+                    "heap_peak_bytes": r.heap_peak_bytes,
                     "phases_ms": r.phases, "phase_peak_bytes": r.phase_peaks, "flops": r.flops,
                     "gflops_per_sec": r.flops / seconds.max(1e-9) / 1e9,
                     "loss_scale": r.loss_scaling.map(|s| s.used),
@@ -96,8 +97,9 @@ impl Observer for Console {
     }
 }
 
-/// `represent 183 ms / 41.2 MiB, loss ..., replay ..., reduce ..., optimizer ...`: each
-/// phase's wall time and peak memory above the step's start.
+/// `represent 183 ms / 41.2 MiB, loss ..., replay ..., reduce ..., optimizer ..., heap
+/// peak 72.4 MiB`: each phase's wall time and peak memory above the step's start, and the
+/// heap's peak (what `train.memory_budget` bounds).
 fn phase_summary(r: &gradcache::train::trainer::StepReport) -> String {
     let (t, m) = (&r.phases, &r.phase_peaks);
     let mib = |b: usize| b as f64 / 1048576.0;
@@ -110,6 +112,7 @@ fn phase_summary(r: &gradcache::train::trainer::StepReport) -> String {
     ]
     .iter()
     .map(|(name, ms, bytes)| format!("{name} {ms:.0} ms / {:.1} MiB", mib(*bytes)))
+    .chain((r.heap_peak_bytes > 0).then(|| format!("heap peak {:.1} MiB", mib(r.heap_peak_bytes))))
     .collect::<Vec<_>>()
     .join(", ")
 }

@@ -1,5 +1,5 @@
-//! `loss.png`: the loss curve of a run, and `phases.png`: the time and peak memory of each
-//! phase of its steps, from its `metrics.jsonl`.
+//! `loss.png`: the loss curve of a run with its evaluations below it, and `phases.png`:
+//! the time and peak memory of each phase of its steps, from its `metrics.jsonl`.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -7,17 +7,35 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
-/// The loss of every step recorded in `metrics.jsonl` (a resumed run appends to it).
+/// The retrieval metrics drawn over the steps, as `metrics.jsonl` names them.
+const EVAL_METRICS: [(&str, &str); 3] = [
+    ("recall_at_1", "recall@1"),
+    ("mrr_at_10", "MRR@10"),
+    ("ndcg_at_10", "nDCG@10"),
+];
+
+/// The loss of every step recorded in `metrics.jsonl` (a resumed run appends to it) and,
+/// when the run evaluated, a second panel below it: the retrieval metrics of every
+/// evaluation over the steps.
 pub fn plot_losses(metrics: &Path, png: &Path) -> Result<()> {
     use plotters::prelude::*;
     let mut points: Vec<(u64, f32)> = Vec::new();
+    let mut evals: Vec<(u64, [f32; 3])> = Vec::new();
     for line in BufReader::new(File::open(metrics)?).lines() {
         let v: serde_json::Value = serde_json::from_str(&line?)?;
+        let Some(s) = v["step"].as_u64() else {
+            continue;
+        };
         if v["type"] == "step" {
-            if let (Some(s), Some(l)) = (v["step"].as_u64(), v["loss"].as_f64()) {
+            if let Some(l) = v["loss"].as_f64() {
                 points.retain(|(step, _)| *step < s);
                 points.push((s, l as f32));
             }
+        } else if v["type"] == "eval" {
+            let m = &v["metrics"];
+            let values = EVAL_METRICS.map(|(key, _)| m[key].as_f64().unwrap_or(f64::NAN) as f32);
+            evals.retain(|(step, _)| *step < s);
+            evals.push((s, values));
         }
     }
     if points.is_empty() {
@@ -26,9 +44,16 @@ pub fn plot_losses(metrics: &Path, png: &Path) -> Result<()> {
     register_font()?;
     let max_step = points.last().map_or(1, |p| p.0).max(1);
     let max_loss = points.iter().map(|p| p.1).fold(0f32, f32::max).max(1e-3);
-    let root = BitMapBackend::new(png, (800, 480)).into_drawing_area();
+    let height = if evals.is_empty() { 480 } else { 880 };
+    let root = BitMapBackend::new(png, (800, height)).into_drawing_area();
     root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
+    let (top, bottom) = if evals.is_empty() {
+        (root.clone(), None)
+    } else {
+        let (top, bottom) = root.split_vertically(480);
+        (top, Some(bottom))
+    };
+    let mut chart = ChartBuilder::on(&top)
         .caption("training loss", ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(36)
@@ -40,6 +65,42 @@ pub fn plot_losses(metrics: &Path, png: &Path) -> Result<()> {
         .y_desc("loss")
         .draw()?;
     chart.draw_series(LineSeries::new(points, &BLUE))?;
+    if let Some(area) = bottom {
+        let mut chart = ChartBuilder::on(&area)
+            .caption("evaluation (held-out pairs)", ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(56)
+            .build_cartesian_2d(0u64..max_step, 0f32..1.0f32)?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .y_desc("score")
+            .draw()?;
+        for (i, (_, label)) in EVAL_METRICS.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let series: Vec<(u64, f32)> = evals
+                .iter()
+                .map(|(s, v)| (*s, v[i]))
+                .filter(|(_, v)| v.is_finite())
+                .collect();
+            chart
+                .draw_series(LineSeries::new(series.clone(), color.stroke_width(2)))?
+                .label(*label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color));
+            chart.draw_series(
+                series
+                    .into_iter()
+                    .map(|p| Circle::new(p, 3, color.filled())),
+            )?;
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::LowerRight)
+            .draw()?;
+    }
     root.present()?;
     Ok(())
 }
