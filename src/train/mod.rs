@@ -9,6 +9,7 @@ pub mod config;
 pub mod data;
 pub mod metrics;
 pub mod optim;
+pub mod shapes;
 pub mod trainer;
 
 pub use config::Config;
