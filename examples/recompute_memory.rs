@@ -44,20 +44,19 @@ fn segment_policies() -> Vec<(&'static str, Recompute)> {
 /// The segment policies and selective recompute inside the layers (BERT's sub-layer
 /// sites), alone, by name and composed with segments.
 fn bert_policies() -> Vec<(&'static str, Recompute)> {
-    let selective = |segments: Recompute, keep: &[&str]| Recompute::Selective {
-        segments: Box::new(segments),
-        keep: keep.iter().map(|s| s.to_string()).collect(),
-    };
     let mut all = segment_policies();
     all.extend([
         ("attention", Recompute::Attention),
         ("keep_intermediate", Recompute::keep(&["intermediate"])),
         (
             "probs_only",
-            selective(Recompute::Off, &gradcache::bert::SITES[1..]),
+            Recompute::selective(Recompute::Off, &gradcache::bert::SITES[1..]),
         ),
-        ("sqrt+attention", selective(Recompute::Sqrt, &[])),
-        ("every_2+attention", selective(Recompute::Every(2), &[])),
+        ("sqrt+attention", Recompute::selective(Recompute::Sqrt, &[])),
+        (
+            "every_2+attention",
+            Recompute::selective(Recompute::Every(2), &[]),
+        ),
     ]);
     all
 }

@@ -88,12 +88,18 @@ impl std::fmt::Display for Recompute {
 }
 
 impl Recompute {
-    /// Selective recompute of every sub-layer site except `keep`, with no segments.
-    pub fn keep(keep: &[&str]) -> Self {
+    /// Selective recompute of every sub-layer site except `keep`, inside the segments of
+    /// `segments` (`sqrt + attention` is `selective(Recompute::Sqrt, &[])`).
+    pub fn selective(segments: Recompute, keep: &[&str]) -> Self {
         Recompute::Selective {
-            segments: Box::new(Recompute::Off),
+            segments: Box::new(segments),
             keep: keep.iter().map(|s| s.to_string()).collect(),
         }
+    }
+
+    /// Selective recompute of every sub-layer site except `keep`, with no segments.
+    pub fn keep(keep: &[&str]) -> Self {
+        Self::selective(Recompute::Off, keep)
     }
 
     /// The sub-layer sites recomputed in a stack whose layers offer `sites`: none unless
@@ -377,11 +383,10 @@ mod tests {
         assert_eq!(Recompute::Off.to_string(), "off");
         assert_eq!(Recompute::Every(2).to_string(), "every(2)");
         assert_eq!(Recompute::Layers(vec![4, 8]).to_string(), "layers([4, 8])");
-        let sqrt = Recompute::Selective {
-            segments: Box::new(Recompute::Sqrt),
-            keep: vec![],
-        };
-        assert_eq!(sqrt.to_string(), "sqrt + attention");
+        assert_eq!(
+            Recompute::selective(Recompute::Sqrt, &[]).to_string(),
+            "sqrt + attention"
+        );
         assert_eq!(
             Recompute::keep(&["intermediate", "attention.probs"]).to_string(),
             "off + selective (keep intermediate, attention.probs)"

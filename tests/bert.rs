@@ -266,14 +266,8 @@ fn selective_recompute_gives_the_gradients_of_off_bit_for_bit() {
         .unwrap();
     let mut policies = vec![
         Recompute::Attention,
-        Recompute::Selective {
-            segments: Box::new(Recompute::Sqrt),
-            keep: vec![],
-        },
-        Recompute::Selective {
-            segments: Box::new(Recompute::EveryLayer),
-            keep: vec!["intermediate".into(), "attention.probs".into()],
-        },
+        Recompute::selective(Recompute::Sqrt, &[]),
+        Recompute::selective(Recompute::EveryLayer, &["intermediate", "attention.probs"]),
     ];
     for site in gradcache::bert::SITES {
         // Only `site` recomputed: keep the others.

@@ -432,6 +432,43 @@ fn shapes_that_do_not_fit_are_errors_not_panics() {
     assert!(layer_norm(&x, &random(84, &[4]), &random(85, &[3]), 1e-5).is_err());
     // A key mask for another number of keys.
     assert!(masked_softmax(&random(86, &[2, 2, 3, 3]), &padding_bias(2, 4), 1.0).is_err());
+    // Selective-recompute nodes: a down projection that does not take the up
+    // projection's width, a key bias of another width, token types of another shape.
+    let (wu, bu) = (random(89, &[8, 4]), random(90, &[8]));
+    assert!(
+        fused::feed_forward_recomputed(&x, &wu, &bu, &random(91, &[4, 6]), None, Act::Relu)
+            .is_err()
+    );
+    let spec = fused::AttentionSpec {
+        bias: padding_bias(2, 3),
+        scale: 0.5,
+        dropout: None,
+        recompute: true,
+    };
+    let (w, b) = (random(92, &[4, 4]), random(93, &[4]));
+    assert!(fused::self_attention_projections(
+        &x,
+        [&w, &w, &w],
+        [&b, &random(94, &[3]), &b],
+        2,
+        &spec
+    )
+    .is_err());
+    let ids = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &Device::Cpu).unwrap();
+    let (words, types, positions) = (
+        random(95, &[8, 4]),
+        random(96, &[2, 4]),
+        random(97, &[5, 4]),
+    );
+    let (gamma, beta) = (random(98, &[4]), random(99, &[4]));
+    assert!(fused::embeddings_recomputed(
+        [&ids, &ids.narrow(1, 0, 2).unwrap()],
+        [&words, &types, &positions],
+        [&gamma, &beta],
+        1e-12,
+        None
+    )
+    .is_err());
     // Accumulating a gradient of another shape leaves the accumulator as it was.
     let acc = random(87, &[6]).copy().unwrap();
     let before = acc.to_vec1::<f32>().unwrap();
@@ -485,6 +522,57 @@ fn recomputed_nodes_give_the_gradients_of_the_recorded_function_bit_for_bit() {
         assert_eq!(g.len(), gr.len());
         for (i, (a, b)) in g.iter().zip(&gr).enumerate() {
             assert_eq!(max_diff(a, b), 0.0, "{name}: gradient of input {i}");
+        }
+    }
+}
+
+/// The feed-forward node that recomputes its activation gives the gradients of the three
+/// nodes it stands for (`linear`, `bias_activation`, `linear`) bit for bit, with and
+/// without the down projection's bias.
+#[test]
+fn recomputed_feed_forward_gives_the_gradients_of_its_three_nodes_bit_for_bit() {
+    use gradcache::nn::{fused, linear};
+    let x = random(300, &[2, 5, 6]);
+    let (wu, bu, wd, bd) = (
+        random(301, &[12, 6]),
+        random(302, &[12]),
+        random(303, &[6, 12]),
+        random(304, &[6]),
+    );
+    let cot = random(305, &[2, 5, 6]);
+    for with_bias in [true, false] {
+        let inputs: Vec<Tensor> = if with_bias {
+            vec![x.clone(), wu.clone(), bu.clone(), wd.clone(), bd.clone()]
+        } else {
+            vec![x.clone(), wu.clone(), bu.clone(), wd.clone()]
+        };
+        let chain = |t: &[Tensor]| -> gradcache::Result<Tensor> {
+            let h = bias_activation(&linear(&t[0], &t[1], None)?, &t[2], Act::GeluErf)?;
+            linear(&h, &t[3], t.get(4))
+        };
+        let node = |t: &[Tensor]| -> gradcache::Result<Tensor> {
+            Ok(fused::feed_forward_recomputed(
+                &t[0],
+                &t[1],
+                &t[2],
+                &t[3],
+                t.get(4),
+                Act::GeluErf,
+            )?)
+        };
+        let (y, g) = value_and_grads(&inputs, &cot, &chain);
+        let (yr, gr) = value_and_grads(&inputs, &cot, &node);
+        assert_eq!(
+            common::bits(&y),
+            common::bits(&yr),
+            "bias {with_bias}: forward"
+        );
+        for (i, (a, b)) in g.iter().zip(&gr).enumerate() {
+            assert_eq!(
+                common::bits(a),
+                common::bits(b),
+                "bias {with_bias}: gradient of input {i}"
+            );
         }
     }
 }

@@ -853,14 +853,8 @@ fn plan_memory(
     let policies = [
         Recompute::Off,
         Recompute::Attention,
-        Recompute::Selective {
-            segments: Box::new(Recompute::Sqrt),
-            keep: vec![],
-        },
-        Recompute::Selective {
-            segments: Box::new(Recompute::EveryLayer),
-            keep: vec![],
-        },
+        Recompute::selective(Recompute::Sqrt, &[]),
+        Recompute::selective(Recompute::EveryLayer, &[]),
     ];
     let (small, large) = PROBE_ROWS;
     let mut costs = Vec::new();
