@@ -49,7 +49,11 @@ where
     E: Encoder,
     E::Input: 'a,
 {
-    let rep = encoder.encode(&input, &ctx)?.detach();
+    // The representation pass is the one forward of the chunk that moves running
+    // statistics (BatchNorm); the replay normalises with the same batch statistics and
+    // leaves them alone.
+    let rep = encoder.encode(&input, &ctx.updating_stats())?.detach();
+    let ctx = ctx.frozen_stats();
     let dims = rep.dims();
     if dims.len() != 2 {
         return Err(Error::NotAMatrix {
@@ -469,6 +473,17 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         &self.params
     }
 
+    /// The buffers of both towers (BatchNorm running statistics), sorted by name.
+    pub fn buffers(&self) -> Result<Params> {
+        self.query.buffers().union(&self.passage.buffers())
+    }
+
+    /// Everything a training checkpoint must hold to resume exactly: the parameters and
+    /// the buffers.
+    pub fn state(&self) -> Result<Params> {
+        self.params.union(&self.buffers()?)
+    }
+
     /// The query encoder.
     pub fn query_encoder(&self) -> &Q {
         &self.query
@@ -487,7 +502,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
     /// The forward context of chunk `chunk` of `side` at `step`.
     pub fn ctx(&self, step: u64, side: Side, chunk: usize) -> Ctx {
         if !self.dropout {
-            return Ctx::eval();
+            return Ctx::train_without_dropout();
         }
         Ctx::train(ChunkSeed {
             run: self.seed,
@@ -592,12 +607,9 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         passages: &P::Input,
     ) -> Result<StepOutput> {
         group_size(queries.rows(), passages.rows())?;
-        let q = self
-            .query
-            .forward(queries, &self.ctx(step, Side::Query, 0))?;
-        let p = self
-            .passage
-            .forward(passages, &self.ctx(step, Side::Passage, 0))?;
+        let ctx = |side| self.ctx(step, side, 0).updating_stats();
+        let q = self.query.forward(queries, &ctx(Side::Query))?;
+        let p = self.passage.forward(passages, &ctx(Side::Passage))?;
         let loss = self.loss.forward(&q, &p)?;
         let value = scalar(&loss)?;
         if !value.is_finite() {

@@ -54,6 +54,29 @@ pub struct Ctx {
     /// The sub-layer sites a graph forward recomputes in its backward instead of keeping
     /// (selective recompute; set by [`Recomputed`](crate::Recomputed) from its policy).
     pub recompute: Sites,
+    /// Which statistics layers with running statistics (BatchNorm) normalise with, and
+    /// whether this forward updates them.
+    pub norm: NormStats,
+}
+
+/// How a layer with running statistics (BatchNorm) behaves in one forward.
+///
+/// The gradient cache runs every chunk more than once: the representation pass, the
+/// replay, and with checkpointing a graph-free forward and a recompute per segment. All of
+/// them normalise with the batch statistics of the chunk's rows (the same rows, so the
+/// same numbers, bit for bit), and only the representation pass moves the running
+/// statistics: once per chunk and step, as a plain training step over that chunk would.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum NormStats {
+    /// Evaluation: normalise with the running statistics.
+    #[default]
+    Running,
+    /// Training: normalise with the statistics of the rows this forward sees and leave
+    /// the running statistics alone (replays, checkpoint recomputes).
+    Batch,
+    /// Training, and fold this forward's batch statistics into the running statistics
+    /// (the representation pass, or a plain training forward).
+    BatchAndUpdate,
 }
 
 impl Ctx {
@@ -67,6 +90,38 @@ impl Ctx {
         Self {
             dropout: Some(seed),
             recompute: Sites::NONE,
+            norm: NormStats::Batch,
+        }
+    }
+
+    /// Training without dropout (batch statistics, no masks).
+    pub fn train_without_dropout() -> Self {
+        Self {
+            norm: NormStats::Batch,
+            ..Self::default()
+        }
+    }
+
+    /// This context for the one forward per chunk that updates running statistics (the
+    /// representation pass): `Batch` becomes `BatchAndUpdate`; evaluation stays as it is.
+    pub fn updating_stats(self) -> Self {
+        match self.norm {
+            NormStats::Batch => Self {
+                norm: NormStats::BatchAndUpdate,
+                ..self
+            },
+            _ => self,
+        }
+    }
+
+    /// This context for a forward that must not update running statistics (a replay).
+    pub fn frozen_stats(self) -> Self {
+        match self.norm {
+            NormStats::BatchAndUpdate => Self {
+                norm: NormStats::Batch,
+                ..self
+            },
+            _ => self,
         }
     }
 }

@@ -19,7 +19,7 @@ use candle_nn::VarBuilder;
 
 use crate::batch::Batch;
 use crate::dropout::Ctx;
-use crate::params::{Gradients, ParamStore, Params, Recorder};
+use crate::params::{is_buffer, Gradients, ParamStore, Params, Recorder};
 use crate::replay::replay;
 use crate::Result;
 
@@ -30,6 +30,13 @@ pub trait Encoder {
 
     /// The trainable parameters this encoder uses, sorted by name.
     fn params(&self) -> &Params;
+
+    /// Non-trainable state the encoder reads and updates (BatchNorm's running statistics;
+    /// see [`crate::params::is_buffer`]): saved and restored with the parameters, never
+    /// given a gradient. None by default.
+    fn buffers(&self) -> Params {
+        Params::default()
+    }
 
     /// Graph-free forward: runs on detached weights, records no op and keeps no graph.
     /// Used for the representation pass.
@@ -62,6 +69,7 @@ pub struct Tower<M> {
     graph: M,
     detached: M,
     params: Params,
+    buffers: Params,
 }
 
 impl<M> Tower<M> {
@@ -86,24 +94,35 @@ impl<M> Tower<M> {
         let graph = build(vb).map_err(|e| store.take_failure().unwrap_or(e))?;
 
         let names = names.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let params = Params::new(
-            names
-                .into_iter()
-                .filter_map(|n| store.get(&n).map(|v| (n, v))),
-        );
-        let vb = VarBuilder::from_tensors(params.detached(), store.dtype(), store.device());
+        let (buffers, params): (Vec<_>, Vec<_>) = names
+            .into_iter()
+            .filter_map(|n| store.get(&n).map(|v| (n, v)))
+            .partition(|(n, _)| is_buffer(n));
+        let (params, buffers) = (Params::new(params), Params::new(buffers));
+        // The detached build sees buffers as views of the same storage, so running
+        // statistics written by either build are seen by both.
+        let mut views = params.detached();
+        views.extend(buffers.detached());
+        let vb = VarBuilder::from_tensors(views, store.dtype(), store.device());
         let vb = if prefix.is_empty() { vb } else { vb.pp(prefix) };
         let detached = build(vb)?;
         Ok(Self {
             graph,
             detached,
             params,
+            buffers,
         })
     }
 
-    /// The parameters the model asked for, sorted by name.
+    /// The parameters the model asked for, sorted by name (buffers excluded).
     pub fn params(&self) -> &Params {
         &self.params
+    }
+
+    /// The buffers (non-trainable state, e.g. BatchNorm running statistics) the model
+    /// asked for, sorted by name.
+    pub fn buffers(&self) -> &Params {
+        &self.buffers
     }
 
     /// The instance built on the trainable variables.
@@ -122,6 +141,10 @@ impl<M: Network> Encoder for Tower<M> {
 
     fn params(&self) -> &Params {
         &self.params
+    }
+
+    fn buffers(&self) -> Params {
+        self.buffers.clone()
     }
 
     fn encode(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {

@@ -247,6 +247,15 @@ impl SimpleBackend for ParamStore {
     }
 }
 
+/// Whether the variable named `name` is non-trainable state (a *buffer*, in PyTorch's
+/// words): BatchNorm's `running_mean` and `running_var`. Buffers live in the store next to
+/// the parameters (so training checkpoints and exports carry them, under PyTorch's names),
+/// but receive no gradient and no optimizer update: [`crate::Tower`] keeps them out of
+/// its [`Params`] and lists them in its buffers instead.
+pub fn is_buffer(name: &str) -> bool {
+    name.ends_with("running_mean") || name.ends_with("running_var")
+}
+
 /// A set of trainable variables sorted by name.
 #[derive(Clone, Default)]
 pub struct Params {

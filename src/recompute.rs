@@ -356,6 +356,10 @@ impl<M: LayerStack> Encoder for Recomputed<M> {
         self.tower.params()
     }
 
+    fn buffers(&self) -> Params {
+        self.tower.buffers().clone()
+    }
+
     fn encode(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {
         self.tower.detached_model().run(input, ctx)
     }

@@ -1,8 +1,11 @@
-//! Models that the gradient cache trains: [`bert`], the trainable BERT-family encoder, and
-//! [`toy`], tiny towers for tests, examples and benchmarks. New towers land here; each
+//! Models that the gradient cache trains: [`bert`], the trainable BERT-family encoder;
+//! [`resnet`], an image tower with BatchNorm; [`lstm`], a recurrent text tower whose
+//! backward through time is checkpointed in segments of time steps; and [`toy`], tiny
+//! towers for tests, examples and benchmarks. New towers land here; each
 //! is built from a `VarBuilder` over a [`ParamStore`](crate::ParamStore) and exposed as an
 //! [`Encoder`](crate::Encoder), usually a [`LayerStack`](crate::LayerStack) wrapped in
 //! [`Recomputed`](crate::Recomputed) so activation checkpointing comes with it.
 
 pub mod bert;
+pub mod resnet;
 pub mod toy;

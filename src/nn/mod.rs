@@ -15,7 +15,10 @@
 //! LayerNorm and the attention softmax widen half-precision inputs to f32 for their
 //! statistics and narrow the result back.
 
+mod batch_norm;
 pub mod fused;
+
+pub use batch_norm::BatchNorm;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

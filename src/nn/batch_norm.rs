@@ -1,0 +1,156 @@
+//! Batch normalisation with running statistics that the gradient cache moves exactly once
+//! per chunk.
+//!
+//! # What a cached step with BatchNorm computes
+//!
+//! In training, BatchNorm normalises with the mean and variance of the rows it sees. Under
+//! the gradient cache a tower sees one *chunk* at a time, so a cached step is the step of
+//! a model whose BatchNorm normalises each chunk with that chunk's statistics (the
+//! "ghost batch normalisation" of Hoffer et al. 2017), not the full-batch step: the chunk
+//! size is part of the model's definition, like the batch size of a plain run. Inside
+//! that definition the step is exact: its gradients equal a plain backward through the
+//! chunk-by-chunk forward, and every re-run of a chunk (the replay, checkpoint recomputes)
+//! uses the representation pass's statistics bit for bit, since it normalises the same
+//! rows with the same operations.
+//!
+//! The running statistics move once per chunk, in the representation pass only (see
+//! [`NormStats`]): a replay or a checkpoint recompute never moves them, unlike
+//! `torch.utils.checkpoint`, which leaves that to the user. In a distributed run each
+//! rank normalises its own chunks (no synchronised BatchNorm) and its running statistics
+//! follow its own data, so the trainer reduces them to their mean across ranks before a
+//! checkpoint. Whether the rows of a chunk are a random sample (shuffled across ranks, as
+//! SimCLR's "shuffle BN" and MoCo do to keep batch statistics from leaking which rows are
+//! positives) is the data order's business: chunks are slices of the batch as given.
+
+use candle_core::{DType, Tensor};
+use candle_nn::{Init, VarBuilder};
+
+use crate::dropout::{Ctx, NormStats};
+use crate::{Error, Result};
+
+/// BatchNorm over channel dimension 1 of `[rows, channels]` or `[rows, channels, ...]`
+/// (PyTorch's `BatchNorm1d`/`BatchNorm2d`): parameters `weight`, `bias` and buffers
+/// `running_mean`, `running_var` (PyTorch's names). Statistics are taken in f32.
+#[derive(Clone, Debug)]
+pub struct BatchNorm {
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    eps: f64,
+    momentum: f64,
+}
+
+impl BatchNorm {
+    /// PyTorch's defaults: `eps = 1e-5`, `momentum = 0.1`.
+    pub fn new(channels: usize, vb: VarBuilder) -> Result<Self> {
+        Self::with_options(channels, 1e-5, 0.1, vb)
+    }
+
+    /// BatchNorm with `eps` added to the variance and running statistics updated as
+    /// `running = (1 - momentum) * running + momentum * batch` (the batch variance
+    /// unbiased, as PyTorch does).
+    pub fn with_options(channels: usize, eps: f64, momentum: f64, vb: VarBuilder) -> Result<Self> {
+        if !(0.0..=1.0).contains(&momentum) {
+            return Err(Error::InvalidConfig {
+                field: "momentum",
+                value: momentum.to_string(),
+                reason: "BatchNorm's momentum must be in [0, 1]",
+            });
+        }
+        Ok(Self {
+            weight: vb.get_with_hints(channels, "weight", Init::Const(1.))?,
+            bias: vb.get_with_hints(channels, "bias", Init::Const(0.))?,
+            running_mean: vb.get_with_hints(channels, "running_mean", Init::Const(0.))?,
+            running_var: vb.get_with_hints(channels, "running_var", Init::Const(1.))?,
+            eps,
+            momentum,
+        })
+    }
+
+    /// The running mean (a view of the stored buffer).
+    pub fn running_mean(&self) -> &Tensor {
+        &self.running_mean
+    }
+
+    /// The running variance (a view of the stored buffer).
+    pub fn running_var(&self) -> &Tensor {
+        &self.running_var
+    }
+
+    fn channels(&self) -> usize {
+        self.weight.elem_count()
+    }
+
+    /// Shape `[1, channels, 1, ...]` that broadcasts against an input of `rank` dims.
+    fn per_channel(&self, t: &Tensor, rank: usize) -> Result<Tensor> {
+        let mut dims = vec![1; rank];
+        dims[1] = self.channels();
+        Ok(t.reshape(dims)?)
+    }
+
+    /// Normalises `x` with the batch statistics in training ([`NormStats::Batch`],
+    /// [`NormStats::BatchAndUpdate`], which also updates the running statistics) and with
+    /// the running statistics in evaluation.
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let rank = x.rank();
+        if rank < 2 || x.dim(1)? != self.channels() {
+            return Err(Error::InvalidArgument {
+                what: "BatchNorm input shape",
+                value: format!("{:?} (channels: {})", x.dims(), self.channels()),
+                reason: "BatchNorm needs an input [rows, channels, ...] with its channel count",
+            });
+        }
+        let dtype = x.dtype();
+        let xf = x.to_dtype(DType::F32)?;
+        let reduce: Vec<usize> = (0..rank).filter(|&d| d != 1).collect();
+        let (mean, var) = match ctx.norm {
+            NormStats::Running => (
+                self.per_channel(&self.running_mean.to_dtype(DType::F32)?, rank)?,
+                self.per_channel(&self.running_var.to_dtype(DType::F32)?, rank)?,
+            ),
+            NormStats::Batch | NormStats::BatchAndUpdate => {
+                let n = x.elem_count() / self.channels();
+                if n < 2 {
+                    return Err(Error::InvalidArgument {
+                        what: "BatchNorm input shape",
+                        value: format!("{:?}", x.dims()),
+                        reason: "BatchNorm in training needs more than one value per channel \
+                                 (a chunk of one row without spatial positions has one)",
+                    });
+                }
+                let mean = xf.mean_keepdim(reduce.clone())?;
+                let var = xf.broadcast_sub(&mean)?.sqr()?.mean_keepdim(reduce)?;
+                if ctx.norm == NormStats::BatchAndUpdate {
+                    self.update(&mean.detach(), &var.detach(), n)?;
+                }
+                (mean, var)
+            }
+        };
+        let scale = (var + self.eps)?.sqrt()?;
+        let weight = self.per_channel(&self.weight.to_dtype(DType::F32)?, rank)?;
+        let bias = self.per_channel(&self.bias.to_dtype(DType::F32)?, rank)?;
+        let y = xf
+            .broadcast_sub(&mean)?
+            .broadcast_div(&scale)?
+            .broadcast_mul(&weight)?
+            .broadcast_add(&bias)?;
+        Ok(y.to_dtype(dtype)?)
+    }
+
+    /// Folds one batch's statistics into the running ones, in place (the buffers share
+    /// storage with the store's variables, so every build of the model sees the update).
+    fn update(&self, mean: &Tensor, var: &Tensor, n: usize) -> Result<()> {
+        let m = self.momentum;
+        let unbiased = (var.flatten_all()? * (n as f64 / (n as f64 - 1.0)))?;
+        for (running, batch) in [
+            (&self.running_mean, mean.flatten_all()?),
+            (&self.running_var, unbiased),
+        ] {
+            let next = ((running.to_dtype(DType::F32)? * (1.0 - m))? + (batch * m)?)?
+                .to_dtype(running.dtype())?;
+            running.slice_set(&next, 0, 0)?;
+        }
+        Ok(())
+    }
+}
