@@ -76,7 +76,7 @@ pub use dropout::{ChunkSeed, Ctx, Dropout, NormStats};
 pub use encoder::{Encoder, Network, Tower};
 pub use error::{Error, Result, Side};
 pub use loss::{FnLoss, InfoNce, Loss, LossValue, Similarity};
-pub use models::{bert, resnet, toy};
+pub use models::{bert, lstm, resnet, toy};
 pub use params::{Gradients, ParamStore, Params};
 pub use precision::{LossScaler, Precision};
 pub use recompute::{LayerStack, Recompute, Recomputed};

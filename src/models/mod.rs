@@ -7,5 +7,6 @@
 //! [`Recomputed`](crate::Recomputed) so activation checkpointing comes with it.
 
 pub mod bert;
+pub mod lstm;
 pub mod resnet;
 pub mod toy;
