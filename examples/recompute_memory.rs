@@ -1,8 +1,11 @@
 //! Activation checkpointing: peak memory, step time and gradient error of every policy, for
-//! a 12-layer BERT encoder and for a deep residual MLP, measured side by side in one run.
+//! a 12-layer BERT encoder, a deep residual MLP, a ResNet image tower (BatchNorm) and an
+//! LSTM over a long sequence (segments of time steps), measured side by side in one run.
 //!
 //! ```text
 //! cargo run --release --example recompute_memory
+//! cargo run --release --example recompute_memory -- --towers resnet,lstm
+//! cargo run --release --example recompute_memory -- --towers lstm --steps 1024
 //! cargo run --release --example recompute_memory -- --quick   # smaller models
 //! cargo run --release --example recompute_memory -- --len 256 --bert-only
 //! cargo run --release --example recompute_memory -- --len 256 --bert-only --composed \
@@ -20,7 +23,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
+use gradcache::lstm::{Lstm, LstmConfig, LstmEncoder, LstmPooling};
 use gradcache::memory::{measure, CountingAllocator};
+use gradcache::resnet::{Block, ResNet, ResNetConfig};
 use gradcache::toy::{DeepMlp, DeepMlpConfig};
 use gradcache::{
     Batch, Encoder, GradCache, Gradients, InfoNce, ParamStore, Recompute, Recomputed, TokenBatch,
@@ -144,9 +149,119 @@ fn tokens(rows: usize, len: usize, vocab: u32, seed: u32) -> anyhow::Result<Toke
     Ok(TokenBatch::new(ids, mask, types)?)
 }
 
+/// The value after `flag`, parsed.
+fn value<T: std::str::FromStr>(args: &[String], flag: &str) -> anyhow::Result<Option<T>> {
+    match args.iter().position(|a| a == flag) {
+        None => Ok(None),
+        Some(i) => args
+            .get(i + 1)
+            .and_then(|v| v.parse().ok())
+            .map(Some)
+            .ok_or_else(|| anyhow::anyhow!("{flag} needs a value")),
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    // `--towers bert,mlp,resnet,lstm`: which towers to measure (default: all).
+    let towers: Vec<String> = value::<String>(&args, "--towers")?
+        .map(|list| list.split(',').map(str::to_string).collect())
+        .unwrap_or_else(|| {
+            let all = ["bert", "mlp", "resnet", "lstm"];
+            let n = if args.iter().any(|a| a == "--bert-only") {
+                1
+            } else {
+                4
+            };
+            all[..n].iter().map(|s| s.to_string()).collect()
+        });
+    let wants = |t: &str| towers.iter().any(|x| x == t);
+    if wants("resnet") {
+        resnet(quick)?;
+    }
+    if wants("lstm") {
+        let steps = value(&args, "--steps")?.unwrap_or(if quick { 64 } else { 1024 });
+        lstm(quick, steps)?;
+    }
+    if wants("bert") || wants("mlp") {
+        transformer_and_mlp(&args, quick, wants("bert"), wants("mlp"))?;
+    }
+    Ok(())
+}
+
+/// A ResNet with BatchNorm (ResNet-18's layout of 2 basic blocks in 4 stages) over
+/// 32x32 RGB images, checkpointed at block boundaries.
+fn resnet(quick: bool) -> anyhow::Result<()> {
+    let cfg = ResNetConfig {
+        in_channels: 3,
+        width: if quick { 8 } else { 32 },
+        stages: vec![2, 2, 2, 2],
+        block: Block::Basic,
+        output: 64,
+    };
+    let rows = if quick { 8 } else { 64 };
+    println!(
+        "# resnet: basic blocks [2, 2, 2, 2], width {}, BatchNorm, {rows} + {rows} images \
+         32x32, one chunk per side",
+        cfg.width
+    );
+    let store = ParamStore::new(3, DType::F32, &Device::Cpu);
+    let build = |policy| {
+        let tower = Tower::build(&store, "", |vb| ResNet::new(&cfg, vb))?;
+        Recomputed::new(tower, policy)
+    };
+    let x = |seed| {
+        gradcache::rng::normal(
+            seed,
+            0.0,
+            1.0,
+            &(rows, 3, 32, 32).into(),
+            DType::F32,
+            &Device::Cpu,
+        )
+    };
+    let policies = vec![
+        ("off", Recompute::Off),
+        ("every_layer", Recompute::EveryLayer),
+        ("every_2", Recompute::Every(2)),
+        ("sqrt", Recompute::Sqrt),
+    ];
+    run("resnet8blocks", policies, build, &x(5)?, &x(6)?)
+}
+
+/// A one-layer LSTM over `steps` tokens, its backward through time in segments of steps.
+fn lstm(quick: bool, steps: usize) -> anyhow::Result<()> {
+    let cfg = LstmConfig {
+        vocab_size: 1000,
+        embedding_size: if quick { 32 } else { 128 },
+        hidden_size: if quick { 32 } else { 256 },
+        num_layers: 1,
+        pooling: LstmPooling::Mean,
+        output: 64,
+    };
+    let rows = if quick { 4 } else { 16 };
+    println!(
+        "# lstm: 1 layer, hidden {}, {rows} + {rows} sequences of {steps} tokens, one chunk per \
+         side",
+        cfg.hidden_size
+    );
+    let store = ParamStore::new(4, DType::F32, &Device::Cpu);
+    let build = |policy| {
+        let tower = Tower::build(&store, "", |vb| Lstm::new(&cfg, vb))?;
+        LstmEncoder::new(tower, policy)
+    };
+    let policies = vec![
+        ("off", Recompute::Off),
+        ("sqrt", Recompute::Sqrt),
+        ("every_64", Recompute::Every(64)),
+        ("every_256", Recompute::Every(256)),
+    ];
+    let (q, p) = (tokens(rows, steps, 1000, 1)?, tokens(rows, steps, 1000, 2)?);
+    run(&format!("lstm{steps}"), policies, build, &q, &p)
+}
+
+fn transformer_and_mlp(args: &[String], quick: bool, bert: bool, mlp: bool) -> anyhow::Result<()> {
     // The composed ops (what runs on a GPU and in half precision) instead of the fused
     // CPU kernels.
     let composed = args.iter().any(|a| a == "--composed");
@@ -159,25 +274,27 @@ fn main() -> anyhow::Result<()> {
             .ok_or_else(|| anyhow::anyhow!("--len needs a sequence length, e.g. --len 256"))?;
     }
     let cfg = BertConfig::new(1000, hidden, 12, 4, 4 * hidden, 512);
-    println!(
+    if bert {
+        println!(
         "# bert: 12 layers, hidden {hidden}, {rows} queries + {rows} passages of {len} tokens, \
          one chunk per side, {} ops; cores: {}",
         if composed { "composed" } else { "fused" },
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-    let store = ParamStore::new(1, DType::F32, &Device::Cpu);
-    let (q, p) = (tokens(rows, len, 1000, 1)?, tokens(rows, len, 1000, 2)?);
-    let build = |policy| {
-        let options = BertOptions {
-            pooling: Pooling::Mean,
-            normalize: false,
-            recompute: policy,
-            ..Default::default()
+        let store = ParamStore::new(1, DType::F32, &Device::Cpu);
+        let (q, p) = (tokens(rows, len, 1000, 1)?, tokens(rows, len, 1000, 2)?);
+        let build = |policy| {
+            let options = BertOptions {
+                pooling: Pooling::Mean,
+                normalize: false,
+                recompute: policy,
+                ..Default::default()
+            };
+            BertEncoder::build(&store, "", &cfg, &options)
         };
-        BertEncoder::build(&store, "", &cfg, &options)
-    };
-    run("bert12", bert_policies(), build, &q, &p)?;
-    if args.iter().any(|a| a == "--bert-only") {
+        run("bert12", bert_policies(), build, &q, &p)?;
+    }
+    if !mlp {
         return Ok(());
     }
 

@@ -25,7 +25,7 @@ use crate::encoder::{Encoder, Tower};
 use crate::nn::Linear;
 use crate::params::{Gradients, Params};
 use crate::recompute::Recompute;
-use crate::replay::{replay, replay_with_input};
+use crate::replay::replay_with_input;
 use crate::{Error, Result};
 
 /// How the per-token states become one vector.
@@ -104,6 +104,7 @@ struct State {
 pub struct Lstm {
     cfg: LstmConfig,
     embedding: Tensor,
+    embedding_name: String,
     cells: Vec<Cell>,
     proj: Linear,
 }
@@ -157,6 +158,10 @@ impl Lstm {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let embedding_name = match vb.prefix().as_str() {
+            "" => "embedding.weight".to_string(),
+            p => format!("{p}.embedding.weight"),
+        };
         let embedding = vb.pp("embedding").get_with_hints(
             (cfg.vocab_size, cfg.embedding_size),
             "weight",
@@ -168,6 +173,7 @@ impl Lstm {
         Ok(Self {
             cfg: *cfg,
             embedding,
+            embedding_name,
             cells,
             proj: Linear::new(h, cfg.output, vb.pp("proj"))?,
         })
@@ -390,7 +396,7 @@ impl LstmEncoder {
                 if k > 0 {
                     back.dh[k - 1] = (&back.dh[k - 1] + dx)?;
                 } else {
-                    back.dx[t] = Some(dx);
+                    back.dx.slice_set(&dx.unsqueeze(0)?, 0, t)?;
                 }
             }
         }
@@ -405,7 +411,8 @@ struct Backward {
     w_ih: Vec<Option<Tensor>>,
     w_hh: Vec<Option<Tensor>>,
     b: Vec<Option<Tensor>>,
-    dx: Vec<Option<Tensor>>,
+    /// Gradient of the token embeddings, time-major `[steps, rows, embedding]`.
+    dx: Tensor,
 }
 
 impl Encoder for LstmEncoder {
@@ -464,7 +471,7 @@ impl Encoder for LstmEncoder {
             w_ih: vec![None; layers],
             w_hh: vec![None; layers],
             b: vec![None; layers],
-            dx: vec![None; steps],
+            dx: x.zeros_like()?,
         };
         let dsum = match model.cfg.pooling {
             LstmPooling::Mean => Some(head.input.broadcast_div(&count)?),
@@ -509,17 +516,18 @@ impl Encoder for LstmEncoder {
                 ]))?;
             }
         }
-        if steps > 0 {
-            let dx = back
-                .dx
-                .into_iter()
-                .map(|d| {
-                    d.ok_or_else(|| Error::Concat("internal: a step's gradient is missing".into()))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let dx = Tensor::stack(&dx, 0)?;
-            grads.accumulate(replay(params, &dx, || graph.embed(input))?)?;
-        }
+        // The embedding lookup's backward: scatter-add the input gradients into the rows of
+        // their tokens (by hand, saving the copies of `[steps, rows, embedding]` an autograd
+        // replay of the lookup would make).
+        let ids = input.input_ids.t()?.flatten_all()?;
+        let dx = back
+            .dx
+            .reshape((ids.elem_count(), model.cfg.embedding_size))?;
+        let d_embedding = model.embedding.zeros_like()?.index_add(&ids, &dx, 0)?;
+        grads.accumulate(Gradients::from_iter([(
+            model.embedding_name.clone(),
+            d_embedding,
+        )]))?;
         Ok(grads)
     }
 }
