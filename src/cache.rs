@@ -192,6 +192,18 @@ impl<'a> Representations<'a> {
             return Err(Error::NonFiniteLoss { value: value.loss });
         }
         let rank = comm.rank();
+        // Every rank computed the loss over the global batch, so every rank holds the full
+        // gradient of the loss's own parameters: rank 0 alone contributes it to the sum
+        // across ranks.
+        let loss_params = if rank == 0 {
+            value.params
+        } else {
+            value
+                .params
+                .into_iter()
+                .map(|(n, g)| Ok((n, g.zeros_like()?)))
+                .collect::<Result<Gradients>>()?
+        };
         let grad_queries = value.grad_queries.narrow(0, rank * rows_q, rows_q)?;
         let grad_passages = value.grad_passages.narrow(0, rank * rows_p, rows_p)?;
         let mut pending = Vec::with_capacity(self.queries.len() + self.passages.len());
@@ -210,6 +222,7 @@ impl<'a> Representations<'a> {
             loss: value.loss,
             grad_queries,
             grad_passages,
+            loss_params,
             pending,
         })
     }
@@ -235,6 +248,7 @@ pub struct GradientCache<'a> {
     loss: f32,
     grad_queries: Tensor,
     grad_passages: Tensor,
+    loss_params: Gradients,
     pending: Vec<(Cached<'a>, Tensor)>,
 }
 
@@ -261,6 +275,7 @@ impl GradientCache<'_> {
     pub fn scale(&mut self, factor: f64) -> Result<()> {
         self.grad_queries = (&self.grad_queries * factor)?;
         self.grad_passages = (&self.grad_passages * factor)?;
+        self.loss_params.scale(factor)?;
         let (mut queries, mut passages) = (0, 0);
         for (chunk, cotangent) in &mut self.pending {
             let (grads, start) = match chunk.side() {
@@ -278,6 +293,7 @@ impl GradientCache<'_> {
     /// gradients across chunks and towers (a shared tower accumulates both sides).
     pub fn replay(self) -> Result<StepOutput> {
         let mut grads = GradAccumulator::default();
+        grads.add(self.loss_params)?;
         for (chunk, cotangent) in self.pending {
             grads.add(chunk.replay(&cotangent)?)?;
         }
@@ -407,7 +423,10 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
                 return Err(Error::ZeroChunkSize { side });
             }
         }
-        let params = query.params().union(passage.params())?;
+        let params = query
+            .params()
+            .union(passage.params())?
+            .union(&loss.params())?;
         Ok(Self {
             query,
             passage,

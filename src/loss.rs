@@ -13,6 +13,7 @@ use std::ops::Range;
 use candle_core::{DType, Tensor, Var, D};
 
 use crate::batch::Batch;
+use crate::params::{Gradients, ParamStore, Params};
 use crate::{Error, Result};
 
 /// A loss's value and its gradients with respect to the representations, detached.
@@ -24,6 +25,9 @@ pub struct LossValue {
     pub grad_queries: Tensor,
     /// dL/d passages, `[passages, width]`.
     pub grad_passages: Tensor,
+    /// Gradients of the loss's own parameters ([`Loss::params`], e.g. a learnable
+    /// temperature); empty for a loss without parameters.
+    pub params: Gradients,
 }
 
 /// A contrastive loss over query representations `[Q, d]` and passage representations
@@ -32,8 +36,15 @@ pub trait Loss {
     /// The loss as a differentiable scalar (the graph is kept), for plain training steps.
     fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor>;
 
-    /// The loss value and its gradients with respect to both inputs, detached. The default
-    /// back-propagates [`Loss::forward`] once over copies of the inputs.
+    /// The loss's own trainable parameters (a learnable temperature, as CLIP's logit
+    /// scale); none by default. The gradient cache adds their gradients to the step's.
+    fn params(&self) -> Params {
+        Params::default()
+    }
+
+    /// The loss value and its gradients with respect to both inputs (and to the loss's own
+    /// parameters), detached. The default back-propagates [`Loss::forward`] once over
+    /// copies of the inputs.
     fn value_and_grads(&self, queries: &Tensor, passages: &Tensor) -> Result<LossValue> {
         let q = Var::from_tensor(&queries.detach())?;
         let p = Var::from_tensor(&passages.detach())?;
@@ -50,6 +61,7 @@ pub trait Loss {
             loss: value,
             grad_queries: grad(&q)?,
             grad_passages: grad(&p)?,
+            params: self.params().grads_from(&store),
         })
     }
 }
@@ -351,7 +363,102 @@ impl Loss for InfoNce {
             loss: loss as f32,
             grad_queries: grad_queries.detach(),
             grad_passages: grad_passages.detach(),
+            params: Gradients::default(),
         })
+    }
+}
+
+/// CLIP's loss (Radford et al. 2021): symmetric InfoNCE over L2-normalised embeddings,
+/// the mean of the query-to-passage and passage-to-query cross-entropies, with a
+/// *learnable* temperature: the logits are `exp(logit_scale) * cos(q, p)`, `logit_scale`
+/// a trainable scalar (`logit_scale` in the store) that starts at `ln(1 / temperature)`.
+/// As in CLIP and OpenCLIP, the trainer clamps it to `[0, ln(max_logit_scale)]` after
+/// every optimizer update ([`ClipLoss::clamp`]), so the logits never exceed 100 times
+/// the cosine by default. One passage per query (image-caption pairs).
+pub struct ClipLoss {
+    logit_scale: Var,
+    name: String,
+    max_logit_scale: f64,
+}
+
+impl ClipLoss {
+    /// The loss with its logit scale `name` in `store` (created at `ln(1 / temperature)`
+    /// unless the store already has it).
+    pub fn new(
+        store: &ParamStore,
+        name: &str,
+        temperature: f64,
+        max_logit_scale: f64,
+    ) -> Result<Self> {
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            return Err(Error::InvalidConfig {
+                field: "loss.temperature",
+                value: temperature.to_string(),
+                reason: "the initial temperature must be positive",
+            });
+        }
+        if !(max_logit_scale >= 1.0 && max_logit_scale.is_finite()) {
+            return Err(Error::InvalidConfig {
+                field: "loss.max_logit_scale",
+                value: max_logit_scale.to_string(),
+                reason: "the largest logit scale must be at least 1 (CLIP uses 100)",
+            });
+        }
+        let init = candle_nn::Init::Const((1.0 / temperature).ln().min(max_logit_scale.ln()));
+        store.var_builder().get_with_hints((), name, init)?;
+        let logit_scale = store.get(name).ok_or_else(|| Error::MissingWeight {
+            name: name.to_string(),
+            path: "the parameter store".into(),
+        })?;
+        Ok(Self {
+            logit_scale,
+            name: name.to_string(),
+            max_logit_scale,
+        })
+    }
+
+    /// The current logit scale `exp(logit_scale)` (one over the temperature).
+    pub fn scale(&self) -> Result<f64> {
+        Ok(f64::from(
+            self.logit_scale
+                .as_tensor()
+                .to_dtype(DType::F32)?
+                .exp()?
+                .to_scalar::<f32>()?,
+        ))
+    }
+
+    /// Clamps the parameter to `[0, ln(max_logit_scale)]` (after an optimizer update).
+    pub fn clamp(&self) -> Result<()> {
+        let t = self.logit_scale.as_tensor();
+        let clamped = t.clamp(0f32, self.max_logit_scale.ln() as f32)?;
+        self.logit_scale.set(&clamped)?;
+        Ok(())
+    }
+}
+
+impl Loss for ClipLoss {
+    fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
+        let (q, p) = (queries.dim(0)?, passages.dim(0)?);
+        if q != p {
+            return Err(Error::PassagesNotMultiple {
+                queries: q,
+                passages: p,
+            });
+        }
+        let qn = crate::nn::l2_normalize(&queries.to_dtype(DType::F32)?)?;
+        let pn = crate::nn::l2_normalize(&passages.to_dtype(DType::F32)?)?;
+        let logits = qn
+            .matmul(&pn.t()?)?
+            .broadcast_mul(&self.logit_scale.as_tensor().exp()?)?;
+        let labels = Tensor::arange(0u32, q as u32, queries.device())?;
+        let forward = candle_nn::loss::cross_entropy(&logits, &labels)?;
+        let backward = candle_nn::loss::cross_entropy(&logits.t()?, &labels)?;
+        Ok(((forward + backward)? * 0.5)?)
+    }
+
+    fn params(&self) -> Params {
+        Params::new([(self.name.clone(), self.logit_scale.clone())])
     }
 }
 

@@ -13,7 +13,7 @@
 //! projection (`fc`) give the representation.
 
 use candle_core::{Tensor, D};
-use candle_nn::{Conv2d, Conv2dConfig, Module, VarBuilder};
+use candle_nn::VarBuilder;
 
 use crate::dropout::Ctx;
 use crate::nn::{BatchNorm, Linear};
@@ -104,25 +104,37 @@ impl ResNetConfig {
     }
 }
 
-fn conv(cin: usize, cout: usize, k: usize, stride: usize, vb: VarBuilder) -> Result<Conv2d> {
-    let cfg = Conv2dConfig {
-        padding: k / 2,
-        stride,
-        ..Default::default()
-    };
+/// A square convolution without bias, padded to keep the size at stride 1.
+struct Conv {
+    weight: Tensor,
+    padding: usize,
+    stride: usize,
+}
+
+impl Conv {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        crate::nn::conv2d(x, &self.weight, self.padding, self.stride)
+    }
+}
+
+fn conv(cin: usize, cout: usize, k: usize, stride: usize, vb: VarBuilder) -> Result<Conv> {
     let init = candle_nn::Init::Kaiming {
         dist: candle_nn::init::NormalOrUniform::Normal,
         fan: candle_nn::init::FanInOut::FanOut,
         non_linearity: candle_nn::init::NonLinearity::ReLU,
     };
     let weight = vb.get_with_hints((cout, cin, k, k), "weight", init)?;
-    Ok(Conv2d::new(weight, None, cfg))
+    Ok(Conv {
+        weight,
+        padding: k / 2,
+        stride,
+    })
 }
 
 /// One residual block: `relu(F(x) + shortcut(x))`.
 struct ResidualBlock {
-    convs: Vec<(Conv2d, BatchNorm)>,
-    downsample: Option<(Conv2d, BatchNorm)>,
+    convs: Vec<(Conv, BatchNorm)>,
+    downsample: Option<(Conv, BatchNorm)>,
 }
 
 impl ResidualBlock {
@@ -163,10 +175,12 @@ impl ResidualBlock {
         let last = self.convs.len() - 1;
         let mut h = x.clone();
         for (i, (conv, bn)) in self.convs.iter().enumerate() {
-            h = bn.forward(&conv.forward(&h)?, ctx)?;
-            if i < last {
-                h = h.relu()?;
-            }
+            let z = conv.forward(&h)?;
+            h = if i < last {
+                bn.forward_relu(&z, ctx)?
+            } else {
+                bn.forward(&z, ctx)?
+            };
         }
         let shortcut = match &self.downsample {
             Some((conv, bn)) => bn.forward(&conv.forward(x)?, ctx)?,
@@ -179,7 +193,7 @@ impl ResidualBlock {
 /// The ResNet tower over images `[rows, channels, height, width]` (f32, any size the
 /// strides divide into at least one pixel).
 pub struct ResNet {
-    stem: (Conv2d, BatchNorm),
+    stem: (Conv, BatchNorm),
     blocks: Vec<ResidualBlock>,
     fc: Linear,
 }
@@ -218,7 +232,7 @@ impl LayerStack for ResNet {
 
     fn embed(&self, images: &Tensor, _: &(), ctx: &Ctx) -> Result<Tensor> {
         let (conv, bn) = &self.stem;
-        Ok(bn.forward(&conv.forward(images)?, ctx)?.relu()?)
+        bn.forward_relu(&conv.forward(images)?, ctx)
     }
 
     fn num_layers(&self) -> usize {

@@ -93,6 +93,15 @@ impl BatchNorm {
     /// [`NormStats::BatchAndUpdate`], which also updates the running statistics) and with
     /// the running statistics in evaluation.
     pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        self.forward_with(x, ctx, false)
+    }
+
+    /// `relu(self.forward(x))`, one node with the normalisation in training on the CPU.
+    pub fn forward_relu(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        self.forward_with(x, ctx, true)
+    }
+
+    fn forward_with(&self, x: &Tensor, ctx: &Ctx, relu: bool) -> Result<Tensor> {
         let rank = x.rank();
         if rank < 2 || x.dim(1)? != self.channels() {
             return Err(Error::InvalidArgument {
@@ -102,6 +111,22 @@ impl BatchNorm {
             });
         }
         let dtype = x.dtype();
+        let training = ctx.norm != NormStats::Running;
+        if training && dtype == DType::F32 && super::fused_ok(&[x, &self.weight, &self.bias]) {
+            let n = x.elem_count() / self.channels();
+            self.check_batch(x, n)?;
+            let (y, mean, var) = super::fused::batch_norm_train(
+                &x.contiguous()?,
+                &self.weight,
+                &self.bias,
+                self.eps,
+                relu,
+            )?;
+            if ctx.norm == NormStats::BatchAndUpdate {
+                self.update(&mean, &var, n)?;
+            }
+            return Ok(y);
+        }
         let xf = x.to_dtype(DType::F32)?;
         let reduce: Vec<usize> = (0..rank).filter(|&d| d != 1).collect();
         let (mean, var) = match ctx.norm {
@@ -111,14 +136,7 @@ impl BatchNorm {
             ),
             NormStats::Batch | NormStats::BatchAndUpdate => {
                 let n = x.elem_count() / self.channels();
-                if n < 2 {
-                    return Err(Error::InvalidArgument {
-                        what: "BatchNorm input shape",
-                        value: format!("{:?}", x.dims()),
-                        reason: "BatchNorm in training needs more than one value per channel \
-                                 (a chunk of one row without spatial positions has one)",
-                    });
-                }
+                self.check_batch(x, n)?;
                 let mean = xf.mean_keepdim(reduce.clone())?;
                 let var = xf.broadcast_sub(&mean)?.sqr()?.mean_keepdim(reduce)?;
                 if ctx.norm == NormStats::BatchAndUpdate {
@@ -135,7 +153,20 @@ impl BatchNorm {
             .broadcast_div(&scale)?
             .broadcast_mul(&weight)?
             .broadcast_add(&bias)?;
+        let y = if relu { y.relu()? } else { y };
         Ok(y.to_dtype(dtype)?)
+    }
+
+    fn check_batch(&self, x: &Tensor, n: usize) -> Result<()> {
+        if n < 2 {
+            return Err(Error::InvalidArgument {
+                what: "BatchNorm input shape",
+                value: format!("{:?}", x.dims()),
+                reason: "BatchNorm in training needs more than one value per channel \
+                         (a chunk of one row without spatial positions has one)",
+            });
+        }
+        Ok(())
     }
 
     /// Folds one batch's statistics into the running ones, in place (the buffers share

@@ -41,7 +41,7 @@ pub fn set_fused_kernels(on: bool) {
 
 /// Whether the fused CPU kernels can run on these tensors: all on the CPU, all f32 or all
 /// f64 (and not turned off with [`set_fused_kernels`]).
-fn fused_ok(ts: &[&Tensor]) -> bool {
+pub(crate) fn fused_ok(ts: &[&Tensor]) -> bool {
     let dtype = ts[0].dtype();
     FUSED.load(Ordering::Relaxed)
         && matches!(dtype, DType::F32 | DType::F64)
@@ -486,6 +486,16 @@ pub fn attention(
         });
     }
     attention_composed(q, k, v, spec)
+}
+
+/// A 2-D convolution without bias (`x [n, c_in, h, w]`, `weight [c_out, c_in, k, k]`,
+/// zero `padding`, `stride`): one node with a faster backward ([`fused::conv2d`]) where
+/// the fused kernels run (the CPU), else candle's convolution and its backward.
+pub fn conv2d(x: &Tensor, weight: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    if fused_ok(&[x, weight]) {
+        return Ok(fused::conv2d(x, weight, padding, stride)?);
+    }
+    Ok(x.conv2d(weight, padding, stride, 1, 1)?)
 }
 
 /// `f(inputs)` as one graph node that keeps only its inputs and recomputes the rest in

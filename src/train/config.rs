@@ -411,15 +411,7 @@ impl Config {
     /// Reads `path`, applies `overrides` (`section.key=value`, value in TOML syntax, bare
     /// words taken as strings), then deserialises and validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => Error::MissingFile {
-                path: path.to_path_buf(),
-                what: "config file",
-            },
-            _ => Error::io("read", path, e),
-        })?;
-        let mut table: toml::Table =
-            toml::from_str(&text).map_err(|e| config_error(path, e.to_string()))?;
+        let mut table = read_table(path)?;
         for o in overrides {
             apply_override(&mut table, o)?;
         }
@@ -626,6 +618,19 @@ pub fn differing_keys(a: &serde_json::Value, b: &serde_json::Value) -> Vec<Strin
     let mut out = Vec::new();
     walk("", a, b, &mut out);
     out
+}
+
+/// Reads a TOML config file into a table (a missing file and bad TOML are errors naming
+/// the file).
+pub fn read_table(path: &Path) -> Result<toml::Table> {
+    let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::MissingFile {
+            path: path.to_path_buf(),
+            what: "config file",
+        },
+        _ => Error::io("read", path, e),
+    })?;
+    toml::from_str(&text).map_err(|e| config_error(path, e.to_string()))
 }
 
 fn config_error(path: &Path, reason: String) -> Error {

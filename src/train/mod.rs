@@ -1,12 +1,14 @@
 //! The trainer behind `gradcache train`: [`config`] (TOML with documented defaults),
 //! [`data`] (JSONL pairs, held-out split, seeded resumable loader), [`optim`] (AdamW,
 //! SGD, the warmup schedule, clipping), [`metrics`] (retrieval quality), [`checkpoint`]
-//! (training checkpoints written atomically, exact resume) and [`trainer`] (the loop, and
-//! the export of a finished run).
+//! (training checkpoints written atomically, exact resume), [`trainer`] (the loop, and
+//! the export of a finished run) and [`image_text`] (CLIP-style training of a ResNet and a
+//! text tower on the generated [`shapes`] data set).
 
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod image_text;
 pub mod metrics;
 pub mod optim;
 pub mod shapes;

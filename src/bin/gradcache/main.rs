@@ -17,6 +17,7 @@ use gradcache::dist::{self, Backend, Collective};
 use gradcache::hub::{EmbeddingModel, LoadOptions};
 use gradcache::memory::CountingAllocator;
 use gradcache::train::data::{read_jsonl, Fields};
+use gradcache::train::image_text::{ImageTextConfig, ImageTextTrainer};
 use gradcache::train::metrics::evaluate;
 use gradcache::train::{export_run, Config, Quiet, Trainer};
 use gradcache::{Side, Similarity};
@@ -268,6 +269,11 @@ fn run(command: Command) -> Result<()> {
 }
 
 fn train(config: &Path, set: &[String], resume: Option<&Path>) -> Result<()> {
+    let table = gradcache::train::config::read_table(config)?;
+    if ImageTextConfig::is_image_text(&table) {
+        let cfg = ImageTextConfig::from_table(table, config, set)?;
+        return train_image_text(cfg, resume);
+    }
     let cfg = Config::load(config, set)?;
     let comm = dist::init(cfg.dist.backend)?;
     let (rank, world) = (comm.rank(), comm.world_size());
@@ -341,6 +347,50 @@ fn train_on(cfg: Config, resume: Option<&Path>, comm: Rc<dyn Collective>) -> Res
     match plot::plot_phases(&metrics_path, &png) {
         Ok(()) => tracing::info!("time and memory per phase: {}", png.display()),
         Err(e) => tracing::warn!("no phase plot: {e:#}"),
+    }
+    Ok(())
+}
+
+/// Image-text training (`task = "image-text"`): one process, the console of `train`.
+fn train_image_text(cfg: ImageTextConfig, resume: Option<&Path>) -> Result<()> {
+    let mut trainer = ImageTextTrainer::new(cfg.clone(), resume)?;
+    let t = &cfg.train;
+    tracing::info!(
+        "image-text training: {} steps, batch {} pairs in chunks of {} images / {} captions",
+        t.steps,
+        t.batch_size,
+        t.image_chunk,
+        t.text_chunk
+    );
+    std::fs::create_dir_all(&cfg.output_dir)
+        .with_context(|| format!("cannot create {}", cfg.output_dir.display()))?;
+    let metrics_path = cfg.output_dir.join("metrics.jsonl");
+    let metrics = OpenOptions::new()
+        .create(true)
+        .append(resume.is_some())
+        .write(true)
+        .truncate(resume.is_none())
+        .open(&metrics_path)
+        .with_context(|| format!("cannot open {}", metrics_path.display()))?;
+    let bar = ProgressBar::new(t.steps);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_position(trainer.step());
+    let mut console = Console { bar, metrics };
+    let (before, after) = trainer.run(&mut console)?;
+    console.bar.finish_and_clear();
+    if let Some(before) = before {
+        tracing::info!("held-out image->text before: {}", describe(&before));
+    }
+    tracing::info!("held-out image->text after:  {}", describe(&after));
+    let png = cfg.output_dir.join("loss.png");
+    match plot::plot_losses(&metrics_path, &png) {
+        Ok(()) => tracing::info!("loss curve: {}", png.display()),
+        Err(e) => tracing::warn!("no loss curve: {e:#}"),
     }
     Ok(())
 }
