@@ -318,3 +318,56 @@ fn self_check_passes_on_the_cpu_and_rejects_an_unavailable_gpu() {
         "{stderr}"
     );
 }
+
+#[test]
+fn the_image_text_config_trains_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = format!("output_dir={}", dir.path().join("run").display());
+    let mut args = vec![
+        "train",
+        "--config",
+        "configs/image-text.toml",
+        "--set",
+        &out,
+    ];
+    for set in [
+        "data.image_size=16",
+        "data.train=32",
+        "data.eval=8",
+        "image.width=4",
+        "image.stages=[1]",
+        "text.hidden_size=16",
+        "text.num_layers=1",
+        "text.intermediate_size=32",
+        "train.steps=2",
+        "train.batch_size=16",
+        "train.image_chunk=8",
+        "train.text_chunk=16",
+    ] {
+        args.extend(["--set", set]);
+    }
+    let (ok, stderr) = gradcache(&args);
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("held-out image->text before"), "{stderr}");
+    assert!(stderr.contains("held-out image->text after"), "{stderr}");
+    let run = dir.path().join("run");
+    assert!(run.join("model/image_tower.safetensors").is_file());
+    assert!(run.join("checkpoints/step-00000002").is_dir());
+    assert!(run.join("metrics.jsonl").is_file());
+
+    // A bad value names its key and leaves nothing behind.
+    let bad = dir.path().join("bad");
+    let out = format!("output_dir={}", bad.display());
+    let (ok, stderr) = gradcache(&[
+        "train",
+        "--config",
+        "configs/image-text.toml",
+        "--set",
+        &out,
+        "--set",
+        "train.image_chunk=1",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("train.image_chunk"), "{stderr}");
+    assert!(!bad.exists());
+}

@@ -15,11 +15,12 @@
 //!
 //! The running statistics move once per chunk, in the representation pass only (see
 //! [`NormStats`]): a replay or a checkpoint recompute never moves them, unlike
-//! `torch.utils.checkpoint`, which leaves that to the user. In a distributed run each
-//! rank normalises its own chunks (no synchronised BatchNorm) and its running statistics
-//! follow its own data, so the trainer reduces them to their mean across ranks before a
-//! checkpoint. Whether the rows of a chunk are a random sample (shuffled across ranks, as
-//! SimCLR's "shuffle BN" and MoCo do to keep batch statistics from leaking which rows are
+//! `torch.utils.checkpoint`, which leaves that to the user. Statistics are never
+//! synchronised across chunks, towers or processes (no SyncBatchNorm): in a distributed
+//! step each rank normalises its own chunks, so the running statistics of two ranks
+//! drift apart (the image-text trainer runs in one process). Whether the rows of a chunk
+//! are a random sample (shuffled across ranks, as SimCLR's global BN and MoCo's "shuffle
+//! BN" arrange, to keep batch statistics from leaking which rows are
 //! positives) is the data order's business: chunks are slices of the batch as given.
 
 use candle_core::{DType, Tensor};

@@ -1291,7 +1291,8 @@ pub fn batch_norm_train(
     let (n, c) = (dims[0], dims[1]);
     let s = x.elem_count() / (n * c).max(1);
     let m = (n * s) as f64;
-    let xv = x.detach().flatten_all()?.to_vec1::<f32>()?;
+    let xd = x.detach();
+    let xv = xd.flatten_all()?.to_vec1::<f32>()?;
     let wv = weight.detach().to_vec1::<f32>()?;
     let bv = bias.detach().to_vec1::<f32>()?;
     // Channel `ch`'s values: `s` in a row at `(i * c + ch) * s` for every row `i`.
@@ -1335,6 +1336,9 @@ pub fn batch_norm_train(
         [x, weight, bias],
         y,
         Box::new(move |dy| {
+            // The input is read again from the node's own input (kept by the graph anyway)
+            // rather than from a copy held since the forward.
+            let xv = xd.flatten_all()?.to_vec1::<f32>()?;
             let mut dyv = dy.flatten_all()?.to_vec1::<f32>()?;
             if relu {
                 // The ReLU passes the gradient where its input was positive.

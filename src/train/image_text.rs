@@ -496,7 +496,7 @@ impl ImageTextTrainer {
             total: t.steps,
         };
         let notes = vec![format!(
-            "shapes: {} training scenes, {} held-out scenes of {} compositions never seen in \
+            "shapes: {} training scenes, {} held-out scenes ({} distinct captions) of compositions never seen in \
              training, {}x{} pixels; image tower: ResNet {:?} width {} ({} parameters, {} \
              BatchNorm buffers), text tower: {:?}, {} trainable tensors in all",
             data.train.len(),
