@@ -6,18 +6,8 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::random;
-use gradcache::{ChunkSeed, Ctx, ParamStore, Params};
-
-fn train_ctx(chunk: u32) -> Ctx {
-    Ctx::train(ChunkSeed {
-        run: 7,
-        step: 0,
-        rank: 0,
-        tower: 0,
-        chunk,
-    })
-}
+use common::{random, train_ctx};
+use gradcache::{ParamStore, Params};
 
 #[test]
 fn convolution_and_batch_norm_nodes_equal_the_composed_ops() {

@@ -7,24 +7,35 @@ use candle_core::{Device, Tensor, Var};
 use gradcache::train::optim::{clip_grad_norm, decays, Optimizer, OptimizerKind, Schedule};
 use gradcache::{Gradients, Params};
 
+/// A tensor of `values`; a `weight` is a `[1, n]` matrix (AdamW decays only tensors of
+/// two or more dimensions), anything else a vector.
+fn tensor(name: &str, values: &[f32]) -> Tensor {
+    let t = Tensor::new(values, &Device::Cpu).unwrap();
+    if name.ends_with("weight") {
+        t.unsqueeze(0).unwrap()
+    } else {
+        t
+    }
+}
+
 fn params(values: &[(&str, &[f32])]) -> Params {
-    Params::new(values.iter().map(|(n, v)| {
-        (
-            n.to_string(),
-            Var::from_tensor(&Tensor::new(*v, &Device::Cpu).unwrap()).unwrap(),
-        )
-    }))
+    Params::new(
+        values
+            .iter()
+            .map(|(n, v)| (n.to_string(), Var::from_tensor(&tensor(n, v)).unwrap())),
+    )
 }
 
 fn grads(values: &[(&str, &[f32])]) -> Gradients {
     values
         .iter()
-        .map(|(n, v)| (n.to_string(), Tensor::new(*v, &Device::Cpu).unwrap()))
+        .map(|(n, v)| (n.to_string(), tensor(n, v)))
         .collect()
 }
 
 fn value(p: &Params, name: &str) -> Vec<f32> {
-    p.get(name).unwrap().as_tensor().to_vec1::<f32>().unwrap()
+    let t = p.get(name).unwrap().as_tensor().flatten_all().unwrap();
+    t.to_vec1::<f32>().unwrap()
 }
 
 /// One AdamW update of one scalar, written out: decoupled decay, then the Adam step.
@@ -99,6 +110,38 @@ fn weight_decay_skips_biases_and_layer_norms() {
     ] {
         assert!(!decays(name), "{name} should not decay");
     }
+}
+
+#[test]
+fn adamw_decays_no_tensor_of_fewer_than_two_dimensions() {
+    use gradcache::train::optim::{Optimizer, OptimizerKind};
+    let store = gradcache::ParamStore::new(1, candle_core::DType::F32, &candle_core::Device::Cpu);
+    let vb = store.var_builder();
+    let init = candle_nn::Init::Const(2.0);
+    vb.get_with_hints((3, 3), "layer1.0.conv1.weight", init)
+        .unwrap();
+    vb.get_with_hints(3, "layer1.0.bn1.weight", init).unwrap();
+    vb.get_with_hints((), "logit_scale", init).unwrap();
+    let params = store.params();
+    let kind = OptimizerKind::AdamW {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+    };
+    let mut opt = Optimizer::new(kind, params.clone()).unwrap();
+    let zeros: gradcache::Gradients = params
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.as_tensor().zeros_like().unwrap()))
+        .collect();
+    opt.step(0, &zeros, 0.5).unwrap();
+    let value = |n: &str| {
+        let t = params.get(n).unwrap().as_tensor().flatten_all().unwrap();
+        t.to_vec1::<f32>().unwrap()[0]
+    };
+    assert!((value("layer1.0.conv1.weight") - 2.0 * (1.0 - 0.5 * 0.1)).abs() < 1e-6);
+    assert_eq!(value("layer1.0.bn1.weight"), 2.0);
+    assert_eq!(value("logit_scale"), 2.0);
 }
 
 #[test]

@@ -6,11 +6,11 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{bits, random};
+use common::{bits, random, train_ctx};
 use gradcache::resnet::{Block, ResNet, ResNetConfig};
 use gradcache::{
-    ChunkSeed, Ctx, Encoder, GradCache, InfoNce, NormStats, ParamStore, Params, Recompute,
-    Recomputed, Side, Similarity, Tower,
+    Ctx, Encoder, GradCache, InfoNce, NormStats, ParamStore, Params, Recompute, Recomputed, Side,
+    Similarity, Tower,
 };
 
 fn config(block: Block) -> ResNetConfig {
@@ -30,16 +30,6 @@ fn tower(store: &ParamStore, cfg: &ResNetConfig, policy: Recompute) -> Recompute
 
 fn images(seed: u64, rows: usize) -> Tensor {
     random(seed, &[rows, 3, 8, 8])
-}
-
-fn train_ctx(chunk: u32) -> Ctx {
-    Ctx::train(ChunkSeed {
-        run: 7,
-        step: 0,
-        rank: 0,
-        tower: 0,
-        chunk,
-    })
 }
 
 fn snapshot(buffers: &Params) -> Vec<(String, Vec<u32>)> {

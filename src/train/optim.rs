@@ -83,7 +83,9 @@ impl OptimizerKind {
 }
 
 /// Whether weight decay applies to the parameter `name`: not to biases, not to LayerNorm
-/// weights (Hugging Face names `LayerNorm.weight`, ours `norm.weight`).
+/// weights (Hugging Face names `LayerNorm.weight`, ours `norm.weight`). AdamW also skips
+/// every tensor of fewer than two dimensions whatever its name (BatchNorm weights, CLIP's
+/// logit scale), which for BERT is the same set.
 pub fn decays(name: &str) -> bool {
     let leaf = name.rsplit('.').next().unwrap_or(name);
     let owner = name.rsplit('.').nth(1).unwrap_or("");
@@ -138,7 +140,9 @@ impl Optimizer {
                     let v = ((v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
                     let m_hat = (&m / (1.0 - beta1.powi(t)))?;
                     let v_hat = (&v / (1.0 - beta2.powi(t)))?;
-                    let decayed = if decays(name) && weight_decay > 0.0 {
+                    // Tensors of fewer than two dimensions never decay (OpenCLIP's rule):
+                    // BatchNorm gains, CLIP's logit scale, any bias.
+                    let decayed = if decays(name) && w.rank() >= 2 && weight_decay > 0.0 {
                         (w * (1.0 - lr * weight_decay))?
                     } else {
                         w.clone()

@@ -24,6 +24,18 @@ pub fn random(seed: u64, dims: &[usize]) -> Tensor {
         .expect("random tensor")
 }
 
+/// The training context of chunk `chunk` (run seed 7, step 0): batch statistics,
+/// dropout masks from the seed.
+pub fn train_ctx(chunk: u32) -> Ctx {
+    Ctx::train(gradcache::ChunkSeed {
+        run: 7,
+        step: 0,
+        rank: 0,
+        tower: 0,
+        chunk,
+    })
+}
+
 /// `rows` seeded feature vectors of `width` values.
 pub fn features(seed: u64, rows: usize, width: usize) -> Tensor {
     random(seed, &[rows, width])

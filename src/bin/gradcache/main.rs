@@ -315,23 +315,12 @@ fn train_on(cfg: Config, resume: Option<&Path>, comm: Rc<dyn Collective>) -> Res
         cfg.train.query_chunk,
         cfg.train.passage_chunk
     );
-    let metrics_path = cfg.output_dir.join("metrics.jsonl");
-    let metrics = OpenOptions::new()
-        .create(true)
-        .append(resume.is_some())
-        .write(true)
-        .truncate(resume.is_none())
-        .open(&metrics_path)
-        .with_context(|| format!("cannot open {}", metrics_path.display()))?;
-    let bar = ProgressBar::new(cfg.train.steps);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_position(trainer.step());
-    let mut console = Console { bar, metrics };
+    let (mut console, metrics_path) = open_console(
+        &cfg.output_dir,
+        cfg.train.steps,
+        trainer.step(),
+        resume.is_some(),
+    )?;
     let (before, after) = trainer.run(&mut console)?;
     console.bar.finish_and_clear();
     if let Some(before) = before {
@@ -351,6 +340,33 @@ fn train_on(cfg: Config, resume: Option<&Path>, comm: Rc<dyn Collective>) -> Res
     Ok(())
 }
 
+/// The console of a training run: `metrics.jsonl` in `output_dir` (appended to on resume)
+/// and a progress bar over `steps` starting at `start`.
+fn open_console(
+    output_dir: &Path,
+    steps: u64,
+    start: u64,
+    resume: bool,
+) -> Result<(Console, PathBuf)> {
+    let metrics_path = output_dir.join("metrics.jsonl");
+    let metrics = OpenOptions::new()
+        .create(true)
+        .append(resume)
+        .write(true)
+        .truncate(!resume)
+        .open(&metrics_path)
+        .with_context(|| format!("cannot open {}", metrics_path.display()))?;
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_position(start);
+    Ok((Console { bar, metrics }, metrics_path))
+}
+
 /// Image-text training (`task = "image-text"`): one process, the console of `train`.
 fn train_image_text(cfg: ImageTextConfig, resume: Option<&Path>) -> Result<()> {
     let mut trainer = ImageTextTrainer::new(cfg.clone(), resume)?;
@@ -364,23 +380,8 @@ fn train_image_text(cfg: ImageTextConfig, resume: Option<&Path>) -> Result<()> {
     );
     std::fs::create_dir_all(&cfg.output_dir)
         .with_context(|| format!("cannot create {}", cfg.output_dir.display()))?;
-    let metrics_path = cfg.output_dir.join("metrics.jsonl");
-    let metrics = OpenOptions::new()
-        .create(true)
-        .append(resume.is_some())
-        .write(true)
-        .truncate(resume.is_none())
-        .open(&metrics_path)
-        .with_context(|| format!("cannot open {}", metrics_path.display()))?;
-    let bar = ProgressBar::new(t.steps);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_position(trainer.step());
-    let mut console = Console { bar, metrics };
+    let (mut console, metrics_path) =
+        open_console(&cfg.output_dir, t.steps, trainer.step(), resume.is_some())?;
     let (before, after) = trainer.run(&mut console)?;
     console.bar.finish_and_clear();
     if let Some(before) = before {
