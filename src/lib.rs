@@ -15,7 +15,7 @@
 //! - [`recompute`]: activation checkpointing ([`Recompute`] policies) for any
 //!   [`LayerStack`]: keep segment inputs, recompute segments in the backward pass.
 //! - [`loss`]: InfoNCE with in-batch and hard negatives, temperature, dot/cosine,
-//!   symmetric term, row-block computation.
+//!   symmetric term, row-block computation; CLIP's loss with a learnable temperature.
 //! - [`encoder`]: the [`Encoder`] trait the cache runs, and [`Tower`], which makes any
 //!   candle model graph-free-capable by building it over trainable and detached weights.
 //! - [`dropout`] and [`rng`]: dropout whose masks are a pure function of explicit seeds, so
@@ -27,8 +27,10 @@
 //!   dynamic loss scaler; [`device`]: `cpu`, `cuda`, `cuda:N`.
 //!
 //! **Layers and models**: [`nn`] (differentiable layers where candle's fused ones cut the
-//! graph) and [`models`] ([`bert`], the trainable BERT-family encoder; [`toy`], tiny towers
-//! for tests, examples and benchmarks).
+//! graph, BatchNorm whose running statistics move once per chunk) and [`models`] ([`bert`],
+//! the trainable BERT-family encoder; [`resnet`], an image tower; [`lstm`], a recurrent
+//! text tower checkpointed over time steps; [`toy`], tiny towers for tests, examples and
+//! benchmarks).
 //!
 //! **Hugging Face I/O**: [`hub`]: model files from a directory or the Hub, tokenizers,
 //! export to a `transformers` + `sentence-transformers` directory, and the one inference

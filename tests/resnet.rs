@@ -107,8 +107,12 @@ fn the_representation_pass_moves_running_statistics_once_like_a_training_forward
         tower(&b, &cfg, Recompute::Off),
     );
     let start = snapshot(&ea.buffers());
-    ea.encode(&x, &train_ctx(0).updating_stats()).unwrap();
+    let rep = ea.encode(&x, &train_ctx(0).updating_stats()).unwrap();
     let moved = snapshot(&ea.buffers());
+    // The replay's forward normalises with the representation pass's batch statistics,
+    // bit for bit (same rows, same operations), whatever the running statistics are now.
+    let replayed = ea.forward(&x, &train_ctx(0)).unwrap();
+    assert_eq!(bits(&rep), bits(&replayed));
     assert_ne!(
         moved, start,
         "the representation pass updates the statistics"
