@@ -6,6 +6,7 @@
 //! cargo run --release --example recompute_memory
 //! cargo run --release --example recompute_memory -- --towers resnet,lstm
 //! cargo run --release --example recompute_memory -- --towers lstm --steps 1024
+//! cargo run --release --example recompute_memory -- --towers resnet --resnet-stages 8
 //! cargo run --release --example recompute_memory -- --quick   # smaller models
 //! cargo run --release --example recompute_memory -- --len 256 --bert-only
 //! cargo run --release --example recompute_memory -- --len 256 --bert-only --composed \
@@ -178,7 +179,17 @@ fn main() -> anyhow::Result<()> {
         });
     let wants = |t: &str| towers.iter().any(|x| x == t);
     if wants("resnet") {
-        resnet(quick)?;
+        // `--resnet-stages 8`: one stage of 8 blocks at full resolution (default: ResNet-18's
+        // layout, [2, 2, 2, 2]).
+        let stages = match value::<String>(&args, "--resnet-stages")? {
+            Some(list) => list
+                .split(',')
+                .map(|v| v.trim().parse())
+                .collect::<Result<Vec<usize>, _>>()
+                .map_err(|_| anyhow::anyhow!("--resnet-stages needs block counts, e.g. 2,2,2,2"))?,
+            None => vec![2, 2, 2, 2],
+        };
+        resnet(quick, stages)?;
     }
     if wants("lstm") {
         let steps = value(&args, "--steps")?.unwrap_or(if quick { 64 } else { 1024 });
@@ -190,21 +201,22 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A ResNet with BatchNorm (ResNet-18's layout of 2 basic blocks in 4 stages) over
-/// 32x32 RGB images, checkpointed at block boundaries.
-fn resnet(quick: bool) -> anyhow::Result<()> {
+/// A ResNet with BatchNorm (basic blocks in `stages`) over 32x32 RGB images,
+/// checkpointed at block boundaries.
+fn resnet(quick: bool, stages: Vec<usize>) -> anyhow::Result<()> {
+    let blocks: usize = stages.iter().sum();
     let cfg = ResNetConfig {
         in_channels: 3,
         width: if quick { 8 } else { 32 },
-        stages: vec![2, 2, 2, 2],
+        stages,
         block: Block::Basic,
         output: 64,
     };
     let rows = if quick { 8 } else { 64 };
     println!(
-        "# resnet: basic blocks [2, 2, 2, 2], width {}, BatchNorm, {rows} + {rows} images \
-         32x32, one chunk per side",
-        cfg.width
+        "# resnet: basic blocks {:?}, width {}, BatchNorm, {rows} + {rows} images 32x32, one \
+         chunk per side",
+        cfg.stages, cfg.width
     );
     let store = ParamStore::new(3, DType::F32, &Device::Cpu);
     let build = |policy| {
@@ -227,7 +239,16 @@ fn resnet(quick: bool) -> anyhow::Result<()> {
         ("every_2", Recompute::Every(2)),
         ("sqrt", Recompute::Sqrt),
     ];
-    run("resnet8blocks", policies, build, &x(5)?, &x(6)?)
+    let name = format!(
+        "resnet{}blocks{}",
+        blocks,
+        if cfg.stages.len() == 1 {
+            "_one_stage"
+        } else {
+            ""
+        }
+    );
+    run(&name, policies, build, &x(5)?, &x(6)?)
 }
 
 /// A one-layer LSTM over `steps` tokens, its backward through time in segments of steps.

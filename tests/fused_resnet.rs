@@ -17,10 +17,19 @@ fn convolution_and_batch_norm_nodes_equal_the_composed_ops() {
 
 fn convolution_node_has_candles_gradients() {
     use candle_core::Var;
-    // (kernel, stride, input side): 3x3 and 1x1, strides 1 and 2, even and odd sides.
-    for (k, stride, side) in [(3, 1, 8), (3, 2, 8), (3, 2, 7), (1, 2, 7), (1, 1, 5)] {
-        let x = Var::from_tensor(&random(51, &[3, 4, side, side])).unwrap();
-        let w = Var::from_tensor(&random(52, &[5, 4, k, k])).unwrap();
+    // (kernel, stride, input side, images, channels): 3x3 and 1x1, strides 1 and 2, even
+    // and odd sides, and ResNet-sized ones.
+    for (k, stride, side, n, c) in [
+        (3, 1, 8, 3, 4),
+        (3, 2, 8, 3, 4),
+        (3, 2, 7, 3, 4),
+        (1, 2, 7, 3, 4),
+        (1, 1, 5, 3, 4),
+        (3, 1, 32, 7, 64),
+        (3, 2, 32, 7, 64),
+    ] {
+        let x = Var::from_tensor(&random(51, &[n, c, side, side])).unwrap();
+        let w = Var::from_tensor(&random(52, &[5, c, k, k])).unwrap();
         let dy_seed = 53;
         let grads = |fused: bool| {
             gradcache::nn::set_fused_kernels(fused);
