@@ -10,7 +10,9 @@ use candle_core::{DType, Device, Tensor};
 use common::{bits, random};
 use gradcache::lstm::{Lstm, LstmConfig, LstmEncoder, LstmPooling};
 use gradcache::resnet::{Block, ResNet, ResNetConfig};
-use gradcache::train::image_text::{ImageTextConfig, ImageTextTrainer, LOGIT_SCALE};
+use gradcache::train::image_text::{
+    export_image_text, ImageTextConfig, ImageTextTrainer, LOGIT_SCALE,
+};
 use gradcache::{
     ClipLoss, Encoder, GradCache, ParamStore, Recompute, Recomputed, TokenBatch, Tower,
 };
@@ -236,6 +238,25 @@ fn the_export_holds_both_towers_with_their_running_statistics() {
     .unwrap();
     assert!(meta["logit_scale"].as_f64().unwrap() > 1.0);
     assert!(dir.path().join("checkpoints/step-00000002").is_dir());
+
+    // `gradcache export` of the run's last checkpoint writes the same towers.
+    let cfg = tiny(dir.path(), &["train.steps=2"]);
+    let again = dir.path().join("again");
+    let step = export_image_text(&cfg, None, &again).unwrap();
+    assert_eq!(step, 2);
+    for file in ["image_tower.safetensors", "text_tower.safetensors"] {
+        let a = candle_core::safetensors::load(model.join(file), &Device::Cpu).unwrap();
+        let b = candle_core::safetensors::load(again.join(file), &Device::Cpu).unwrap();
+        assert_eq!(a.len(), b.len());
+        for (name, t) in &a {
+            assert_eq!(bits(t), bits(&b[name]), "{file}: {name}");
+        }
+    }
+    let err = export_image_text(&cfg, None, &again).unwrap_err();
+    assert!(
+        err.to_string().contains(&again.display().to_string()),
+        "{err}"
+    );
 }
 
 #[test]

@@ -462,8 +462,8 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 impl ImageTextTrainer {
     /// Generates the data, builds the towers, the loss and the optimiser; with `resume`, a
-    /// checkpoint directory (or a run directory: its newest checkpoint) of the same
-    /// configuration is restored.
+    /// checkpoint directory (or `output_dir/checkpoints`: its newest checkpoint) of the
+    /// same configuration is restored.
     pub fn new(cfg: ImageTextConfig, resume: Option<&Path>) -> Result<Self> {
         cfg.validate()?;
         let device = Device::Cpu;
@@ -833,6 +833,30 @@ impl ImageTextTrainer {
         .map_err(|e| Error::io("write", &path, e))?;
         Ok(dir.to_path_buf())
     }
+}
+
+/// `gradcache export` for an image-text run: restores `checkpoint` (default: the newest
+/// under `output_dir/checkpoints`) and writes the model as [`ImageTextTrainer::export`]
+/// does into `output`, which must not exist or be empty. Returns the checkpoint's step.
+pub fn export_image_text(
+    cfg: &ImageTextConfig,
+    checkpoint: Option<&Path>,
+    output: &Path,
+) -> Result<u64> {
+    let not_empty = output.exists()
+        && std::fs::read_dir(output)
+            .map_err(|e| Error::io("list", output, e))?
+            .next()
+            .is_some();
+    if not_empty {
+        return Err(Error::OutputExists {
+            path: output.to_path_buf(),
+        });
+    }
+    let root = cfg.output_dir.join("checkpoints");
+    let trainer = ImageTextTrainer::new(cfg.clone(), Some(checkpoint.unwrap_or(&root)))?;
+    trainer.export(output)?;
+    Ok(trainer.step())
 }
 
 /// The distinct captions of `scenes`, in first-seen order.

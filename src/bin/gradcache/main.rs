@@ -17,7 +17,7 @@ use gradcache::dist::{self, Backend, Collective};
 use gradcache::hub::{EmbeddingModel, LoadOptions};
 use gradcache::memory::CountingAllocator;
 use gradcache::train::data::{read_jsonl, Fields};
-use gradcache::train::image_text::{ImageTextConfig, ImageTextTrainer};
+use gradcache::train::image_text::{export_image_text, ImageTextConfig, ImageTextTrainer};
 use gradcache::train::metrics::evaluate;
 use gradcache::train::{export_run, Config, Quiet, Trainer};
 use gradcache::{Side, Similarity};
@@ -254,6 +254,16 @@ fn run(command: Command) -> Result<()> {
             output,
             tower,
         } => {
+            let table = gradcache::train::config::read_table(&config)?;
+            if ImageTextConfig::is_image_text(&table) {
+                let cfg = ImageTextConfig::from_table(table, &config, &set)?;
+                let step = export_image_text(&cfg, checkpoint.as_deref(), &output)?;
+                tracing::info!(
+                    "exported step {step} (image and text towers) to {}",
+                    output.display()
+                );
+                return Ok(());
+            }
             let mut cfg = Config::load(&config, &set)?;
             // Exporting reads one checkpoint: one process, whatever the run used.
             cfg.dist.backend = Backend::None;
