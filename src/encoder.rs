@@ -4,7 +4,7 @@
 //! a graph-free [`Encoder::encode`] for the representation pass, and a
 //! [`Encoder::replay`] that back-propagates a cotangent into parameter gradients. The
 //! default replay re-runs the graph-recording [`Encoder::forward`] under the crate's one
-//! [`replay`](crate::replay::replay) primitive; an encoder that checkpoints overrides it.
+//! [`replay`] primitive; an encoder that checkpoints overrides it.
 //!
 //! candle has no no-grad mode: an op is recorded whenever an input is a `Var`. A
 //! graph-free pass therefore has to run on *detached* weights. [`Tower`] does that for any

@@ -354,7 +354,7 @@ impl std::fmt::Debug for Params {
 
 /// Sums parameter gradients (of chunks, towers, segments) into buffers it owns: the first
 /// gradient of a parameter is copied into a fresh buffer, every later one is added into it
-/// in place ([`crate::nn::accumulate`]: f32/f64 on the CPU; elsewhere as a new sum), so `n` chunks cost one copy and
+/// in place (`nn::accumulate`: f32/f64 on the CPU; elsewhere as a new sum), so `n` chunks cost one copy and
 /// `n - 1` additions instead of `n - 1` new tensors. The buffers are handed out only by
 /// [`GradAccumulator::finish`], so nothing else holds them while they change. The sums are
 /// the ones [`Gradients::accumulate`] computes, bit for bit.

@@ -9,7 +9,7 @@
 //! graph and keeps only the inputs of its segments (the boundaries); it then sweeps the
 //! segments top-down: recompute a segment from its stored input with a graph,
 //! back-propagate the cotangent through it with the crate's one
-//! [`replay_with_input`](crate::replay::replay_with_input), and hand the input gradient to
+//! [`replay_with_input`], and hand the input gradient to
 //! the segment below. Dropout masks come from explicit seeds, so every recompute sees the
 //! masks of the representation pass.
 //!
