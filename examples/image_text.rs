@@ -27,7 +27,10 @@ const SIZE: usize = 32;
 const WIDTH: usize = 64;
 
 fn images(scenes: &[&Scene]) -> anyhow::Result<Tensor> {
-    let pixels: Vec<f32> = scenes.iter().flat_map(|s| s.pixels.clone()).collect();
+    let pixels: Vec<f32> = scenes
+        .iter()
+        .flat_map(|s| s.pixels.iter().copied())
+        .collect();
     Ok(Tensor::from_vec(
         pixels,
         (scenes.len(), 3, SIZE, SIZE),

@@ -374,8 +374,10 @@ impl Loss for InfoNce {
 /// a trainable scalar (`logit_scale` in the store) that starts at `ln(1 / temperature)`.
 /// As in CLIP and OpenCLIP, the trainer clamps it to `[0, ln(max_logit_scale)]` after
 /// every optimizer update ([`ClipLoss::clamp`]), so the logits never exceed 100 times
-/// the cosine by default. One passage per query (image-caption pairs).
+/// the cosine by default. The terms are [`InfoNce`]'s (symmetric, over the normalised
+/// queries scaled by `exp(logit_scale)`), so passages may carry hard negatives as there.
 pub struct ClipLoss {
+    infonce: InfoNce,
     logit_scale: Var,
     name: String,
     max_logit_scale: f64,
@@ -411,6 +413,7 @@ impl ClipLoss {
             path: "the parameter store".into(),
         })?;
         Ok(Self {
+            infonce: InfoNce::new(1.0)?.with_symmetric(true),
             logit_scale,
             name: name.to_string(),
             max_logit_scale,
@@ -438,23 +441,13 @@ impl ClipLoss {
 }
 
 impl Loss for ClipLoss {
+    /// InfoNCE's symmetric terms over `exp(logit_scale) * q / |q|` and `p / |p|`: the
+    /// logits `exp(logit_scale) * cos(q, p)` in both directions.
     fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
-        let (q, p) = (queries.dim(0)?, passages.dim(0)?);
-        if q != p {
-            return Err(Error::PassagesNotMultiple {
-                queries: q,
-                passages: p,
-            });
-        }
-        let qn = crate::nn::l2_normalize(&queries.to_dtype(DType::F32)?)?;
-        let pn = crate::nn::l2_normalize(&passages.to_dtype(DType::F32)?)?;
-        let logits = qn
-            .matmul(&pn.t()?)?
-            .broadcast_mul(&self.logit_scale.as_tensor().exp()?)?;
-        let labels = Tensor::arange(0u32, q as u32, queries.device())?;
-        let forward = candle_nn::loss::cross_entropy(&logits, &labels)?;
-        let backward = candle_nn::loss::cross_entropy(&logits.t()?, &labels)?;
-        Ok(((forward + backward)? * 0.5)?)
+        let q = crate::nn::l2_normalize(&queries.to_dtype(DType::F32)?)?;
+        let p = crate::nn::l2_normalize(&passages.to_dtype(DType::F32)?)?;
+        let scaled = q.broadcast_mul(&self.logit_scale.as_tensor().exp()?)?;
+        self.infonce.forward(&scaled, &p)
     }
 
     fn params(&self) -> Params {

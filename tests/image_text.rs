@@ -270,6 +270,16 @@ fn bad_image_text_configurations_are_refused_with_the_key() {
         ("text.num_heads=5", "text.num_heads"),
         ("image.stages=[]", "image.stages"),
         ("data.image_size=8", "shapes.size"),
+        ("train.steps=0", "train.steps"),
+        ("train.batch_size=1", "train.batch_size"),
+        ("train.text_chunk=0", "train.text_chunk"),
+        ("data.eval=1", "data.eval"),
+        ("train.keep_checkpoints=0", "train.keep_checkpoints"),
+        ("text.max_len=2", "text"),
+        ("image.width=0", "image.width"),
+        ("optim.lr=0", "optim.lr"),
+        ("image.recompute=\"attention\"", "recompute"),
+        ("loss.temperature=0", "loss.temperature"),
     ] {
         let mut all: Vec<String> = base.iter().map(|s| s.to_string()).collect();
         all.push(set.to_string());

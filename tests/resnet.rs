@@ -255,3 +255,39 @@ fn a_cached_step_equals_the_chunkwise_reference_and_updates_statistics_once_per_
         assert_eq!(snapshot(&gc.buffers().unwrap()), want_stats, "{policy}");
     }
 }
+
+#[test]
+fn bad_resnet_and_batch_norm_settings_are_refused() {
+    let store = ParamStore::new(1, DType::F32, &Device::Cpu);
+    for (cfg, key) in [
+        (
+            ResNetConfig {
+                stages: vec![],
+                ..config(Block::Basic)
+            },
+            "resnet.stages",
+        ),
+        (
+            ResNetConfig {
+                stages: vec![1, 0],
+                ..config(Block::Basic)
+            },
+            "resnet.stages",
+        ),
+        (
+            ResNetConfig {
+                width: 0,
+                ..config(Block::Basic)
+            },
+            "positive",
+        ),
+    ] {
+        let err = Tower::build(&store, "", |vb| ResNet::new(&cfg, vb))
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains(key), "{err}");
+    }
+    let err = gradcache::nn::BatchNorm::with_options(4, 1e-5, 1.5, store.var_builder().pp("bn"))
+        .unwrap_err();
+    assert!(err.to_string().contains("momentum"), "{err}");
+}

@@ -244,12 +244,13 @@ impl Lstm {
     ) -> Result<Vec<StepCache>> {
         let mut caches = Vec::new();
         let mut input = x.clone();
+        let stay = m.affine(-1., 1.)?;
         for k in 0..self.cfg.num_layers {
             let (c_new, cache) = self.cell(k, &input, &state.h[k], &state.c[k])?;
             let h_new = (&cache.o * &cache.tanh_c)?;
             // Padding steps leave the state as it was: s = s + m (s_new - s).
-            let h = blend(m, &h_new, &state.h[k])?;
-            let c = blend(m, &c_new, &state.c[k])?;
+            let h = blend(m, &stay, &h_new, &state.h[k])?;
+            let c = blend(m, &stay, &c_new, &state.c[k])?;
             state.h[k] = h.clone();
             state.c[k] = c;
             input = h;
@@ -290,9 +291,9 @@ impl Lstm {
     }
 }
 
-/// `m * new + (1 - m) * old` for a 0/1 mask `[rows, 1]`.
-fn blend(m: &Tensor, new: &Tensor, old: &Tensor) -> Result<Tensor> {
-    Ok((new.broadcast_mul(m)? + old.broadcast_mul(&m.affine(-1., 1.)?)?)?)
+/// `m * new + stay * old` for a 0/1 mask `m` `[rows, 1]` and `stay = 1 - m`.
+fn blend(m: &Tensor, stay: &Tensor, new: &Tensor, old: &Tensor) -> Result<Tensor> {
+    Ok((new.broadcast_mul(m)? + old.broadcast_mul(stay)?)?)
 }
 
 fn add_into(acc: &mut Option<Tensor>, g: Tensor) -> Result<()> {

@@ -1291,42 +1291,40 @@ pub fn batch_norm_train(
     let (n, c) = (dims[0], dims[1]);
     let s = x.elem_count() / (n * c).max(1);
     let m = (n * s) as f64;
-    let xd = x.detach();
-    let xv = xd.flatten_all()?.to_vec1::<f32>()?;
+    let xd = x.detach().contiguous()?;
     let wv = weight.detach().to_vec1::<f32>()?;
     let bv = bias.detach().to_vec1::<f32>()?;
     // Channel `ch`'s values: `s` in a row at `(i * c + ch) * s` for every row `i`.
     let rows = move |ch: usize| (0..n).map(move |i| (i * c + ch) * s);
-    let mut mean = vec![0f32; c];
-    let mut var = vec![0f32; c];
-    let mut rstd = vec![0f32; c];
-    for ch in 0..c {
-        let sum: f64 = rows(ch)
-            .map(|o| xv[o..o + s].iter().map(|&v| f64::from(v)).sum::<f64>())
-            .sum();
-        let mu = sum / m;
-        let sq: f64 = rows(ch)
-            .map(|o| {
-                xv[o..o + s]
-                    .iter()
-                    .map(|&v| (f64::from(v) - mu).powi(2))
-                    .sum::<f64>()
-            })
-            .sum();
-        mean[ch] = mu as f32;
-        var[ch] = (sq / m) as f32;
-        rstd[ch] = (1.0 / (sq / m + eps).sqrt()) as f32;
-    }
-    let mut y = vec![0f32; xv.len()];
-    for ch in 0..c {
-        let (mu, r, w, b) = (mean[ch], rstd[ch], wv[ch], bv[ch]);
-        for o in rows(ch) {
-            for (yo, &xo) in y[o..o + s].iter_mut().zip(&xv[o..o + s]) {
-                let v = (xo - mu) * r * w + b;
-                *yo = if relu { v.max(0.0) } else { v };
+    let (mean, var, rstd, y) = read_f32(&xd, |xv| {
+        let (mut mean, mut var, mut rstd) = (vec![0f32; c], vec![0f32; c], vec![0f32; c]);
+        let mut y = vec![0f32; xv.len()];
+        for ch in 0..c {
+            let sum: f64 = rows(ch)
+                .map(|o| xv[o..o + s].iter().map(|&v| f64::from(v)).sum::<f64>())
+                .sum();
+            let mu = sum / m;
+            let sq: f64 = rows(ch)
+                .map(|o| {
+                    xv[o..o + s]
+                        .iter()
+                        .map(|&v| (f64::from(v) - mu).powi(2))
+                        .sum::<f64>()
+                })
+                .sum();
+            mean[ch] = mu as f32;
+            var[ch] = (sq / m) as f32;
+            rstd[ch] = (1.0 / (sq / m + eps).sqrt()) as f32;
+            let (mu, r, w, b) = (mean[ch], rstd[ch], wv[ch], bv[ch]);
+            for o in rows(ch) {
+                for (yo, &xo) in y[o..o + s].iter_mut().zip(&xv[o..o + s]) {
+                    let v = (xo - mu) * r * w + b;
+                    *yo = if relu { v.max(0.0) } else { v };
+                }
             }
         }
-    }
+        (mean, var, rstd, y)
+    })?;
     let device = x.device().clone();
     let y = Tensor::from_vec(y, dims.clone(), &device)?;
     let mean_t = Tensor::from_vec(mean.clone(), c, &device)?;
@@ -1336,50 +1334,51 @@ pub fn batch_norm_train(
         [x, weight, bias],
         y,
         Box::new(move |dy| {
-            // The input is read again from the node's own input (kept by the graph anyway)
-            // rather than from a copy held since the forward.
-            let xv = xd.flatten_all()?.to_vec1::<f32>()?;
-            let mut dyv = dy.flatten_all()?.to_vec1::<f32>()?;
-            if relu {
-                // The ReLU passes the gradient where its input was positive.
-                for ch in 0..c {
-                    let (mu, r, w, b) = (mean[ch], rstd[ch], wv[ch], bv[ch]);
-                    for o in rows(ch) {
-                        for (g, &xo) in dyv[o..o + s].iter_mut().zip(&xv[o..o + s]) {
-                            if (xo - mu) * r * w + b <= 0.0 {
-                                *g = 0.0;
+            // The input is read in place from the node's own input (kept by the graph
+            // anyway), and the output gradient in place too: no copies of either.
+            let dy = dy.contiguous()?;
+            let (dx, dw, db) = read_f32(&xd, |xv| {
+                read_f32(&dy, |dyv| {
+                    let mut dx = vec![0f32; xv.len()];
+                    let (mut dw, mut db) = (vec![0f32; c], vec![0f32; c]);
+                    for ch in 0..c {
+                        let (mu, r, w, b) = (mean[ch], rstd[ch], wv[ch], bv[ch]);
+                        // The ReLU passes the gradient where its input was positive.
+                        let grad = |g: f32, xhat: f32| {
+                            if relu && xhat * w + b <= 0.0 {
+                                0.0
+                            } else {
+                                g
+                            }
+                        };
+                        let (mut sum_dy, mut sum_dy_xhat) = (0f64, 0f64);
+                        for o in rows(ch) {
+                            for (&g, &xo) in dyv[o..o + s].iter().zip(&xv[o..o + s]) {
+                                let xhat = (xo - mu) * r;
+                                let g = grad(g, xhat);
+                                sum_dy += f64::from(g);
+                                sum_dy_xhat += f64::from(g) * f64::from(xhat);
+                            }
+                        }
+                        dw[ch] = sum_dy_xhat as f32;
+                        db[ch] = sum_dy as f32;
+                        let k = w * r;
+                        let (mean_dy, mean_dy_xhat) =
+                            ((sum_dy / m) as f32, (sum_dy_xhat / m) as f32);
+                        for o in rows(ch) {
+                            for ((d, &g), &xo) in dx[o..o + s]
+                                .iter_mut()
+                                .zip(&dyv[o..o + s])
+                                .zip(&xv[o..o + s])
+                            {
+                                let xhat = (xo - mu) * r;
+                                *d = k * (grad(g, xhat) - mean_dy - xhat * mean_dy_xhat);
                             }
                         }
                     }
-                }
-            }
-            let mut dx = vec![0f32; xv.len()];
-            let mut dw = vec![0f32; c];
-            let mut db = vec![0f32; c];
-            for ch in 0..c {
-                let (mu, r) = (mean[ch], rstd[ch]);
-                let (mut sum_dy, mut sum_dy_xhat) = (0f64, 0f64);
-                for o in rows(ch) {
-                    for (&g, &xo) in dyv[o..o + s].iter().zip(&xv[o..o + s]) {
-                        sum_dy += f64::from(g);
-                        sum_dy_xhat += f64::from(g) * f64::from((xo - mu) * r);
-                    }
-                }
-                dw[ch] = sum_dy_xhat as f32;
-                db[ch] = sum_dy as f32;
-                let k = wv[ch] * r;
-                let (mean_dy, mean_dy_xhat) = ((sum_dy / m) as f32, (sum_dy_xhat / m) as f32);
-                for o in rows(ch) {
-                    for ((d, &g), &xo) in dx[o..o + s]
-                        .iter_mut()
-                        .zip(&dyv[o..o + s])
-                        .zip(&xv[o..o + s])
-                    {
-                        let xhat = (xo - mu) * r;
-                        *d = k * (g - mean_dy - xhat * mean_dy_xhat);
-                    }
-                }
-            }
+                    (dx, dw, db)
+                })
+            })??;
             let dx = Tensor::from_vec(dx, dims.clone(), dy.device())?;
             let dw = Tensor::from_vec(dw, c, dy.device())?;
             let db = Tensor::from_vec(db, c, dy.device())?;
@@ -1387,6 +1386,15 @@ pub fn batch_norm_train(
         }),
     )?;
     Ok((out, mean_t, var_t))
+}
+
+/// Runs `f` on the values of a contiguous f32 CPU tensor, read in place.
+fn read_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(cpu) => Ok(f(contiguous::<f32>(cpu, layout)?)),
+        _ => candle_core::bail!("the BatchNorm node runs on the CPU"),
+    }
 }
 
 /// A transformer's feed-forward block, `act(x W_up^T + b_up) W_down^T + b_down`, as one

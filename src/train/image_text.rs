@@ -603,7 +603,7 @@ impl ImageTextTrainer {
             let out = self.gc.cache_step(self.step, &images, &tokens)?;
             let mut meter = PhaseMeter::start();
             let optimizer_start = std::time::Instant::now();
-            let mut grads = out.grads.clone();
+            let mut grads = out.grads;
             let max_norm = match self.cfg.optim.max_grad_norm {
                 0.0 => f64::INFINITY,
                 n => n,
@@ -614,15 +614,16 @@ impl ImageTextTrainer {
             self.gc.loss().clamp()?;
             let (_, optimizer_peak) = meter.lap();
             let optimizer_ms = optimizer_start.elapsed().as_secs_f64() * 1e3;
-            Ok((out, lr, grad_norm, optimizer_ms, optimizer_peak))
+            // The gradients are dropped here, before the report is written.
+            let phases = (out.loss, out.times, out.peaks);
+            Ok((phases, lr, grad_norm, optimizer_ms, optimizer_peak))
         });
-        let (out, lr, grad_norm, optimizer_ms, optimizer_peak) = out?;
+        let ((loss, t, m), lr, grad_norm, optimizer_ms, optimizer_peak) = out?;
         self.step += 1;
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        let (t, m) = (out.times, out.peaks);
         Ok(StepReport {
             step: self.step,
-            loss: out.loss,
+            loss,
             lr,
             grad_norm,
             pairs_per_sec: scenes.len() as f64 / start.elapsed().as_secs_f64().max(1e-9),
