@@ -36,7 +36,7 @@ use crate::train::data::Position;
 use crate::train::metrics::{self, RetrievalMetrics};
 use crate::train::optim::{clip_grad_norm, Optimizer, Schedule};
 use crate::train::shapes::{self, Scene, ShapesConfig};
-use crate::train::trainer::{Event, Observer, PhasePeaks, PhaseTimes, StepReport};
+use crate::train::trainer::{Event, Observer, PhasePeaks, PhaseTimes, StepReport, TOKENIZER_FILE};
 use crate::{Error, GradCache, Result};
 
 /// The name of the learnable logit scale in the store and in checkpoints.
@@ -456,9 +456,6 @@ pub struct ImageTextTrainer {
     device: Device,
     notes: Vec<String>,
 }
-
-/// The run's tokenizer file.
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 impl ImageTextTrainer {
     /// Generates the data, builds the towers, the loss and the optimiser; with `resume`, a

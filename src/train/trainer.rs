@@ -344,7 +344,7 @@ impl Trainer {
     fn restore(&mut self, path: &Path) -> Result<()> {
         let ckpt = checkpoint::load(path, &self.device)?;
         check_fingerprint(&self.cfg, &ckpt.dir, &ckpt.state)?;
-        checkpoint::restore(self.gc.params(), &ckpt.model, &ckpt.dir)?;
+        checkpoint::restore(&self.gc.state()?, &ckpt.model, &ckpt.dir)?;
         self.optimizer.load_state(&ckpt.optimizer)?;
         self.loader
             .seek(ckpt.state.data)
@@ -610,7 +610,7 @@ impl Trainer {
         };
         checkpoint::save(
             &self.cfg.output_dir.join("checkpoints"),
-            self.gc.params(),
+            &self.gc.state()?,
             &self.optimizer.state(),
             &state,
             self.cfg.train.keep_checkpoints,
