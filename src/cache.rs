@@ -49,6 +49,7 @@ where
     E: Encoder,
     E::Input: 'a,
 {
+    let _flush = crate::denormal::flush();
     // The representation pass is the one forward of the chunk that moves running
     // statistics (BatchNorm); the replay normalises with the same batch statistics and
     // leaves them alone.
@@ -88,6 +89,7 @@ impl Cached<'_> {
 
     /// Back-propagates `cotangent` (dL/d this representation) into parameter gradients.
     pub fn replay(self, cotangent: &Tensor) -> Result<Gradients> {
+        let _flush = crate::denormal::flush();
         (self.replay)(cotangent)
     }
 }
@@ -171,6 +173,7 @@ impl<'a> Representations<'a> {
         loss: &dyn Loss,
         comm: &dyn Collective,
     ) -> Result<GradientCache<'a>> {
+        let _flush = crate::denormal::flush();
         let (q, p) = dist::agree(comm, self.local_reps())?;
         let (rows_q, rows_p) = (q.dim(0)?, p.dim(0)?);
         let (all_q, all_p) = if comm.world_size() == 1 {
@@ -292,6 +295,7 @@ impl GradientCache<'_> {
     /// Phase 3: replays every chunk with its slice of the cache and sums the parameter
     /// gradients across chunks and towers (a shared tower accumulates both sides).
     pub fn replay(self) -> Result<StepOutput> {
+        let _flush = crate::denormal::flush();
         let mut grads = GradAccumulator::default();
         grads.add(self.loss_params)?;
         for (chunk, cotangent) in self.pending {
@@ -561,6 +565,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         passages: &P::Input,
         loss_scale: f64,
     ) -> Result<StepOutput> {
+        let _flush = crate::denormal::flush();
         let comm = &*self.comm;
         let mut meter = PhaseMeter::start();
         let reps = dist::agree(comm, self.represent(step, queries, passages))?;
@@ -600,6 +605,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         passages: &P::Input,
     ) -> Result<Representations<'_>> {
         group_size(queries.rows(), passages.rows())?;
+        let _flush = crate::denormal::flush();
         let mut reps = Representations::new();
         for (i, chunk) in queries.chunks(self.query_chunk)?.into_iter().enumerate() {
             reps.push(
@@ -626,6 +632,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         passages: &P::Input,
     ) -> Result<StepOutput> {
         group_size(queries.rows(), passages.rows())?;
+        let _flush = crate::denormal::flush();
         let ctx = |side| self.ctx(step, side, 0).updating_stats();
         let q = self.query.forward(queries, &ctx(Side::Query))?;
         let p = self.passage.forward(passages, &ctx(Side::Passage))?;

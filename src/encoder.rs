@@ -148,10 +148,17 @@ impl<M: Network> Encoder for Tower<M> {
     }
 
     fn encode(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {
+        let _flush = crate::denormal::flush();
         self.detached.forward(input, ctx)
     }
 
     fn forward(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {
+        let _flush = crate::denormal::flush();
         self.graph.forward(input, ctx)
+    }
+
+    fn replay(&self, input: &Self::Input, cotangent: &Tensor, ctx: &Ctx) -> Result<Gradients> {
+        let _flush = crate::denormal::flush();
+        replay(self.params(), cotangent, || self.forward(input, ctx))
     }
 }

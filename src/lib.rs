@@ -23,6 +23,8 @@
 //! - [`params`]: the parameter store (seeded initialisation) and gradients keyed by name.
 //! - [`batch`]: splitting and concatenating inputs along the batch dimension.
 //! - [`memory`]: a counting allocator for peak-memory measurements.
+//! - [`denormal`]: flush-to-zero and denormals-are-zero on every thread that computes
+//!   (subnormal floats cost Intel cores a microcode assist each), held by the entry points.
 //! - [`precision`]: mixed precision (bf16/f16 compute over f32 master weights) and the
 //!   dynamic loss scaler; [`device`]: `cpu`, `cuda`, `cuda:N`.
 //!
@@ -50,6 +52,7 @@
 pub mod batch;
 pub mod budget;
 pub mod cache;
+pub mod denormal;
 pub mod device;
 pub mod dist;
 pub mod dropout;

@@ -361,14 +361,17 @@ impl<M: LayerStack> Encoder for Recomputed<M> {
     }
 
     fn encode(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {
+        let _flush = crate::denormal::flush();
         self.tower.detached_model().run(input, ctx)
     }
 
     fn forward(&self, input: &Self::Input, ctx: &Ctx) -> Result<Tensor> {
+        let _flush = crate::denormal::flush();
         self.tower.graph_model().run(input, &self.ctx(ctx))
     }
 
     fn replay(&self, input: &Self::Input, cotangent: &Tensor, ctx: &Ctx) -> Result<Gradients> {
+        let _flush = crate::denormal::flush();
         let ctx = &self.ctx(ctx);
         let layers = self.tower.graph_model().num_layers();
         match self.policy.segments(layers)? {

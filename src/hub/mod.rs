@@ -44,6 +44,7 @@ pub fn embed<E: Encoder<Input = TokenBatch>>(
     chunk: usize,
     device: &Device,
 ) -> Result<Tensor> {
+    let _flush = crate::denormal::flush();
     let chunk = chunk.max(1);
     let mut parts = Vec::new();
     for block in texts.chunks(chunk * 64) {

@@ -458,6 +458,67 @@ impl Bert {
     }
 }
 
+impl Bert {
+    /// Layer `i` as one node with its backward written out
+    /// ([`crate::nn::encoder_layer`]), where the fused kernels run: the same arithmetic as
+    /// the op-by-op layer, without an autograd graph inside it. `None` elsewhere.
+    fn whole_layer(
+        &self,
+        i: usize,
+        x: &Tensor,
+        aux: &BertAux,
+        ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        let layer = &self.layers[i];
+        let (Some(bq), Some(bk), Some(bv), Some(bo), Some(bi), Some(bd)) = (
+            layer.query.bias(),
+            layer.key.bias(),
+            layer.value.bias(),
+            layer.attention_output.bias(),
+            layer.intermediate.bias(),
+            layer.output.bias(),
+        ) else {
+            return Ok(None);
+        };
+        let id = layer_id(i);
+        let head_dim = x.dim(2)? / self.heads;
+        let recompute = |site: usize| ctx.recompute.recomputes(site);
+        let weights = crate::nn::encoder_layer::LayerWeights {
+            qkv: [
+                layer.query.weight(),
+                layer.key.weight(),
+                layer.value.weight(),
+            ],
+            qkv_bias: [bq, bk, bv],
+            attention_output: (layer.attention_output.weight(), bo),
+            attention_norm: (layer.attention_norm.weight(), layer.attention_norm.bias()),
+            intermediate: (layer.intermediate.weight(), bi),
+            output: (layer.output.weight(), bd),
+            output_norm: (layer.output_norm.weight(), layer.output_norm.bias()),
+        };
+        let spec = crate::nn::encoder_layer::LayerSpec {
+            heads: self.heads,
+            act: self.activation.fused(),
+            eps: layer.attention_norm.eps(),
+            attention: crate::nn::AttentionSpec {
+                bias: aux.bias.clone(),
+                scale: 1.0 / (head_dim as f64).sqrt(),
+                dropout: self.attention_dropout.mask(ctx, id, site::ATTENTION_PROBS),
+                recompute: recompute(SITE_ATTENTION_PROBS),
+            },
+            attention_output_dropout: self.hidden_dropout.mask(ctx, id, site::ATTENTION_OUTPUT),
+            output_dropout: self.hidden_dropout.mask(ctx, id, site::FEED_FORWARD_OUTPUT),
+            recompute_attention_norm: recompute(SITE_ATTENTION_NORM),
+            recompute_intermediate: recompute(SITE_INTERMEDIATE),
+            recompute_output_norm: recompute(SITE_OUTPUT_NORM),
+        };
+        if layer.output_norm.eps() != spec.eps {
+            return Ok(None);
+        }
+        crate::nn::encoder_layer(x, &weights, &spec)
+    }
+}
+
 /// Dropout layer ids: 0 for the embeddings, `i + 1` for transformer layer `i`.
 fn layer_id(i: usize) -> u32 {
     i as u32 + 1
@@ -524,6 +585,9 @@ impl LayerStack for Bert {
     }
 
     fn layer(&self, i: usize, x: &Tensor, aux: &BertAux, ctx: &Ctx) -> Result<Tensor> {
+        if let Some(y) = self.whole_layer(i, x, aux, ctx)? {
+            return Ok(y);
+        }
         let layer = &self.layers[i];
         let id = layer_id(i);
         let recompute = |site: usize| ctx.recompute.recomputes(site);

@@ -424,14 +424,17 @@ impl Encoder for LstmEncoder {
     }
 
     fn encode(&self, input: &TokenBatch, _: &Ctx) -> Result<Tensor> {
+        let _flush = crate::denormal::flush();
         self.tower.detached_model().run(input)
     }
 
     fn forward(&self, input: &TokenBatch, _: &Ctx) -> Result<Tensor> {
+        let _flush = crate::denormal::flush();
         self.tower.graph_model().run(input)
     }
 
     fn replay(&self, input: &TokenBatch, cotangent: &Tensor, _: &Ctx) -> Result<Gradients> {
+        let _flush = crate::denormal::flush();
         let (model, graph) = (self.tower.detached_model(), self.tower.graph_model());
         let params = self.tower.params();
         let x = model.embed(input)?;

@@ -28,12 +28,17 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
+
+use num_traits::Zero as _;
+
+use super::attention::{softmax_row, with_values, Dims, HeadLayout, KeyMask, Params};
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, InplaceOp2, Layout, Shape, Tensor, WithDType,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp2, Layout, Shape, Tensor,
+    WithDType,
 };
 
 /// Rows handled by one parallel task; also the granularity of cross-row reductions.
-const BLOCK_ROWS: usize = 32;
+pub(crate) const BLOCK_ROWS: usize = 32;
 
 /// The float types the kernels run in.
 pub trait Float:
@@ -103,7 +108,7 @@ macro_rules! dispatch {
 }
 
 /// A pointer that may cross threads; each task derives a disjoint slice from it.
-struct SharedMut<T>(*mut T);
+pub(crate) struct SharedMut<T>(pub(crate) *mut T);
 
 impl<T> Clone for SharedMut<T> {
     fn clone(&self) -> Self {
@@ -115,7 +120,7 @@ impl<T> Copy for SharedMut<T> {}
 
 impl<T> SharedMut<T> {
     /// The pointer (a method, so closures capture the whole `Sync` wrapper, not the field).
-    fn get(self) -> *mut T {
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
 }
@@ -123,14 +128,24 @@ impl<T> SharedMut<T> {
 unsafe impl<T: Send> Send for SharedMut<T> {}
 unsafe impl<T: Send> Sync for SharedMut<T> {}
 
-/// Runs `f(block, rows)` for every block of `BLOCK_ROWS` rows of width `width` of `out`, on
-/// candle's own CPU thread pool (the one its element-wise ops use: a second pool would
-/// compete with candle's workers, which spin between ops).
-fn for_blocks<T: Send + Sync>(out: &mut [T], width: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+/// Runs `f(range)` over `0..items` split into ranges, on candle's own CPU thread pool (the
+/// one its element-wise ops use: a second pool would compete with candle's workers, which
+/// spin between ops), the calling thread taking part.
+pub(crate) fn parallel_ranges(items: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    candle_core::utils::barrier_pool().execute_chunked(items, f);
+}
+
+/// Runs `f(block, rows)` for every block of `BLOCK_ROWS` rows of width `width` of `out`
+/// ([`parallel_ranges`]).
+pub(crate) fn for_blocks<T: Send + Sync>(
+    out: &mut [T],
+    width: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
     let block = BLOCK_ROWS * width.max(1);
     let (len, ptr) = (out.len(), SharedMut(out.as_mut_ptr()));
     let blocks = len.div_ceil(block);
-    candle_core::utils::barrier_pool().execute_chunked(blocks, |range| {
+    parallel_ranges(blocks, |range| {
         for b in range {
             let start = b * block;
             let end = len.min(start + block);
@@ -148,7 +163,7 @@ fn for_blocks<T: Send + Sync>(out: &mut [T], width: usize, f: impl Fn(usize, &mu
 /// fused by it (Rust never contracts `a * b + c` into an FMA on its own, and float
 /// reductions keep their order), so both copies give the same bits.
 #[inline(always)]
-fn with_wide_vectors<R>(f: impl FnOnce() -> R) -> R {
+pub(crate) fn with_wide_vectors<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     if wide_vectors() {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
@@ -185,7 +200,7 @@ fn zeros_with_room<T: Float>(len: usize, extra: usize) -> Vec<T> {
 
 /// Like [`for_blocks`], with one partial vector of `partial_len` per block (for reductions
 /// across rows), returned one after another in block order.
-fn for_blocks_with_partials<T: Float>(
+pub(crate) fn for_blocks_with_partials<T: Float>(
     out: &mut [T],
     width: usize,
     partial_len: usize,
@@ -206,7 +221,7 @@ fn for_blocks_with_partials<T: Float>(
 
 /// Sums per-block partial vectors of `width` (one after another) in block order
 /// (deterministic).
-fn sum_partials<T: Float>(partials: &[T], width: usize) -> Vec<T> {
+pub(crate) fn sum_partials<T: Float>(partials: &[T], width: usize) -> Vec<T> {
     let mut total = vec![T::zero(); width];
     for p in partials.chunks(width.max(1)) {
         for (t, &v) in total.iter_mut().zip(p) {
@@ -368,30 +383,23 @@ pub struct MaskedSoftmax {
 
 fn softmax_fwd<T: Float>(x: &[T], bias: &[T], k: usize, rows_per_seq: usize, scale: f64) -> Vec<T> {
     let mut out = vec![T::zero(); x.len()];
+    let n = bias.len() / k.max(1);
+    let mask = KeyMask::new(bias, n, k);
     let scale = T::of(scale);
     for_blocks(&mut out, k, |blk, chunk| {
         let first = blk * BLOCK_ROWS;
         for (r, y) in chunk.chunks_mut(k).enumerate() {
             let row = first + r;
-            let xr = &x[row * k..(row + 1) * k];
-            let br = &bias[(row / rows_per_seq) * k..(row / rows_per_seq + 1) * k];
-            let mut max = T::neg_infinity();
-            for j in 0..k {
-                y[j] = xr[j] * scale + br[j];
-                max = num_traits::Float::max(max, y[j]);
-            }
-            let mut sum = T::zero();
-            // Exponentials first (a loop the compiler vectorises), then the sum.
-            for v in y.iter_mut() {
-                *v = exp(*v - max);
-            }
-            for v in y.iter() {
-                sum += *v;
-            }
-            let inv = T::one() / sum;
-            for v in y.iter_mut() {
-                *v *= inv;
-            }
+            let seq = row / rows_per_seq;
+            // Keys past the sequence's last real one stay exactly 0, uncomputed.
+            let l = mask.len(seq);
+            y[..l].copy_from_slice(&x[row * k..row * k + l]);
+            softmax_row(
+                &mut y[..l],
+                &bias[seq * k..(seq + 1) * k],
+                scale,
+                mask.masking(seq),
+            );
         }
     });
     out
@@ -585,28 +593,6 @@ impl CustomOp1 for Dropout {
     }
 }
 
-/// [`Dropout`] of a block of a larger tensor that starts at element `start` of it: the
-/// block's masks are those of its place in the whole (the attention backward recomputes
-/// the probabilities a few sequences at a time). No backward.
-struct DropoutFrom {
-    seed: u64,
-    p: f32,
-    start: u64,
-}
-
-impl CustomOp1 for DropoutFrom {
-    fn name(&self) -> &'static str {
-        "gradcache-dropout-from"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        dispatch!(s, T => {
-            let out = dropout_fwd::<T>(contiguous(s, l)?, self.seed, self.p, self.start);
-            Ok((T::to_cpu_storage_owned(out), l.shape().clone()))
-        })
-    }
-}
-
 // ---------------------------------------------------------------------------------------
 // Bias + activation
 
@@ -624,13 +610,25 @@ pub enum Act {
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
 
-/// `e^x`: f64 takes libm's; f32 a branch-free polynomial (range reduction to
-/// `|r| <= ln 2 / 2`, degree-7 Taylor polynomial, the power of two set in the exponent
-/// bits; within 2 ulp), which the compiler vectorises where a call to `expf` would stop it.
+/// Below this `e^x` is below f32's normal range (`ln f32::MIN_POSITIVE` = -87.3365; the
+/// bound sits a hair above it, where the polynomial's 2 ulp could still land below).
+pub const EXP_UNDERFLOW_F32: f32 = -87.33;
+/// The same bound for f64 (`ln f64::MIN_POSITIVE` = -708.396).
+const EXP_UNDERFLOW_F64: f64 = -708.39;
+
+/// `e^x`, exactly 0 where the true value is below the normal range (never a subnormal:
+/// see [`crate::denormal`]). f64 takes libm's; f32 a branch-free polynomial (range
+/// reduction to `|r| <= ln 2 / 2`, degree-7 Taylor polynomial, the power of two set in the
+/// exponent bits; within 2 ulp), which the compiler vectorises where a call to `expf`
+/// would stop it.
 #[inline(always)]
 pub fn exp<T: Float>(x: T) -> T {
     if std::mem::size_of::<T>() == 8 {
-        return x.exp();
+        return if x < T::of(EXP_UNDERFLOW_F64) {
+            T::zero()
+        } else {
+            x.exp()
+        };
     }
     let x = num_traits::ToPrimitive::to_f32(&x).unwrap_or(0.0);
     T::of(f64::from(exp_f32(x)))
@@ -643,7 +641,8 @@ fn exp_f32(x: f32) -> f32 {
     const LN2_LO: f32 = 1.428_606_8e-6;
     // Round to nearest without a call: adding 1.5 * 2^23 pushes the fraction out.
     const ROUND: f32 = 12_582_912.0;
-    let x = x.clamp(-87.0, 88.0);
+    let underflow = x < EXP_UNDERFLOW_F32;
+    let x = x.clamp(EXP_UNDERFLOW_F32, 88.0);
     let n = (x * LOG2E + ROUND) - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
@@ -653,7 +652,12 @@ fn exp_f32(x: f32) -> f32 {
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    p * scale
+    // A select, not a branch: the loop stays vectorised.
+    if underflow {
+        0.0
+    } else {
+        p * scale
+    }
 }
 
 /// `(erf(x / sqrt 2), exp(-x^2 / 2))`, the two pieces of GELU and its derivative. f64
@@ -663,7 +667,16 @@ fn exp_f32(x: f32) -> f32 {
 /// dominated the GELU kernels.
 #[inline(always)]
 fn erf_and_gaussian<T: Float>(x: T) -> (T, T) {
-    let gaussian = exp(-T::of(0.5) * x * x);
+    // Past |x| = 12.9 the Gaussian factor is exactly 0 (its true value, below 2.4e-37,
+    // changes neither erf, which is +-1 in f32 from |x| = 5.5 on, nor GELU's derivative
+    // beyond 1e-35), so that its products with the polynomial and with x never land
+    // below the normal range (subnormal; see `crate::denormal`).
+    let half_square = T::of(0.5) * x * x;
+    let gaussian = if half_square > T::of(84.0) && std::mem::size_of::<T>() == 4 {
+        T::zero()
+    } else {
+        exp(-half_square)
+    };
     if std::mem::size_of::<T>() == 8 {
         let z = num_traits::ToPrimitive::to_f64(&x).unwrap_or(0.0) * FRAC_1_SQRT_2;
         return (T::of(libm::erf(z)), gaussian);
@@ -682,7 +695,7 @@ fn erf_and_gaussian<T: Float>(x: T) -> (T, T) {
 
 impl Act {
     #[inline(always)]
-    fn value<T: Float>(self, x: T) -> T {
+    pub(crate) fn value<T: Float>(self, x: T) -> T {
         let half = T::of(0.5);
         match self {
             Act::GeluErf => half * x * (T::one() + erf_and_gaussian(x).0),
@@ -695,7 +708,7 @@ impl Act {
     }
 
     #[inline(always)]
-    fn derivative<T: Float>(self, x: T) -> T {
+    pub(crate) fn derivative<T: Float>(self, x: T) -> T {
         let half = T::of(0.5);
         match self {
             Act::GeluErf => {
@@ -947,15 +960,22 @@ impl CustomOp3 for BiasActivationBackward {
 type Backward =
     Box<dyn Fn(&Tensor) -> candle_core::Result<[Option<Tensor>; 3]> + Send + Sync + 'static>;
 
+/// A node's precomputed output: a tensor (handed to candle as a copy, since a tensor's
+/// storage cannot be moved out of it), or an owned CPU buffer (handed over as it is).
+enum Precomputed {
+    Tensor(Tensor),
+    Cpu(CpuStorage, Shape),
+}
+
 /// A graph node whose forward was computed without a graph and whose backward is written
 /// by hand: candle's autograd sees one node where the composed form records a dozen, each
-/// with a zero-filled accumulator and an addition in the backward pass. The forward kernel
-/// hands back a copy of the precomputed output and drops the original: the node lives as
-/// long as its output does (candle keeps the op with the tensor), so holding the original
-/// would keep every fused output twice.
+/// with a zero-filled accumulator and an addition in the backward pass. The forward
+/// kernel hands back the precomputed output: an owned buffer as it is, a tensor as a copy
+/// (the original dropped: the node lives as long as its output does, since candle keeps
+/// the op with the tensor, so holding the original would keep every fused output twice).
 struct Node {
     name: &'static str,
-    output: std::sync::Mutex<Option<Tensor>>,
+    output: std::sync::Mutex<Option<Precomputed>>,
     backward: Backward,
 }
 
@@ -973,7 +993,10 @@ impl CustomOp3 for Node {
         _: &CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let output = self.take_output()?;
+        let output = match self.take_output()? {
+            Precomputed::Cpu(storage, shape) => return Ok((storage, shape)),
+            Precomputed::Tensor(t) => t,
+        };
         let (storage, layout) = output.storage_and_layout();
         match (&*storage, layout.contiguous_offsets()) {
             (candle_core::Storage::Cpu(s), Some((0, end)))
@@ -998,7 +1021,12 @@ impl CustomOp3 for Node {
         _: &candle_core::CudaStorage,
         _: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let output = self.take_output()?;
+        let output = match self.take_output()? {
+            Precomputed::Tensor(t) => t,
+            Precomputed::Cpu(..) => {
+                candle_core::bail!("{}: the precomputed output must be on the GPU", self.name)
+            }
+        };
         let (storage, layout) = output.storage_and_layout();
         match &*storage {
             candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
@@ -1021,7 +1049,7 @@ impl CustomOp3 for Node {
 
 impl Node {
     /// The precomputed output, handed over once.
-    fn take_output(&self) -> candle_core::Result<Tensor> {
+    fn take_output(&self) -> candle_core::Result<Precomputed> {
         self.output
             .lock()
             .map_err(|_| candle_core::Error::Msg(format!("{}: poisoned output", self.name)))?
@@ -1047,6 +1075,16 @@ fn node(
     } else {
         output.force_contiguous()?
     };
+    node_with(name, inputs, Precomputed::Tensor(output), backward)
+}
+
+/// The node itself, over three inputs, whatever the output.
+fn node_with(
+    name: &'static str,
+    inputs: [&Tensor; 3],
+    output: Precomputed,
+    backward: Backward,
+) -> candle_core::Result<Tensor> {
     inputs[0].apply_op3(
         inputs[1],
         inputs[2],
@@ -1059,7 +1097,7 @@ fn node(
 }
 
 /// The backward of a node over any number of inputs: one gradient (or `None`) per input.
-type BackwardN =
+pub(crate) type BackwardN =
     Box<dyn Fn(&Tensor) -> candle_core::Result<Vec<Option<Tensor>>> + Send + Sync + 'static>;
 
 /// [`node`] over any number of inputs. candle's custom ops take at most three, so inputs
@@ -1074,6 +1112,44 @@ fn node_n(
     output: Tensor,
     backward: BackwardN,
 ) -> candle_core::Result<Tensor> {
+    if !inputs.iter().any(|t| t.track_op()) {
+        return Ok(output);
+    }
+    let output = output.contiguous()?;
+    let output = if output.layout().start_offset() == 0 {
+        output
+    } else {
+        output.force_contiguous()?
+    };
+    node_n_with(name, inputs, Precomputed::Tensor(output), backward)
+}
+
+/// [`node_n`] whose output is an owned CPU buffer (`values` of `shape`), handed to candle
+/// without a copy; when no input is tracked, it becomes a tensor as it is.
+pub(crate) fn node_n_owned<T: Float>(
+    name: &'static str,
+    inputs: &[&Tensor],
+    values: Vec<T>,
+    shape: Shape,
+    backward: BackwardN,
+) -> candle_core::Result<Tensor> {
+    if !inputs.iter().any(|t| t.track_op()) {
+        return Tensor::from_vec(values, shape, &candle_core::Device::Cpu);
+    }
+    node_n_with(
+        name,
+        inputs,
+        Precomputed::Cpu(T::to_cpu_storage_owned(values), shape),
+        backward,
+    )
+}
+
+fn node_n_with(
+    name: &'static str,
+    inputs: &[&Tensor],
+    output: Precomputed,
+    backward: BackwardN,
+) -> candle_core::Result<Tensor> {
     let count = inputs.len();
     if count == 0 {
         candle_core::bail!("{name}: a node needs at least one input");
@@ -1085,7 +1161,7 @@ fn node_n(
             inputs[1.min(count - 1)],
             inputs[2.min(count - 1)],
         ];
-        return node(
+        return node_with(
             name,
             padded,
             output,
@@ -1103,7 +1179,11 @@ fn node_n(
         );
     }
     let cell: Arc<Mutex<Vec<Option<Tensor>>>> = Arc::default();
-    let token = Tensor::zeros(1, output.dtype(), output.device())?;
+    let token = Tensor::zeros(1, DType::F32, &candle_core::Device::Cpu)?;
+    let token = match &output {
+        Precomputed::Tensor(t) => Tensor::zeros(1, t.dtype(), t.device())?,
+        Precomputed::Cpu(..) => token,
+    };
     let relayed = {
         let cell = cell.clone();
         node_n(
@@ -1124,7 +1204,7 @@ fn node_n(
         )?
     };
     let zero = token;
-    node(
+    node_with(
         name,
         [inputs[0], inputs[1], &relayed],
         output,
@@ -1590,7 +1670,9 @@ fn as_accumulated(g: &Tensor) -> candle_core::Result<()> {
 /// What scaled dot-product attention needs besides `q`, `k`, `v`.
 #[derive(Debug, Clone)]
 pub struct AttentionSpec {
-    /// Additive key mask `[n, 1, 1, k]` (BERT's -10000 on padding).
+    /// Additive key mask `[n, 1, 1, k]` (BERT's -10000 on padding). A key whose bias is
+    /// -10000 or below is masked: probability exactly 0, and the fused kernel does not
+    /// compute it ([`super::attention`]).
     pub bias: Tensor,
     /// Multiplies the scores (`1 / sqrt(head_dim)`).
     pub scale: f64,
@@ -1602,209 +1684,175 @@ pub struct AttentionSpec {
     pub recompute: bool,
 }
 
-/// The probabilities after dropout, and before, of `q`, `k` `[n, heads, s, d]` whose first
-/// sequence is sequence `first` of the batch (the dropout mask of each probability is
-/// that of its place in the batch's `[N, heads, s, s]` probabilities).
-fn attention_probs(
-    q: &Tensor,
-    k: &Tensor,
+/// The attention kernel's shape, parameters and key mask for `n` sequences of `s` tokens
+/// in `heads` heads of `d`, with the spec's bias read as `[n, s]`.
+fn attention_setup<T: Float>(
     spec: &AttentionSpec,
-    first: usize,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let probs = {
-        let scores = q.matmul(&k.t()?)?;
-        scores.apply_op2_no_bwd(&spec.bias, &MaskedSoftmax { scale: spec.scale })?
-    };
-    let dropped = match spec.dropout {
-        Some((seed, p)) if p > 0.0 => {
-            let per_sequence = probs.elem_count() / q.dim(0)?.max(1);
-            probs.apply_op1_no_bwd(&DropoutFrom {
-                seed,
-                p,
-                start: (first * per_sequence) as u64,
-            })?
-        }
-        _ => probs.clone(),
-    };
-    Ok((dropped, probs))
-}
-
-/// About how many probabilities the recomputing attention backward holds at once: it
-/// works through the batch a few sequences at a time, so its temporaries (the
-/// probabilities before and after dropout and their gradients, five `[n, heads, s, s]`
-/// tensors for the whole batch) stay a few MiB however large the chunk.
-const RECOMPUTE_BLOCK_PROBS: usize = 1 << 18;
-
-#[cfg(test)]
-thread_local! {
-    /// Sequences per block of the recomputing attention backward, when set (tests).
-    static RECOMPUTE_BLOCK: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
-}
-
-/// Sequences per block of the recomputing attention backward for `[n, heads, s, kv]`
-/// probabilities.
-fn recompute_block(q: &Tensor, k: &Tensor) -> candle_core::Result<usize> {
-    #[cfg(test)]
-    if let Some(block) = RECOMPUTE_BLOCK.with(|b| b.get()) {
-        return Ok(block);
+    n: usize,
+    heads: usize,
+    s: usize,
+    d: usize,
+) -> candle_core::Result<(Dims, Params, KeyMask<T>)> {
+    if spec.bias.elem_count() != n * s {
+        candle_core::bail!(
+            "attention: key mask {:?} does not fit {n} sequences of {s} tokens",
+            spec.bias.dims()
+        );
     }
-    let (_, heads, s, _) = q.dims4()?;
-    let per_sequence = heads * s * k.dim(2)?;
-    Ok((RECOMPUTE_BLOCK_PROBS / per_sequence.max(1)).max(1))
-}
-
-/// The attention backward from `dctx` (contiguous, `[n, heads, s, d]`), handed to
-/// `each(first, [dq, dk, dv])` block by block (`first` the block's first sequence): with
-/// the kept probabilities `(after dropout, before)` one block of the whole batch; with
-/// `None` the probabilities are recomputed from `q` and `k` (the dropout mask regenerated
-/// from its seed) `block` sequences at a time.
-#[allow(clippy::too_many_arguments)]
-fn attention_backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    spec: &AttentionSpec,
-    kept: Option<&(Tensor, Tensor)>,
-    dctx: &Tensor,
-    block: usize,
-    mut each: impl FnMut(usize, [Tensor; 3]) -> candle_core::Result<()>,
-) -> candle_core::Result<()> {
-    if let Some((dropped, probs)) = kept {
-        let grads =
-            attention_block_backward(q, k, v, spec, dropped.clone(), probs.clone(), dctx, 0)?;
-        return each(0, grads);
-    }
-    let n = q.dim(0)?;
-    for first in (0..n).step_by(block.max(1)) {
-        let len = block.min(n - first);
-        let rows = |t: &Tensor| t.narrow(0, first, len);
-        let spec = AttentionSpec {
-            bias: rows(&spec.bias)?,
-            ..spec.clone()
-        };
-        let (q, k) = (rows(q)?, rows(k)?);
-        let (dropped, probs) = attention_probs(&q, &k, &spec, first)?;
-        let grads = attention_block_backward(
-            &q,
-            &k,
-            &rows(v)?,
-            &spec,
-            dropped,
-            probs,
-            &rows(dctx)?,
-            first,
-        )?;
-        each(first, grads)?;
-    }
-    Ok(())
-}
-
-/// `[dq, dk, dv]` of attention, the blocks of [`attention_backward`] put together.
-fn attention_grads(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    spec: &AttentionSpec,
-    kept: Option<&(Tensor, Tensor)>,
-    dctx: &Tensor,
-    block: usize,
-) -> candle_core::Result<[Tensor; 3]> {
-    let mut parts: [Vec<Tensor>; 3] = Default::default();
-    attention_backward(q, k, v, spec, kept, dctx, block, |_, grads| {
-        for (part, g) in parts.iter_mut().zip(grads) {
-            part.push(g);
-        }
-        Ok(())
-    })?;
-    let [dq, dk, dv] = parts.map(|p| match <[Tensor; 1]>::try_from(p) {
-        Ok([one]) => Ok(one),
-        Err(p) => Tensor::cat(&p, 0),
-    });
-    Ok([dq?, dk?, dv?])
-}
-
-/// The attention backward of sequences `first..` from their probabilities `(after
-/// dropout, before)`; each temporary is dropped as soon as it is used.
-#[allow(clippy::too_many_arguments)]
-fn attention_block_backward(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    spec: &AttentionSpec,
-    dropped: Tensor,
-    probs: Tensor,
-    dctx: &Tensor,
-    first: usize,
-) -> candle_core::Result<[Tensor; 3]> {
-    let dv = dropped.t()?.matmul(dctx)?;
-    drop(dropped);
-    let d_dropped = dctx.matmul(&v.t()?)?;
-    let d_probs = match spec.dropout {
-        Some((seed, p)) if p > 0.0 => {
-            let per_sequence = d_dropped.elem_count() / q.dim(0)?.max(1);
-            let d_probs = d_dropped.apply_op1_no_bwd(&DropoutFrom {
-                seed,
-                p,
-                start: (first * per_sequence) as u64,
-            })?;
-            drop(d_dropped);
-            d_probs
-        }
-        _ => d_dropped,
+    let bias = spec.bias.contiguous()?;
+    let mask = with_values::<T, _>(&bias, |b| Ok(KeyMask::new(b, n, s)))?;
+    let params = Params {
+        scale: spec.scale,
+        dropout: spec.dropout,
     };
-    let d_scores = probs.apply_op2_no_bwd(&d_probs, &SoftmaxBackward { scale: spec.scale })?;
-    drop((probs, d_probs));
-    let dq = d_scores.matmul(k)?;
-    let dk = d_scores.t()?.matmul(q)?;
-    Ok([dq, dk, dv])
+    Ok((Dims { n, heads, s, d }, params, mask))
+}
+
+/// Calls `$body` with `$t` bound to the float type of `$dtype` (f32 or f64).
+macro_rules! with_float {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            candle_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            candle_core::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            other => candle_core::bail!("fused kernels run in f32 or f64, not {other:?}"),
+        }
+    };
+}
+
+/// The kept probabilities of the attention kernel, as a flat tensor.
+fn kept_tensor<T: Float>(kept: Option<Vec<T>>) -> candle_core::Result<Option<Tensor>> {
+    kept.map(|k| {
+        let len = k.len();
+        Tensor::from_vec(k, len, &candle_core::Device::Cpu)
+    })
+    .transpose()
 }
 
 /// `dropout(softmax(scale * q k^T + bias)) v` for `q`, `k`, `v` `[n, heads, s, d]`, as one
-/// node. With `spec.recompute` it keeps nothing of size `[n, heads, s, s]`: the backward
-/// recomputes the probabilities from `q` and `k` (a matrix product and a softmax row
-/// pass, cheap next to the rest of the layer), regenerates the dropout mask from its
-/// seed, and runs the softmax backward kernel (Megatron's selective recompute of
-/// attention); without it the node keeps the probabilities before and after dropout.
+/// node ([`super::attention`]: one task per sequence and head, padding keys skipped).
+/// With `spec.recompute` it keeps nothing of size `[n, heads, s, s]`: the backward
+/// recomputes the probabilities from `q` and `k` with the same arithmetic and regenerates
+/// the dropout mask from its seed (Megatron's selective recompute of attention); without
+/// it the node keeps the probabilities before dropout.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     spec: &AttentionSpec,
 ) -> candle_core::Result<Tensor> {
+    let (n, heads, s, d) = q.dims4()?;
+    if k.dims() != q.dims() || v.dims() != q.dims() {
+        candle_core::bail!(
+            "attention: q {:?}, k {:?} and v {:?} differ",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
     let (qd, kd, vd) = (
         q.contiguous()?.detach(),
         k.contiguous()?.detach(),
         v.contiguous()?.detach(),
     );
-    let spec = AttentionSpec {
-        bias: spec.bias.contiguous()?.detach(),
-        ..spec.clone()
-    };
-    let probs = attention_probs(&qd, &kd, &spec, 0)?;
-    let ctx = probs.0.matmul(&vd)?;
-    let kept = (!spec.recompute).then_some(probs);
-    node(
-        "gradcache-attention",
-        [q, k, v],
-        ctx,
-        Box::new(move |dctx| {
-            let dctx = dctx.contiguous()?;
-            let block = recompute_block(&qd, &kd)?;
-            let [dq, dk, dv] = attention_grads(&qd, &kd, &vd, &spec, kept.as_ref(), &dctx, block)?;
-            Ok([Some(dq), Some(dk), Some(dv)])
-        }),
-    )
+    let layout = HeadLayout::heads_first(heads, s, d);
+    let len = n * heads * s * d;
+    with_float!(q.dtype(), T => {
+        let (dims, params, mask) = attention_setup::<T>(spec, n, heads, s, d)?;
+        let mut out = vec![T::zero(); len];
+        let kept = with_values::<T, _>(&qd, |qv| {
+            with_values::<T, _>(&kd, |kv| {
+                with_values::<T, _>(&vd, |vv| {
+                    // SAFETY: q, k, v and out are contiguous [n, heads, s, d] buffers.
+                    Ok(unsafe {
+                        super::attention::forward(
+                            dims,
+                            &params,
+                            &mask,
+                            (qv.as_ptr(), layout),
+                            (kv.as_ptr(), layout),
+                            (vv.as_ptr(), layout),
+                            (out.as_mut_ptr(), layout),
+                            !spec.recompute,
+                        )
+                    })
+                })
+            })
+        })?;
+        let kept = kept_tensor(kept)?;
+        let out = Tensor::from_vec(out, (n, heads, s, d), q.device())?;
+        node(
+            "gradcache-attention",
+            [q, k, v],
+            out,
+            Box::new(move |dctx| {
+                let dctx = dctx.contiguous()?;
+                let mut grads = [vec![T::zero(); len], vec![T::zero(); len], vec![T::zero(); len]];
+                let [gq, gk, gv] = &mut grads;
+                let (gq, gk, gv) = (gq.as_mut_ptr(), gk.as_mut_ptr(), gv.as_mut_ptr());
+                with_values::<T, _>(&qd, |qv| {
+                    with_values::<T, _>(&kd, |kv| {
+                        with_values::<T, _>(&vd, |vv| {
+                            with_values::<T, _>(&dctx, |dc| {
+                                let run = |kept: Option<&[T]>| {
+                                    // SAFETY: every buffer is a contiguous [n, heads, s, d].
+                                    unsafe {
+                                        super::attention::backward(
+                                            dims,
+                                            &params,
+                                            &mask,
+                                            (qv.as_ptr(), layout),
+                                            (kv.as_ptr(), layout),
+                                            (vv.as_ptr(), layout),
+                                            kept,
+                                            (dc.as_ptr(), layout),
+                                            (gq, layout),
+                                            (gk, layout),
+                                            (gv, layout),
+                                        )
+                                    }
+                                };
+                                match &kept {
+                                    Some(t) => with_values::<T, _>(t, |kv| {
+                                        run(Some(kv));
+                                        Ok(())
+                                    }),
+                                    None => {
+                                        run(None);
+                                        Ok(())
+                                    }
+                                }
+                            })
+                        })
+                    })
+                })?;
+                let dev = candle_core::Device::Cpu;
+                let [gq, gk, gv] = grads;
+                Ok([
+                    Some(Tensor::from_vec(gq, (n, heads, s, d), &dev)?),
+                    Some(Tensor::from_vec(gk, (n, heads, s, d), &dev)?),
+                    Some(Tensor::from_vec(gv, (n, heads, s, d), &dev)?),
+                ])
+            }),
+        )
+    })
 }
 
 /// BERT's self-attention from the hidden states `x` `[n, s, h]` as one node over
 /// `(x, W_qkv, b_qkv)`, the query, key and value projections stacked into one `[3h, h]`
-/// weight: one matrix product gives `q`, `k` and `v`, which are split into `heads`, attend
-/// as in [`attention`], and come back with the heads merged, `[n, s, h]`. The backward
-/// takes the kept probabilities or recomputes them (`spec.recompute`), merges `dq`, `dk`,
-/// `dv` into one `[n s, 3h]` gradient and
-/// runs one product for `dx` and one for `dW_qkv`. candle's autograd sees one node where
-/// three projections, the head split and merge and the attention record fifteen, each with
-/// a zero-filled accumulator and an addition in the backward pass.
+/// weight: one matrix product gives the packed `[n s, 3h]` queries, keys and values, which
+/// the attention kernel ([`super::attention`]) reads where they lie, head by head, writing
+/// the context with the heads merged, `[n, s, h]`: no split or merge copies. The backward
+/// takes the kept probabilities or recomputes them (`spec.recompute`), writes `dq`, `dk`,
+/// `dv` into one packed `[n s, 3h]` gradient and runs one product for `dx` and one for
+/// `dW_qkv`. candle's autograd sees one node where three projections, the head split and
+/// merge and the attention record fifteen, each with a zero-filled accumulator and an
+/// addition in the backward pass.
 pub fn self_attention(
     x: &Tensor,
     w_qkv: &Tensor,
@@ -1865,88 +1913,92 @@ fn self_attention_node(
     let x2 = xd.reshape((rows, h))?;
     let qkv = x2.matmul(&wd.t()?)?;
     qkv.inplace_op2(&bd, &AddInPlace { rows: true })?;
-    // [n, s, 3, heads, d] -> [3, n, heads, s, d]: q, k, v each a contiguous view.
-    let split = qkv
-        .reshape((n, s, 3, heads, d))?
-        .permute((2, 0, 3, 1, 4))?
-        .contiguous()?;
-    let (q, k, v) = (split.get(0)?, split.get(1)?, split.get(2)?);
-    let spec = AttentionSpec {
-        bias: spec.bias.contiguous()?.detach(),
-        ..spec.clone()
-    };
-    let probs = attention_probs(&q, &k, &spec, 0)?;
-    let out = probs
-        .0
-        .matmul(&v)?
-        .transpose(1, 2)?
-        .contiguous()?
-        .reshape((n, s, h))?;
-    let kept = (!spec.recompute).then_some(probs);
     drop((wd, bd));
-    let parts = weights.len();
-    let mut inputs = vec![x];
-    inputs.extend(weights);
-    inputs.extend(biases);
-    node_n(
-        "gradcache-self-attention",
-        &inputs,
-        out,
-        Box::new(move |dout| {
-            let dctx = dout
-                .reshape((n, s, heads, d))?
-                .transpose(1, 2)?
-                .contiguous()?;
-            // Block by block, [g, heads, 3, s, d] -> [g, s, 3, heads, d]: the rows of
-            // `[n s, 3h]`, the layout of qkv.
-            let mut dqkv: Option<Tensor> = None;
-            let block = recompute_block(&q, &k)?;
-            attention_backward(
-                &q,
-                &k,
-                &v,
-                &spec,
-                kept.as_ref(),
-                &dctx,
-                block,
-                |first, g| {
-                    let merged = Tensor::stack(&g, 2)?
-                        .permute((0, 3, 2, 1, 4))?
-                        .contiguous()?;
-                    drop(g);
-                    if merged.dim(0)? == n {
-                        dqkv = Some(merged);
-                        return Ok(());
+    let packed = move |part: usize| HeadLayout::in_rows(s, 3 * h, d, part * h);
+    let merged = HeadLayout::in_rows(s, h, d, 0);
+    with_float!(x.dtype(), T => {
+        let (dims, params, mask) = attention_setup::<T>(spec, n, heads, s, d)?;
+        let mut out = vec![T::zero(); rows * h];
+        let kept = with_values::<T, _>(&qkv, |all| {
+            let p = all.as_ptr();
+            // SAFETY: qkv is a contiguous [n s, 3h] buffer, out a [n s, h] one.
+            Ok(unsafe {
+                super::attention::forward(
+                    dims,
+                    &params,
+                    &mask,
+                    (p, packed(0)),
+                    (p, packed(1)),
+                    (p, packed(2)),
+                    (out.as_mut_ptr(), merged),
+                    !spec.recompute,
+                )
+            })
+        })?;
+        let kept = kept_tensor(kept)?;
+        let out = Tensor::from_vec(out, (n, s, h), x.device())?;
+        let parts = weights.len();
+        let mut inputs = vec![x];
+        inputs.extend(weights);
+        inputs.extend(biases);
+        node_n(
+            "gradcache-self-attention",
+            &inputs,
+            out,
+            Box::new(move |dout| {
+                let dout = dout.contiguous()?;
+                let mut dqkv = vec![T::zero(); rows * 3 * h];
+                with_values::<T, _>(&qkv, |all| {
+                    with_values::<T, _>(&dout, |dc| {
+                        let (p, g) = (all.as_ptr(), dqkv.as_mut_ptr());
+                        let run = |kept: Option<&[T]>| {
+                            // SAFETY: qkv and dqkv are contiguous [n s, 3h] buffers (the
+                            // three gradients in disjoint columns), dout a [n s, h] one.
+                            unsafe {
+                                super::attention::backward(
+                                    dims,
+                                    &params,
+                                    &mask,
+                                    (p, packed(0)),
+                                    (p, packed(1)),
+                                    (p, packed(2)),
+                                    kept,
+                                    (dc.as_ptr(), merged),
+                                    (g, packed(0)),
+                                    (g, packed(1)),
+                                    (g, packed(2)),
+                                )
+                            }
+                        };
+                        match &kept {
+                            Some(t) => with_values::<T, _>(t, |kv| {
+                                run(Some(kv));
+                                Ok(())
+                            }),
+                            None => {
+                                run(None);
+                                Ok(())
+                            }
+                        }
+                    })
+                })?;
+                drop(dout);
+                let dqkv = Tensor::from_vec(dqkv, (rows, 3 * h), &candle_core::Device::Cpu)?;
+                let dx = dqkv.matmul(&stack(&weights_d)?)?.reshape((n, s, h))?;
+                let dw = dqkv.t()?.matmul(&x2)?;
+                let db = dqkv.apply_op1_no_bwd(&SumRows)?;
+                // Each projection its block of rows.
+                let block = 3 * h / parts;
+                let mut grads = vec![Some(dx)];
+                for g in [dw, db] {
+                    for i in 0..parts {
+                        grads.push(Some(g.narrow(0, i * block, block)?));
                     }
-                    let all = match &dqkv {
-                        Some(all) => all,
-                        None => dqkv.insert(Tensor::zeros(
-                            (n, s, 3, heads, d),
-                            dout.dtype(),
-                            dout.device(),
-                        )?),
-                    };
-                    all.slice_set(&merged, 0, first)
-                },
-            )?;
-            drop(dctx);
-            let dqkv = dqkv
-                .ok_or_else(|| candle_core::Error::Msg("self-attention: no gradient".into()))?
-                .reshape((rows, 3 * h))?;
-            let dx = dqkv.matmul(&stack(&weights_d)?)?.reshape((n, s, h))?;
-            let dw = dqkv.t()?.matmul(&x2)?;
-            let db = dqkv.apply_op1_no_bwd(&SumRows)?;
-            // Each projection its block of rows.
-            let block = 3 * h / parts;
-            let mut grads = vec![Some(dx)];
-            for g in [dw, db] {
-                for i in 0..parts {
-                    grads.push(Some(g.narrow(0, i * block, block)?));
                 }
-            }
-            Ok(grads)
-        }),
-    )
+                Ok(grads)
+            }),
+        )
+    })
 }
 
 /// The residual block's tail, `LayerNorm(dropout(x) + residual)` with the scale and shift
@@ -2131,7 +2183,7 @@ impl CustomOp1 for SumRows {
             let blocks = x.len().div_ceil(BLOCK_ROWS * w.max(1));
             let mut partials = vec![<T as num_traits::Zero>::zero(); blocks * w];
             let shared = SharedMut(partials.as_mut_ptr());
-            candle_core::utils::barrier_pool().execute_chunked(blocks, |range| {
+            parallel_ranges(blocks, |range| {
                 for blk in range {
                     // SAFETY: block `blk` owns partials `blk * w .. (blk + 1) * w`.
                     let acc = unsafe { std::slice::from_raw_parts_mut(shared.get().add(blk * w), w) };
@@ -2223,57 +2275,50 @@ mod tests {
         v.iter().map(|f| f.to_bits()).collect()
     }
 
+    /// The attention node that recomputes its probabilities in the backward gives the
+    /// bits of the one that keeps them (dropout on, a masked key inside one sequence,
+    /// trailing padding in another), and masked keys get no gradient.
     #[test]
-    fn dropout_of_a_block_has_the_masks_of_its_place_in_the_whole() {
-        let x = tensor(&[7, 13], 5);
-        let whole = x
-            .apply_op1_no_bwd(&Dropout { seed: 3, p: 0.3 })
-            .expect("whole");
-        // Odd and even starts (one generator output covers two elements).
-        for (first, len) in [(0, 3), (1, 2), (3, 4), (6, 1)] {
-            let block = x
-                .narrow(0, first, len)
-                .and_then(|b| {
-                    b.apply_op1_no_bwd(&DropoutFrom {
-                        seed: 3,
-                        p: 0.3,
-                        start: (first * 13) as u64,
-                    })
-                })
-                .expect("block");
-            assert_eq!(
-                bits(&block),
-                bits(&whole.narrow(0, first, len).expect("rows"))
-            );
-        }
-    }
-
-    /// The recomputing attention backward gives the bits of the one that keeps the
-    /// probabilities, whatever the block of sequences it works in (dropout on, a padded key
-    /// in one sequence).
-    #[test]
-    fn attention_recomputed_block_by_block_gives_the_kept_gradients_bit_for_bit() {
-        let (n, heads, s, d) = (5, 2, 6, 4);
-        let (q, k, v) = (
-            tensor(&[n, heads, s, d], 1),
-            tensor(&[n, heads, s, d], 2),
-            tensor(&[n, heads, s, d], 3),
-        );
-        let dctx = tensor(&[n, heads, s, d], 4);
+    fn attention_recomputed_gives_the_kept_gradients_bit_for_bit() {
+        let (n, heads, s, d) = (3, 2, 6, 4);
         let mut bias = vec![0f32; n * s];
-        bias[2 * s + 5] = -10000.0;
-        let spec = AttentionSpec {
-            bias: Tensor::from_vec(bias, (n, 1, 1, s), &candle_core::Device::Cpu).expect("bias"),
-            scale: 0.5,
-            dropout: Some((9, 0.25)),
-            recompute: false,
+        bias[2] = -10000.0; // inside sequence 0
+        for v in &mut bias[s + 4..2 * s] {
+            *v = -10000.0; // sequence 1: two padding keys
+        }
+        let grads = |recompute: bool| {
+            let spec = AttentionSpec {
+                bias: Tensor::from_vec(bias.clone(), (n, 1, 1, s), &candle_core::Device::Cpu)
+                    .expect("bias"),
+                scale: 0.5,
+                dropout: Some((9, 0.25)),
+                recompute,
+            };
+            let vars: Vec<candle_core::Var> = (1..=3)
+                .map(|seed| candle_core::Var::from_tensor(&tensor(&[n, heads, s, d], seed)))
+                .collect::<candle_core::Result<_>>()
+                .expect("vars");
+            let out = attention(&vars[0], &vars[1], &vars[2], &spec).expect("attention");
+            let store = (out * tensor(&[n, heads, s, d], 4))
+                .and_then(|t| t.sum_all())
+                .and_then(|t| t.backward())
+                .expect("backward");
+            vars.iter()
+                .map(|v| store.get(v).expect("a gradient").clone())
+                .collect::<Vec<_>>()
         };
-        let kept = attention_probs(&q, &k, &spec, 0).expect("probs");
-        let want = attention_grads(&q, &k, &v, &spec, Some(&kept), &dctx, n).expect("kept");
-        for block in [1, 2, 3, 5] {
-            let got = attention_grads(&q, &k, &v, &spec, None, &dctx, block).expect("recomputed");
-            for (g, w) in got.iter().zip(&want) {
-                assert_eq!(bits(g), bits(w), "blocks of {block} sequences");
+        let (kept, recomputed) = (grads(false), grads(true));
+        for (a, b) in kept.iter().zip(&recomputed) {
+            assert_eq!(bits(a), bits(b));
+        }
+        // Keys 4 and 5 of sequence 1 and key 2 of sequence 0: zero key and value gradients.
+        for g in &kept[1..] {
+            let v: Vec<f32> = g.flatten_all().and_then(|t| t.to_vec1()).expect("values");
+            for h in 0..heads {
+                for (b, key) in [(1, 4), (1, 5), (0, 2)] {
+                    let at = ((b * heads + h) * s + key) * d;
+                    assert!(v[at..at + d].iter().all(|&x| x == 0.0), "key {key} of {b}");
+                }
             }
         }
     }

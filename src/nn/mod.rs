@@ -15,7 +15,9 @@
 //! LayerNorm and the attention softmax widen half-precision inputs to f32 for their
 //! statistics and narrow the result back.
 
+pub mod attention;
 mod batch_norm;
+pub mod encoder_layer;
 pub mod fused;
 
 pub use batch_norm::BatchNorm;
@@ -90,6 +92,21 @@ impl LayerNorm {
     /// The dtype of the parameters.
     pub fn dtype(&self) -> candle_core::DType {
         self.weight.dtype()
+    }
+
+    /// The scale (`weight`).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The shift (`bias`).
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
+    }
+
+    /// The epsilon added to the variance.
+    pub fn eps(&self) -> f64 {
+        self.eps
     }
 
     /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension.
@@ -190,6 +207,32 @@ pub fn embeddings_recomputed(
         norm.eps,
         dropout,
     )?))
+}
+
+/// A whole post-norm encoder layer (BERT's) as one node with its backward written out
+/// ([`encoder_layer::encoder_layer`]) where the fused kernels run; `None` elsewhere (the
+/// caller then runs the layer op by op).
+pub fn encoder_layer(
+    x: &Tensor,
+    weights: &encoder_layer::LayerWeights,
+    spec: &encoder_layer::LayerSpec,
+) -> Result<Option<Tensor>> {
+    let mut all = vec![x, &spec.attention.bias];
+    all.extend(weights.qkv);
+    all.extend(weights.qkv_bias);
+    for (a, b) in [
+        weights.attention_output,
+        weights.attention_norm,
+        weights.intermediate,
+        weights.output,
+        weights.output_norm,
+    ] {
+        all.extend([a, b]);
+    }
+    if !fused_ok(&all) || x.rank() != 3 {
+        return Ok(None);
+    }
+    Ok(Some(encoder_layer::encoder_layer(x, weights, spec)?))
 }
 
 /// A transformer's feed-forward block without the residual, `down(act(up(x)))`. With
@@ -329,6 +372,16 @@ impl Linear {
             weight: vb.get_with_hints((output, input), "weight", init)?,
             bias: Some(vb.get_with_hints(output, "bias", candle_nn::init::ZERO)?),
         })
+    }
+
+    /// The weight `[out, in]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The bias `[out]`, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
     }
 
     /// `x W^T + b` over the last dimension of `x`.

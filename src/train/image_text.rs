@@ -585,6 +585,7 @@ impl ImageTextTrainer {
 
     /// One optimizer update on the batch of the current step.
     pub fn train_step(&mut self) -> Result<StepReport> {
+        let _flush = crate::denormal::flush();
         let start = std::time::Instant::now();
         let heap_at_start = memory::current_bytes();
         let scenes: Vec<&Scene> = self
@@ -650,6 +651,7 @@ impl ImageTextTrainer {
     /// Image-to-text retrieval on the held-out scenes: every image against every distinct
     /// held-out caption, evaluation mode (BatchNorm's running statistics, no dropout).
     pub fn evaluate(&self) -> Result<RetrievalMetrics> {
+        let _flush = crate::denormal::flush();
         let captions = distinct(&self.data.eval);
         let targets: Vec<usize> = self
             .data

@@ -442,6 +442,7 @@ impl Trainer {
     /// Retrieval metrics on the held-out pairs: every held-out query against every held-out
     /// positive (dropout off).
     pub fn evaluate(&self) -> Result<RetrievalMetrics> {
+        let _flush = crate::denormal::flush();
         let queries: Vec<&str> = self.eval.iter().map(|p| p.query.as_str()).collect();
         let passages: Vec<&str> = self.eval.iter().map(|p| p.positive.as_str()).collect();
         let q = embed(
@@ -465,6 +466,7 @@ impl Trainer {
     /// One optimizer step on the next (global) batch; in a distributed run this rank
     /// encodes its share and every rank applies the same reduced gradients.
     pub fn train_step(&mut self) -> Result<StepReport> {
+        let _flush = crate::denormal::flush();
         let batch = self.loader.next_batch()?;
         let start = Instant::now();
         let heap_at_start = memory::current_bytes();

@@ -1,0 +1,588 @@
+//! Scaled dot-product attention for small heads on the CPU: one task per (sequence, head).
+//!
+//! BERT-family encoders have heads of 32 to 64 dimensions over a few hundred tokens at
+//! most. Run as batched tensor products, such attention is a string of passes over
+//! `[n, heads, s, s]` tensors (the scores, the probabilities, their dropout, the split of
+//! the heads and their merge, each a copy), each a tiny matrix product or a thread-pool
+//! dispatch. Here each task takes one head of one sequence through everything while its
+//! `s x L` block stays in cache:
+//!
+//! - `S = Q K^T`, `L` the sequence's key length: keys after its last real token (the
+//!   padding) are never computed, and a masked key inside gets probability exactly 0 (a
+//!   key is masked when its additive bias is `-10000` or below, BERT's convention);
+//! - the softmax row by row, with reductions over eight lanes (vectorised, in a fixed
+//!   order) and probabilities below `f32::MIN_POSITIVE` flushed to 0, so no subnormal
+//!   float leaves it ([`crate::denormal`]);
+//! - dropout on the probabilities, its mask regenerated from its seed at each element's
+//!   place in the batch's `[n, heads, s, s]` probabilities ([`crate::rng::keep`]), so it
+//!   agrees bit for bit with the composed mask;
+//! - `context = P V`, written straight into the merged-heads layout.
+//!
+//! The inputs and outputs are read and written where they lie (a [`HeadLayout`] says
+//! where): the packed `[n s, 3h]` output of the query-key-value projection, or separate
+//! `[n, heads, s, d]` tensors. The products are the gemm crate's, single-threaded inside a
+//! task (the tasks are the parallelism).
+//!
+//! The backward of one task: `dV = P_d^T dC`, `dP_d = dC V^T`, the dropout mask,
+//! `dS = scale P (dP - rowsum(dP P))`, `dQ = dS K`, `dK = dS^T Q`, all into the
+//! gradient's own layout. It takes the probabilities kept by the forward (compact:
+//! `heads * s * L` per sequence) or recomputes them from `Q` and `K` with the same
+//! arithmetic, bit for bit (selective recompute keeps nothing of size `s x s`).
+
+use candle_core::Tensor;
+
+use super::fused::{with_wide_vectors, Float, SharedMut};
+
+/// A key whose additive bias is at or below this is masked (BERT's padding bias is
+/// `-10000`; PyTorch's `finfo.min` and `-inf` count too).
+pub const MASKED_BIAS: f64 = -1e4;
+
+/// Where the heads of a batch lie in a flat buffer: element `c` of row `i` of head `h` of
+/// sequence `b` is at `offset + b * seq + h * head + i * row + c`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadLayout {
+    /// Offset of the first element.
+    pub offset: usize,
+    /// Stride between sequences.
+    pub seq: usize,
+    /// Stride between heads.
+    pub head: usize,
+    /// Stride between rows (tokens).
+    pub row: usize,
+}
+
+impl HeadLayout {
+    /// A contiguous `[n, heads, s, d]` tensor.
+    pub fn heads_first(heads: usize, s: usize, d: usize) -> Self {
+        Self {
+            offset: 0,
+            seq: heads * s * d,
+            head: s * d,
+            row: d,
+        }
+    }
+
+    /// Heads side by side in rows of `width` (`[n, s, width]`, head `h` at columns
+    /// `offset + h d ..`): the merged-heads `[n, s, h]` layout (`width = h`, `offset = 0`),
+    /// or the query, key or value part of a packed `[n, s, 3h]` projection.
+    pub fn in_rows(s: usize, width: usize, d: usize, offset: usize) -> Self {
+        Self {
+            offset,
+            seq: s * width,
+            head: d,
+            row: width,
+        }
+    }
+
+    fn at(&self, b: usize, h: usize) -> usize {
+        self.offset + b * self.seq + h * self.head
+    }
+}
+
+/// The shape of an attention: `n` sequences of `s` tokens, `heads` heads of `d` dimensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    /// Sequences.
+    pub n: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Tokens per sequence (queries and keys).
+    pub s: usize,
+    /// Dimensions per head.
+    pub d: usize,
+}
+
+/// The key mask of a batch: the additive bias `[n, s]`, and for every sequence the
+/// number of keys up to its last unmasked one (`s` and no masking for a sequence whose
+/// every key is masked, which then attends as if none were).
+#[derive(Debug, Clone)]
+pub struct KeyMask<T> {
+    bias: Vec<T>,
+    lengths: Vec<usize>,
+    masking: Vec<bool>,
+}
+
+impl<T: Float> KeyMask<T> {
+    /// The mask of `bias` (`n * s` values).
+    pub fn new(bias: &[T], n: usize, s: usize) -> Self {
+        let masked = T::of(MASKED_BIAS);
+        let mut lengths = Vec::with_capacity(n);
+        let mut masking = Vec::with_capacity(n);
+        for b in 0..n {
+            let row = &bias[b * s..(b + 1) * s];
+            match row.iter().rposition(|&v| v > masked) {
+                Some(last) => {
+                    lengths.push(last + 1);
+                    masking.push(true);
+                }
+                None => {
+                    lengths.push(s);
+                    masking.push(false);
+                }
+            }
+        }
+        Self {
+            bias: bias.to_vec(),
+            lengths,
+            masking,
+        }
+    }
+
+    /// Keys computed for sequence `b`.
+    pub fn len(&self, b: usize) -> usize {
+        self.lengths[b]
+    }
+
+    /// Whether sequence `b` has masked keys to skip (it has at least one that is not).
+    pub fn masking(&self, b: usize) -> bool {
+        self.masking[b]
+    }
+
+    /// Probabilities kept per sequence and head summed over the batch: `s * sum(L_b)`.
+    fn kept_len(&self, dims: Dims) -> usize {
+        dims.heads * dims.s * self.lengths.iter().sum::<usize>()
+    }
+
+    /// Offset of sequence `b`'s kept probabilities.
+    fn kept_offsets(&self, dims: Dims) -> Vec<usize> {
+        let mut at = 0;
+        self.lengths
+            .iter()
+            .map(|&l| {
+                let o = at;
+                at += dims.heads * dims.s * l;
+                o
+            })
+            .collect()
+    }
+}
+
+/// Sum over eight lanes, combined in a fixed order (vectorised; deterministic).
+#[inline(always)]
+pub(crate) fn lane_sum<T: Float>(xs: &[T]) -> T {
+    let mut acc = [T::zero(); 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for k in 0..8 {
+            acc[k] += c[k];
+        }
+    }
+    for (k, &v) in chunks.remainder().iter().enumerate() {
+        acc[k] += v;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+/// `sum(a * b)` over eight lanes (see [`lane_sum`]).
+#[inline(always)]
+pub(crate) fn lane_dot<T: Float>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::zero(); 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    for (k, (&x, &y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
+        acc[k] += x * y;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+/// The largest of `xs` over eight lanes (`-inf` for none).
+#[inline(always)]
+fn lane_max<T: Float>(xs: &[T]) -> T {
+    let mut acc = [T::neg_infinity(); 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for k in 0..8 {
+            // A select the compiler vectorises (`max` keeps NaN semantics it cannot).
+            acc[k] = if c[k] > acc[k] { c[k] } else { acc[k] };
+        }
+    }
+    for (k, &v) in chunks.remainder().iter().enumerate() {
+        acc[k] = if v > acc[k] { v } else { acc[k] };
+    }
+    let m = |a: T, b: T| if b > a { b } else { a };
+    m(
+        m(m(acc[0], acc[4]), m(acc[1], acc[5])),
+        m(m(acc[2], acc[6]), m(acc[3], acc[7])),
+    )
+}
+
+/// `softmax(scale * row + bias)` in place over one row of `L` keys; masked keys (with
+/// `masking`) get exactly 0, and so does any probability below the normal range.
+#[inline(always)]
+pub fn softmax_row<T: Float>(row: &mut [T], bias: &[T], scale: T, masking: bool) {
+    let masked = T::of(MASKED_BIAS);
+    let bias = &bias[..row.len()];
+    if masking {
+        for (v, &b) in row.iter_mut().zip(bias) {
+            *v = if b <= masked {
+                T::neg_infinity()
+            } else {
+                *v * scale + b
+            };
+        }
+    } else {
+        for (v, &b) in row.iter_mut().zip(bias) {
+            *v = *v * scale + b;
+        }
+    }
+    let max = lane_max(row);
+    for v in row.iter_mut() {
+        *v = super::fused::exp(*v - max);
+    }
+    let inv = T::one() / lane_sum(row);
+    let tiny = T::of(f64::from(f32::MIN_POSITIVE));
+    for v in row.iter_mut() {
+        let p = *v * inv;
+        *v = if p < tiny { T::zero() } else { p };
+    }
+}
+
+/// `dst [m, n] = lhs [m, k] * rhs [k, n]`, strided, single-threaded (the gemm crate).
+///
+/// # Safety
+/// Every pointer must address the elements its strides reach; `dst`'s must not overlap
+/// the inputs' or another thread's.
+#[allow(clippy::too_many_arguments)]
+unsafe fn matmul<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut T,
+    dst_rs: usize,
+    lhs: *const T,
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: *const T,
+    (rhs_rs, rhs_cs): (usize, usize),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        false,
+        lhs,
+        lhs_cs as isize,
+        lhs_rs as isize,
+        rhs,
+        rhs_cs as isize,
+        rhs_rs as isize,
+        T::zero(),
+        T::one(),
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
+}
+
+/// What the attention computes besides its inputs.
+#[derive(Debug, Clone, Copy)]
+pub struct Params {
+    /// Multiplies the scores before the bias is added.
+    pub scale: f64,
+    /// Dropout on the probabilities: `(mask seed, drop probability)`.
+    pub dropout: Option<(u64, f32)>,
+}
+
+impl Params {
+    fn dropout(&self) -> Option<(u64, f32)> {
+        self.dropout.filter(|&(_, p)| p > 0.0)
+    }
+}
+
+/// Runs `f(task, scratch)` for tasks `0..count` on candle's CPU thread pool, each worker
+/// with a scratch buffer of `scratch` elements of its own.
+fn for_tasks<T: Float>(count: usize, scratch: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    super::fused::parallel_ranges(count, |range| {
+        let mut buf = vec![T::zero(); scratch];
+        for task in range {
+            with_wide_vectors(|| f(task, &mut buf));
+        }
+    });
+}
+
+/// The probabilities of head `h` of sequence `b` into `p` (`s x L`, row-major): scores,
+/// softmax; no dropout.
+///
+/// # Safety
+/// `q` and `k` address their layouts for `dims`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn probabilities<T: Float>(
+    dims: Dims,
+    params: &Params,
+    mask: &KeyMask<T>,
+    (b, h): (usize, usize),
+    q: (*const T, HeadLayout),
+    k: (*const T, HeadLayout),
+    p: &mut [T],
+) {
+    let (s, d, l) = (dims.s, dims.d, mask.len(b));
+    matmul(
+        (s, l, d),
+        p.as_mut_ptr(),
+        l,
+        q.0.add(q.1.at(b, h)),
+        (q.1.row, 1),
+        k.0.add(k.1.at(b, h)),
+        (1, k.1.row),
+    );
+    let bias = &mask.bias[b * s..(b + 1) * s];
+    let scale = T::of(params.scale);
+    for row in p.chunks_exact_mut(l) {
+        softmax_row(row, bias, scale, mask.masking[b]);
+    }
+}
+
+/// Applies the dropout mask of head `h` of sequence `b` to its `s x L` block `x` (rows of
+/// the batch's `[n, heads, s, s]` probabilities), in place.
+fn dropout_block<T: Float>(
+    dims: Dims,
+    (seed, p): (u64, f32),
+    (b, h): (usize, usize),
+    l: usize,
+    x: &mut [T],
+) {
+    let keep_scale = T::of(1.0 / (1.0 - f64::from(p)));
+    let s = dims.s;
+    let first = ((b * dims.heads + h) * s) as u64;
+    for (i, row) in x.chunks_exact_mut(l).enumerate() {
+        let start = (first + i as u64) * s as u64;
+        crate::rng::keep_run(seed, start, l, p, |j, kept| {
+            // A product with the mask value, as the composed form computes it.
+            row[j] *= if kept { keep_scale } else { T::zero() };
+        });
+    }
+}
+
+/// The forward pass: `context = dropout(softmax(scale q k^T + bias)) v` into `out`, and,
+/// with `keep`, the probabilities before dropout for the backward (compact; see
+/// [`KeyMask`]).
+///
+/// # Safety
+/// Every pointer addresses its layout for `dims`; `out` is written at every element of its
+/// layout and overlaps nothing else.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn forward<T: Float>(
+    dims: Dims,
+    params: &Params,
+    mask: &KeyMask<T>,
+    q: (*const T, HeadLayout),
+    k: (*const T, HeadLayout),
+    v: (*const T, HeadLayout),
+    out: (*mut T, HeadLayout),
+    keep: bool,
+) -> Option<Vec<T>> {
+    let (s, d) = (dims.s, dims.d);
+    let mut kept = keep.then(|| vec![T::zero(); mask.kept_len(dims)]);
+    let offsets = mask.kept_offsets(dims);
+    let kept_ptr = kept.as_mut().map(|k| SharedMut(k.as_mut_ptr()));
+    let (q, k, v) = (
+        (SharedConst(q.0), q.1),
+        (SharedConst(k.0), k.1),
+        (SharedConst(v.0), v.1),
+    );
+    let out = (SharedMut(out.0), out.1);
+    let dropout = params.dropout();
+    // Probabilities (unless kept) and the dropped ones.
+    let scratch = 2 * s * s;
+    for_tasks::<T>(dims.n * dims.heads, scratch, |task, buf| {
+        let (b, h) = (task / dims.heads, task % dims.heads);
+        let l = mask.len(b);
+        let (own, rest) = buf.split_at_mut(s * s);
+        let p: &mut [T] = match kept_ptr {
+            // SAFETY: task (b, h) owns its block of the kept probabilities.
+            Some(ptr) => {
+                std::slice::from_raw_parts_mut(ptr.get().add(offsets[b] + h * s * l), s * l)
+            }
+            None => &mut own[..s * l],
+        };
+        probabilities(
+            dims,
+            params,
+            mask,
+            (b, h),
+            (q.0.get(), q.1),
+            (k.0.get(), k.1),
+            p,
+        );
+        let pd: &[T] = match dropout {
+            Some(drop) => {
+                let pd = &mut rest[..s * l];
+                pd.copy_from_slice(p);
+                dropout_block(dims, drop, (b, h), l, pd);
+                pd
+            }
+            None => p,
+        };
+        matmul(
+            (s, d, l),
+            out.0.get().add(out.1.at(b, h)),
+            out.1.row,
+            pd.as_ptr(),
+            (l, 1),
+            v.0.get().add(v.1.at(b, h)),
+            (v.1.row, 1),
+        );
+    });
+    kept
+}
+
+/// The backward pass from `dctx` into `dq`, `dk`, `dv`: with `kept` the forward's
+/// probabilities, else recomputed. Rows of `dk` and `dv` past a sequence's key length
+/// are not written (their gradient is 0: the caller's buffers start at zero).
+///
+/// # Safety
+/// Every pointer addresses its layout for `dims`; the three gradients overlap nothing
+/// else and one another only in disjoint columns.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn backward<T: Float>(
+    dims: Dims,
+    params: &Params,
+    mask: &KeyMask<T>,
+    q: (*const T, HeadLayout),
+    k: (*const T, HeadLayout),
+    v: (*const T, HeadLayout),
+    kept: Option<&[T]>,
+    dctx: (*const T, HeadLayout),
+    dq: (*mut T, HeadLayout),
+    dk: (*mut T, HeadLayout),
+    dv: (*mut T, HeadLayout),
+) {
+    let (s, d) = (dims.s, dims.d);
+    let offsets = mask.kept_offsets(dims);
+    let kept = kept.map(|k| SharedConst(k.as_ptr()));
+    let (q, k, v, dctx) = (
+        (SharedConst(q.0), q.1),
+        (SharedConst(k.0), k.1),
+        (SharedConst(v.0), v.1),
+        (SharedConst(dctx.0), dctx.1),
+    );
+    let (dq, dk, dv) = (
+        (SharedMut(dq.0), dq.1),
+        (SharedMut(dk.0), dk.1),
+        (SharedMut(dv.0), dv.1),
+    );
+    let dropout = params.dropout();
+    let scale = T::of(params.scale);
+    for_tasks::<T>(dims.n * dims.heads, 3 * s * s, |task, buf| {
+        let (b, h) = (task / dims.heads, task % dims.heads);
+        let l = mask.len(b);
+        let (own, rest) = buf.split_at_mut(s * s);
+        let (pd_buf, dp_buf) = rest.split_at_mut(s * s);
+        let p: &[T] = match kept {
+            // SAFETY: the forward wrote this block.
+            Some(ptr) => std::slice::from_raw_parts(ptr.get().add(offsets[b] + h * s * l), s * l),
+            None => {
+                let p = &mut own[..s * l];
+                probabilities(
+                    dims,
+                    params,
+                    mask,
+                    (b, h),
+                    (q.0.get(), q.1),
+                    (k.0.get(), k.1),
+                    p,
+                );
+                p
+            }
+        };
+        let pd: &[T] = match dropout {
+            Some(drop) => {
+                let pd = &mut pd_buf[..s * l];
+                pd.copy_from_slice(p);
+                dropout_block(dims, drop, (b, h), l, pd);
+                pd
+            }
+            None => p,
+        };
+        let dc = dctx.0.get().add(dctx.1.at(b, h));
+        // dV [L, d] = P_d^T [L, s] dC [s, d]
+        matmul(
+            (l, d, s),
+            dv.0.get().add(dv.1.at(b, h)),
+            dv.1.row,
+            pd.as_ptr(),
+            (1, l),
+            dc,
+            (dctx.1.row, 1),
+        );
+        // dP_d [s, L] = dC [s, d] V^T [d, L]
+        let dp = &mut dp_buf[..s * l];
+        matmul(
+            (s, l, d),
+            dp.as_mut_ptr(),
+            l,
+            dc,
+            (dctx.1.row, 1),
+            v.0.get().add(v.1.at(b, h)),
+            (1, v.1.row),
+        );
+        if let Some(drop) = dropout {
+            dropout_block(dims, drop, (b, h), l, dp);
+        }
+        // dS = scale P (dP - rowsum(dP P)), in place of dP.
+        for (dr, pr) in dp.chunks_exact_mut(l).zip(p.chunks_exact(l)) {
+            let dot = lane_dot(dr, pr);
+            for (g, &pv) in dr.iter_mut().zip(pr) {
+                *g = scale * pv * (*g - dot);
+            }
+        }
+        // dQ [s, d] = dS [s, L] K [L, d]
+        matmul(
+            (s, d, l),
+            dq.0.get().add(dq.1.at(b, h)),
+            dq.1.row,
+            dp.as_ptr(),
+            (l, 1),
+            k.0.get().add(k.1.at(b, h)),
+            (k.1.row, 1),
+        );
+        // dK [L, d] = dS^T [L, s] Q [s, d]
+        matmul(
+            (l, d, s),
+            dk.0.get().add(dk.1.at(b, h)),
+            dk.1.row,
+            dp.as_ptr(),
+            (1, l),
+            q.0.get().add(q.1.at(b, h)),
+            (q.1.row, 1),
+        );
+    });
+}
+
+/// A read-only pointer that may cross threads.
+#[derive(Clone, Copy)]
+struct SharedConst<T>(*const T);
+
+impl<T> SharedConst<T> {
+    fn get(self) -> *const T {
+        self.0
+    }
+}
+
+// SAFETY: only read, by tasks that run while the buffer is borrowed by the caller.
+unsafe impl<T: Sync> Send for SharedConst<T> {}
+unsafe impl<T: Sync> Sync for SharedConst<T> {}
+
+/// The values of a contiguous CPU tensor of `T`, read in place, handed to `f`.
+pub(crate) fn with_values<T: Float, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("attention: a non-contiguous input".into()))?;
+    match &*storage {
+        candle_core::Storage::Cpu(s) => f(&s.as_slice::<T>()?[start..end]),
+        _ => candle_core::bail!("attention: a tensor off the CPU"),
+    }
+}
