@@ -29,6 +29,7 @@ use crate::encoder::Encoder;
 use crate::loss::{group_size, scalar, InfoNce, Loss};
 use crate::memory::PhaseMeter;
 use crate::params::{GradAccumulator, Gradients, Params};
+use crate::sink::Sink;
 use crate::{Error, Result, Side};
 
 /// A deferred replay: cotangent in, parameter gradients out.
@@ -38,6 +39,7 @@ type ReplayFn<'a> = Box<dyn FnOnce(&Tensor) -> Result<Gradients> + 'a>;
 pub struct Cached<'a> {
     side: Side,
     rep: Tensor,
+    params: Params,
     replay: ReplayFn<'a>,
 }
 
@@ -72,6 +74,7 @@ where
     Ok(Cached {
         side,
         rep,
+        params: encoder.params().clone(),
         replay: Box::new(move |cotangent| encoder.replay(&input, cotangent, &ctx)),
     })
 }
@@ -296,14 +299,21 @@ impl GradientCache<'_> {
     /// gradients across chunks and towers (a shared tower accumulates both sides).
     pub fn replay(self) -> Result<StepOutput> {
         let _flush = crate::denormal::flush();
+        // The parameter gradients the crate's nodes write are summed where they are
+        // written, across every chunk (see `crate::sink`); the others here.
+        let sink = Sink::open();
         let mut grads = GradAccumulator::default();
         grads.add(self.loss_params)?;
+        let mut params = Params::default();
         for (chunk, cotangent) in self.pending {
+            params = params.union(&chunk.params)?;
             grads.add(chunk.replay(&cotangent)?)?;
         }
+        let mut grads = grads.finish();
+        grads.merge(sink.take(&params)?)?;
         Ok(StepOutput {
             loss: self.loss,
-            grads: grads.finish(),
+            grads,
             times: StepTimes::default(),
             peaks: StepPeaks::default(),
         })

@@ -69,6 +69,7 @@ pub mod recompute;
 pub mod replay;
 pub mod rng;
 pub mod selfcheck;
+mod sink;
 pub mod train;
 
 pub use batch::{Batch, TokenBatch};

@@ -392,6 +392,29 @@ pub struct Gradients {
 }
 
 impl Gradients {
+    /// Sets the gradient of `name`.
+    pub(crate) fn insert(&mut self, name: String, grad: Tensor) {
+        self.map.insert(name, grad);
+    }
+
+    /// Adds `other` in: gradients of a parameter in both are summed (in place where the
+    /// fused kernels run), the others moved over.
+    pub(crate) fn merge(&mut self, other: Gradients) -> Result<()> {
+        for (name, g) in other.map {
+            match self.map.get_mut(&name) {
+                Some(acc) => {
+                    let mut sum = acc.force_contiguous()?;
+                    crate::nn::accumulate(&mut sum, &g)?;
+                    *acc = sum;
+                }
+                None => {
+                    self.map.insert(name, g);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The gradient of `name`, if it received one.
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.map.get(name)

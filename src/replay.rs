@@ -8,6 +8,10 @@
 //! `x`) is exactly `J^T g`. The candle `GradStore` is dropped before returning, so nothing
 //! of the re-run graph outlives the call.
 //!
+//! The crate's hand-written nodes add their parameter gradients into a sink
+//! ([`crate::sink`]) rather than handing them to candle; a replay opens one for its
+//! backward pass unless one is open already (the gradient cache's, for a whole step).
+//!
 //! The gradient cache calls [`replay`] once per batch chunk (cotangent = cached dL/d rep);
 //! checkpointing calls [`replay_with_input`] once per encoder segment (cotangent = gradient
 //! arriving from the segment above, and the input gradient goes to the segment below).
@@ -15,6 +19,7 @@
 use candle_core::{Tensor, Var};
 
 use crate::params::{Gradients, Params};
+use crate::sink::Sink;
 use crate::{Error, Result};
 
 /// What a replay with an input returns.
@@ -32,10 +37,21 @@ pub fn replay<F>(params: &Params, cotangent: &Tensor, f: F) -> Result<Gradients>
 where
     F: FnOnce() -> Result<Tensor>,
 {
+    let sink = Sink::open_if_none();
     let output = f()?;
     let store = surrogate(&output, cotangent)?.backward()?;
-    Ok(params.grads_from(&store))
+    let grads = params.grads_from(&store);
+    drop((store, output));
     // `store` (and with it every activation of the re-run graph) is dropped here.
+    with_sink(grads, sink.as_ref(), params)
+}
+
+/// `grads` and, when the replay opened its own sink, what the nodes wrote into it.
+fn with_sink(mut grads: Gradients, sink: Option<&Sink>, params: &Params) -> Result<Gradients> {
+    if let Some(sink) = sink {
+        grads.merge(sink.take(params)?)?;
+    }
+    Ok(grads)
 }
 
 /// Like [`replay`], and also returns the gradient with respect to the input `x`.
@@ -51,6 +67,7 @@ pub fn replay_with_input<F>(
 where
     F: FnOnce(&Tensor) -> Result<Tensor>,
 {
+    let sink = Sink::open_if_none();
     let x = Var::from_tensor(&x.detach())?;
     let output = f(x.as_tensor())?;
     let store = surrogate(&output, cotangent)?.backward()?;
@@ -59,8 +76,10 @@ where
         // The output does not depend on x: its gradient is zero.
         None => x.as_tensor().zeros_like()?.detach(),
     };
+    let grads = params.grads_from(&store);
+    drop((store, output));
     Ok(Replayed {
-        params: params.grads_from(&store),
+        params: with_sink(grads, sink.as_ref(), params)?,
         input,
     })
 }

@@ -60,9 +60,11 @@ fn steps_fit_the_budget_and_the_prediction_is_within_15_percent() {
     assert_eq!(roomy.config().model.recompute, gradcache::Recompute::Off);
     let base = memory::current_bytes() as u64;
     drop(roomy);
-    // Three budgets between what the weights need and the whole batch.
+    // Three budgets between what the weights need and the whole batch. The optimizer
+    // step (gradients and AdamW's moments) sets a floor at about 40% of the way from the
+    // weights to the whole batch in one chunk, so the smallest sits above it.
     let mut chunks = vec![];
-    for (i, fraction) in [1.0, 0.6, 0.35].into_iter().enumerate() {
+    for (i, fraction) in [1.0, 0.7, 0.5].into_iter().enumerate() {
         let budget = base + ((full - base) as f64 * fraction) as u64;
         let cfg = config(&dir.path().join(format!("run{i}")), &format!("{budget}B"));
         let mut trainer = Trainer::new(cfg, None).unwrap();

@@ -549,8 +549,8 @@ impl LayerStack for Bert {
             });
         }
         let dropout = self.hidden_dropout.mask(ctx, 0, site::EMBEDDINGS);
-        if ctx.recompute.recomputes(SITE_EMBEDDINGS) && self.options.precision == Precision::F32 {
-            let recomputed = crate::nn::embeddings_recomputed(
+        if self.options.precision == Precision::F32 {
+            let fused = crate::nn::embeddings(
                 [&input.input_ids, &input.token_type_ids],
                 [
                     e.words.embeddings(),
@@ -559,8 +559,9 @@ impl LayerStack for Bert {
                 ],
                 &e.norm,
                 dropout,
+                ctx.recompute.recomputes(SITE_EMBEDDINGS),
             )?;
-            if let Some(x) = recomputed {
+            if let Some(x) = fused {
                 return Ok(x);
             }
         }

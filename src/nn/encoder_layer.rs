@@ -37,10 +37,10 @@
 
 use candle_core::{DType, Tensor};
 
-use super::attention::{self as kernel, lane_dot, lane_sum, with_values, HeadLayout, KeyMask};
+use super::attention::{self as kernel, lane_dot, lane_sum, HeadLayout, KeyMask};
 use super::fused::{
-    for_blocks, for_blocks_with_partials, node_n_owned, sum_partials, Act, AttentionSpec, Float,
-    SharedMut, BLOCK_ROWS,
+    for_blocks, for_blocks_with_partials, node_n_owned, parallel_ranges, sum_partials, Act,
+    AttentionSpec, Float, SharedMut, BLOCK_ROWS,
 };
 
 /// The weights of one encoder layer, Hugging Face's BERT layer in order.
@@ -178,58 +178,90 @@ impl Shape {
     }
 }
 
-/// The weights as plain values (detached views; the query, key and value stacked).
-struct Values<T> {
-    wqkv: Vec<T>,
-    bqkv: Vec<T>,
-    wo: Tensor,
-    bo: Tensor,
-    g1: Tensor,
-    b1: Tensor,
-    wi: Tensor,
-    bi: Tensor,
-    wd: Tensor,
-    bd: Tensor,
-    g2: Tensor,
-    b2: Tensor,
+/// A contiguous CPU tensor's values, read in place for as long as the view (its storage's
+/// read lock) lives.
+pub(crate) struct View<G> {
+    guard: G,
+    range: (usize, usize),
 }
 
-fn contiguous_detached(t: &Tensor) -> candle_core::Result<Tensor> {
-    t.detach().contiguous()
-}
-
-impl<T: Float> Values<T> {
-    fn new(w: &LayerWeights) -> candle_core::Result<Self> {
-        let mut wqkv = Vec::new();
-        for t in w.qkv {
-            with_values::<T, _>(&contiguous_detached(t)?, |v| {
-                wqkv.extend_from_slice(v);
-                Ok(())
-            })?;
-        }
-        let mut bqkv = Vec::new();
-        for t in w.qkv_bias {
-            with_values::<T, _>(&contiguous_detached(t)?, |v| {
-                bqkv.extend_from_slice(v);
-                Ok(())
-            })?;
-        }
-        let c = contiguous_detached;
-        Ok(Self {
-            wqkv,
-            bqkv,
-            wo: c(w.attention_output.0)?,
-            bo: c(w.attention_output.1)?,
-            g1: c(w.attention_norm.0)?,
-            b1: c(w.attention_norm.1)?,
-            wi: c(w.intermediate.0)?,
-            bi: c(w.intermediate.1)?,
-            wd: c(w.output.0)?,
-            bd: c(w.output.1)?,
-            g2: c(w.output_norm.0)?,
-            b2: c(w.output_norm.1)?,
-        })
+impl View<()> {
+    #[allow(clippy::new_ret_no_self)]
+    pub(crate) fn new(
+        t: &Tensor,
+    ) -> candle_core::Result<View<impl std::ops::Deref<Target = candle_core::Storage> + '_>> {
+        let (guard, layout) = t.storage_and_layout();
+        let range = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("encoder layer: a strided input".into()))?;
+        Ok(View { guard, range })
     }
+}
+
+impl<G: std::ops::Deref<Target = candle_core::Storage>> View<G> {
+    pub(crate) fn values<T: Float>(&self) -> candle_core::Result<&[T]> {
+        match &*self.guard {
+            candle_core::Storage::Cpu(s) => Ok(&s.as_slice::<T>()?[self.range.0..self.range.1]),
+            _ => candle_core::bail!("encoder layer: a tensor off the CPU"),
+        }
+    }
+}
+
+/// The sixteen weights, detached and contiguous (views of the variables: no copy).
+struct Weights([Tensor; 16]);
+
+impl Weights {
+    fn new(w: &LayerWeights) -> candle_core::Result<Self> {
+        let all = w.all();
+        let mut out = Vec::with_capacity(16);
+        for t in all {
+            out.push(t.detach().contiguous()?);
+        }
+        let out: [Tensor; 16] = out
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("encoder layer: sixteen weights".into()))?;
+        Ok(Self(out))
+    }
+
+    /// Runs `f` on the weights' values.
+    fn read<T: Float, R>(
+        &self,
+        f: impl FnOnce(&W<T>) -> candle_core::Result<R>,
+    ) -> candle_core::Result<R> {
+        let views = self
+            .0
+            .iter()
+            .map(View::new)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let v = |i: usize| views[i].values::<T>();
+        let w = W {
+            wqkv: [v(0)?, v(1)?, v(2)?],
+            bqkv: [v(3)?, v(4)?, v(5)?],
+            wo: v(6)?,
+            bo: v(7)?,
+            n1: (v(8)?, v(9)?),
+            wi: v(10)?,
+            bi: v(11)?,
+            wd: v(12)?,
+            bd: v(13)?,
+            n2: (v(14)?, v(15)?),
+        };
+        f(&w)
+    }
+}
+
+/// The weights' values.
+struct W<'a, T> {
+    wqkv: [&'a [T]; 3],
+    bqkv: [&'a [T]; 3],
+    wo: &'a [T],
+    bo: &'a [T],
+    n1: (&'a [T], &'a [T]),
+    wi: &'a [T],
+    bi: &'a [T],
+    wd: &'a [T],
+    bd: &'a [T],
+    n2: (&'a [T], &'a [T]),
 }
 
 /// What the forward keeps for the backward (`None`: recomputed there).
@@ -249,8 +281,8 @@ fn layer<T: Float>(
     dims: Shape,
     tracked: bool,
 ) -> candle_core::Result<Tensor> {
-    let xd = contiguous_detached(x)?;
-    let values = Values::<T>::new(w)?;
+    let xd = x.detach().contiguous()?;
+    let weights = Weights::new(w)?;
     let bias = spec.attention.bias.contiguous()?;
     if bias.elem_count() != dims.n * dims.s {
         candle_core::bail!(
@@ -260,13 +292,22 @@ fn layer<T: Float>(
             dims.s
         );
     }
-    let mask = with_values::<T, _>(&bias, |b| Ok(KeyMask::new(b, dims.n, dims.s)))?;
-    let (out, kept) =
-        with_values::<T, _>(&xd, |xv| forward(xv, &values, &mask, spec, dims, tracked))?;
+    let mask = KeyMask::new(View::new(&bias)?.values::<T>()?, dims.n, dims.s);
+    let (out, kept) = weights.read::<T, _>(|wv| {
+        forward(
+            View::new(&xd)?.values::<T>()?,
+            wv,
+            &mask,
+            spec,
+            dims,
+            tracked,
+        )
+    })?;
     let shape = (dims.n, dims.s, dims.h);
     let Some(kept) = kept else {
         return Tensor::from_vec(out, shape, x.device());
     };
+    let params: Vec<Tensor> = w.all().into_iter().cloned().collect();
     let mut inputs = vec![x];
     inputs.extend(w.all());
     let spec = spec.clone();
@@ -277,50 +318,24 @@ fn layer<T: Float>(
         shape.into(),
         Box::new(move |dy| {
             let dy = dy.contiguous()?;
-            let grads = with_values::<T, _>(&xd, |xv| {
-                with_values::<T, _>(&dy, |dyv| {
-                    backward(xv, dyv, &values, &mask, &spec, dims, &kept)
-                })
+            let grads = weights.read::<T, _>(|wv| {
+                let (xv, dyv) = (View::new(&xd)?, View::new(&dy)?);
+                backward(xv.values()?, dyv.values()?, wv, &mask, &spec, dims, &kept)
             })?;
-            let dev = candle_core::Device::Cpu;
-            let (h, i) = (dims.h, dims.inter);
-            let Grads {
-                dx,
-                dwqkv,
-                dbqkv,
-                dwo,
-                dbo,
-                dg1,
-                db1,
-                dwi,
-                dbi,
-                dwd,
-                dbd,
-                dg2,
-                db2,
-            } = grads;
-            let dwqkv = Tensor::from_vec(dwqkv, (3 * h, h), &dev)?;
-            let dbqkv = Tensor::from_vec(dbqkv, 3 * h, &dev)?;
-            let mut out = vec![Some(Tensor::from_vec(dx, shape, &dev)?)];
-            for p in 0..3 {
-                out.push(Some(dwqkv.narrow(0, p * h, h)?));
-            }
-            for p in 0..3 {
-                out.push(Some(dbqkv.narrow(0, p * h, h)?));
-            }
-            for (v, dims) in [
-                (dwo, vec![h, h]),
-                (dbo, vec![h]),
-                (dg1, vec![h]),
-                (db1, vec![h]),
-                (dwi, vec![i, h]),
-                (dbi, vec![i]),
-                (dwd, vec![h, i]),
-                (dbd, vec![h]),
-                (dg2, vec![h]),
-                (db2, vec![h]),
-            ] {
-                out.push(Some(Tensor::from_vec(v, dims, &dev)?));
+            let mut out = vec![Some(Tensor::from_vec(
+                grads.dx,
+                shape,
+                &candle_core::Device::Cpu,
+            )?)];
+            let [dwq, dwk, dwv] = grads.dwqkv;
+            let [dbq, dbk, dbv] = grads.dbqkv;
+            let all = [
+                dwq, dwk, dwv, dbq, dbk, dbv, grads.dwo, grads.dbo, grads.dg1, grads.db1,
+                grads.dwi, grads.dbi, grads.dwd, grads.dbd, grads.dg2, grads.db2,
+            ];
+            // Into the open gradient sink, or to candle when none is open.
+            for (param, g) in params.iter().zip(all) {
+                out.push(crate::sink::deposit(param, g)?);
             }
             Ok(out)
         }),
@@ -335,62 +350,129 @@ fn parallelism() -> gemm::Parallelism {
     }
 }
 
-/// `dst [m, n] (+)= lhs [m, k] rhs [k, n]`, each operand `(values, row stride, column
-/// stride)`; with `accumulate` the product is added to what `dst` holds.
-#[allow(clippy::too_many_arguments)]
+/// A matrix operand: its values, row stride and column stride.
+type Operand<'a, T> = (&'a [T], usize, usize);
+
+/// The index of the last element `rows x cols` with these strides reach.
+fn last(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    (rows - 1) * rs + (cols - 1) * cs
+}
+
+/// `dst [m, n] (+)= lhs [m, k] rhs [k, n]`, `dst` with row stride `dst_rs`; with
+/// `accumulate` the product is added to what `dst` holds.
 fn product<T: Float>(
     (m, n, k): (usize, usize, usize),
-    dst: &mut [T],
+    (dst, dst_rs): (&mut [T], usize),
     accumulate: bool,
-    (lhs, lhs_rs, lhs_cs): (&[T], usize, usize),
-    (rhs, rhs_rs, rhs_cs): (&[T], usize, usize),
+    lhs: Operand<T>,
+    rhs: Operand<T>,
 ) {
     if m == 0 || n == 0 {
         return;
     }
-    let last = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
-    assert!(dst.len() >= m * n, "product: destination too small");
+    assert!(
+        dst.len() > last(m, n, dst_rs, 1),
+        "product: destination too small"
+    );
+    // SAFETY: `dst` covers the destination (checked), borrowed mutably.
+    unsafe { product_raw((m, n, k), (dst.as_mut_ptr(), dst_rs), accumulate, lhs, rhs) }
+}
+
+/// `lhs [m, k] rhs [k, n]` into a new `[m, n]` buffer.
+fn product_new<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    lhs: Operand<T>,
+    rhs: Operand<T>,
+) -> Vec<T> {
+    if k == 0 {
+        return vec![T::zero(); m * n];
+    }
+    let mut out = Vec::with_capacity(m * n);
+    // SAFETY: the product writes every element of the `m * n` it was given room for
+    // (`accumulate` off, `k > 0`), before the length is set.
+    unsafe {
+        product_raw((m, n, k), (out.as_mut_ptr(), n), false, lhs, rhs);
+        out.set_len(m * n);
+    }
+    out
+}
+
+/// The gemm call behind [`product`] and [`product_new`].
+///
+/// # Safety
+/// `dst` addresses `m x n` elements with row stride `dst_rs`, overlapping no operand.
+unsafe fn product_raw<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (*mut T, usize),
+    accumulate: bool,
+    (lhs, lhs_rs, lhs_cs): Operand<T>,
+    (rhs, rhs_rs, rhs_cs): Operand<T>,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
     if k > 0 {
         assert!(
             lhs.len() > last(m, k, lhs_rs, lhs_cs) && rhs.len() > last(k, n, rhs_rs, rhs_cs),
             "product: operand too small"
         );
     }
-    // SAFETY: every element the strides reach is inside its slice (checked above), and
-    // `dst` is borrowed mutably, so it overlaps neither operand.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            lhs.as_ptr(),
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs.as_ptr(),
-            rhs_cs as isize,
-            rhs_rs as isize,
-            if accumulate { T::one() } else { T::zero() },
-            T::one(),
-            false,
-            false,
-            false,
-            parallelism(),
-        );
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs.as_ptr(),
+        lhs_cs as isize,
+        lhs_rs as isize,
+        rhs.as_ptr(),
+        rhs_cs as isize,
+        rhs_rs as isize,
+        if accumulate { T::one() } else { T::zero() },
+        T::one(),
+        false,
+        false,
+        false,
+        parallelism(),
+    );
+}
+
+/// Rows of `width` holding the biases side by side, `rows` times (the destination of
+/// products that add to them).
+fn bias_rows<T: Float>(biases: &[&[T]], rows: usize) -> Vec<T> {
+    let width: usize = biases.iter().map(|b| b.len()).sum();
+    let mut y = Vec::with_capacity(rows * width);
+    for _ in 0..rows {
+        for b in biases {
+            y.extend_from_slice(b);
+        }
     }
+    y
 }
 
 /// `x [rows, k] W^T + b`, `W` `[out, k]`: the bias pre-filled, the product added to it.
 fn linear<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, k: usize) -> Vec<T> {
     let out = b.len();
-    let mut y = Vec::with_capacity(rows * out);
-    for _ in 0..rows {
-        y.extend_from_slice(b);
+    let mut y = bias_rows(&[b], rows);
+    product((rows, out, k), (&mut y, out), true, (x, k, 1), (w, 1, k));
+    y
+}
+
+/// The packed `[rows, 3h]` queries, keys and values: `x W_p^T + b_p` side by side.
+fn qkv<T: Float>(x: &[T], w: &W<T>, rows: usize, h: usize) -> Vec<T> {
+    let mut y = bias_rows(&w.bqkv, rows);
+    for (p, wp) in w.wqkv.iter().enumerate() {
+        product(
+            (rows, h, h),
+            (&mut y[p * h..], 3 * h),
+            true,
+            (x, h, 1),
+            (wp, 1, h),
+        );
     }
-    product((rows, out, k), &mut y, true, (x, k, 1), (w, 1, k));
     y
 }
 
@@ -469,7 +551,7 @@ fn add_rows<T: Float>(a: &[T], r: &[T], dropout: Option<(u64, f32)>, start: usiz
 }
 
 #[inline(always)]
-fn norm_row<T: Float>(x: &[T], g: &[T], b: &[T], eps: f64, y: &mut [T]) {
+pub(crate) fn norm_row<T: Float>(x: &[T], g: &[T], b: &[T], eps: f64, y: &mut [T]) {
     let (mean, rstd) = stats(x, eps);
     for (((yv, &xv), &gv), &bv) in y.iter_mut().zip(x).zip(g).zip(b) {
         *yv = (xv - mean) * rstd * gv + bv;
@@ -498,65 +580,89 @@ fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<T> {
     for_blocks(&mut g, width, |blk, chunk| {
         let base = blk * BLOCK_ROWS * width;
         let src = &u[base..base + chunk.len()];
+        macro_rules! each {
+            ($a:expr) => {
+                for (o, &v) in chunk.iter_mut().zip(src) {
+                    *o = $a.value(v);
+                }
+            };
+        }
         match act {
-            Act::GeluErf => chunk
-                .iter_mut()
-                .zip(src)
-                .for_each(|(o, &v)| *o = Act::GeluErf.value(v)),
-            Act::GeluTanh => chunk
-                .iter_mut()
-                .zip(src)
-                .for_each(|(o, &v)| *o = Act::GeluTanh.value(v)),
-            Act::Relu => chunk
-                .iter_mut()
-                .zip(src)
-                .for_each(|(o, &v)| *o = Act::Relu.value(v)),
+            Act::GeluErf => each!(Act::GeluErf),
+            Act::GeluTanh => each!(Act::GeluTanh),
+            Act::Relu => each!(Act::Relu),
         }
     });
     g
 }
 
-/// In place, `dy` becomes `dy * act'(u)`; returns its column sums (the bias gradient).
-fn activation_backward<T: Float>(u: &[T], dy: &mut [T], act: Act, width: usize) -> Vec<T> {
+/// `act(u)` and `act'(u)` element by element, in one pass (one exponential each).
+fn activate_with_slope<T: Float>(u: &[T], act: Act, width: usize) -> (Vec<T>, Vec<T>) {
+    let mut g = vec![T::zero(); u.len()];
+    let mut slope = vec![T::zero(); u.len()];
+    let sp = SharedMut(slope.as_mut_ptr());
+    for_blocks(&mut g, width, |blk, chunk| {
+        let base = blk * BLOCK_ROWS * width;
+        let src = &u[base..base + chunk.len()];
+        // SAFETY: block `blk` owns the same elements of `slope` as of `g`.
+        let sl = unsafe { std::slice::from_raw_parts_mut(sp.get().add(base), chunk.len()) };
+        macro_rules! each {
+            ($a:expr) => {
+                for ((o, d), &v) in chunk.iter_mut().zip(sl.iter_mut()).zip(src) {
+                    let (value, derivative) = $a.value_and_derivative(v);
+                    *o = value;
+                    *d = derivative;
+                }
+            };
+        }
+        match act {
+            Act::GeluErf => each!(Act::GeluErf),
+            Act::GeluTanh => each!(Act::GeluTanh),
+            Act::Relu => each!(Act::Relu),
+        }
+    });
+    (g, slope)
+}
+
+/// In place, `dy` becomes `dy * slope`; returns its column sums (the bias gradient).
+fn times_slope<T: Float>(slope: &[T], dy: &mut [T], width: usize) -> Vec<T> {
     let partials = for_blocks_with_partials(dy, width, width, |blk, chunk, acc| {
         let base = blk * BLOCK_ROWS * width;
         let len = chunk.len();
-        for (row, urow) in chunk
+        for (row, srow) in chunk
             .chunks_exact_mut(width)
-            .zip(u[base..base + len].chunks_exact(width))
+            .zip(slope[base..base + len].chunks_exact(width))
         {
-            macro_rules! each {
-                ($a:expr) => {
-                    for ((d, a), &uv) in row.iter_mut().zip(acc.iter_mut()).zip(urow) {
-                        let g = *d * $a.derivative(uv);
-                        *d = g;
-                        *a += g;
-                    }
-                };
-            }
-            match act {
-                Act::GeluErf => each!(Act::GeluErf),
-                Act::GeluTanh => each!(Act::GeluTanh),
-                Act::Relu => each!(Act::Relu),
+            for ((d, a), &sv) in row.iter_mut().zip(acc.iter_mut()).zip(srow) {
+                let g = *d * sv;
+                *d = g;
+                *a += g;
             }
         }
     });
     sum_partials(&partials, width)
 }
 
-/// LayerNorm's backward over rows: `dy` becomes `dsum` (the gradient of the sum it
-/// normalised) in place; returns `(dgamma, dbeta)`.
-fn norm_backward<T: Float>(sum: &[T], g: &[T], dy: &mut [T], eps: f64) -> (Vec<T>, Vec<T>) {
+/// LayerNorm's backward over rows: the gradient of the sum it normalised, from the
+/// output's `dy`; and `(dgamma, dbeta)`.
+pub(crate) fn norm_backward<T: Float>(
+    sum: &[T],
+    g: &[T],
+    dy: &[T],
+    eps: f64,
+) -> (Vec<T>, Vec<T>, Vec<T>) {
     let h = g.len();
     let n = T::of(h as f64);
-    let partials = for_blocks_with_partials(dy, h, 2 * h, |blk, chunk, acc| {
+    let mut dsum = vec![T::zero(); dy.len()];
+    let partials = for_blocks_with_partials(&mut dsum, h, 2 * h, |blk, chunk, acc| {
         let base = blk * BLOCK_ROWS * h;
         let len = chunk.len();
         let mut xhat = vec![T::zero(); h];
         let mut gd = vec![T::zero(); h];
-        for (dyr, xr) in chunk
+        for ((dsr, xr), dyr) in chunk
             .chunks_exact_mut(h)
             .zip(sum[base..base + len].chunks_exact(h))
+            .zip(dy[base..base + len].chunks_exact(h))
         {
             let (mean, rstd) = stats(xr, eps);
             let (dg, db) = acc.split_at_mut(h);
@@ -569,35 +675,52 @@ fn norm_backward<T: Float>(sum: &[T], g: &[T], dy: &mut [T], eps: f64) -> (Vec<T
             let mean_d = lane_sum(&gd) / n;
             let mean_dx = lane_dot(&gd, &xhat) / n;
             for j in 0..h {
-                dyr[j] = rstd * (gd[j] - mean_d - xhat[j] * mean_dx);
+                dsr[j] = rstd * (gd[j] - mean_d - xhat[j] * mean_dx);
             }
         }
     });
     let sums = sum_partials(&partials, 2 * h);
-    (sums[..h].to_vec(), sums[h..].to_vec())
+    (dsum, sums[..h].to_vec(), sums[h..].to_vec())
 }
 
-/// In place, `x` times its dropout mask (`x` the rows of a `[rows, h]` tensor).
-fn apply_dropout<T: Float>(x: &mut [T], dropout: Option<(u64, f32)>, width: usize) {
+/// `x` times its dropout mask (`x` the rows of a `[rows, h]` tensor): `x` itself
+/// without dropout, else a new buffer.
+pub(crate) fn dropped<T: Float>(
+    x: &[T],
+    dropout: Option<(u64, f32)>,
+    width: usize,
+) -> std::borrow::Cow<'_, [T]> {
     let Some((seed, p)) = dropout.filter(|&(_, p)| p > 0.0) else {
-        return;
+        return std::borrow::Cow::Borrowed(x);
     };
     let keep = T::of(1.0 / (1.0 - f64::from(p)));
-    for_blocks(x, width, |blk, chunk| {
+    let mut out = vec![T::zero(); x.len()];
+    for_blocks(&mut out, width, |blk, chunk| {
         let base = blk * BLOCK_ROWS * width;
+        let src = &x[base..base + chunk.len()];
         crate::rng::keep_run(seed, base as u64, chunk.len(), p, |j, kept| {
-            chunk[j] *= if kept { keep } else { T::zero() };
+            chunk[j] = src[j] * if kept { keep } else { T::zero() };
         });
     });
+    std::borrow::Cow::Owned(out)
 }
 
 /// Column sums of `[rows, width]` (a bias gradient), in a fixed order.
 fn column_sums<T: Float>(x: &[T], width: usize) -> Vec<T> {
-    let mut scratch = x.to_vec();
-    let partials = for_blocks_with_partials(&mut scratch, width, width, |_, chunk, acc| {
-        for row in chunk.chunks_exact(width) {
-            for (a, &v) in acc.iter_mut().zip(row) {
-                *a += v;
+    let rows = x.len() / width.max(1);
+    let blocks = rows.div_ceil(BLOCK_ROWS);
+    let mut partials = vec![T::zero(); blocks * width];
+    let shared = SharedMut(partials.as_mut_ptr());
+    parallel_ranges(blocks, |range| {
+        for blk in range {
+            // SAFETY: block `blk` owns partials `blk * width .. (blk + 1) * width`.
+            let acc =
+                unsafe { std::slice::from_raw_parts_mut(shared.get().add(blk * width), width) };
+            let end = rows.min((blk + 1) * BLOCK_ROWS);
+            for row in x[blk * BLOCK_ROWS * width..end * width].chunks_exact(width) {
+                for (a, &v) in acc.iter_mut().zip(row) {
+                    *a += v;
+                }
             }
         }
     });
@@ -605,82 +728,42 @@ fn column_sums<T: Float>(x: &[T], width: usize) -> Vec<T> {
 }
 
 /// The feed-forward half from `y1`: `u`, and the output `o = act(u) W_d^T + b_d`.
-fn feed_forward<T: Float>(
-    y1: &[T],
-    v: &Values<T>,
-    spec: &LayerSpec,
-    dims: Shape,
-) -> candle_core::Result<(Vec<T>, Vec<T>)> {
+fn feed_forward<T: Float>(y1: &[T], w: &W<T>, spec: &LayerSpec, dims: Shape) -> (Vec<T>, Vec<T>) {
     let (rows, h, i) = (dims.rows(), dims.h, dims.inter);
-    with_values::<T, _>(&v.wi, |wi| {
-        with_values::<T, _>(&v.bi, |bi| {
-            with_values::<T, _>(&v.wd, |wd| {
-                with_values::<T, _>(&v.bd, |bd| {
-                    let u = linear(y1, wi, bi, rows, h);
-                    let g = activate(&u, spec.act, i);
-                    let o = linear(&g, wd, bd, rows, i);
-                    Ok((u, o))
-                })
-            })
-        })
-    })
-}
-
-/// `a = ctx W_o^T + b_o`.
-fn attention_output<T: Float>(
-    ctx: &[T],
-    v: &Values<T>,
-    dims: Shape,
-) -> candle_core::Result<Vec<T>> {
-    with_values::<T, _>(&v.wo, |wo| {
-        with_values::<T, _>(&v.bo, |bo| Ok(linear(ctx, wo, bo, dims.rows(), dims.h)))
-    })
-}
-
-/// The two LayerNorms' scale and shift, read together.
-fn with_norms<T: Float, R>(
-    v: &Values<T>,
-    f: impl FnOnce((&[T], &[T]), (&[T], &[T])) -> candle_core::Result<R>,
-) -> candle_core::Result<R> {
-    with_values::<T, _>(&v.g1, |g1| {
-        with_values::<T, _>(&v.b1, |b1| {
-            with_values::<T, _>(&v.g2, |g2| {
-                with_values::<T, _>(&v.b2, |b2| f((g1, b1), (g2, b2)))
-            })
-        })
-    })
+    let u = linear(y1, w.wi, w.bi, rows, h);
+    let g = activate(&u, spec.act, i);
+    let o = linear(&g, w.wd, w.bd, rows, i);
+    (u, o)
 }
 
 /// The forward pass: the output rows and, when `keep`, what the backward reads.
 fn forward<T: Float>(
     x: &[T],
-    v: &Values<T>,
+    w: &W<T>,
     mask: &KeyMask<T>,
     spec: &LayerSpec,
     dims: Shape,
     keep: bool,
 ) -> candle_core::Result<(Vec<T>, Option<Kept<T>>)> {
     let (rows, h) = (dims.rows(), dims.h);
-    let qkv = linear(x, &v.wqkv, &v.bqkv, rows, h);
+    let qkv = qkv(x, w, rows, h);
     let (ctx, probs) = attend(&qkv, mask, spec, dims, keep);
     let qkv = keep.then_some(qkv);
-    let a = attention_output(&ctx, v, dims)?;
+    let a = linear(&ctx, w.wo, w.bo, rows, h);
     let ctx = keep.then_some(ctx);
-    with_norms(v, |n1, n2| {
-        let (sum1, y1) = add_norm(&a, x, spec.attention_output_dropout, n1, spec.eps);
-        drop(a);
-        let (u, o) = feed_forward(&y1, v, spec, dims)?;
-        let (sum2, y) = add_norm(&o, &y1, spec.output_dropout, n2, spec.eps);
-        let kept = qkv.zip(ctx).map(|(qkv, ctx)| Kept {
-            qkv,
-            probs,
-            ctx,
-            sum1: (!spec.recompute_attention_norm).then_some(sum1),
-            u: (!spec.recompute_intermediate).then_some(u),
-            sum2: (!spec.recompute_output_norm).then_some(sum2),
-        });
-        Ok((y, kept))
-    })
+    let (sum1, y1) = add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps);
+    drop(a);
+    let (u, o) = feed_forward(&y1, w, spec, dims);
+    let (sum2, y) = add_norm(&o, &y1, spec.output_dropout, w.n2, spec.eps);
+    let kept = qkv.zip(ctx).map(|(qkv, ctx)| Kept {
+        qkv,
+        probs,
+        ctx,
+        sum1: (!spec.recompute_attention_norm).then_some(sum1),
+        u: (!spec.recompute_intermediate).then_some(u),
+        sum2: (!spec.recompute_output_norm).then_some(sum2),
+    });
+    Ok((y, kept))
 }
 
 /// The attention of the packed `qkv`: the context `[rows, h]` and, when `keep` and the
@@ -725,8 +808,8 @@ fn attend<T: Float>(
 /// Every gradient of the layer.
 struct Grads<T> {
     dx: Vec<T>,
-    dwqkv: Vec<T>,
-    dbqkv: Vec<T>,
+    dwqkv: [Vec<T>; 3],
+    dbqkv: [Vec<T>; 3],
     dwo: Vec<T>,
     dbo: Vec<T>,
     dg1: Vec<T>,
@@ -743,126 +826,97 @@ struct Grads<T> {
 fn backward<T: Float>(
     x: &[T],
     dy: &[T],
-    v: &Values<T>,
+    w: &W<T>,
     mask: &KeyMask<T>,
     spec: &LayerSpec,
     dims: Shape,
     kept: &Kept<T>,
 ) -> candle_core::Result<Grads<T>> {
+    use std::borrow::Cow;
     let (rows, h, i) = (dims.rows(), dims.h, dims.inter);
-    with_norms(v, |n1, n2| {
-        // What the forward did not keep, recomputed with its own arithmetic.
-        let sum1 = match &kept.sum1 {
-            Some(s) => std::borrow::Cow::Borrowed(s.as_slice()),
-            None => {
-                let a = attention_output(&kept.ctx, v, dims)?;
-                std::borrow::Cow::Owned(
-                    add_norm(&a, x, spec.attention_output_dropout, n1, spec.eps).0,
-                )
-            }
-        };
-        let y1 = norm(&sum1, n1, spec.eps);
-        let (u, o) = match (&kept.u, &kept.sum2) {
-            (Some(u), Some(_)) => (std::borrow::Cow::Borrowed(u.as_slice()), None),
-            _ => {
-                let (u, o) = feed_forward(&y1, v, spec, dims)?;
-                (std::borrow::Cow::Owned(u), Some(o))
-            }
-        };
-        let sum2 = match (&kept.sum2, o) {
-            (Some(s), _) => std::borrow::Cow::Borrowed(s.as_slice()),
-            (None, Some(o)) => {
-                std::borrow::Cow::Owned(add_norm(&o, &y1, spec.output_dropout, n2, spec.eps).0)
-            }
-            (None, None) => unreachable!("the output is recomputed whenever its sum is"),
-        };
-        // Second LayerNorm: dy becomes the gradient of the sum (which is also the residual
-        // gradient of y1).
-        let mut dsum2 = dy.to_vec();
-        let (dg2, db2) = norm_backward(&sum2, n2.0, &mut dsum2, spec.eps);
-        drop(sum2);
-        let mut d_o = dsum2.clone();
-        apply_dropout(&mut d_o, spec.output_dropout, h);
-        let dbd = column_sums(&d_o, h);
-        let g = activate(&u, spec.act, i);
-        let (dwd, dwi, dbi, dy1) = with_values::<T, _>(&v.wd, |wd| {
-            with_values::<T, _>(&v.wi, |wi| {
-                // dW_d [h, I] = d_o^T g
-                let mut dwd = vec![T::zero(); h * i];
-                product((h, i, rows), &mut dwd, false, (&d_o, 1, h), (&g, i, 1));
-                drop(g);
-                // dg [rows, I] = d_o W_d
-                let mut du = vec![T::zero(); rows * i];
-                product((rows, i, h), &mut du, false, (&d_o, h, 1), (wd, i, 1));
-                drop(d_o);
-                let dbi = activation_backward(&u, &mut du, spec.act, i);
-                // dW_i [I, h] = du^T y1
-                let mut dwi = vec![T::zero(); i * h];
-                product((i, h, rows), &mut dwi, false, (&du, 1, i), (&y1, h, 1));
-                // dy1 = dsum2 + du W_i
-                let mut dy1 = dsum2;
-                product((rows, h, i), &mut dy1, true, (&du, i, 1), (wi, h, 1));
-                Ok((dwd, dwi, dbi, dy1))
-            })
-        })?;
-        drop((u, y1));
-        // First LayerNorm.
-        let mut dsum1 = dy1;
-        let (dg1, db1) = norm_backward(&sum1, n1.0, &mut dsum1, spec.eps);
-        drop(sum1);
-        let mut d_a = dsum1.clone();
-        apply_dropout(&mut d_a, spec.attention_output_dropout, h);
-        let dbo = column_sums(&d_a, h);
-        let (dwo, dctx) = with_values::<T, _>(&v.wo, |wo| {
-            let mut dwo = vec![T::zero(); h * h];
-            product(
-                (h, h, rows),
-                &mut dwo,
-                false,
-                (&d_a, 1, h),
-                (&kept.ctx, h, 1),
-            );
-            let mut dctx = vec![T::zero(); rows * h];
-            product((rows, h, h), &mut dctx, false, (&d_a, h, 1), (wo, h, 1));
-            Ok((dwo, dctx))
-        })?;
-        drop(d_a);
-        // Attention.
-        let dqkv = attention_backward(&kept.qkv, kept.probs.as_deref(), &dctx, mask, spec, dims);
-        drop(dctx);
-        let dbqkv = column_sums(&dqkv, 3 * h);
-        let mut dwqkv = vec![T::zero(); 3 * h * h];
+    // What the forward did not keep, recomputed with its own arithmetic.
+    let sum1 = match &kept.sum1 {
+        Some(s) => Cow::Borrowed(s.as_slice()),
+        None => {
+            let a = linear(&kept.ctx, w.wo, w.bo, rows, h);
+            Cow::Owned(add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps).0)
+        }
+    };
+    let y1 = norm(&sum1, w.n1, spec.eps);
+    let (u, sum2) = match (&kept.u, &kept.sum2) {
+        (Some(u), Some(s)) => (Cow::Borrowed(u.as_slice()), Cow::Borrowed(s.as_slice())),
+        (u_kept, sum_kept) => {
+            let (u, o) = feed_forward(&y1, w, spec, dims);
+            let sum2 = match sum_kept {
+                Some(s) => Cow::Borrowed(s.as_slice()),
+                None => Cow::Owned(add_norm(&o, &y1, spec.output_dropout, w.n2, spec.eps).0),
+            };
+            let u = match u_kept {
+                Some(u) => Cow::Borrowed(u.as_slice()),
+                None => Cow::Owned(u),
+            };
+            (u, sum2)
+        }
+    };
+    // Second LayerNorm; its sum's gradient is also the residual gradient of y1.
+    let (dsum2, dg2, db2) = norm_backward(&sum2, w.n2.0, dy, spec.eps);
+    drop(sum2);
+    let d_o = dropped(&dsum2, spec.output_dropout, h);
+    let dbd = column_sums(&d_o, h);
+    let (g, slope) = activate_with_slope(&u, spec.act, i);
+    drop(u);
+    // dW_d [h, I] = d_o^T g ; dg [rows, I] = d_o W_d
+    let dwd = product_new((h, i, rows), (&d_o, 1, h), (&g, i, 1));
+    drop(g);
+    let mut du = product_new((rows, i, h), (&d_o, h, 1), (w.wd, i, 1));
+    drop(d_o);
+    let dbi = times_slope(&slope, &mut du, i);
+    drop(slope);
+    // dW_i [I, h] = du^T y1 ; dy1 = dsum2 + du W_i
+    let dwi = product_new((i, h, rows), (&du, 1, i), (&y1, h, 1));
+    drop(y1);
+    let mut dy1 = dsum2;
+    product((rows, h, i), (&mut dy1, h), true, (&du, i, 1), (w.wi, h, 1));
+    drop(du);
+    // First LayerNorm.
+    let (dsum1, dg1, db1) = norm_backward(&sum1, w.n1.0, &dy1, spec.eps);
+    drop((sum1, dy1));
+    let d_a = dropped(&dsum1, spec.attention_output_dropout, h);
+    let dbo = column_sums(&d_a, h);
+    let dwo = product_new((h, h, rows), (&d_a, 1, h), (&kept.ctx, h, 1));
+    let dctx = product_new((rows, h, h), (&d_a, h, 1), (w.wo, h, 1));
+    drop(d_a);
+    // Attention.
+    let dqkv = attention_backward(&kept.qkv, kept.probs.as_deref(), &dctx, mask, spec, dims);
+    drop(dctx);
+    let sums = column_sums(&dqkv, 3 * h);
+    let dbqkv = [0, 1, 2].map(|p| sums[p * h..(p + 1) * h].to_vec());
+    // dW_p [h, h] = dqkv_p^T x ; dx = dsum1 + sum_p dqkv_p W_p
+    let dwqkv = [0, 1, 2].map(|p| product_new((h, h, rows), (&dqkv[p * h..], 1, 3 * h), (x, h, 1)));
+    let mut dx = dsum1;
+    for (p, wp) in w.wqkv.iter().enumerate() {
         product(
-            (3 * h, h, rows),
-            &mut dwqkv,
-            false,
-            (&dqkv, 1, 3 * h),
-            (x, h, 1),
-        );
-        // dx = dsum1 + dqkv W_qkv
-        let mut dx = dsum1;
-        product(
-            (rows, h, 3 * h),
-            &mut dx,
+            (rows, h, h),
+            (&mut dx, h),
             true,
-            (&dqkv, 3 * h, 1),
-            (&v.wqkv, h, 1),
+            (&dqkv[p * h..], 3 * h, 1),
+            (wp, h, 1),
         );
-        Ok(Grads {
-            dx,
-            dwqkv,
-            dbqkv,
-            dwo,
-            dbo,
-            dg1,
-            db1,
-            dwi,
-            dbi,
-            dwd,
-            dbd,
-            dg2,
-            db2,
-        })
+    }
+    Ok(Grads {
+        dx,
+        dwqkv,
+        dbqkv,
+        dwo,
+        dbo,
+        dg1,
+        db1,
+        dwi,
+        dbi,
+        dwd,
+        dbd,
+        dg2,
+        db2,
     })
 }
 

@@ -639,11 +639,22 @@ fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
-    // Round to nearest without a call: adding 1.5 * 2^23 pushes the fraction out.
+    // Round to nearest without a call: adding 1.5 * 2^23 pushes the fraction out, and
+    // leaves the integer in the low bits of the sum.
     const ROUND: f32 = 12_582_912.0;
+    // Comparisons and selects, no `clamp` (which checks its bounds) and no float to
+    // integer cast (which saturates): both would stop the loop from vectorising.
     let underflow = x < EXP_UNDERFLOW_F32;
-    let x = x.clamp(EXP_UNDERFLOW_F32, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    #[allow(clippy::manual_clamp)]
+    let x = if x < EXP_UNDERFLOW_F32 {
+        EXP_UNDERFLOW_F32
+    } else if x > 88.0 {
+        88.0
+    } else {
+        x
+    };
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -651,13 +662,26 @@ fn exp_f32(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // 2^n in the exponent bits: n is the low bits of `shifted` (two's complement).
+    let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
+    let scale = f32::from_bits(n_bits.wrapping_add(127) << 23);
     // A select, not a branch: the loop stays vectorised.
     if underflow {
         0.0
     } else {
         p * scale
     }
+}
+
+/// `tanh(x)` for f32 from [`exp`]: `1 - 2 / (e^{2x} + 1)` (vectorises where libm's
+/// `tanhf` does not; absolute error about 2e-7), f64 libm's.
+#[inline(always)]
+fn tanh<T: Float>(x: T) -> T {
+    if std::mem::size_of::<T>() == 8 {
+        return x.tanh();
+    }
+    let two = T::of(2.0);
+    T::one() - two / (exp(two * x) + T::one())
 }
 
 /// `(erf(x / sqrt 2), exp(-x^2 / 2))`, the two pieces of GELU and its derivative. f64
@@ -701,9 +725,25 @@ impl Act {
             Act::GeluErf => half * x * (T::one() + erf_and_gaussian(x).0),
             Act::GeluTanh => {
                 let inner = T::of(SQRT_2_OVER_PI) * (x + T::of(0.044715) * x * x * x);
-                half * x * (T::one() + inner.tanh())
+                half * x * (T::one() + tanh(inner))
             }
             Act::Relu => num_traits::Float::max(x, T::zero()),
+        }
+    }
+
+    /// `(act(x), act'(x))` with one evaluation of what they share (GELU's erf and
+    /// Gaussian factor): the same bits as [`Self::value`] and [`Self::derivative`].
+    #[inline(always)]
+    pub(crate) fn value_and_derivative<T: Float>(self, x: T) -> (T, T) {
+        let half = T::of(0.5);
+        match self {
+            Act::GeluErf => {
+                let (erf, gaussian) = erf_and_gaussian(x);
+                let value = half * x * (T::one() + erf);
+                let cdf = half * (T::one() + erf);
+                (value, cdf + x * gaussian * T::of(0.398_942_280_401_432_7))
+            }
+            other => (other.value(x), other.derivative(x)),
         }
     }
 
@@ -719,7 +759,7 @@ impl Act {
             Act::GeluTanh => {
                 let c = T::of(SQRT_2_OVER_PI);
                 let a = T::of(0.044715);
-                let t = (c * (x + a * x * x * x)).tanh();
+                let t = tanh(c * (x + a * x * x * x));
                 half * (T::one() + t)
                     + half * x * (T::one() - t * t) * c * (T::one() + T::of(3.0) * a * x * x)
             }
@@ -1554,108 +1594,16 @@ pub fn feed_forward_recomputed(
     )
 }
 
-/// BERT's embeddings, `dropout(LayerNorm(words[ids] + types[type_ids] + positions[0..s]))`
-/// for `ids` and `type_ids` `[n, s]`, as one node over the three tables and the
-/// LayerNorm's `[gamma, beta]` that keeps nothing but the ids (selective recompute: the
-/// three lookups, their sum and the normalised sum are not kept; the backward recomputes
-/// the sum). Forward and backward run candle's lookups, sums and scatter-adds and the
-/// fused LayerNorm and dropout kernels in the order the separate ops run them, with the
-/// accumulations candle makes between them, so the gradients are theirs bit for bit.
+/// BERT's embeddings as one node that keeps nothing but the ids
+/// ([`super::embeddings::embeddings`] with `recompute`).
 pub fn embeddings_recomputed(
-    [ids, type_ids]: [&Tensor; 2],
-    [words, types, positions]: [&Tensor; 3],
-    [gamma, beta]: [&Tensor; 2],
+    ids: [&Tensor; 2],
+    tables: [&Tensor; 3],
+    norm: [&Tensor; 2],
     eps: f64,
     dropout: Option<(u64, f32)>,
 ) -> candle_core::Result<Tensor> {
-    let (n, s) = ids.dims2()?;
-    let h = words.dim(1)?;
-    if type_ids.dims2()? != (n, s)
-        || types.dim(1)? != h
-        || positions.dim(1)? != h
-        || gamma.dims1()? != h
-        || beta.dims1()? != h
-    {
-        candle_core::bail!(
-            "embeddings: ids {:?} and {:?}, tables {:?}, {:?}, {:?} and LayerNorm {:?} do not fit",
-            ids.dims(),
-            type_ids.dims(),
-            words.dims(),
-            types.dims(),
-            positions.dims(),
-            gamma.dims()
-        );
-    }
-    let (wd, td, pd) = (words.detach(), types.detach(), positions.detach());
-    let (gd, bd) = (gamma.detach(), beta.detach());
-    let ids = ids.flatten_all()?.contiguous()?;
-    let type_ids = type_ids.flatten_all()?.contiguous()?;
-    let pos_ids = Tensor::arange(0u32, s as u32, ids.device())?;
-    // candle-nn's `Embedding::forward`: a row lookup, reshaped.
-    let sum = {
-        let (ids, type_ids, pos_ids) = (ids.clone(), type_ids.clone(), pos_ids.clone());
-        move || -> candle_core::Result<Tensor> {
-            let look = |table: &Tensor, ids: &Tensor, dims: &[usize]| {
-                table.index_select(ids, 0)?.reshape(dims)
-            };
-            look(&wd, &ids, &[n, s, h])?
-                .add(&look(&td, &type_ids, &[n, s, h])?)?
-                .broadcast_add(&look(&pd, &pos_ids, &[s, h])?)
-        }
-    };
-    let normed = sum()?
-        .contiguous()?
-        .apply_op3_no_bwd(&gd, &bd, &LayerNorm { eps })?;
-    let out = match dropout {
-        Some((seed, p)) if p > 0.0 => normed.apply_op1_no_bwd(&Dropout { seed, p })?,
-        _ => normed,
-    };
-    let (vocab, kinds, max_positions) = (words.dim(0)?, types.dim(0)?, positions.dim(0)?);
-    node_n(
-        "gradcache-embeddings-recomputed",
-        &[words, types, positions, gamma, beta],
-        out,
-        Box::new(move |dout| {
-            let dnormed = match dropout {
-                Some((seed, p)) if p > 0.0 => {
-                    let d = dout.contiguous()?.apply_op1_no_bwd(&Dropout { seed, p })?;
-                    as_accumulated(&d)?;
-                    d
-                }
-                _ => dout.clone(),
-            };
-            let packed = sum()?.contiguous()?.apply_op3_no_bwd(
-                &gd,
-                &dnormed.contiguous()?,
-                &LayerNormBackward { eps },
-            )?;
-            drop(dnormed);
-            let rows = n * s;
-            let dgamma = packed.narrow(0, rows, 1)?.reshape(h)?.force_contiguous()?;
-            let dbeta = packed
-                .narrow(0, rows + 1, 1)?
-                .reshape(h)?
-                .force_contiguous()?;
-            let dsum = packed.narrow(0, 0, rows)?;
-            as_accumulated(&dsum)?;
-            // The positions were broadcast over the batch: their gradient sums over it.
-            let dpos = dsum.reshape((n, s, h))?.sum_keepdim(0)?.squeeze(0)?;
-            as_accumulated(&dpos)?;
-            let scatter = |rows: usize, ids: &Tensor, g: &Tensor| {
-                Tensor::zeros((rows, h), g.dtype(), g.device())?.index_add(ids, g, 0)
-            };
-            let dwords = scatter(vocab, &ids, &dsum)?;
-            let dtypes = scatter(kinds, &type_ids, &dsum)?;
-            let dpositions = scatter(max_positions, &pos_ids, &dpos)?;
-            Ok(vec![
-                Some(dwords),
-                Some(dtypes),
-                Some(dpositions),
-                Some(dgamma),
-                Some(dbeta),
-            ])
-        }),
-    )
+    super::embeddings::embeddings(ids, tables, norm, eps, dropout, true)
 }
 
 /// Adds +0 to `g` in place, which turns -0 into +0 and leaves every other value as it is:
@@ -2156,6 +2104,11 @@ pub fn add_in_place(acc: &Tensor, g: &Tensor) -> candle_core::Result<()> {
         candle_core::bail!("add in place: shapes {:?} and {:?}", acc.dims(), g.dims());
     }
     acc.inplace_op2(&g.contiguous()?, &AddInPlace { rows: false })
+}
+
+/// `acc += g` element by element, in parallel blocks.
+pub(crate) fn add_slices<T: Float>(acc: &mut [T], g: &[T]) {
+    add_elementwise(acc, g)
 }
 
 fn add_elementwise<T: Float>(acc: &mut [T], g: &[T]) {

@@ -17,6 +17,7 @@
 
 pub mod attention;
 mod batch_norm;
+pub mod embeddings;
 pub mod encoder_layer;
 pub mod fused;
 
@@ -187,25 +188,28 @@ pub fn add_norm_recomputed(
 }
 
 /// BERT's embeddings, `dropout(norm(words[ids] + types[type_ids] + positions[0..s]))`, as
-/// one node that keeps nothing but the ids ([`fused::embeddings_recomputed`]), where the
-/// fused kernels run; `None` elsewhere (the caller then runs the separate ops, which keep
-/// their activations).
-pub fn embeddings_recomputed(
+/// one node whose backward adds only the rows the tokens touched
+/// ([`embeddings::embeddings`]) where the fused kernels run; `None` elsewhere (the caller
+/// then runs the separate ops). With `recompute` it keeps nothing but the ids, else the
+/// sum under the LayerNorm.
+pub fn embeddings(
     ids: [&Tensor; 2],
     tables: [&Tensor; 3],
     norm: &LayerNorm,
     dropout: Option<(u64, f32)>,
+    recompute: bool,
 ) -> Result<Option<Tensor>> {
     let [words, types, positions] = tables;
     if !fused_ok(&[words, types, positions, &norm.weight, &norm.bias]) {
         return Ok(None);
     }
-    Ok(Some(fused::embeddings_recomputed(
+    Ok(Some(embeddings::embeddings(
         ids,
         tables,
         [&norm.weight, &norm.bias],
         norm.eps,
         dropout,
+        recompute,
     )?))
 }
 
