@@ -163,7 +163,7 @@ fn state_bits(t: &ImageTextTrainer) -> Vec<(String, Vec<u32>)> {
         .iter()
         .map(|(n, v)| (n.to_string(), bits(v.as_tensor())))
         .collect();
-    for (n, v) in t.optimizer_state() {
+    for (n, v) in t.optimizer_state().unwrap() {
         all.push((n, bits(&v)));
     }
     all

@@ -162,7 +162,7 @@ fn saved_state_resumes_exactly() {
     let mut opt_a = Optimizer::new(OptimizerKind::adamw(), a.clone()).unwrap();
     opt_a.step(0, &g(1.0), 0.01).unwrap();
     opt_a.step(1, &g(-2.0), 0.01).unwrap();
-    let state: BTreeMap<String, Tensor> = opt_a.state();
+    let state: BTreeMap<String, Tensor> = opt_a.state().unwrap();
 
     // A second run restores weights and optimiser state, then both take the same step.
     let b = params(&[

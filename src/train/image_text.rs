@@ -552,7 +552,7 @@ impl ImageTextTrainer {
     }
 
     /// The optimizer's state (for checkpoints and tests).
-    pub fn optimizer_state(&self) -> std::collections::BTreeMap<String, Tensor> {
+    pub fn optimizer_state(&self) -> Result<std::collections::BTreeMap<String, Tensor>> {
         self.optimizer.state()
     }
 
@@ -767,7 +767,7 @@ impl ImageTextTrainer {
         checkpoint::save(
             &self.cfg.output_dir.join("checkpoints"),
             &self.state()?,
-            &self.optimizer.state(),
+            &self.optimizer.state()?,
             &self.trainer_state()?,
             self.cfg.train.keep_checkpoints,
         )

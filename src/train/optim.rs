@@ -96,7 +96,38 @@ pub fn decays(name: &str) -> bool {
 pub struct Optimizer {
     kind: OptimizerKind,
     params: Params,
-    moments: BTreeMap<String, (Tensor, Tensor)>,
+    moments: BTreeMap<String, Moments>,
+}
+
+/// AdamW's moments of one parameter.
+enum Moments {
+    /// `[m; v]` stacked `[2, ..]`, made anew by the fused CPU update (never changed in
+    /// place, so a state handed out stays as it was).
+    Stacked(Tensor),
+    /// `(m, v)` of the composed update (other devices and dtypes).
+    Pair(Tensor, Tensor),
+}
+
+impl Moments {
+    fn pair(&self) -> Result<(Tensor, Tensor)> {
+        Ok(match self {
+            Moments::Stacked(mv) => (mv.get(0)?, mv.get(1)?),
+            Moments::Pair(m, v) => (m.clone(), v.clone()),
+        })
+    }
+}
+
+/// Whether the fused CPU update runs on this weight and gradient (f32 or f64, contiguous,
+/// on the CPU, the same dtype).
+fn fused_update(w: &Tensor, g: &Tensor) -> bool {
+    let dtype = w.dtype();
+    matches!(dtype, DType::F32 | DType::F64)
+        && w.device().is_cpu()
+        && g.device().is_cpu()
+        && g.dtype() == dtype
+        && w.is_contiguous()
+        && g.is_contiguous()
+        && w.shape() == g.shape()
 }
 
 impl Optimizer {
@@ -123,49 +154,85 @@ impl Optimizer {
         for (name, var) in self.params.iter() {
             let Some(g) = grads.get(name) else { continue };
             let w = var.as_tensor();
-            let g = g.to_dtype(w.dtype())?;
-            let updated = match self.kind {
-                OptimizerKind::Sgd => (w - (g * lr)?)?,
+            let g = g.to_dtype(w.dtype())?.contiguous()?;
+            let fused = fused_update(w, &g);
+            match self.kind {
+                OptimizerKind::Sgd if fused => {
+                    w.inplace_op2(&g, &kernels::Sgd { lr })?;
+                }
+                OptimizerKind::Sgd => var.set(&(w - (g * lr)?)?.detach())?,
                 OptimizerKind::AdamW {
                     beta1,
                     beta2,
                     eps,
                     weight_decay,
                 } => {
-                    let (m, v) = match self.moments.remove(name) {
-                        Some(mv) => mv,
-                        None => (g.zeros_like()?, g.zeros_like()?),
-                    };
-                    let m = ((m * beta1)? + (&g * (1.0 - beta1))?)?;
-                    let v = ((v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-                    let m_hat = (&m / (1.0 - beta1.powi(t)))?;
-                    let v_hat = (&v / (1.0 - beta2.powi(t)))?;
                     // Tensors of fewer than two dimensions never decay (OpenCLIP's rule):
                     // BatchNorm gains, CLIP's logit scale, any bias.
-                    let decayed = if decays(name) && w.rank() >= 2 && weight_decay > 0.0 {
-                        (w * (1.0 - lr * weight_decay))?
+                    let decay = if decays(name) && w.rank() >= 2 && weight_decay > 0.0 {
+                        Some(1.0 - lr * weight_decay)
                     } else {
-                        w.clone()
+                        None
                     };
-                    let update = (m_hat / (v_hat.sqrt()? + eps)?)?;
-                    let new = (decayed - (update * lr)?)?;
-                    self.moments.insert(name.to_string(), (m, v));
-                    new
+                    let moments = self.moments.remove(name);
+                    let moments = if fused {
+                        // One pass for the moments (a new [m; v]), one for the weight, in
+                        // place (the composed form below takes sixteen passes and as
+                        // many temporaries).
+                        let mv = match moments {
+                            Some(Moments::Stacked(mv)) => mv,
+                            Some(Moments::Pair(m, v)) => Tensor::stack(&[m, v], 0)?,
+                            None => {
+                                Tensor::zeros([&[2], g.dims()].concat(), g.dtype(), g.device())?
+                            }
+                        };
+                        let mv = mv
+                            .contiguous()?
+                            .apply_op2_no_bwd(&g, &kernels::AdamWMoments { beta1, beta2 })?;
+                        w.inplace_op2(
+                            &mv,
+                            &kernels::AdamWWeights {
+                                lr,
+                                eps,
+                                decay,
+                                m_correction: 1.0 - beta1.powi(t),
+                                v_correction: 1.0 - beta2.powi(t),
+                            },
+                        )?;
+                        Moments::Stacked(mv)
+                    } else {
+                        let (m, v) = match moments {
+                            Some(mv) => mv.pair()?,
+                            None => (g.zeros_like()?, g.zeros_like()?),
+                        };
+                        let m = ((m * beta1)? + (&g * (1.0 - beta1))?)?;
+                        let v = ((v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+                        let m_hat = (&m / (1.0 - beta1.powi(t)))?;
+                        let v_hat = (&v / (1.0 - beta2.powi(t)))?;
+                        let decayed = match decay {
+                            Some(factor) => (w * factor)?,
+                            None => w.clone(),
+                        };
+                        let update = (m_hat / (v_hat.sqrt()? + eps)?)?;
+                        var.set(&(decayed - (update * lr)?)?.detach())?;
+                        Moments::Pair(m, v)
+                    };
+                    self.moments.insert(name.to_string(), moments);
                 }
-            };
-            var.set(&updated.detach())?;
+            }
         }
         Ok(())
     }
 
     /// The state as named tensors (`m.<param>`, `v.<param>`), for checkpoints.
-    pub fn state(&self) -> BTreeMap<String, Tensor> {
+    pub fn state(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut out = BTreeMap::new();
-        for (name, (m, v)) in &self.moments {
-            out.insert(format!("m.{name}"), m.clone());
-            out.insert(format!("v.{name}"), v.clone());
+        for (name, moments) in &self.moments {
+            let (m, v) = moments.pair()?;
+            out.insert(format!("m.{name}"), m);
+            out.insert(format!("v.{name}"), v);
         }
-        out
+        Ok(out)
     }
 
     /// Restores a state written by [`Self::state`]. Moments of unknown parameters or of the
@@ -187,7 +254,7 @@ impl Optimizer {
             if m.shape() != var.shape() || v.shape() != var.shape() {
                 return Err(bad(format!("{key} has shape {:?}", m.dims())));
             }
-            moments.insert(name.to_string(), (m.clone(), v.clone()));
+            moments.insert(name.to_string(), Moments::Pair(m.clone(), v.clone()));
         }
         self.moments = moments;
         Ok(())
@@ -224,15 +291,243 @@ impl Schedule {
 pub fn clip_grad_norm(grads: &mut Gradients, max_norm: f64) -> Result<f64> {
     let mut total = 0f64;
     for (_, g) in grads.iter() {
-        total += g
-            .to_dtype(DType::F64)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        total += match kernels::sum_of_squares(g)? {
+            Some(sum) => sum,
+            None => g
+                .to_dtype(DType::F64)?
+                .sqr()?
+                .sum_all()?
+                .to_scalar::<f64>()?,
+        };
     }
     let norm = total.sqrt();
     if norm.is_finite() && norm > max_norm && norm > 0.0 {
         grads.scale(max_norm / (norm + 1e-6))?;
     }
     Ok(norm)
+}
+
+/// The fused CPU updates: one pass over each tensor (f32 or f64, contiguous).
+mod kernels {
+    use candle_core::{CpuStorage, CustomOp2, InplaceOp2, Layout, Shape, Tensor, WithDType};
+    use num_traits::Zero;
+
+    use crate::nn::fused::{for_blocks, parallel_ranges, Float, BLOCK_ROWS};
+
+    /// Elements per parallel block.
+    const WIDTH: usize = 1024;
+
+    fn slice<'a, T: Float>(s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [T]> {
+        match l.contiguous_offsets() {
+            Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+            None => candle_core::bail!("optimizer: a strided tensor"),
+        }
+    }
+
+    fn slice_mut<'a, T: Float>(
+        s: &'a mut CpuStorage,
+        l: &Layout,
+    ) -> candle_core::Result<&'a mut [T]> {
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("optimizer: a strided tensor")
+        };
+        match (s, T::DTYPE) {
+            (CpuStorage::F32(v), candle_core::DType::F32) => {
+                let v = &mut v[a..b];
+                // SAFETY: T is f32 (checked by the dtype).
+                Ok(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut T, v.len()) })
+            }
+            (CpuStorage::F64(v), candle_core::DType::F64) => {
+                let v = &mut v[a..b];
+                // SAFETY: T is f64 (checked by the dtype).
+                Ok(unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut T, v.len()) })
+            }
+            _ => candle_core::bail!("optimizer: runs on f32 or f64"),
+        }
+    }
+
+    /// Calls `$body` with `$t` bound to the float type of `$storage`.
+    macro_rules! float {
+        ($storage:expr, $t:ident => $body:expr) => {
+            match $storage {
+                CpuStorage::F32(_) => {
+                    type $t = f32;
+                    $body
+                }
+                CpuStorage::F64(_) => {
+                    type $t = f64;
+                    $body
+                }
+                _ => candle_core::bail!("optimizer: runs on f32 or f64"),
+            }
+        };
+    }
+
+    /// `w -= lr * g`, in place.
+    pub struct Sgd {
+        pub lr: f64,
+    }
+
+    impl InplaceOp2 for Sgd {
+        fn name(&self) -> &'static str {
+            "gradcache-sgd"
+        }
+
+        fn cpu_fwd(
+            &self,
+            w: &mut CpuStorage,
+            wl: &Layout,
+            g: &CpuStorage,
+            gl: &Layout,
+        ) -> candle_core::Result<()> {
+            float!(g, T => {
+                let g = slice::<T>(g, gl)?;
+                let w = slice_mut::<T>(w, wl)?;
+                let lr = T::of(self.lr);
+                for_blocks(w, WIDTH, |blk, chunk| {
+                    let base = blk * BLOCK_ROWS * WIDTH;
+                    for (wv, &gv) in chunk.iter_mut().zip(&g[base..]) {
+                        *wv -= gv * lr;
+                    }
+                });
+                Ok(())
+            })
+        }
+    }
+
+    /// The new `[m; v]` from the old and the gradient `g`:
+    /// `m' = b1 m + (1 - b1) g`, `v' = b2 v + (1 - b2) g^2`.
+    pub struct AdamWMoments {
+        pub beta1: f64,
+        pub beta2: f64,
+    }
+
+    impl CustomOp2 for AdamWMoments {
+        fn name(&self) -> &'static str {
+            "gradcache-adamw-moments"
+        }
+
+        fn cpu_fwd(
+            &self,
+            mv: &CpuStorage,
+            ml: &Layout,
+            g: &CpuStorage,
+            gl: &Layout,
+        ) -> candle_core::Result<(CpuStorage, Shape)> {
+            float!(g, T => {
+                let (mv, g) = (slice::<T>(mv, ml)?, slice::<T>(g, gl)?);
+                let n = g.len();
+                if mv.len() != 2 * n {
+                    candle_core::bail!("optimizer: moments of {} for a gradient of {n}", mv.len());
+                }
+                let (b1, b2) = (T::of(self.beta1), T::of(self.beta2));
+                let (c1, c2) = (T::of(1.0 - self.beta1), T::of(1.0 - self.beta2));
+                let mut out = vec![T::zero(); 2 * n];
+                let (m_out, v_out) = out.split_at_mut(n);
+                let v_ptr = crate::nn::fused::SharedMut(v_out.as_mut_ptr());
+                for_blocks(m_out, WIDTH, |blk, chunk| {
+                    let base = blk * BLOCK_ROWS * WIDTH;
+                    let len = chunk.len();
+                    // SAFETY: block `blk` owns the same elements of v as of m.
+                    let v_new = unsafe { std::slice::from_raw_parts_mut(v_ptr.get().add(base), len) };
+                    let (m, v, g) = (&mv[base..base + len], &mv[n + base..n + base + len], &g[base..base + len]);
+                    for j in 0..len {
+                        chunk[j] = m[j] * b1 + g[j] * c1;
+                        v_new[j] = v[j] * b2 + g[j] * g[j] * c2;
+                    }
+                });
+                Ok((T::to_cpu_storage_owned(out), ml.shape().clone()))
+            })
+        }
+    }
+
+    /// The weight from the new moments, in place:
+    /// `w' = w decay - lr (m / c1) / (sqrt(v / c2) + eps)`.
+    pub struct AdamWWeights {
+        pub lr: f64,
+        pub eps: f64,
+        pub decay: Option<f64>,
+        pub m_correction: f64,
+        pub v_correction: f64,
+    }
+
+    impl InplaceOp2 for AdamWWeights {
+        fn name(&self) -> &'static str {
+            "gradcache-adamw-weights"
+        }
+
+        fn cpu_fwd(
+            &self,
+            w: &mut CpuStorage,
+            wl: &Layout,
+            mv: &CpuStorage,
+            ml: &Layout,
+        ) -> candle_core::Result<()> {
+            float!(mv, T => {
+                let mv = slice::<T>(mv, ml)?;
+                let w = slice_mut::<T>(w, wl)?;
+                let n = w.len();
+                if mv.len() != 2 * n {
+                    candle_core::bail!("optimizer: moments of {} for a weight of {n}", mv.len());
+                }
+                let (lr, eps) = (T::of(self.lr), T::of(self.eps));
+                let (c1, c2) = (T::of(self.m_correction), T::of(self.v_correction));
+                let decay = self.decay.map(T::of);
+                for_blocks(w, WIDTH, |blk, chunk| {
+                    let base = blk * BLOCK_ROWS * WIDTH;
+                    let len = chunk.len();
+                    let (m, v) = (&mv[base..base + len], &mv[n + base..n + base + len]);
+                    for j in 0..len {
+                        let decayed = match decay {
+                            Some(f) => chunk[j] * f,
+                            None => chunk[j],
+                        };
+                        let update = (m[j] / c1) / ((v[j] / c2).sqrt() + eps);
+                        chunk[j] = decayed - update * lr;
+                    }
+                });
+                Ok(())
+            })
+        }
+    }
+
+    /// `sum(g^2)` in f64 for a contiguous f32/f64 CPU tensor (blocks summed in a fixed
+    /// order); `None` for any other tensor.
+    pub fn sum_of_squares(g: &Tensor) -> candle_core::Result<Option<f64>> {
+        if !g.device().is_cpu() || !g.is_contiguous() {
+            return Ok(None);
+        }
+        let (storage, layout) = g.storage_and_layout();
+        let candle_core::Storage::Cpu(s) = &*storage else {
+            return Ok(None);
+        };
+        let sum = match s {
+            CpuStorage::F32(_) => blocked_sum::<f32>(slice(s, layout)?),
+            CpuStorage::F64(_) => blocked_sum::<f64>(slice(s, layout)?),
+            _ => return Ok(None),
+        };
+        Ok(Some(sum))
+    }
+
+    fn blocked_sum<T: Float>(x: &[T]) -> f64 {
+        const BLOCK: usize = 1 << 14;
+        let blocks = x.len().div_ceil(BLOCK);
+        let partials: Vec<std::sync::atomic::AtomicU64> = (0..blocks)
+            .map(|_| std::sync::atomic::AtomicU64::new(0))
+            .collect();
+        parallel_ranges(blocks, |range| {
+            for b in range {
+                let mut acc = 0f64;
+                for &v in &x[b * BLOCK..x.len().min((b + 1) * BLOCK)] {
+                    let v = num_traits::ToPrimitive::to_f64(&v).unwrap_or(f64::NAN);
+                    acc += v * v;
+                }
+                partials[b].store(acc.to_bits(), std::sync::atomic::Ordering::Relaxed);
+            }
+        });
+        partials
+            .iter()
+            .map(|p| f64::from_bits(p.load(std::sync::atomic::Ordering::Relaxed)))
+            .sum()
+    }
 }

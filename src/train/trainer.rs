@@ -430,7 +430,7 @@ impl Trainer {
 
     /// The optimizer's state (AdamW's moments, by `m.<name>` / `v.<name>`), as a
     /// checkpoint writes it.
-    pub fn optimizer_state(&self) -> std::collections::BTreeMap<String, Tensor> {
+    pub fn optimizer_state(&self) -> Result<std::collections::BTreeMap<String, Tensor>> {
         self.optimizer.state()
     }
 
@@ -613,7 +613,7 @@ impl Trainer {
         checkpoint::save(
             &self.cfg.output_dir.join("checkpoints"),
             &self.gc.state()?,
-            &self.optimizer.state(),
+            &self.optimizer.state()?,
             &state,
             self.cfg.train.keep_checkpoints,
         )
