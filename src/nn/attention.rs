@@ -38,13 +38,15 @@ use super::fused::{with_wide_vectors, Float, SharedMut};
 pub const MASKED_BIAS: f64 = -1e4;
 
 /// Where the heads of a batch lie in a flat buffer: element `c` of row `i` of head `h` of
-/// sequence `b` is at `offset + b * seq + h * head + i * row + c`.
+/// sequence `b` is at `offset + start(b) + h * head + i * row + c`, where `start(b)` is
+/// `b * seq` for a layout with a sequence stride, else the sequence's first row times
+/// `row` (sequences of rows packed one after another, see [`Rows`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadLayout {
     /// Offset of the first element.
     pub offset: usize,
-    /// Stride between sequences.
-    pub seq: usize,
+    /// Stride between sequences; `None`: sequences start at the rows of [`Rows::starts`].
+    pub seq: Option<usize>,
     /// Stride between heads.
     pub head: usize,
     /// Stride between rows (tokens).
@@ -56,26 +58,68 @@ impl HeadLayout {
     pub fn heads_first(heads: usize, s: usize, d: usize) -> Self {
         Self {
             offset: 0,
-            seq: heads * s * d,
+            seq: Some(heads * s * d),
             head: s * d,
             row: d,
         }
     }
 
-    /// Heads side by side in rows of `width` (`[n, s, width]`, head `h` at columns
-    /// `offset + h d ..`): the merged-heads `[n, s, h]` layout (`width = h`, `offset = 0`),
-    /// or the query, key or value part of a packed `[n, s, 3h]` projection.
-    pub fn in_rows(s: usize, width: usize, d: usize, offset: usize) -> Self {
+    /// Heads side by side in rows of `width` (head `h` at columns `offset + h d ..`), the
+    /// rows of a sequence consecutive from its first row ([`Rows::starts`]): the
+    /// merged-heads layout (`width = h`, `offset = 0`), or the query, key or value part of
+    /// a packed `[rows, 3h]` projection.
+    pub fn in_rows(width: usize, d: usize, offset: usize) -> Self {
         Self {
             offset,
-            seq: s * width,
+            seq: None,
             head: d,
             row: width,
         }
     }
 
-    fn at(&self, b: usize, h: usize) -> usize {
-        self.offset + b * self.seq + h * self.head
+    fn at(&self, rows: &Rows, b: usize, h: usize) -> usize {
+        let start = match self.seq {
+            Some(stride) => b * stride,
+            None => rows.starts[b] * self.row,
+        };
+        self.offset + start + h * self.head
+    }
+}
+
+/// Which rows of each sequence the attention computes: the first row of every sequence
+/// (for layouts without a sequence stride) and its number of query rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rows {
+    /// The first row of each sequence.
+    pub starts: Vec<usize>,
+    /// The query rows computed for each sequence.
+    pub queries: Vec<usize>,
+}
+
+impl Rows {
+    /// `n` sequences of `s` rows each, every row a query.
+    pub fn padded(n: usize, s: usize) -> Self {
+        Self {
+            starts: (0..n).map(|b| b * s).collect(),
+            queries: vec![s; n],
+        }
+    }
+
+    /// Sequences of `lengths` rows packed one after another, every row a query.
+    pub fn packed(lengths: &[usize]) -> Self {
+        let mut at = 0;
+        let starts = lengths
+            .iter()
+            .map(|&l| {
+                let s = at;
+                at += l;
+                s
+            })
+            .collect();
+        Self {
+            starts,
+            queries: lengths.to_vec(),
+        }
     }
 }
 
@@ -138,19 +182,24 @@ impl<T: Float> KeyMask<T> {
         self.masking[b]
     }
 
-    /// Probabilities kept per sequence and head summed over the batch: `s * sum(L_b)`.
-    fn kept_len(&self, dims: Dims) -> usize {
-        dims.heads * dims.s * self.lengths.iter().sum::<usize>()
+    /// The probabilities kept: `heads * queries_b * L_b` summed over the sequences.
+    fn kept_len(&self, dims: Dims, rows: &Rows) -> usize {
+        self.lengths
+            .iter()
+            .zip(&rows.queries)
+            .map(|(&l, &q)| dims.heads * q * l)
+            .sum()
     }
 
     /// Offset of sequence `b`'s kept probabilities.
-    fn kept_offsets(&self, dims: Dims) -> Vec<usize> {
+    fn kept_offsets(&self, dims: Dims, rows: &Rows) -> Vec<usize> {
         let mut at = 0;
         self.lengths
             .iter()
-            .map(|&l| {
+            .zip(&rows.queries)
+            .map(|(&l, &q)| {
                 let o = at;
-                at += dims.heads * dims.s * l;
+                at += dims.heads * q * l;
                 o
             })
             .collect()
@@ -316,7 +365,7 @@ fn for_tasks<T: Float>(count: usize, scratch: usize, f: impl Fn(usize, &mut [T])
 /// `q` and `k` address their layouts for `dims`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn probabilities<T: Float>(
-    dims: Dims,
+    (dims, rows): (Dims, &Rows),
     params: &Params,
     mask: &KeyMask<T>,
     (b, h): (usize, usize),
@@ -326,12 +375,12 @@ unsafe fn probabilities<T: Float>(
 ) {
     let (s, d, l) = (dims.s, dims.d, mask.len(b));
     matmul(
-        (s, l, d),
+        (rows.queries[b], l, d),
         p.as_mut_ptr(),
         l,
-        q.0.add(q.1.at(b, h)),
+        q.0.add(q.1.at(rows, b, h)),
         (q.1.row, 1),
-        k.0.add(k.1.at(b, h)),
+        k.0.add(k.1.at(rows, b, h)),
         (1, k.1.row),
     );
     let bias = &mask.bias[b * s..(b + 1) * s];
@@ -371,7 +420,7 @@ fn dropout_block<T: Float>(
 /// layout and overlaps nothing else.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn forward<T: Float>(
-    dims: Dims,
+    (dims, rows): (Dims, &Rows),
     params: &Params,
     mask: &KeyMask<T>,
     q: (*const T, HeadLayout),
@@ -381,8 +430,8 @@ pub unsafe fn forward<T: Float>(
     keep: bool,
 ) -> Option<Vec<T>> {
     let (s, d) = (dims.s, dims.d);
-    let mut kept = keep.then(|| vec![T::zero(); mask.kept_len(dims)]);
-    let offsets = mask.kept_offsets(dims);
+    let mut kept = keep.then(|| vec![T::zero(); mask.kept_len(dims, rows)]);
+    let offsets = mask.kept_offsets(dims, rows);
     let kept_ptr = kept.as_mut().map(|k| SharedMut(k.as_mut_ptr()));
     let (q, k, v) = (
         (SharedConst(q.0), q.1),
@@ -395,17 +444,17 @@ pub unsafe fn forward<T: Float>(
     let scratch = 2 * s * s;
     for_tasks::<T>(dims.n * dims.heads, scratch, |task, buf| {
         let (b, h) = (task / dims.heads, task % dims.heads);
-        let l = mask.len(b);
+        let (l, nq) = (mask.len(b), rows.queries[b]);
         let (own, rest) = buf.split_at_mut(s * s);
         let p: &mut [T] = match kept_ptr {
             // SAFETY: task (b, h) owns its block of the kept probabilities.
             Some(ptr) => {
-                std::slice::from_raw_parts_mut(ptr.get().add(offsets[b] + h * s * l), s * l)
+                std::slice::from_raw_parts_mut(ptr.get().add(offsets[b] + h * nq * l), nq * l)
             }
-            None => &mut own[..s * l],
+            None => &mut own[..nq * l],
         };
         probabilities(
-            dims,
+            (dims, rows),
             params,
             mask,
             (b, h),
@@ -415,7 +464,7 @@ pub unsafe fn forward<T: Float>(
         );
         let pd: &[T] = match dropout {
             Some(drop) => {
-                let pd = &mut rest[..s * l];
+                let pd = &mut rest[..nq * l];
                 pd.copy_from_slice(p);
                 dropout_block(dims, drop, (b, h), l, pd);
                 pd
@@ -423,12 +472,12 @@ pub unsafe fn forward<T: Float>(
             None => p,
         };
         matmul(
-            (s, d, l),
-            out.0.get().add(out.1.at(b, h)),
+            (nq, d, l),
+            out.0.get().add(out.1.at(rows, b, h)),
             out.1.row,
             pd.as_ptr(),
             (l, 1),
-            v.0.get().add(v.1.at(b, h)),
+            v.0.get().add(v.1.at(rows, b, h)),
             (v.1.row, 1),
         );
     });
@@ -444,7 +493,7 @@ pub unsafe fn forward<T: Float>(
 /// else and one another only in disjoint columns.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn backward<T: Float>(
-    dims: Dims,
+    (dims, rows): (Dims, &Rows),
     params: &Params,
     mask: &KeyMask<T>,
     q: (*const T, HeadLayout),
@@ -457,7 +506,7 @@ pub unsafe fn backward<T: Float>(
     dv: (*mut T, HeadLayout),
 ) {
     let (s, d) = (dims.s, dims.d);
-    let offsets = mask.kept_offsets(dims);
+    let offsets = mask.kept_offsets(dims, rows);
     let kept = kept.map(|k| SharedConst(k.as_ptr()));
     let (q, k, v, dctx) = (
         (SharedConst(q.0), q.1),
@@ -474,16 +523,16 @@ pub unsafe fn backward<T: Float>(
     let scale = T::of(params.scale);
     for_tasks::<T>(dims.n * dims.heads, 3 * s * s, |task, buf| {
         let (b, h) = (task / dims.heads, task % dims.heads);
-        let l = mask.len(b);
+        let (l, nq) = (mask.len(b), rows.queries[b]);
         let (own, rest) = buf.split_at_mut(s * s);
         let (pd_buf, dp_buf) = rest.split_at_mut(s * s);
         let p: &[T] = match kept {
             // SAFETY: the forward wrote this block.
-            Some(ptr) => std::slice::from_raw_parts(ptr.get().add(offsets[b] + h * s * l), s * l),
+            Some(ptr) => std::slice::from_raw_parts(ptr.get().add(offsets[b] + h * nq * l), nq * l),
             None => {
-                let p = &mut own[..s * l];
+                let p = &mut own[..nq * l];
                 probabilities(
-                    dims,
+                    (dims, rows),
                     params,
                     mask,
                     (b, h),
@@ -496,33 +545,33 @@ pub unsafe fn backward<T: Float>(
         };
         let pd: &[T] = match dropout {
             Some(drop) => {
-                let pd = &mut pd_buf[..s * l];
+                let pd = &mut pd_buf[..nq * l];
                 pd.copy_from_slice(p);
                 dropout_block(dims, drop, (b, h), l, pd);
                 pd
             }
             None => p,
         };
-        let dc = dctx.0.get().add(dctx.1.at(b, h));
-        // dV [L, d] = P_d^T [L, s] dC [s, d]
+        let dc = dctx.0.get().add(dctx.1.at(rows, b, h));
+        // dV [L, d] = P_d^T [L, q] dC [q, d]
         matmul(
-            (l, d, s),
-            dv.0.get().add(dv.1.at(b, h)),
+            (l, d, nq),
+            dv.0.get().add(dv.1.at(rows, b, h)),
             dv.1.row,
             pd.as_ptr(),
             (1, l),
             dc,
             (dctx.1.row, 1),
         );
-        // dP_d [s, L] = dC [s, d] V^T [d, L]
-        let dp = &mut dp_buf[..s * l];
+        // dP_d [q, L] = dC [q, d] V^T [d, L]
+        let dp = &mut dp_buf[..nq * l];
         matmul(
-            (s, l, d),
+            (nq, l, d),
             dp.as_mut_ptr(),
             l,
             dc,
             (dctx.1.row, 1),
-            v.0.get().add(v.1.at(b, h)),
+            v.0.get().add(v.1.at(rows, b, h)),
             (1, v.1.row),
         );
         if let Some(drop) = dropout {
@@ -535,24 +584,24 @@ pub unsafe fn backward<T: Float>(
                 *g = scale * pv * (*g - dot);
             }
         }
-        // dQ [s, d] = dS [s, L] K [L, d]
+        // dQ [q, d] = dS [q, L] K [L, d]
         matmul(
-            (s, d, l),
-            dq.0.get().add(dq.1.at(b, h)),
+            (nq, d, l),
+            dq.0.get().add(dq.1.at(rows, b, h)),
             dq.1.row,
             dp.as_ptr(),
             (l, 1),
-            k.0.get().add(k.1.at(b, h)),
+            k.0.get().add(k.1.at(rows, b, h)),
             (k.1.row, 1),
         );
-        // dK [L, d] = dS^T [L, s] Q [s, d]
+        // dK [L, d] = dS^T [L, q] Q [q, d]
         matmul(
-            (l, d, s),
-            dk.0.get().add(dk.1.at(b, h)),
+            (l, d, nq),
+            dk.0.get().add(dk.1.at(rows, b, h)),
             dk.1.row,
             dp.as_ptr(),
             (1, l),
-            q.0.get().add(q.1.at(b, h)),
+            q.0.get().add(q.1.at(rows, b, h)),
             (q.1.row, 1),
         );
     });

@@ -148,7 +148,7 @@ fn node<T: Float>(
             }
         });
     }
-    let y = match dropped(&y, dropout, h) {
+    let y = match dropped(&y, dropout, h, None) {
         std::borrow::Cow::Owned(d) => d,
         std::borrow::Cow::Borrowed(_) => y,
     };
@@ -169,7 +169,7 @@ fn node<T: Float>(
                 Some(sum) => std::borrow::Cow::Borrowed(sum.as_slice()),
                 None => std::borrow::Cow::Owned(sum_of::<T>(&inputs, &detached)?),
             };
-            let dnormed = dropped(dyv.values::<T>()?, dropout, h);
+            let dnormed = dropped(dyv.values::<T>()?, dropout, h, None);
             let g = View::new(&detached[3])?;
             let (dsum, dgamma, dbeta) = norm_backward(&sum, g.values::<T>()?, &dnormed, eps);
             drop((sum, dnormed));

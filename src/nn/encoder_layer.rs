@@ -37,7 +37,7 @@
 
 use candle_core::{DType, Tensor};
 
-use super::attention::{self as kernel, lane_dot, lane_sum, HeadLayout, KeyMask};
+use super::attention::{self as kernel, lane_dot, lane_sum, HeadLayout, KeyMask, Rows};
 use super::fused::{
     for_blocks, for_blocks_with_partials, node_n_owned, parallel_ranges, sum_partials, Act,
     AttentionSpec, Float, SharedMut, BLOCK_ROWS,
@@ -152,6 +152,7 @@ pub fn encoder_layer(
         inter,
         heads,
         d: h / heads,
+        rows: n * s,
     };
     let tracked = x.track_op() || w.all().iter().any(|t| t.track_op());
     match x.dtype() {
@@ -170,11 +171,71 @@ struct Shape {
     inter: usize,
     heads: usize,
     d: usize,
+    /// The rows computed: the real tokens (see [`Packing`]).
+    rows: usize,
 }
 
 impl Shape {
     fn rows(&self) -> usize {
-        self.n * self.s
+        self.rows
+    }
+}
+
+/// The rows a layer computes: each sequence's tokens up to its last unmasked one, packed
+/// one after another (no work on padding: text-embeddings-inference's and ModernBERT's
+/// unpadding). Padding rows take no part in the real rows' results (they are masked keys,
+/// and no gradient reaches them), so the real rows are what they would be padded; the
+/// layer's output is 0 at padding. Dropout masks are those of each element's place in the
+/// padded `[n, s, h]` tensor, so packing changes no mask.
+pub(crate) struct Packing {
+    rows: Rows,
+    /// The padded row of every packed row.
+    padded: Vec<usize>,
+    /// Every row is real: packed and padded are the same.
+    identity: bool,
+}
+
+impl Packing {
+    fn new<T: Float>(mask: &KeyMask<T>, n: usize, s: usize) -> Self {
+        let lengths: Vec<usize> = (0..n).map(|b| mask.len(b)).collect();
+        let padded = lengths
+            .iter()
+            .enumerate()
+            .flat_map(|(b, &l)| (0..l).map(move |t| b * s + t))
+            .collect::<Vec<_>>();
+        Self {
+            identity: padded.len() == n * s,
+            rows: Rows::packed(&lengths),
+            padded,
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.padded.len()
+    }
+
+    /// The packed rows of `x` (`[n s, width]`).
+    fn gather<'a, T: Float>(&self, x: &'a [T], width: usize) -> std::borrow::Cow<'a, [T]> {
+        if self.identity {
+            return std::borrow::Cow::Borrowed(x);
+        }
+        let mut out = Vec::with_capacity(self.total() * width);
+        for &r in &self.padded {
+            out.extend_from_slice(&x[r * width..(r + 1) * width]);
+        }
+        std::borrow::Cow::Owned(out)
+    }
+
+    /// The packed rows `y` put back at their padded places, 0 elsewhere.
+    fn scatter<T: Float>(&self, y: Vec<T>, padded_rows: usize, width: usize) -> Vec<T> {
+        if self.identity {
+            return y;
+        }
+        let mut out = vec![T::zero(); padded_rows * width];
+        for (row, &r) in y.chunks_exact(width).zip(&self.padded) {
+            out[r * width..(r + 1) * width].copy_from_slice(row);
+        }
+        out
     }
 }
 
@@ -293,16 +354,18 @@ fn layer<T: Float>(
         );
     }
     let mask = KeyMask::new(View::new(&bias)?.values::<T>()?, dims.n, dims.s);
+    let packing = Packing::new(&mask, dims.n, dims.s);
+    let dims = Shape {
+        rows: packing.total(),
+        ..dims
+    };
+    let padded_rows = dims.n * dims.s;
     let (out, kept) = weights.read::<T, _>(|wv| {
-        forward(
-            View::new(&xd)?.values::<T>()?,
-            wv,
-            &mask,
-            spec,
-            dims,
-            tracked,
-        )
+        let xv = View::new(&xd)?;
+        let xp = packing.gather(xv.values::<T>()?, dims.h);
+        forward(&xp, wv, &mask, &packing, spec, dims, tracked)
     })?;
+    let out = packing.scatter(out, padded_rows, dims.h);
     let shape = (dims.n, dims.s, dims.h);
     let Some(kept) = kept else {
         return Tensor::from_vec(out, shape, x.device());
@@ -320,10 +383,13 @@ fn layer<T: Float>(
             let dy = dy.contiguous()?;
             let grads = weights.read::<T, _>(|wv| {
                 let (xv, dyv) = (View::new(&xd)?, View::new(&dy)?);
-                backward(xv.values()?, dyv.values()?, wv, &mask, &spec, dims, &kept)
+                let xp = packing.gather(xv.values::<T>()?, dims.h);
+                let dyp = packing.gather(dyv.values::<T>()?, dims.h);
+                backward(&xp, &dyp, wv, &mask, &packing, &spec, dims, &kept)
             })?;
+            let dx = packing.scatter(grads.dx, padded_rows, dims.h);
             let mut out = vec![Some(Tensor::from_vec(
-                grads.dx,
+                dx,
                 shape,
                 &candle_core::Device::Cpu,
             )?)];
@@ -499,39 +565,47 @@ fn stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
 }
 
 /// `LayerNorm(dropout(a) + r)` row by row: returns the sums and the normalised rows.
-/// Dropout masks are those of each element's place in the `[rows, h]` tensor.
+/// Dropout masks are those of each element's place in the padded `[n s, h]` tensor
+/// (`places[row]` the padded row of each row).
 fn add_norm<T: Float>(
     a: &[T],
     r: &[T],
     dropout: Option<(u64, f32)>,
     (g, b): (&[T], &[T]),
     eps: f64,
+    places: &[usize],
 ) -> (Vec<T>, Vec<T>) {
     let h = g.len();
     let mut sum = vec![T::zero(); a.len()];
     let mut y = vec![T::zero(); a.len()];
     let ys = SharedMut(y.as_mut_ptr());
     for_blocks(&mut sum, h, |blk, chunk| {
-        let base = blk * BLOCK_ROWS * h;
+        let first = blk * BLOCK_ROWS;
+        let base = first * h;
         // SAFETY: block `blk` owns the same rows of `y` as of `sum`.
         let yb = unsafe { std::slice::from_raw_parts_mut(ys.get().add(base), chunk.len()) };
-        add_rows(
-            &a[base..base + chunk.len()],
-            &r[base..base + chunk.len()],
-            dropout,
-            base,
-            chunk,
-        );
-        for (srow, yrow) in chunk.chunks_exact(h).zip(yb.chunks_exact_mut(h)) {
+        for (i, (srow, yrow)) in chunk
+            .chunks_exact_mut(h)
+            .zip(yb.chunks_exact_mut(h))
+            .enumerate()
+        {
+            let at = base + i * h;
+            add_row(
+                &a[at..at + h],
+                &r[at..at + h],
+                dropout,
+                places[first + i] * h,
+                srow,
+            );
             norm_row(srow, g, b, eps, yrow);
         }
     });
     (sum, y)
 }
 
-/// `out = dropout(a) + r` for the elements from `start` on.
+/// `out = dropout(a) + r` for the elements from `start` on (of the masked tensor).
 #[inline(always)]
-fn add_rows<T: Float>(a: &[T], r: &[T], dropout: Option<(u64, f32)>, start: usize, out: &mut [T]) {
+fn add_row<T: Float>(a: &[T], r: &[T], dropout: Option<(u64, f32)>, start: usize, out: &mut [T]) {
     match dropout.filter(|&(_, p)| p > 0.0) {
         Some((seed, p)) => {
             let keep = T::of(1.0 / (1.0 - f64::from(p)));
@@ -683,24 +757,30 @@ pub(crate) fn norm_backward<T: Float>(
     (dsum, sums[..h].to_vec(), sums[h..].to_vec())
 }
 
-/// `x` times its dropout mask (`x` the rows of a `[rows, h]` tensor): `x` itself
-/// without dropout, else a new buffer.
-pub(crate) fn dropped<T: Float>(
-    x: &[T],
+/// `x` times its dropout mask (`x` rows of `width`, `places[row]` each row's place in
+/// the masked tensor, or `None`: the rows in order): `x` itself without dropout, else a
+/// new buffer.
+pub(crate) fn dropped<'a, T: Float>(
+    x: &'a [T],
     dropout: Option<(u64, f32)>,
     width: usize,
-) -> std::borrow::Cow<'_, [T]> {
+    places: Option<&[usize]>,
+) -> std::borrow::Cow<'a, [T]> {
     let Some((seed, p)) = dropout.filter(|&(_, p)| p > 0.0) else {
         return std::borrow::Cow::Borrowed(x);
     };
     let keep = T::of(1.0 / (1.0 - f64::from(p)));
     let mut out = vec![T::zero(); x.len()];
     for_blocks(&mut out, width, |blk, chunk| {
-        let base = blk * BLOCK_ROWS * width;
-        let src = &x[base..base + chunk.len()];
-        crate::rng::keep_run(seed, base as u64, chunk.len(), p, |j, kept| {
-            chunk[j] = src[j] * if kept { keep } else { T::zero() };
-        });
+        let first = blk * BLOCK_ROWS;
+        for (i, row) in chunk.chunks_exact_mut(width).enumerate() {
+            let at = (first + i) * width;
+            let src = &x[at..at + width];
+            let place = places.map_or(first + i, |pl| pl[first + i]);
+            crate::rng::keep_run(seed, (place * width) as u64, width, p, |j, kept| {
+                row[j] = src[j] * if kept { keep } else { T::zero() };
+            });
+        }
     });
     std::borrow::Cow::Owned(out)
 }
@@ -741,20 +821,22 @@ fn forward<T: Float>(
     x: &[T],
     w: &W<T>,
     mask: &KeyMask<T>,
+    packing: &Packing,
     spec: &LayerSpec,
     dims: Shape,
     keep: bool,
 ) -> candle_core::Result<(Vec<T>, Option<Kept<T>>)> {
     let (rows, h) = (dims.rows(), dims.h);
+    let places = &packing.padded;
     let qkv = qkv(x, w, rows, h);
-    let (ctx, probs) = attend(&qkv, mask, spec, dims, keep);
+    let (ctx, probs) = attend(&qkv, mask, &packing.rows, spec, dims, keep);
     let qkv = keep.then_some(qkv);
     let a = linear(&ctx, w.wo, w.bo, rows, h);
     let ctx = keep.then_some(ctx);
-    let (sum1, y1) = add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps);
+    let (sum1, y1) = add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps, places);
     drop(a);
     let (u, o) = feed_forward(&y1, w, spec, dims);
-    let (sum2, y) = add_norm(&o, &y1, spec.output_dropout, w.n2, spec.eps);
+    let (sum2, y) = add_norm(&o, &y1, spec.output_dropout, w.n2, spec.eps, places);
     let kept = qkv.zip(ctx).map(|(qkv, ctx)| Kept {
         qkv,
         probs,
@@ -771,6 +853,7 @@ fn forward<T: Float>(
 fn attend<T: Float>(
     qkv: &[T],
     mask: &KeyMask<T>,
+    rows: &Rows,
     spec: &LayerSpec,
     dims: Shape,
     keep: bool,
@@ -787,18 +870,18 @@ fn attend<T: Float>(
         s,
         d,
     };
-    let packed = |part: usize| HeadLayout::in_rows(s, 3 * h, d, part * h);
+    let packed = |part: usize| HeadLayout::in_rows(3 * h, d, part * h);
     let p = qkv.as_ptr();
     // SAFETY: qkv is a [rows, 3h] buffer, ctx a [rows, h] one.
     let probs = unsafe {
         kernel::forward(
-            kdims,
+            (kdims, rows),
             &params,
             mask,
             (p, packed(0)),
             (p, packed(1)),
             (p, packed(2)),
-            (ctx.as_mut_ptr(), HeadLayout::in_rows(s, h, d, 0)),
+            (ctx.as_mut_ptr(), HeadLayout::in_rows(h, d, 0)),
             keep && !spec.attention.recompute,
         )
     };
@@ -823,23 +906,26 @@ struct Grads<T> {
 }
 
 /// The backward pass from `dy`.
+#[allow(clippy::too_many_arguments)]
 fn backward<T: Float>(
     x: &[T],
     dy: &[T],
     w: &W<T>,
     mask: &KeyMask<T>,
+    packing: &Packing,
     spec: &LayerSpec,
     dims: Shape,
     kept: &Kept<T>,
 ) -> candle_core::Result<Grads<T>> {
     use std::borrow::Cow;
     let (rows, h, i) = (dims.rows(), dims.h, dims.inter);
+    let places = &packing.padded;
     // What the forward did not keep, recomputed with its own arithmetic.
     let sum1 = match &kept.sum1 {
         Some(s) => Cow::Borrowed(s.as_slice()),
         None => {
             let a = linear(&kept.ctx, w.wo, w.bo, rows, h);
-            Cow::Owned(add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps).0)
+            Cow::Owned(add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps, places).0)
         }
     };
     let y1 = norm(&sum1, w.n1, spec.eps);
@@ -849,7 +935,9 @@ fn backward<T: Float>(
             let (u, o) = feed_forward(&y1, w, spec, dims);
             let sum2 = match sum_kept {
                 Some(s) => Cow::Borrowed(s.as_slice()),
-                None => Cow::Owned(add_norm(&o, &y1, spec.output_dropout, w.n2, spec.eps).0),
+                None => {
+                    Cow::Owned(add_norm(&o, &y1, spec.output_dropout, w.n2, spec.eps, places).0)
+                }
             };
             let u = match u_kept {
                 Some(u) => Cow::Borrowed(u.as_slice()),
@@ -861,7 +949,7 @@ fn backward<T: Float>(
     // Second LayerNorm; its sum's gradient is also the residual gradient of y1.
     let (dsum2, dg2, db2) = norm_backward(&sum2, w.n2.0, dy, spec.eps);
     drop(sum2);
-    let d_o = dropped(&dsum2, spec.output_dropout, h);
+    let d_o = dropped(&dsum2, spec.output_dropout, h, Some(places));
     let dbd = column_sums(&d_o, h);
     let (g, slope) = activate_with_slope(&u, spec.act, i);
     drop(u);
@@ -881,13 +969,20 @@ fn backward<T: Float>(
     // First LayerNorm.
     let (dsum1, dg1, db1) = norm_backward(&sum1, w.n1.0, &dy1, spec.eps);
     drop((sum1, dy1));
-    let d_a = dropped(&dsum1, spec.attention_output_dropout, h);
+    let d_a = dropped(&dsum1, spec.attention_output_dropout, h, Some(places));
     let dbo = column_sums(&d_a, h);
     let dwo = product_new((h, h, rows), (&d_a, 1, h), (&kept.ctx, h, 1));
     let dctx = product_new((rows, h, h), (&d_a, h, 1), (w.wo, h, 1));
     drop(d_a);
     // Attention.
-    let dqkv = attention_backward(&kept.qkv, kept.probs.as_deref(), &dctx, mask, spec, dims);
+    let dqkv = attention_backward(
+        &kept.qkv,
+        kept.probs.as_deref(),
+        &dctx,
+        (mask, &packing.rows),
+        spec,
+        dims,
+    );
     drop(dctx);
     let sums = column_sums(&dqkv, 3 * h);
     let dbqkv = [0, 1, 2].map(|p| sums[p * h..(p + 1) * h].to_vec());
@@ -925,7 +1020,7 @@ fn attention_backward<T: Float>(
     qkv: &[T],
     probs: Option<&[T]>,
     dctx: &[T],
-    mask: &KeyMask<T>,
+    (mask, rows): (&KeyMask<T>, &Rows),
     spec: &LayerSpec,
     dims: Shape,
 ) -> Vec<T> {
@@ -941,20 +1036,20 @@ fn attention_backward<T: Float>(
         s,
         d,
     };
-    let packed = |part: usize| HeadLayout::in_rows(s, 3 * h, d, part * h);
+    let packed = |part: usize| HeadLayout::in_rows(3 * h, d, part * h);
     let (p, g) = (qkv.as_ptr(), dqkv.as_mut_ptr());
     // SAFETY: qkv and dqkv are [rows, 3h] buffers (the three gradients in disjoint
     // columns), dctx a [rows, h] one.
     unsafe {
         kernel::backward(
-            kdims,
+            (kdims, rows),
             &params,
             mask,
             (p, packed(0)),
             (p, packed(1)),
             (p, packed(2)),
             probs,
-            (dctx.as_ptr(), HeadLayout::in_rows(s, h, d, 0)),
+            (dctx.as_ptr(), HeadLayout::in_rows(h, d, 0)),
             (g, packed(0)),
             (g, packed(1)),
             (g, packed(2)),

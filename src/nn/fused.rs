@@ -31,7 +31,7 @@ use candle_core::backend::BackendStorage;
 
 use num_traits::Zero as _;
 
-use super::attention::{softmax_row, with_values, Dims, HeadLayout, KeyMask, Params};
+use super::attention::{softmax_row, with_values, Dims, HeadLayout, KeyMask, Params, Rows};
 use candle_core::{
     CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, InplaceOp2, Layout, Shape, Tensor,
     WithDType,
@@ -1709,6 +1709,7 @@ pub fn attention(
         v.contiguous()?.detach(),
     );
     let layout = HeadLayout::heads_first(heads, s, d);
+    let rows = Rows::padded(n, s);
     let len = n * heads * s * d;
     with_float!(q.dtype(), T => {
         let (dims, params, mask) = attention_setup::<T>(spec, n, heads, s, d)?;
@@ -1719,7 +1720,7 @@ pub fn attention(
                     // SAFETY: q, k, v and out are contiguous [n, heads, s, d] buffers.
                     Ok(unsafe {
                         super::attention::forward(
-                            dims,
+                            (dims, &rows),
                             &params,
                             &mask,
                             (qv.as_ptr(), layout),
@@ -1751,7 +1752,7 @@ pub fn attention(
                                     // SAFETY: every buffer is a contiguous [n, heads, s, d].
                                     unsafe {
                                         super::attention::backward(
-                                            dims,
+                                            (dims, &rows),
                                             &params,
                                             &mask,
                                             (qv.as_ptr(), layout),
@@ -1862,8 +1863,9 @@ fn self_attention_node(
     let qkv = x2.matmul(&wd.t()?)?;
     qkv.inplace_op2(&bd, &AddInPlace { rows: true })?;
     drop((wd, bd));
-    let packed = move |part: usize| HeadLayout::in_rows(s, 3 * h, d, part * h);
-    let merged = HeadLayout::in_rows(s, h, d, 0);
+    let packed = move |part: usize| HeadLayout::in_rows(3 * h, d, part * h);
+    let merged = HeadLayout::in_rows(h, d, 0);
+    let seqs = Rows::padded(n, s);
     with_float!(x.dtype(), T => {
         let (dims, params, mask) = attention_setup::<T>(spec, n, heads, s, d)?;
         let mut out = vec![T::zero(); rows * h];
@@ -1872,7 +1874,7 @@ fn self_attention_node(
             // SAFETY: qkv is a contiguous [n s, 3h] buffer, out a [n s, h] one.
             Ok(unsafe {
                 super::attention::forward(
-                    dims,
+                    (dims, &seqs),
                     &params,
                     &mask,
                     (p, packed(0)),
@@ -1904,7 +1906,7 @@ fn self_attention_node(
                             // three gradients in disjoint columns), dout a [n s, h] one.
                             unsafe {
                                 super::attention::backward(
-                                    dims,
+                                    (dims, &seqs),
                                     &params,
                                     &mask,
                                     (p, packed(0)),
