@@ -5,9 +5,16 @@
 //! peak measured in the same run (so the fraction of the machine's matmul peak shows on
 //! any machine).
 //!
+//! It prints the CPU (model and vendor: subnormal floats cost Intel cores a microcode
+//! assist each and AMD cores next to nothing, so a figure means little without it) and,
+//! for the quickstart, the same batch timed at the first step and again after the run's
+//! steps: weights that push activations or gradients into the subnormal range show as
+//! a first step several times slower than the last (`gradcache::denormal`).
+//!
 //! ```text
 //! cargo bench --bench train_step                # both configurations, 4 steps each
 //! cargo bench --bench train_step -- --quick     # the quickstart, 2 steps
+//! cargo bench --bench train_step -- --drift     # only the first-against-last line
 //! GRADCACHE_MINILM=/path/to/all-MiniLM-L6-v2 cargo bench --bench train_step
 //! ```
 //!
@@ -20,7 +27,75 @@ use std::path::Path;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
+use gradcache::train::data::TextBatch;
 use gradcache::train::{Config, PhaseTimes, Quiet, StepReport, Trainer};
+
+/// The CPU's model name and vendor, from `/proc/cpuinfo` (`unknown` elsewhere).
+fn cpu() -> (String, String) {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |key: &str| {
+        info.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split(':').nth(1))
+            .map(|v| v.trim().to_string())
+            .unwrap_or_else(|| "unknown".into())
+    };
+    (field("model name"), field("vendor_id"))
+}
+
+/// The first `rows` pairs of the quickstart's training data as a batch.
+fn probe_batch(rows: usize) -> anyhow::Result<TextBatch> {
+    let text = std::fs::read_to_string("data/quickstart/train.jsonl")?;
+    let mut batch = TextBatch {
+        queries: vec![],
+        passages: vec![],
+        filled: 0,
+    };
+    for line in text.lines().take(rows) {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        let field = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+        batch.queries.push(field("query"));
+        batch.passages.push(field("positive"));
+    }
+    Ok(batch)
+}
+
+/// The same batch timed after the first step and after `steps` more: the replay and
+/// representation pass of the same shapes, first against last (subnormal floats slow the
+/// first several-fold on Intel cores).
+fn drift(steps: usize) -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let sets = vec![
+        format!("output_dir={}", dir.path().display()),
+        format!("train.steps={}", steps + 2),
+        "train.eval_every=0".to_string(),
+        "train.checkpoint_every=0".to_string(),
+    ];
+    let cfg = Config::load(Path::new("configs/quickstart.toml"), &sets)?;
+    let probe = probe_batch(cfg.train.batch_size)?;
+    let mut trainer = Trainer::new(cfg, None)?;
+    trainer.train_step()?; // warm up (allocator, thread pool)
+    let best_of = |trainer: &Trainer| -> anyhow::Result<PhaseTimes> {
+        let (a, b) = (trainer.time_step(&probe)?, trainer.time_step(&probe)?);
+        Ok(if a.total_ms() <= b.total_ms() { a } else { b })
+    };
+    let first = best_of(&trainer)?;
+    for _ in 0..steps {
+        trainer.train_step()?;
+    }
+    let last = best_of(&trainer)?;
+    println!(
+        "# the same quickstart batch, step 1 against step {} (best of 2 each): represent \
+         {:.0} -> {:.0} ms, replay {:.0} -> {:.0} ms; first/last {:.2}x",
+        steps + 1,
+        first.represent_ms,
+        last.represent_ms,
+        first.replay_ms,
+        last.replay_ms,
+        (first.represent_ms + first.replay_ms) / (last.represent_ms + last.replay_ms).max(1e-9)
+    );
+    Ok(())
+}
 
 /// candle's f32 matmul throughput at `n^3`, best of 5, in GFLOP/s.
 fn sgemm_peak(n: usize) -> anyhow::Result<f64> {
@@ -106,8 +181,12 @@ fn main() -> anyhow::Result<()> {
         println!("{peak:.1}");
         return Ok(());
     }
+    if std::env::args().any(|a| a == "--drift") {
+        return drift(20);
+    }
+    let (model, vendor) = cpu();
     println!(
-        "# candle sgemm 2048^3: {peak:.1} GFLOP/s; {} threads",
+        "# {model} ({vendor}); candle sgemm 2048^3: {peak:.1} GFLOP/s; {} threads",
         std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
     );
     println!(
@@ -118,6 +197,7 @@ fn main() -> anyhow::Result<()> {
     let steps = if quick { 2 } else { 4 };
     let quickstart: Vec<String> = vec!["train.eval_every=0".into()];
     run("quickstart", &quickstart, steps, peak)?;
+    drift(if quick { 10 } else { 30 })?;
     if quick {
         return Ok(());
     }

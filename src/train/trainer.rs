@@ -463,6 +463,31 @@ impl Trainer {
         evaluate(&q, &p, &targets, self.cfg.loss.similarity, 256)
     }
 
+    /// Times one gradient-cache step over `batch` (tokenized as a training batch, dropout
+    /// of the current step) and changes nothing: no update, no step counted, the data
+    /// position untouched. The same batch timed at different points of a run shows what
+    /// the weights alone do to the speed (subnormal floats: see [`crate::denormal`]);
+    /// `benches/train_step.rs` does that.
+    pub fn time_step(&self, batch: &TextBatch) -> Result<PhaseTimes> {
+        let _flush = crate::denormal::flush();
+        let start = Instant::now();
+        let (queries, passages) = self.share(batch)?;
+        let q = self.query_tokenizer.encode(&queries, &self.device)?;
+        let p = self.passage_tokenizer.encode(&passages, &self.device)?;
+        let (q, p) = in_length_order(&q, &p)?;
+        let tokenize_ms = ms(start.elapsed());
+        let out = self.gc.cache_step(self.step, &q, &p)?;
+        let t = out.times;
+        Ok(PhaseTimes {
+            tokenize_ms,
+            represent_ms: ms(t.represent),
+            loss_ms: ms(t.loss),
+            replay_ms: ms(t.replay),
+            reduce_ms: ms(t.reduce),
+            optimizer_ms: 0.0,
+        })
+    }
+
     /// One optimizer step on the next (global) batch; in a distributed run this rank
     /// encodes its share and every rank applies the same reduced gradients.
     pub fn train_step(&mut self) -> Result<StepReport> {
