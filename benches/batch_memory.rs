@@ -50,6 +50,8 @@ fn tokens(seed: u64, rows: usize, len: usize, vocab: usize) -> anyhow::Result<To
 }
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
+    unsafe { gradcache::pool::short_spin() };
     let quick = std::env::args().any(|a| a == "--quick");
     let scale = std::env::args().any(|a| a == "--scale");
     let len = if scale { 32 } else { 64 };

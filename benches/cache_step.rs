@@ -84,6 +84,8 @@ fn compare(
 }
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
+    unsafe { gradcache::pool::short_spin() };
     let quick = std::env::args().any(|a| a == "--quick");
     let cfg = MlpConfig {
         input: 256,

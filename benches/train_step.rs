@@ -175,6 +175,8 @@ fn run_one(name: &str, sets: &[String], steps: usize, peak: f64) -> anyhow::Resu
 }
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
+    unsafe { gradcache::pool::short_spin() };
     let quick = std::env::args().any(|a| a == "--quick");
     let peak = sgemm_peak(2048)?;
     if std::env::args().any(|a| a == "--sgemm") {

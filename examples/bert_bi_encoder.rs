@@ -26,6 +26,8 @@ const BATCH: usize = 64;
 const CHUNK: usize = 16;
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
+    unsafe { gradcache::pool::short_spin() };
     let device = Device::Cpu;
     let train = read_jsonl(Path::new("data/quickstart/train.jsonl"), &Fields::default())?;
     let eval = read_jsonl(Path::new("data/quickstart/eval.jsonl"), &Fields::default())?;

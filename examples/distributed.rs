@@ -74,6 +74,8 @@ fn compare(comm: &Rc<dyn Collective>, two_towers: bool) -> gradcache::Result<(f3
 }
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
+    unsafe { gradcache::pool::short_spin() };
     let comm = dist::init(Backend::Mpi)?;
     let mut worst = 0f64;
     for two_towers in [false, true] {

@@ -33,6 +33,8 @@ fn compare<Q: Encoder<Input = Tensor>, P: Encoder<Input = Tensor>, L: Loss>(
 }
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
+    unsafe { gradcache::pool::short_spin() };
     let cfg = MlpConfig {
         input: 32,
         hidden: 64,

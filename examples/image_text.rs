@@ -59,6 +59,8 @@ fn recall(
 }
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
+    unsafe { gradcache::pool::short_spin() };
     let args: Vec<String> = std::env::args().collect();
     let steps: u64 = match args.iter().position(|a| a == "--steps") {
         Some(i) => args.get(i + 1).and_then(|v| v.parse().ok()).unwrap_or(150),

@@ -163,6 +163,8 @@ fn value<T: std::str::FromStr>(args: &[String], flag: &str) -> anyhow::Result<Op
 }
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
+    unsafe { gradcache::pool::short_spin() };
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     // `--towers bert,mlp,resnet,lstm`: which towers to measure (default: all).

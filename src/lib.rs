@@ -23,6 +23,7 @@
 //! - [`params`]: the parameter store (seeded initialisation) and gradients keyed by name.
 //! - [`batch`]: splitting and concatenating inputs along the batch dimension.
 //! - [`memory`]: a counting allocator for peak-memory measurements.
+//! - [`pool`]: a short spin for candle's CPU pool workers on machines with few cores.
 //! - [`denormal`]: flush-to-zero and denormals-are-zero on every thread that computes
 //!   (subnormal floats cost Intel cores a microcode assist each), held by the entry points.
 //! - [`precision`]: mixed precision (bf16/f16 compute over f32 master weights) and the
@@ -64,6 +65,7 @@ pub mod memory;
 pub mod models;
 pub mod nn;
 pub mod params;
+pub mod pool;
 pub mod precision;
 pub mod recompute;
 pub mod replay;
