@@ -37,7 +37,11 @@ use crate::{Error, Result};
 /// length (as `SentenceTransformer.encode` does), so each chunk is padded only to the
 /// longest of texts of similar length: the padding a chunk computes on is small. Masked
 /// positions contribute nothing, so a text's embedding does not depend on its neighbours.
-pub fn embed<E: Encoder<Input = TokenBatch>>(
+///
+/// On the CPU the chunks are encoded side by side, one per thread, each on its thread
+/// alone ([`crate::nn::fused::serial`]): an inference chunk's ops are too small to split
+/// across threads without the threads waiting on one another.
+pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
     encoder: &E,
     tokenizer: &Tokenizer,
     texts: &[&str],
@@ -67,10 +71,19 @@ pub fn embed<E: Encoder<Input = TokenBatch>>(
             pick(&batch.attention_mask)?,
             pick(&batch.token_type_ids)?,
         )?;
-        let mut reps = Vec::new();
-        for piece in crate::batch::Batch::chunks(&sorted, chunk)? {
-            reps.push(encoder.encode(&piece, &Ctx::eval())?);
-        }
+        let pieces = crate::batch::Batch::chunks(&sorted, chunk)?;
+        let reps = if device.is_cpu() {
+            use rayon::prelude::*;
+            pieces
+                .par_iter()
+                .map(|piece| crate::nn::fused::serial(|| encoder.encode(piece, &Ctx::eval())))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            pieces
+                .iter()
+                .map(|piece| encoder.encode(piece, &Ctx::eval()))
+                .collect::<Result<Vec<_>>>()?
+        };
         let reps = Tensor::cat(&reps, 0)?;
         parts.push(reps.index_select(&Tensor::new(inverse.as_slice(), device)?, 0)?);
     }

@@ -410,6 +410,9 @@ fn layer<T: Float>(
 
 /// The gemm crate's parallelism for the layer's large products (candle's own choice).
 fn parallelism() -> gemm::Parallelism {
+    if super::fused::in_serial() {
+        return gemm::Parallelism::None;
+    }
     match candle_core::utils::get_num_threads() {
         0 | 1 => gemm::Parallelism::None,
         n => gemm::Parallelism::Rayon(n),

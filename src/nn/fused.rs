@@ -132,7 +132,31 @@ unsafe impl<T: Send> Sync for SharedMut<T> {}
 /// one its element-wise ops use: a second pool would compete with candle's workers, which
 /// spin between ops), the calling thread taking part.
 pub(crate) fn parallel_ranges(items: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    if in_serial() {
+        f(0..items);
+        return;
+    }
     candle_core::utils::barrier_pool().execute_chunked(items, f);
+}
+
+thread_local! {
+    static SERIAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread runs the kernels serially ([`serial`]).
+pub(crate) fn in_serial() -> bool {
+    SERIAL.with(|s| s.get())
+}
+
+/// Runs `f` with every fused kernel and the encoder layer's products on this thread
+/// alone: for data parallelism across independent pieces of work (inference chunks on
+/// several threads at once), where splitting each small op across threads would only
+/// add synchronisation. Same arithmetic, same results.
+pub fn serial<R>(f: impl FnOnce() -> R) -> R {
+    let before = SERIAL.with(|s| s.replace(true));
+    let out = f();
+    SERIAL.with(|s| s.set(before));
+    out
 }
 
 /// Runs `f(block, rows)` for every block of `BLOCK_ROWS` rows of width `width` of `out`

@@ -70,8 +70,9 @@ pub struct StepReport {
     /// Peak heap bytes of each phase above the step's start (0 unless the binary counts
     /// allocations).
     pub phase_peaks: PhasePeaks,
-    /// Matrix-product FLOPs the step executed: this rank's chunks, at their padded
-    /// lengths, through every pass the engine runs (graph-free forward, replay forward
+    /// Matrix-product FLOPs the step executed: this rank's sequences at their real
+    /// lengths (on the CPU in f32, where the layers skip padding; elsewhere the chunks at
+    /// their padded lengths), through every pass the engine runs (graph-free forward, replay forward
     /// and its backward, and the recompute forward when on). See
     /// [`BertConfig::forward_flops`].
     pub flops: f64,
@@ -594,10 +595,24 @@ impl Trainer {
         let segmented = self.cfg.model.recompute.segments(layers)?.is_some();
         let passes = if segmented { 5.0 } else { 4.0 };
         let t = &self.cfg.train;
+        // On the CPU in f32 the layers run on the real tokens only (packed, no padding);
+        // elsewhere on every chunk at its padded length.
+        let packed = self.device.is_cpu() && self.cfg.precision == Precision::F32;
         let mut forward = 0.0;
         for (batch, chunk) in [(queries, t.query_chunk), (passages, t.passage_chunk)] {
-            for piece in batch.chunks(chunk)? {
-                forward += self.bert.forward_flops(piece.rows(), piece.seq_len());
+            if packed {
+                let lengths = batch
+                    .attention_mask
+                    .to_dtype(DType::U32)?
+                    .sum(1)?
+                    .to_vec1::<u32>()?;
+                for len in lengths {
+                    forward += self.bert.forward_flops(1, len as usize);
+                }
+            } else {
+                for piece in batch.chunks(chunk)? {
+                    forward += self.bert.forward_flops(piece.rows(), piece.seq_len());
+                }
             }
         }
         Ok(forward * passes)
