@@ -25,9 +25,14 @@ use std::collections::HashMap;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Tensor, TensorId};
 
-use crate::nn::fused::Float;
 use crate::params::{Gradients, Params};
 use crate::Result;
+
+/// The element types a gradient is summed in.
+pub trait Grad: candle_core::WithDType + std::ops::AddAssign {}
+
+impl Grad for f32 {}
+impl Grad for f64 {}
 
 /// One parameter's accumulated gradient.
 struct Buffer {
@@ -105,7 +110,7 @@ pub(crate) fn is_open() -> bool {
 /// Hands `f` the innermost open sink's buffer for `param` (`Some`), or `None` when it has
 /// none yet, in which case what `f` returns becomes the buffer. `false` when no sink is
 /// open (`f` does not run).
-fn with_buffer<T: Float>(
+fn with_buffer<T: Grad>(
     param: &Tensor,
     f: impl FnOnce(Option<&mut [T]>) -> Option<Vec<T>>,
 ) -> candle_core::Result<bool> {
@@ -149,7 +154,7 @@ fn with_buffer<T: Float>(
 
 /// Adds `grad` (dense, `param`'s shape) to the open sink's buffer for `param`: `None`
 /// when it did, `Some(tensor)` for candle's backward when no sink is open.
-pub(crate) fn deposit<T: Float>(
+pub(crate) fn deposit<T: Grad>(
     param: &Tensor,
     grad: Vec<T>,
 ) -> candle_core::Result<Option<Tensor>> {
@@ -164,7 +169,9 @@ pub(crate) fn deposit<T: Float>(
     let added = with_buffer::<T>(param, |acc| match acc {
         Some(acc) => {
             if let Some(g) = &grad {
-                crate::nn::fused::add_slices(acc, g);
+                for (a, &v) in acc.iter_mut().zip(g) {
+                    *a += v;
+                }
             }
             None
         }
@@ -180,7 +187,7 @@ pub(crate) fn deposit<T: Float>(
 /// Adds the gradient of an embedding table `param` `[rows, width]` whose row `ids[i]`
 /// received `values[i * width..]`: into the open sink's buffer only the touched rows, in
 /// the order of `ids` (`None`); without a sink the dense gradient for candle (`Some`).
-pub(crate) fn deposit_rows<T: Float>(
+pub(crate) fn deposit_rows<T: Grad>(
     param: &Tensor,
     ids: &[u32],
     values: &[T],
@@ -210,7 +217,7 @@ pub(crate) fn deposit_rows<T: Float>(
             None
         }
         None => {
-            let mut fresh = vec![T::zero(); rows * width];
+            let mut fresh = vec![T::from_f64(0.0); rows * width];
             scatter(&mut fresh);
             Some(fresh)
         }
@@ -218,7 +225,7 @@ pub(crate) fn deposit_rows<T: Float>(
     if added {
         return Ok(None);
     }
-    let mut dense = vec![T::zero(); rows * width];
+    let mut dense = vec![T::from_f64(0.0); rows * width];
     scatter(&mut dense);
     Tensor::from_vec(dense, (rows, width), &candle_core::Device::Cpu).map(Some)
 }

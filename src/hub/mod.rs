@@ -76,7 +76,7 @@ pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
             use rayon::prelude::*;
             pieces
                 .par_iter()
-                .map(|piece| crate::nn::fused::serial(|| encoder.encode(piece, &Ctx::eval())))
+                .map(|piece| crate::nn::serial(|| encoder.encode(piece, &Ctx::eval())))
                 .collect::<Result<Vec<_>>>()?
         } else {
             pieces

@@ -31,7 +31,8 @@
 
 use candle_core::Tensor;
 
-use super::fused::{with_wide_vectors, Float, SharedMut};
+use super::blocks::{parallel_ranges, with_wide_vectors, Float, SharedMut};
+use super::math::exp;
 
 /// A key whose additive bias is at or below this is masked (BERT's padding bias is
 /// `-10000`; PyTorch's `finfo.min` and `-inf` count too).
@@ -281,7 +282,7 @@ pub fn softmax_row<T: Float>(row: &mut [T], bias: &[T], scale: T, masking: bool)
     }
     let max = lane_max(row);
     for v in row.iter_mut() {
-        *v = super::fused::exp(*v - max);
+        *v = exp(*v - max);
     }
     let inv = T::one() / lane_sum(row);
     let tiny = T::of(f64::from(f32::MIN_POSITIVE));
@@ -350,7 +351,7 @@ impl Params {
 /// Runs `f(task, scratch)` for tasks `0..count` on candle's CPU thread pool, each worker
 /// with a scratch buffer of `scratch` elements of its own.
 fn for_tasks<T: Float>(count: usize, scratch: usize, f: impl Fn(usize, &mut [T]) + Sync) {
-    super::fused::parallel_ranges(count, |range| {
+    parallel_ranges(count, |range| {
         let mut buf = vec![T::zero(); scratch];
         for task in range {
             with_wide_vectors(|| f(task, &mut buf));

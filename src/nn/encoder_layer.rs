@@ -38,10 +38,13 @@
 use candle_core::{DType, Tensor};
 
 use super::attention::{self as kernel, lane_dot, lane_sum, HeadLayout, KeyMask, Rows};
-use super::fused::{
-    for_blocks, for_blocks_with_partials, node_n_owned, parallel_ranges, sum_partials, Act,
-    AttentionSpec, Float, SharedMut, BLOCK_ROWS,
+use super::blocks::{
+    for_blocks, for_blocks_with_partials, in_serial, parallel_ranges, sum_partials, Float,
+    SharedMut, BLOCK_ROWS,
 };
+use super::fused::AttentionSpec;
+use super::math::Act;
+use super::node::node_n_owned;
 
 /// The weights of one encoder layer, Hugging Face's BERT layer in order.
 #[derive(Debug, Clone)]
@@ -410,7 +413,7 @@ fn layer<T: Float>(
 
 /// The gemm crate's parallelism for the layer's large products (candle's own choice).
 fn parallelism() -> gemm::Parallelism {
-    if super::fused::in_serial() {
+    if in_serial() {
         return gemm::Parallelism::None;
     }
     match candle_core::utils::get_num_threads() {

@@ -17,9 +17,12 @@
 
 pub mod attention;
 mod batch_norm;
+mod blocks;
 pub mod embeddings;
 pub mod encoder_layer;
 pub mod fused;
+mod math;
+mod node;
 
 pub use batch_norm::BatchNorm;
 
@@ -31,6 +34,7 @@ use candle_nn::VarBuilder;
 use crate::precision::is_half;
 use crate::Result;
 
+pub use blocks::serial;
 pub use fused::{Act, AttentionSpec};
 
 static FUSED: AtomicBool = AtomicBool::new(true);

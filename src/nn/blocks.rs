@@ -1,0 +1,187 @@
+//! The thread-block helpers every CPU kernel runs on: the float types, rows split into
+//! fixed blocks on candle's thread pool (reductions summed per block in block order, so
+//! nothing depends on the thread count), the copy compiled for AVX2 + FMA, and the serial
+//! mode for data parallelism across independent pieces of work.
+
+/// Rows handled by one parallel task; also the granularity of cross-row reductions.
+pub(crate) const BLOCK_ROWS: usize = 32;
+
+/// The float types the kernels run in.
+pub trait Float:
+    num_traits::Float
+    + Send
+    + Sync
+    + std::iter::Sum
+    + std::ops::AddAssign
+    + std::ops::MulAssign
+    + candle_core::WithDType
+    + crate::sink::Grad
+{
+    /// From an f64 constant.
+    fn of(x: f64) -> Self;
+}
+
+impl Float for f32 {
+    fn of(x: f64) -> Self {
+        x as f32
+    }
+}
+
+impl Float for f64 {
+    fn of(x: f64) -> Self {
+        x
+    }
+}
+
+/// A pointer that may cross threads; each task derives a disjoint slice from it.
+pub(crate) struct SharedMut<T>(pub(crate) *mut T);
+
+impl<T> Clone for SharedMut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper, not the field).
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+// SAFETY: only used by `for_blocks`, whose tasks write disjoint ranges.
+unsafe impl<T: Send> Send for SharedMut<T> {}
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+
+/// Runs `f(range)` over `0..items` split into ranges, on candle's own CPU thread pool (the
+/// one its element-wise ops use: a second pool would compete with candle's workers, which
+/// spin between ops), the calling thread taking part.
+pub(crate) fn parallel_ranges(items: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+    if in_serial() {
+        f(0..items);
+        return;
+    }
+    candle_core::utils::barrier_pool().execute_chunked(items, f);
+}
+
+thread_local! {
+    static SERIAL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread runs the kernels serially ([`serial`]).
+pub(crate) fn in_serial() -> bool {
+    SERIAL.with(|s| s.get())
+}
+
+/// Runs `f` with every fused kernel and the encoder layer's products on this thread
+/// alone: for data parallelism across independent pieces of work (inference chunks on
+/// several threads at once), where splitting each small op across threads would only
+/// add synchronisation. Same arithmetic, same results.
+pub fn serial<R>(f: impl FnOnce() -> R) -> R {
+    let before = SERIAL.with(|s| s.replace(true));
+    let out = f();
+    SERIAL.with(|s| s.set(before));
+    out
+}
+
+/// Runs `f(block, rows)` for every block of `BLOCK_ROWS` rows of width `width` of `out`
+/// ([`parallel_ranges`]).
+pub(crate) fn for_blocks<T: Send + Sync>(
+    out: &mut [T],
+    width: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let block = BLOCK_ROWS * width.max(1);
+    let (len, ptr) = (out.len(), SharedMut(out.as_mut_ptr()));
+    let blocks = len.div_ceil(block);
+    parallel_ranges(blocks, |range| {
+        for b in range {
+            let start = b * block;
+            let end = len.min(start + block);
+            // SAFETY: blocks are disjoint ranges of `out`, which outlives the call (the
+            // pool returns only when every task is done).
+            let rows = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) };
+            with_wide_vectors(|| f(b, rows));
+        }
+    });
+}
+
+/// Runs `f` compiled for AVX2 + FMA when the CPU has them (the build targets baseline
+/// x86-64, whose SSE2 vectors are half as wide), else as built. The kernels' element loops
+/// are inlined into the copy compiled with the wider vectors; nothing is reassociated or
+/// fused by it (Rust never contracts `a * b + c` into an FMA on its own, and float
+/// reductions keep their order), so both copies give the same bits.
+#[inline(always)]
+pub(crate) fn with_wide_vectors<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if wide_vectors() {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { avx2_fma(f) };
+    }
+    f()
+}
+
+/// Whether the CPU has AVX2 and FMA (detected once).
+#[cfg(target_arch = "x86_64")]
+fn wide_vectors() -> bool {
+    #[cfg(test)]
+    if BASELINE_ONLY.load(std::sync::atomic::Ordering::Relaxed) {
+        return false;
+    }
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2_fma<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+/// `len` zeros with room for `extra` more: a backward kernel appends its parameter
+/// gradients to its input gradient, and a vector grown past its capacity would double it,
+/// a copy and an activation-sized allocation that the output would then hold.
+pub(crate) fn zeros_with_room<T: Float>(len: usize, extra: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(len + extra);
+    v.resize(len, T::zero());
+    v
+}
+
+/// Like [`for_blocks`], with one partial vector of `partial_len` per block (for reductions
+/// across rows), returned one after another in block order.
+pub(crate) fn for_blocks_with_partials<T: Float>(
+    out: &mut [T],
+    width: usize,
+    partial_len: usize,
+    f: impl Fn(usize, &mut [T], &mut [T]) + Sync,
+) -> Vec<T> {
+    let blocks = out.len().div_ceil(BLOCK_ROWS * width.max(1));
+    let mut partials = vec![T::zero(); blocks * partial_len];
+    let shared = SharedMut(partials.as_mut_ptr());
+    for_blocks(out, width, |b, rows| {
+        // SAFETY: block `b` owns partials `b * partial_len .. (b + 1) * partial_len`.
+        let partial = unsafe {
+            std::slice::from_raw_parts_mut(shared.get().add(b * partial_len), partial_len)
+        };
+        f(b, rows, partial);
+    });
+    partials
+}
+
+/// Sums per-block partial vectors of `width` (one after another) in block order
+/// (deterministic).
+pub(crate) fn sum_partials<T: Float>(partials: &[T], width: usize) -> Vec<T> {
+    let mut total = vec![T::zero(); width];
+    for p in partials.chunks(width.max(1)) {
+        for (t, &v) in total.iter_mut().zip(p) {
+            *t += v;
+        }
+    }
+    total
+}
+
+/// Makes every kernel take the baseline (SSE2) copy (tests).
+#[cfg(test)]
+pub(crate) static BASELINE_ONLY: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
