@@ -5,7 +5,8 @@
 use candle_core::{DType, Device, Tensor, Var};
 use gradcache::nn::{
     bias_activation, bias_activation_composed, dropout, dropout_composed, layer_norm,
-    layer_norm_composed, masked_softmax, masked_softmax_composed, Act,
+    layer_norm_composed, masked_softmax, masked_softmax_composed, mean_pool, mean_pool_composed,
+    Act,
 };
 
 mod common;
@@ -154,6 +155,64 @@ fn masked_softmax_matches_its_composed_form_and_finite_differences() {
     finite_differences("masked softmax", &[random(11, &[2, 2, 3, 4])], &[0], &|t| {
         masked_softmax(&t[0], &bias64, 0.7)
     });
+}
+
+/// A 0/1 mask `[n, s]`: row `i` has `s - 2 i` real tokens (none from `i = s / 2` on).
+fn token_mask(n: usize, s: usize) -> Tensor {
+    let v: Vec<f32> = (0..n)
+        .flat_map(|i| (0..s).map(move |j| if j + 2 * i < s { 1.0 } else { 0.0 }))
+        .collect();
+    Tensor::from_vec(v, (n, s), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn mean_pooling_matches_its_composed_form_and_finite_differences() {
+    // The last row has no real token (its mean counts one position, as the composed form).
+    let x = random(20, &[4, 6, 8]);
+    let mask = token_mask(4, 6);
+    for normalize in [false, true] {
+        agree(
+            &format!("mean pooling, normalize {normalize}"),
+            std::slice::from_ref(&x),
+            &[0],
+            &|t| mean_pool(&t[0], &mask, normalize),
+            &|t| mean_pool_composed(&t[0], &mask, normalize),
+        );
+        let mask64 = token_mask(3, 4).to_dtype(DType::F64).unwrap();
+        finite_differences(
+            &format!("mean pooling, normalize {normalize}"),
+            &[random(21, &[3, 4, 5])],
+            &[0],
+            &|t| mean_pool(&t[0], &mask64, normalize),
+        );
+    }
+    // Padding positions get no gradient and take no part in the result.
+    let cot = random(22, &[4, 8]);
+    let (y, g) = value_and_grads(std::slice::from_ref(&x), &cot, &|t| {
+        mean_pool(&t[0], &mask, true)
+    });
+    let g = g[0].to_vec3::<f32>().unwrap();
+    let m = mask.to_vec2::<f32>().unwrap();
+    for (i, row) in m.iter().enumerate() {
+        for (j, &keep) in row.iter().enumerate() {
+            if keep == 0.0 {
+                assert!(
+                    g[i][j].iter().all(|&v| v == 0.0),
+                    "padding ({i}, {j}) got a gradient"
+                );
+            }
+        }
+    }
+    let noise = (x.clone() + (random(23, &[4, 6, 8]) * 100.0).unwrap()).unwrap();
+    let padded_noise = noise
+        .broadcast_mul(&(1.0 - &mask).unwrap().unsqueeze(2).unwrap())
+        .unwrap();
+    let moved = mean_pool(&(&x + padded_noise).unwrap(), &mask, true).unwrap();
+    assert_eq!(
+        moved.to_vec2::<f32>().unwrap(),
+        y.to_vec2::<f32>().unwrap(),
+        "padding moved the pooled output"
+    );
 }
 
 #[test]
@@ -430,6 +489,8 @@ fn shapes_that_do_not_fit_are_errors_not_panics() {
     assert!(bias_activation(&x, &random(81, &[5]), Act::GeluErf).is_err());
     assert!(layer_norm(&x, &random(82, &[5]), &random(83, &[4]), 1e-5).is_err());
     assert!(layer_norm(&x, &random(84, &[4]), &random(85, &[3]), 1e-5).is_err());
+    // A token mask of another shape than the hidden states'.
+    assert!(mean_pool(&x, &token_mask(2, 4), true).is_err());
     // A key mask for another number of keys.
     assert!(masked_softmax(&random(86, &[2, 2, 3, 3]), &padding_bias(2, 4), 1.0).is_err());
     // Selective-recompute nodes: a down projection that does not take the up

@@ -14,7 +14,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::{Tensor, D};
+use candle_core::Tensor;
 use candle_nn::{Embedding, Init, Module, VarBuilder};
 
 use crate::batch::TokenBatch;
@@ -633,12 +633,7 @@ impl LayerStack for Bert {
         let x = &x.to_dtype(aux.mask.dtype())?;
         let pooled = match self.options.pooling {
             Pooling::Cls => x.narrow(1, 0, 1)?.squeeze(1)?,
-            Pooling::Mean => {
-                let mask = aux.mask.unsqueeze(D::Minus1)?;
-                let summed = x.broadcast_mul(&mask)?.sum(1)?;
-                let counts = mask.sum(1)?.maximum(1.0)?;
-                summed.broadcast_div(&counts)?
-            }
+            Pooling::Mean => return crate::nn::mean_pool(x, &aux.mask, self.options.normalize),
         };
         if self.options.normalize {
             crate::nn::l2_normalize(&pooled)

@@ -14,6 +14,7 @@ pub trait Float:
     + std::iter::Sum
     + std::ops::AddAssign
     + std::ops::MulAssign
+    + std::ops::DivAssign
     + candle_core::WithDType
     + crate::sink::Grad
 {

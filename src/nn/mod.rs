@@ -23,6 +23,7 @@ pub mod encoder_layer;
 pub mod fused;
 mod math;
 mod node;
+pub mod pooling;
 
 pub use batch_norm::BatchNorm;
 
@@ -295,6 +296,29 @@ pub fn add_norm_composed(
         _ => x.clone(),
     };
     layer_norm_composed(&(x + residual)?, &norm.weight, &norm.bias, norm.eps)
+}
+
+/// The mean of `x` `[n, s, h]` over the positions where `mask` `[n, s]` is 1, then
+/// [`l2_normalize`]d with `normalize`: the fused node ([`pooling::mean_pool`]) where it
+/// runs, else the composed ops.
+pub fn mean_pool(x: &Tensor, mask: &Tensor, normalize: bool) -> Result<Tensor> {
+    if fused_ok(&[x, mask]) {
+        return Ok(pooling::mean_pool(x, mask, normalize)?);
+    }
+    mean_pool_composed(x, mask, normalize)
+}
+
+/// [`mean_pool`] as composed candle ops (any device and dtype).
+pub fn mean_pool_composed(x: &Tensor, mask: &Tensor, normalize: bool) -> Result<Tensor> {
+    let mask = mask.unsqueeze(D::Minus1)?;
+    let summed = x.broadcast_mul(&mask)?.sum(1)?;
+    let counts = mask.sum(1)?.maximum(1.0)?;
+    let pooled = summed.broadcast_div(&counts)?;
+    if normalize {
+        l2_normalize(&pooled)
+    } else {
+        Ok(pooled)
+    }
 }
 
 /// `x / max(||x||, 1e-12)` over the last dimension (as `torch.nn.functional.normalize`),
