@@ -676,6 +676,24 @@ fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<T> {
     g
 }
 
+/// `act(u)` over `u` itself.
+fn activate_in_place<T: Float>(u: &mut [T], act: Act, width: usize) {
+    for_blocks(u, width, |_, chunk| {
+        macro_rules! each {
+            ($a:expr) => {
+                for v in chunk.iter_mut() {
+                    *v = $a.value(*v);
+                }
+            };
+        }
+        match act {
+            Act::GeluErf => each!(Act::GeluErf),
+            Act::GeluTanh => each!(Act::GeluTanh),
+            Act::Relu => each!(Act::Relu),
+        }
+    });
+}
+
 /// `act(u)` and `act'(u)` element by element, in one pass (one exponential each).
 fn activate_with_slope<T: Float>(u: &[T], act: Act, width: usize) -> (Vec<T>, Vec<T>) {
     let mut g = vec![T::zero(); u.len()];
@@ -822,6 +840,16 @@ fn feed_forward<T: Float>(y1: &[T], w: &W<T>, spec: &LayerSpec, dims: Shape) -> 
     (u, o)
 }
 
+/// The output of [`feed_forward`] alone, for a forward that does not keep `u`
+/// (inference, or the `intermediate` site recomputed): the activation overwrites `u` in
+/// place, so the layer's largest buffer (`[rows, I]`) exists once, not twice.
+fn feed_forward_output<T: Float>(y1: &[T], w: &W<T>, spec: &LayerSpec, dims: Shape) -> Vec<T> {
+    let (rows, h, i) = (dims.rows(), dims.h, dims.inter);
+    let mut u = linear(y1, w.wi, w.bi, rows, h);
+    activate_in_place(&mut u, spec.act, i);
+    linear(&u, w.wd, w.bd, rows, i)
+}
+
 /// The forward pass: the output rows and, when `keep`, what the backward reads.
 fn forward<T: Float>(
     x: &[T],
@@ -841,14 +869,19 @@ fn forward<T: Float>(
     let ctx = keep.then_some(ctx);
     let (sum1, y1) = add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps, places);
     drop(a);
-    let (u, o) = feed_forward(&y1, w, spec, dims);
+    let (u, o) = if keep && !spec.recompute_intermediate {
+        let (u, o) = feed_forward(&y1, w, spec, dims);
+        (Some(u), o)
+    } else {
+        (None, feed_forward_output(&y1, w, spec, dims))
+    };
     let (sum2, y) = add_norm(&o, &y1, spec.output_dropout, w.n2, spec.eps, places);
     let kept = qkv.zip(ctx).map(|(qkv, ctx)| Kept {
         qkv,
         probs,
         ctx,
         sum1: (!spec.recompute_attention_norm).then_some(sum1),
-        u: (!spec.recompute_intermediate).then_some(u),
+        u,
         sum2: (!spec.recompute_output_norm).then_some(sum2),
     });
     Ok((y, kept))
