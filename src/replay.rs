@@ -9,7 +9,7 @@
 //! of the re-run graph outlives the call.
 //!
 //! The crate's hand-written nodes add their parameter gradients into a sink
-//! ([`crate::sink`]) rather than handing them to candle; a replay opens one for its
+//! (`crate::sink`) rather than handing them to candle; a replay opens one for its
 //! backward pass unless one is open already (the gradient cache's, for a whole step).
 //!
 //! The gradient cache calls [`replay`] once per batch chunk (cotangent = cached dL/d rep);

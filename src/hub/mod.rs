@@ -39,7 +39,7 @@ use crate::{Error, Result};
 /// positions contribute nothing, so a text's embedding does not depend on its neighbours.
 ///
 /// On the CPU the chunks are encoded side by side, one per thread, each on its thread
-/// alone ([`crate::nn::fused::serial`]): an inference chunk's ops are too small to split
+/// alone ([`crate::nn::serial`]): an inference chunk's ops are too small to split
 /// across threads without the threads waiting on one another.
 pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
     encoder: &E,

@@ -3,7 +3,7 @@
 //!
 //! The forward gathers and sums the three rows of every token in one pass and normalises
 //! it in the same pass. The backward gives each table only the rows its tokens touched:
-//! into the open gradient sink ([`crate::sink`]) those rows alone are added, where
+//! into the open gradient sink (`crate::sink`) those rows alone are added, where
 //! candle's `index_select` backward builds a zero table-sized gradient, copies it, adds
 //! the rows, and candle's accumulator zero-fills and adds it once more (for MiniLM's
 //! 30,522 x 384 words, 47 MB per pass and chunk). It keeps the sum under the LayerNorm, or

@@ -989,7 +989,7 @@ fn as_accumulated(g: &Tensor) -> candle_core::Result<()> {
 pub struct AttentionSpec {
     /// Additive key mask `[n, 1, 1, k]` (BERT's -10000 on padding). A key whose bias is
     /// -10000 or below is masked: probability exactly 0, and the fused kernel does not
-    /// compute it ([`super::attention`]).
+    /// compute it ([`super::attention`](mod@super::attention)).
     pub bias: Tensor,
     /// Multiplies the scores (`1 / sqrt(head_dim)`).
     pub scale: f64,
@@ -1052,7 +1052,7 @@ fn kept_tensor<T: Float>(kept: Option<Vec<T>>) -> candle_core::Result<Option<Ten
 }
 
 /// `dropout(softmax(scale * q k^T + bias)) v` for `q`, `k`, `v` `[n, heads, s, d]`, as one
-/// node ([`super::attention`]: one task per sequence and head, padding keys skipped).
+/// node ([`super::attention`](mod@super::attention): one task per sequence and head, padding keys skipped).
 /// With `spec.recompute` it keeps nothing of size `[n, heads, s, s]`: the backward
 /// recomputes the probabilities from `q` and `k` with the same arithmetic and regenerates
 /// the dropout mask from its seed (Megatron's selective recompute of attention); without
@@ -1164,7 +1164,7 @@ pub fn attention(
 /// BERT's self-attention from the hidden states `x` `[n, s, h]` as one node over
 /// `(x, W_qkv, b_qkv)`, the query, key and value projections stacked into one `[3h, h]`
 /// weight: one matrix product gives the packed `[n s, 3h]` queries, keys and values, which
-/// the attention kernel ([`super::attention`]) reads where they lie, head by head, writing
+/// the attention kernel ([`super::attention`](mod@super::attention)) reads where they lie, head by head, writing
 /// the context with the heads merged, `[n, s, h]`: no split or merge copies. The backward
 /// takes the kept probabilities or recomputes them (`spec.recompute`), writes `dq`, `dk`,
 /// `dv` into one packed `[n s, 3h]` gradient and runs one product for `dx` and one for

@@ -600,7 +600,7 @@ where
 }
 
 /// BERT's multi-head self-attention from the hidden states `x` `[n, s, h]`: the query,
-/// key and value projections, the split into `heads`, [`attention`], and the heads merged
+/// key and value projections, the split into `heads`, [`attention()`](fn@attention), and the heads merged
 /// back, `[n, s, h]` (before the output projection). Where the fused kernels run, one node
 /// over the three projections ([`fused::self_attention_projections`]); else composed.
 pub fn self_attention(
@@ -653,7 +653,7 @@ pub fn self_attention_composed(
     Ok(attended.transpose(1, 2)?.reshape((n, s, h))?)
 }
 
-/// Composed attention (see [`attention`]); keeps the probabilities for the backward.
+/// Composed attention (see [`attention()`](fn@attention)); keeps the probabilities for the backward.
 pub fn attention_composed(
     q: &Tensor,
     k: &Tensor,
