@@ -186,3 +186,50 @@ pub(crate) fn sum_partials<T: Float>(partials: &[T], width: usize) -> Vec<T> {
 #[cfg(test)]
 pub(crate) static BASELINE_ONLY: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
+
+pub(crate) fn contiguous<'a, T: candle_core::WithDType>(
+    s: &'a candle_core::CpuStorage,
+    l: &candle_core::Layout,
+) -> candle_core::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((start, end)) => Ok(&s.as_slice::<T>()?[start..end]),
+        None => candle_core::bail!("fused kernels need contiguous inputs"),
+    }
+}
+
+/// Checks that a per-feature vector (`what`: a bias, a LayerNorm scale) has the length of
+/// `x`'s last dimension; the row kernels would read out of bounds otherwise.
+pub(crate) fn check_width(
+    op: &str,
+    what: &str,
+    x: &candle_core::Layout,
+    v: &candle_core::Layout,
+) -> candle_core::Result<()> {
+    let last = x.shape().dims().last().copied().unwrap_or(1);
+    if v.shape().elem_count() != last {
+        candle_core::bail!(
+            "{op}: {what} {:?} does not fit input {:?} (last dimension {last})",
+            v.shape().dims(),
+            x.shape().dims()
+        );
+    }
+    Ok(())
+}
+
+/// Calls `$body` with the element type of `$storage` bound to `$t` (f32 or f64).
+macro_rules! dispatch {
+    ($storage:expr, $t:ident => $body:expr) => {
+        match $storage {
+            candle_core::CpuStorage::F32(_) => {
+                type $t = f32;
+                $body
+            }
+            candle_core::CpuStorage::F64(_) => {
+                type $t = f64;
+                $body
+            }
+            other => candle_core::bail!("fused kernels run in f32 or f64, not {:?}", other.dtype()),
+        }
+    };
+}
+pub(crate) use dispatch;

@@ -195,3 +195,15 @@ fn sum_of<T: Float>(inputs: &Inputs, tables: &[Tensor]) -> candle_core::Result<V
     );
     Ok(inputs.sum(w.values()?, t.values()?, p.values()?))
 }
+
+/// BERT's embeddings as one node that keeps nothing but the ids
+/// ([`embeddings`] with `recompute`).
+pub fn embeddings_recomputed(
+    ids: [&Tensor; 2],
+    tables: [&Tensor; 3],
+    norm: [&Tensor; 2],
+    eps: f64,
+    dropout: Option<(u64, f32)>,
+) -> candle_core::Result<Tensor> {
+    embeddings(ids, tables, norm, eps, dropout, true)
+}

@@ -15,15 +15,23 @@
 //! LayerNorm and the attention softmax widen half-precision inputs to f32 for their
 //! statistics and narrow the result back.
 
+mod accumulate;
+mod activation;
 pub mod attention;
+mod attention_nodes;
 mod batch_norm;
 mod blocks;
+mod conv;
+mod dense;
+mod dropout_ops;
 pub mod embeddings;
 pub mod encoder_layer;
 pub mod fused;
 mod math;
 mod node;
+mod norm;
 pub mod pooling;
+mod softmax;
 
 pub use batch_norm::BatchNorm;
 
