@@ -27,10 +27,13 @@ mod dropout_ops;
 pub mod embeddings;
 pub mod encoder_layer;
 pub mod fused;
+mod gemm;
 mod math;
 mod node;
 mod norm;
+mod packing;
 pub mod pooling;
+mod rows;
 mod softmax;
 
 pub use batch_norm::BatchNorm;

@@ -1,0 +1,150 @@
+//! The matrix products of the layer nodes, on slices through the gemm crate: into a new
+//! buffer or accumulated into one (the residual gradients, a pre-filled bias), with the
+//! parallelism candle itself would choose (none in serial mode), a product with its bias,
+//! and the column sums of a bias gradient in fixed blocks.
+
+use super::blocks::{in_serial, parallel_ranges, sum_partials, Float, SharedMut, BLOCK_ROWS};
+
+/// The gemm crate's parallelism for the layer's large products (candle's own choice).
+pub(super) fn parallelism() -> gemm::Parallelism {
+    if in_serial() {
+        return gemm::Parallelism::None;
+    }
+    match candle_core::utils::get_num_threads() {
+        0 | 1 => gemm::Parallelism::None,
+        n => gemm::Parallelism::Rayon(n),
+    }
+}
+
+/// A matrix operand: its values, row stride and column stride.
+pub(super) type Operand<'a, T> = (&'a [T], usize, usize);
+
+/// The index of the last element `rows x cols` with these strides reach.
+pub(super) fn last(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+    (rows - 1) * rs + (cols - 1) * cs
+}
+
+/// `dst [m, n] (+)= lhs [m, k] rhs [k, n]`, `dst` with row stride `dst_rs`; with
+/// `accumulate` the product is added to what `dst` holds.
+pub(super) fn product<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (&mut [T], usize),
+    accumulate: bool,
+    lhs: Operand<T>,
+    rhs: Operand<T>,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        dst.len() > last(m, n, dst_rs, 1),
+        "product: destination too small"
+    );
+    // SAFETY: `dst` covers the destination (checked), borrowed mutably.
+    unsafe { product_raw((m, n, k), (dst.as_mut_ptr(), dst_rs), accumulate, lhs, rhs) }
+}
+
+/// `lhs [m, k] rhs [k, n]` into a new `[m, n]` buffer.
+pub(super) fn product_new<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    lhs: Operand<T>,
+    rhs: Operand<T>,
+) -> Vec<T> {
+    if k == 0 {
+        return vec![T::zero(); m * n];
+    }
+    let mut out = Vec::with_capacity(m * n);
+    // SAFETY: the product writes every element of the `m * n` it was given room for
+    // (`accumulate` off, `k > 0`), before the length is set.
+    unsafe {
+        product_raw((m, n, k), (out.as_mut_ptr(), n), false, lhs, rhs);
+        out.set_len(m * n);
+    }
+    out
+}
+
+/// The gemm call behind [`product`] and [`product_new`].
+///
+/// # Safety
+/// `dst` addresses `m x n` elements with row stride `dst_rs`, overlapping no operand.
+pub(super) unsafe fn product_raw<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (*mut T, usize),
+    accumulate: bool,
+    (lhs, lhs_rs, lhs_cs): Operand<T>,
+    (rhs, rhs_rs, rhs_cs): Operand<T>,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k > 0 {
+        assert!(
+            lhs.len() > last(m, k, lhs_rs, lhs_cs) && rhs.len() > last(k, n, rhs_rs, rhs_cs),
+            "product: operand too small"
+        );
+    }
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs.as_ptr(),
+        lhs_cs as isize,
+        lhs_rs as isize,
+        rhs.as_ptr(),
+        rhs_cs as isize,
+        rhs_rs as isize,
+        if accumulate { T::one() } else { T::zero() },
+        T::one(),
+        false,
+        false,
+        false,
+        parallelism(),
+    );
+}
+
+/// Rows of `width` holding the biases side by side, `rows` times (the destination of
+/// products that add to them).
+pub(super) fn bias_rows<T: Float>(biases: &[&[T]], rows: usize) -> Vec<T> {
+    let width: usize = biases.iter().map(|b| b.len()).sum();
+    let mut y = Vec::with_capacity(rows * width);
+    for _ in 0..rows {
+        for b in biases {
+            y.extend_from_slice(b);
+        }
+    }
+    y
+}
+
+/// `x [rows, k] W^T + b`, `W` `[out, k]`: the bias pre-filled, the product added to it.
+pub(super) fn linear<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, k: usize) -> Vec<T> {
+    let out = b.len();
+    let mut y = bias_rows(&[b], rows);
+    product((rows, out, k), (&mut y, out), true, (x, k, 1), (w, 1, k));
+    y
+}
+
+/// Column sums of `[rows, width]` (a bias gradient), in a fixed order.
+pub(super) fn column_sums<T: Float>(x: &[T], width: usize) -> Vec<T> {
+    let rows = x.len() / width.max(1);
+    let blocks = rows.div_ceil(BLOCK_ROWS);
+    let mut partials = vec![T::zero(); blocks * width];
+    let shared = SharedMut(partials.as_mut_ptr());
+    parallel_ranges(blocks, |range| {
+        for blk in range {
+            // SAFETY: block `blk` owns partials `blk * width .. (blk + 1) * width`.
+            let acc =
+                unsafe { std::slice::from_raw_parts_mut(shared.get().add(blk * width), width) };
+            let end = rows.min((blk + 1) * BLOCK_ROWS);
+            for row in x[blk * BLOCK_ROWS * width..end * width].chunks_exact(width) {
+                for (a, &v) in acc.iter_mut().zip(row) {
+                    *a += v;
+                }
+            }
+        }
+    });
+    sum_partials(&partials, width)
+}

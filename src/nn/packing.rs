@@ -1,0 +1,99 @@
+//! Unpadding: the rows of each sequence up to its last real token, packed one after
+//! another, gathered from and scattered back to the padded `[n, s, h]` layout; and
+//! [`View`], a contiguous CPU tensor's values read in place.
+
+use candle_core::Tensor;
+
+use super::attention::{KeyMask, Rows};
+use super::blocks::Float;
+
+/// The rows a layer computes: each sequence's tokens up to its last unmasked one, packed
+/// one after another (no work on padding: text-embeddings-inference's and ModernBERT's
+/// unpadding). Padding rows take no part in the real rows' results (they are masked keys,
+/// and no gradient reaches them), so the real rows are what they would be padded; the
+/// layer's output is 0 at padding. Dropout masks are those of each element's place in the
+/// padded `[n, s, h]` tensor, so packing changes no mask.
+pub(crate) struct Packing {
+    pub(super) rows: Rows,
+    /// The padded row of every packed row.
+    pub(super) padded: Vec<usize>,
+    /// Every row is real: packed and padded are the same.
+    identity: bool,
+}
+
+impl Packing {
+    pub(super) fn new<T: Float>(mask: &KeyMask<T>, n: usize, s: usize) -> Self {
+        let lengths: Vec<usize> = (0..n).map(|b| mask.len(b)).collect();
+        let padded = lengths
+            .iter()
+            .enumerate()
+            .flat_map(|(b, &l)| (0..l).map(move |t| b * s + t))
+            .collect::<Vec<_>>();
+        Self {
+            identity: padded.len() == n * s,
+            rows: Rows::packed(&lengths),
+            padded,
+        }
+    }
+
+    pub(super) fn total(&self) -> usize {
+        self.padded.len()
+    }
+
+    /// The packed rows of `x` (`[n s, width]`).
+    pub(super) fn gather<'a, T: Float>(
+        &self,
+        x: &'a [T],
+        width: usize,
+    ) -> std::borrow::Cow<'a, [T]> {
+        if self.identity {
+            return std::borrow::Cow::Borrowed(x);
+        }
+        let mut out = Vec::with_capacity(self.total() * width);
+        for &r in &self.padded {
+            out.extend_from_slice(&x[r * width..(r + 1) * width]);
+        }
+        std::borrow::Cow::Owned(out)
+    }
+
+    /// The packed rows `y` put back at their padded places, 0 elsewhere.
+    pub(super) fn scatter<T: Float>(&self, y: Vec<T>, padded_rows: usize, width: usize) -> Vec<T> {
+        if self.identity {
+            return y;
+        }
+        let mut out = vec![T::zero(); padded_rows * width];
+        for (row, &r) in y.chunks_exact(width).zip(&self.padded) {
+            out[r * width..(r + 1) * width].copy_from_slice(row);
+        }
+        out
+    }
+}
+
+/// A contiguous CPU tensor's values, read in place for as long as the view (its storage's
+/// read lock) lives.
+pub(crate) struct View<G> {
+    guard: G,
+    range: (usize, usize),
+}
+
+impl View<()> {
+    #[allow(clippy::new_ret_no_self)]
+    pub(crate) fn new(
+        t: &Tensor,
+    ) -> candle_core::Result<View<impl std::ops::Deref<Target = candle_core::Storage> + '_>> {
+        let (guard, layout) = t.storage_and_layout();
+        let range = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("encoder layer: a strided input".into()))?;
+        Ok(View { guard, range })
+    }
+}
+
+impl<G: std::ops::Deref<Target = candle_core::Storage>> View<G> {
+    pub(crate) fn values<T: Float>(&self) -> candle_core::Result<&[T]> {
+        match &*self.guard {
+            candle_core::Storage::Cpu(s) => Ok(&s.as_slice::<T>()?[self.range.0..self.range.1]),
+            _ => candle_core::bail!("encoder layer: a tensor off the CPU"),
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! Row kernels on slices that the layer and embeddings nodes share: LayerNorm rows (their
+//! statistics, the normalisation, the backward with `dgamma` and `dbeta` summed per
+//! block), the residual sum under a dropout mask, and the activations (with their slopes
+//! for the backward, or in place where nothing is kept).
+
+use super::attention::{lane_dot, lane_sum};
+use super::blocks::{
+    for_blocks, for_blocks_with_partials, sum_partials, Float, SharedMut, BLOCK_ROWS,
+};
+use super::math::Act;
+
+/// The LayerNorm statistics `(mean, 1 / sqrt(var + eps))` of a row (eight-lane sums).
+#[inline(always)]
+pub(super) fn stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
+    let n = T::of(x.len() as f64);
+    let mean = lane_sum(x) / n;
+    let mut acc = [T::zero(); 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for k in 0..8 {
+            let d = c[k] - mean;
+            acc[k] += d * d;
+        }
+    }
+    for (k, &v) in chunks.remainder().iter().enumerate() {
+        let d = v - mean;
+        acc[k] += d * d;
+    }
+    let var =
+        (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) / n;
+    (mean, T::one() / (var + T::of(eps)).sqrt())
+}
+
+/// `LayerNorm(dropout(a) + r)` row by row: returns the sums and the normalised rows.
+/// Dropout masks are those of each element's place in the padded `[n s, h]` tensor
+/// (`places[row]` the padded row of each row).
+pub(super) fn add_norm<T: Float>(
+    a: &[T],
+    r: &[T],
+    dropout: Option<(u64, f32)>,
+    (g, b): (&[T], &[T]),
+    eps: f64,
+    places: &[usize],
+) -> (Vec<T>, Vec<T>) {
+    let h = g.len();
+    let mut sum = vec![T::zero(); a.len()];
+    let mut y = vec![T::zero(); a.len()];
+    let ys = SharedMut(y.as_mut_ptr());
+    for_blocks(&mut sum, h, |blk, chunk| {
+        let first = blk * BLOCK_ROWS;
+        let base = first * h;
+        // SAFETY: block `blk` owns the same rows of `y` as of `sum`.
+        let yb = unsafe { std::slice::from_raw_parts_mut(ys.get().add(base), chunk.len()) };
+        for (i, (srow, yrow)) in chunk
+            .chunks_exact_mut(h)
+            .zip(yb.chunks_exact_mut(h))
+            .enumerate()
+        {
+            let at = base + i * h;
+            add_row(
+                &a[at..at + h],
+                &r[at..at + h],
+                dropout,
+                places[first + i] * h,
+                srow,
+            );
+            norm_row(srow, g, b, eps, yrow);
+        }
+    });
+    (sum, y)
+}
+
+/// `out = dropout(a) + r` for the elements from `start` on (of the masked tensor).
+#[inline(always)]
+pub(super) fn add_row<T: Float>(
+    a: &[T],
+    r: &[T],
+    dropout: Option<(u64, f32)>,
+    start: usize,
+    out: &mut [T],
+) {
+    match dropout.filter(|&(_, p)| p > 0.0) {
+        Some((seed, p)) => {
+            let keep = T::of(1.0 / (1.0 - f64::from(p)));
+            crate::rng::keep_run(seed, start as u64, out.len(), p, |j, kept| {
+                out[j] = a[j] * if kept { keep } else { T::zero() };
+            });
+            for (o, &rv) in out.iter_mut().zip(r) {
+                *o += rv;
+            }
+        }
+        None => {
+            for ((o, &av), &rv) in out.iter_mut().zip(a).zip(r) {
+                *o = av + rv;
+            }
+        }
+    }
+}
+
+#[inline(always)]
+pub(crate) fn norm_row<T: Float>(x: &[T], g: &[T], b: &[T], eps: f64, y: &mut [T]) {
+    let (mean, rstd) = stats(x, eps);
+    for (((yv, &xv), &gv), &bv) in y.iter_mut().zip(x).zip(g).zip(b) {
+        *yv = (xv - mean) * rstd * gv + bv;
+    }
+}
+
+/// The normalised rows of `sum` (`y1` recomputed from the kept sum).
+pub(super) fn norm<T: Float>(sum: &[T], (g, b): (&[T], &[T]), eps: f64) -> Vec<T> {
+    let h = g.len();
+    let mut y = vec![T::zero(); sum.len()];
+    for_blocks(&mut y, h, |blk, chunk| {
+        let base = blk * BLOCK_ROWS * h;
+        for (srow, yrow) in sum[base..base + chunk.len()]
+            .chunks_exact(h)
+            .zip(chunk.chunks_exact_mut(h))
+        {
+            norm_row(srow, g, b, eps, yrow);
+        }
+    });
+    y
+}
+
+/// `act(u)` element by element.
+pub(super) fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<T> {
+    let mut g = vec![T::zero(); u.len()];
+    for_blocks(&mut g, width, |blk, chunk| {
+        let base = blk * BLOCK_ROWS * width;
+        let src = &u[base..base + chunk.len()];
+        macro_rules! each {
+            ($a:expr) => {
+                for (o, &v) in chunk.iter_mut().zip(src) {
+                    *o = $a.value(v);
+                }
+            };
+        }
+        match act {
+            Act::GeluErf => each!(Act::GeluErf),
+            Act::GeluTanh => each!(Act::GeluTanh),
+            Act::Relu => each!(Act::Relu),
+        }
+    });
+    g
+}
+
+/// `act(u)` over `u` itself.
+pub(super) fn activate_in_place<T: Float>(u: &mut [T], act: Act, width: usize) {
+    for_blocks(u, width, |_, chunk| {
+        macro_rules! each {
+            ($a:expr) => {
+                for v in chunk.iter_mut() {
+                    *v = $a.value(*v);
+                }
+            };
+        }
+        match act {
+            Act::GeluErf => each!(Act::GeluErf),
+            Act::GeluTanh => each!(Act::GeluTanh),
+            Act::Relu => each!(Act::Relu),
+        }
+    });
+}
+
+/// `act(u)` and `act'(u)` element by element, in one pass (one exponential each).
+pub(super) fn activate_with_slope<T: Float>(u: &[T], act: Act, width: usize) -> (Vec<T>, Vec<T>) {
+    let mut g = vec![T::zero(); u.len()];
+    let mut slope = vec![T::zero(); u.len()];
+    let sp = SharedMut(slope.as_mut_ptr());
+    for_blocks(&mut g, width, |blk, chunk| {
+        let base = blk * BLOCK_ROWS * width;
+        let src = &u[base..base + chunk.len()];
+        // SAFETY: block `blk` owns the same elements of `slope` as of `g`.
+        let sl = unsafe { std::slice::from_raw_parts_mut(sp.get().add(base), chunk.len()) };
+        macro_rules! each {
+            ($a:expr) => {
+                for ((o, d), &v) in chunk.iter_mut().zip(sl.iter_mut()).zip(src) {
+                    let (value, derivative) = $a.value_and_derivative(v);
+                    *o = value;
+                    *d = derivative;
+                }
+            };
+        }
+        match act {
+            Act::GeluErf => each!(Act::GeluErf),
+            Act::GeluTanh => each!(Act::GeluTanh),
+            Act::Relu => each!(Act::Relu),
+        }
+    });
+    (g, slope)
+}
+
+/// In place, `dy` becomes `dy * slope`; returns its column sums (the bias gradient).
+pub(super) fn times_slope<T: Float>(slope: &[T], dy: &mut [T], width: usize) -> Vec<T> {
+    let partials = for_blocks_with_partials(dy, width, width, |blk, chunk, acc| {
+        let base = blk * BLOCK_ROWS * width;
+        let len = chunk.len();
+        for (row, srow) in chunk
+            .chunks_exact_mut(width)
+            .zip(slope[base..base + len].chunks_exact(width))
+        {
+            for ((d, a), &sv) in row.iter_mut().zip(acc.iter_mut()).zip(srow) {
+                let g = *d * sv;
+                *d = g;
+                *a += g;
+            }
+        }
+    });
+    sum_partials(&partials, width)
+}
+
+/// LayerNorm's backward over rows: the gradient of the sum it normalised, from the
+/// output's `dy`; and `(dgamma, dbeta)`.
+pub(crate) fn norm_backward<T: Float>(
+    sum: &[T],
+    g: &[T],
+    dy: &[T],
+    eps: f64,
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let h = g.len();
+    let n = T::of(h as f64);
+    let mut dsum = vec![T::zero(); dy.len()];
+    let partials = for_blocks_with_partials(&mut dsum, h, 2 * h, |blk, chunk, acc| {
+        let base = blk * BLOCK_ROWS * h;
+        let len = chunk.len();
+        let mut xhat = vec![T::zero(); h];
+        let mut gd = vec![T::zero(); h];
+        for ((dsr, xr), dyr) in chunk
+            .chunks_exact_mut(h)
+            .zip(sum[base..base + len].chunks_exact(h))
+            .zip(dy[base..base + len].chunks_exact(h))
+        {
+            let (mean, rstd) = stats(xr, eps);
+            let (dg, db) = acc.split_at_mut(h);
+            for j in 0..h {
+                xhat[j] = (xr[j] - mean) * rstd;
+                gd[j] = dyr[j] * g[j];
+                dg[j] += dyr[j] * xhat[j];
+                db[j] += dyr[j];
+            }
+            let mean_d = lane_sum(&gd) / n;
+            let mean_dx = lane_dot(&gd, &xhat) / n;
+            for j in 0..h {
+                dsr[j] = rstd * (gd[j] - mean_d - xhat[j] * mean_dx);
+            }
+        }
+    });
+    let sums = sum_partials(&partials, 2 * h);
+    (dsum, sums[..h].to_vec(), sums[h..].to_vec())
+}
+
+/// `x` times its dropout mask (`x` rows of `width`, `places[row]` each row's place in
+/// the masked tensor, or `None`: the rows in order): `x` itself without dropout, else a
+/// new buffer.
+pub(crate) fn dropped<'a, T: Float>(
+    x: &'a [T],
+    dropout: Option<(u64, f32)>,
+    width: usize,
+    places: Option<&[usize]>,
+) -> std::borrow::Cow<'a, [T]> {
+    let Some((seed, p)) = dropout.filter(|&(_, p)| p > 0.0) else {
+        return std::borrow::Cow::Borrowed(x);
+    };
+    let keep = T::of(1.0 / (1.0 - f64::from(p)));
+    let mut out = vec![T::zero(); x.len()];
+    for_blocks(&mut out, width, |blk, chunk| {
+        let first = blk * BLOCK_ROWS;
+        for (i, row) in chunk.chunks_exact_mut(width).enumerate() {
+            let at = (first + i) * width;
+            let src = &x[at..at + width];
+            let place = places.map_or(first + i, |pl| pl[first + i]);
+            crate::rng::keep_run(seed, (place * width) as u64, width, p, |j, kept| {
+                row[j] = src[j] * if kept { keep } else { T::zero() };
+            });
+        }
+    });
+    std::borrow::Cow::Owned(out)
+}
