@@ -10,7 +10,6 @@
 
 use candle_core::Tensor;
 
-use crate::recompute::Sites;
 use crate::rng;
 use crate::{Error, Result};
 
@@ -168,5 +167,25 @@ impl Dropout {
             }
             _ => Ok(x.clone()),
         }
+    }
+}
+
+/// The sub-layer sites a layer recomputes, as a set of indices into
+/// [`LayerStack::sites`](crate::recompute::LayerStack::sites) (at most 32). Carried in [`Ctx::recompute`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Sites(u32);
+
+impl Sites {
+    /// Nothing recomputed.
+    pub const NONE: Sites = Sites(0);
+
+    /// Whether site `index` (into [`LayerStack::sites`](crate::recompute::LayerStack::sites)) is recomputed.
+    pub fn recomputes(self, index: usize) -> bool {
+        index < 32 && self.0 & (1 << index) != 0
+    }
+
+    /// This set and site `index` (< 32).
+    pub(crate) fn with(self, index: usize) -> Sites {
+        Sites(self.0 | (1 << index))
     }
 }

@@ -354,7 +354,7 @@ impl std::fmt::Debug for Params {
 
 /// Sums parameter gradients (of chunks, towers, segments) into buffers it owns: the first
 /// gradient of a parameter is copied into a fresh buffer, every later one is added into it
-/// in place (`nn::accumulate`: f32/f64 on the CPU; elsewhere as a new sum), so `n` chunks cost one copy and
+/// in place (f32/f64 on the CPU; elsewhere as a new sum), so `n` chunks cost one copy and
 /// `n - 1` additions instead of `n - 1` new tensors. The buffers are handed out only by
 /// [`GradAccumulator::finish`], so nothing else holds them while they change. The sums are
 /// the ones [`Gradients::accumulate`] computes, bit for bit.
@@ -368,7 +368,7 @@ impl GradAccumulator {
     pub fn add(&mut self, grads: Gradients) -> Result<()> {
         for (name, g) in grads.map {
             match self.map.get_mut(&name) {
-                Some(acc) => crate::nn::accumulate(acc, &g)?,
+                Some(acc) => accumulate(acc, &g)?,
                 None => {
                     // A copy of our own: `g` may share its storage with a tensor that
                     // someone else still holds.
@@ -383,6 +383,62 @@ impl GradAccumulator {
     pub fn finish(self) -> Gradients {
         Gradients { map: self.map }
     }
+}
+
+/// `acc += g` for gradient accumulation: in place for same-shape CPU tensors in f32 or
+/// f64 (the caller owns `acc`'s storage), else as a new sum. Each element is the same
+/// `acc + g` either way, so the sums are too, bit for bit.
+fn accumulate(acc: &mut Tensor, g: &Tensor) -> Result<()> {
+    let same = acc.shape() == g.shape() && acc.dtype() == g.dtype();
+    let cpu = acc.device().is_cpu() && g.device().is_cpu();
+    if same && cpu && matches!(acc.dtype(), DType::F32 | DType::F64) {
+        acc.inplace_op2(&g.contiguous()?, &AddInPlace)?;
+    } else {
+        *acc = acc.add(g)?;
+    }
+    Ok(())
+}
+
+/// `acc += g` element by element over a contiguous `acc`, in parallel blocks on the rayon
+/// pool (the elements are independent, so the blocks change no sum).
+struct AddInPlace;
+
+impl candle_core::InplaceOp2 for AddInPlace {
+    fn name(&self) -> &'static str {
+        "gradcache-accumulate"
+    }
+
+    fn cpu_fwd(
+        &self,
+        acc: &mut candle_core::CpuStorage,
+        la: &candle_core::Layout,
+        g: &candle_core::CpuStorage,
+        lg: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::CpuStorage::{F32, F64};
+        let (Some((a0, a1)), Some((g0, g1))) = (la.contiguous_offsets(), lg.contiguous_offsets())
+        else {
+            candle_core::bail!("accumulate: strided gradients");
+        };
+        match (acc, g) {
+            (F32(a), F32(g)) => add_blocks(&mut a[a0..a1], &g[g0..g1]),
+            (F64(a), F64(g)) => add_blocks(&mut a[a0..a1], &g[g0..g1]),
+            _ => candle_core::bail!("accumulate: f32 or f64 of one dtype"),
+        }
+        Ok(())
+    }
+}
+
+fn add_blocks<T: Copy + Send + Sync + std::ops::AddAssign>(acc: &mut [T], g: &[T]) {
+    use rayon::prelude::*;
+    const BLOCK: usize = 1 << 15;
+    acc.par_chunks_mut(BLOCK)
+        .zip(g.par_chunks(BLOCK))
+        .for_each(|(a, g)| {
+            for (a, &v) in a.iter_mut().zip(g) {
+                *a += v;
+            }
+        });
 }
 
 /// Detached parameter gradients keyed by name, iterated in name order.
@@ -404,7 +460,7 @@ impl Gradients {
             match self.map.get_mut(&name) {
                 Some(acc) => {
                     let mut sum = acc.force_contiguous()?;
-                    crate::nn::accumulate(&mut sum, &g)?;
+                    accumulate(&mut sum, &g)?;
                     *acc = sum;
                 }
                 None => {

@@ -22,6 +22,7 @@ use candle_core::Tensor;
 
 use crate::batch::Batch;
 use crate::dropout::Ctx;
+pub use crate::dropout::Sites;
 use crate::encoder::{Encoder, Tower};
 use crate::params::{Gradients, Params};
 use crate::replay::{replay, replay_with_input};
@@ -128,7 +129,7 @@ impl Recompute {
         let mut set = Sites::NONE;
         for (i, site) in sites.iter().enumerate() {
             if !keep.iter().any(|k| k == site) {
-                set.0 |= 1 << i;
+                set = set.with(i);
             }
         }
         Ok(set)
@@ -194,21 +195,6 @@ impl Recompute {
                 .map(|(s, e)| s..e)
                 .collect(),
         ))
-    }
-}
-
-/// The sub-layer sites a layer recomputes, as a set of indices into
-/// [`LayerStack::sites`] (at most 32). Carried in [`Ctx::recompute`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct Sites(u32);
-
-impl Sites {
-    /// Nothing recomputed.
-    pub const NONE: Sites = Sites(0);
-
-    /// Whether site `index` (into [`LayerStack::sites`]) is recomputed.
-    pub fn recomputes(self, index: usize) -> bool {
-        index < 32 && self.0 & (1 << index) != 0
     }
 }
 

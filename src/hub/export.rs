@@ -19,18 +19,12 @@ use std::path::Path;
 use candle_core::Tensor;
 use serde_json::json;
 
+pub use crate::hub::files::{MODULES, POOLING, SENTENCE_TRANSFORMERS_CONFIG};
 use crate::hub::tokenizer::Tokenizer;
 use crate::loss::Similarity;
 use crate::models::bert::{BertConfig, BertOptions, Pooling};
 use crate::params::Params;
 use crate::{Error, Result};
-
-/// The sentence-transformers module list of a model.
-pub const MODULES: &str = "modules.json";
-/// The pooling module's config, under the pooling module's directory.
-pub const POOLING: &str = "1_Pooling/config.json";
-/// The model-level sentence-transformers config (holds `similarity_fn_name`).
-pub const SENTENCE_TRANSFORMERS_CONFIG: &str = "config_sentence_transformers.json";
 
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(value).map_err(|e| Error::io("write", path, e))?;

@@ -17,8 +17,14 @@ use std::path::{Path, PathBuf};
 
 use hf_hub::{Repo, RepoType};
 
-use crate::hub::export::{MODULES, POOLING, SENTENCE_TRANSFORMERS_CONFIG};
 use crate::{Error, Result};
+
+/// The sentence-transformers module list of a model.
+pub const MODULES: &str = "modules.json";
+/// The pooling module's config, under the pooling module's directory.
+pub const POOLING: &str = "1_Pooling/config.json";
+/// The model-level sentence-transformers config (holds `similarity_fn_name`).
+pub const SENTENCE_TRANSFORMERS_CONFIG: &str = "config_sentence_transformers.json";
 
 /// The configuration file of a model.
 pub const CONFIG: &str = "config.json";

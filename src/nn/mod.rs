@@ -76,17 +76,6 @@ fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     })
 }
 
-/// `acc += g` for gradient accumulation: in place where the fused kernels run (the
-/// caller owns `acc`'s storage), else as a new sum. The same sums either way.
-pub(crate) fn accumulate(acc: &mut Tensor, g: &Tensor) -> Result<()> {
-    if fused_ok(&[acc, g]) {
-        fused::add_in_place(acc, g)?;
-    } else {
-        *acc = acc.add(g)?;
-    }
-    Ok(())
-}
-
 /// Layer normalisation over the last dimension with learned scale and shift
 /// (Hugging Face names `weight` and `bias`), differentiable end to end.
 #[derive(Debug, Clone)]
