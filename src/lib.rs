@@ -2,7 +2,19 @@
 //!
 //! Contrastive learning with batches far larger than memory, on [candle].
 //!
-//! The crate has four layers, and the folders show them:
+//! The crate has layers, and the folders show them. No module imports another that
+//! imports it back, and imports run downward but for three that remain: the engine's
+//! [`Dropout`] and [`loss`] call [`nn`]'s kernels (dropout, L2 normalisation), and BERT's
+//! loading reads [`hub`]'s model files.
+//!
+//! ```text
+//! the binary (src/bin/gradcache)       console, progress, plots
+//!   train      the loop, config, data, optimisers, metrics, checkpoints, memory budget
+//!   hub        model files, tokenizers, export, the inference path
+//!   models     BERT, ResNet, LSTM, toy towers
+//!   nn         layers and fused kernels, one file per op family
+//!   engine     cache, replay, recompute, loss, encoder, dropout, params, precision, ...
+//! ```
 //!
 //! **The engine** (top-level modules): what makes a big-batch step exact in little memory.
 //!
@@ -40,7 +52,8 @@
 //! path ([`hub::EmbeddingModel`]) that `eval`, `encode` and the examples use.
 //!
 //! **The trainer**: [`train`]: configuration, data, optimisers, retrieval metrics,
-//! training checkpoints and the loop behind `gradcache train`.
+//! training checkpoints, the memory budget ([`budget`], re-exported from
+//! [`train::budget`]) and the loop behind `gradcache train`.
 //!
 //! **Collectives**: [`dist`]: all-gather and all-reduce across processes (MPI for CPUs,
 //! NCCL for GPUs) for the distributed step.
@@ -51,7 +64,6 @@
 //! [candle]: https://github.com/huggingface/candle
 
 pub mod batch;
-pub mod budget;
 pub mod cache;
 pub mod denormal;
 pub mod device;
@@ -73,6 +85,8 @@ pub mod rng;
 pub mod selfcheck;
 mod sink;
 pub mod train;
+
+pub use train::budget;
 
 pub use batch::{Batch, TokenBatch};
 pub use cache::{

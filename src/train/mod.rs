@@ -5,11 +5,13 @@
 //! the export of a finished run) and [`image_text`] (CLIP-style training of a ResNet and a
 //! text tower on the generated [`shapes`] data set).
 
+pub mod budget;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod image_text;
 pub mod metrics;
+mod model;
 pub mod optim;
 pub mod shapes;
 pub mod trainer;

@@ -20,7 +20,17 @@
 //! Measurements use [`crate::memory::CountingAllocator`], which must be the global
 //! allocator (the `gradcache` binary installs it).
 
+use candle_core::{DType, Device, Tensor};
+
+use crate::batch::TokenBatch;
+use crate::encoder::Encoder;
+use crate::hub::Tokenizer;
+use crate::loss::InfoNce;
+use crate::memory;
+use crate::models::bert::BertEncoder;
 use crate::recompute::Recompute;
+use crate::train::config::Config;
+use crate::train::model::Model;
 use crate::{Error, Result};
 
 /// Parses a byte size: `2GiB`, `512 MiB`, `1.5GB`, `64KiB`, `1000000` (bytes).
@@ -272,6 +282,288 @@ impl StepShape {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// The trainer's plan: the probes behind `train.memory_budget`
+
+/// A memory plan with the line the log shows.
+pub(super) struct MemoryPlan {
+    pub(super) policy: Recompute,
+    pub(super) query_chunk: usize,
+    pub(super) passage_chunk: usize,
+    pub(super) predicted: u64,
+    pub(super) note: String,
+}
+
+/// Rows of the two probe replays per side and policy.
+const PROBE_ROWS: (usize, usize) = (2, 6);
+
+/// `train.memory_budget`: measures one replay of each side at the longest text's length
+/// for each policy from the fastest to the leanest (off, attention, sqrt + attention,
+/// every layer + attention), and the loss at the full batch, then picks the chunk sizes
+/// and the policy (above) and sets the policy on the towers. Runs before any
+/// file is written; an impossible budget is an error.
+pub(super) fn plan_memory(
+    cfg: &Config,
+    model: &mut Model,
+    texts: &[String],
+    device: &Device,
+    world: usize,
+    budget: &str,
+) -> Result<MemoryPlan> {
+    let budget = parse_bytes(budget)?;
+    let invalid = |reason| Error::InvalidConfig {
+        field: "train.memory_budget",
+        value: memory::human_bytes(budget),
+        reason,
+    };
+    if !device.is_cpu() {
+        return Err(invalid(
+            "the budget is measured on the CPU heap; on a GPU set train.query_chunk, \
+             train.passage_chunk and model.recompute",
+        ));
+    }
+    if memory::current_bytes() == 0 {
+        return Err(invalid(
+            "measuring needs gradcache::memory::CountingAllocator as the global allocator \
+             (the gradcache binary installs it)",
+        ));
+    }
+    let t = &cfg.train;
+    let width = model.bert.hidden_size;
+    let (q_rows, p_rows) = (
+        t.batch_size / world,
+        t.batch_size / world * (1 + t.hard_negatives),
+    );
+    // Chunks are padded to their longest text, so the probes run at the longest text of
+    // the training data (a sample of up to 10,000 pairs), within each side's max_len.
+    // `texts` holds each pair's query, then its positive.
+    let every = (texts.len() / 2).div_ceil(10_000).max(1);
+    let side = |first: usize| -> Vec<&str> {
+        texts
+            .iter()
+            .skip(first)
+            .step_by(2 * every)
+            .map(String::as_str)
+            .collect()
+    };
+    let (q_sample, p_sample) = (side(0), side(1));
+    // Every sampled text's token length on one side (within its max_len).
+    let sample_lengths = |sample: &[&str], max_len: usize| -> Result<Vec<usize>> {
+        let mut all = Vec::with_capacity(sample.len());
+        for texts in sample.chunks(1024) {
+            let b = Tokenizer::new(model.tokenizer.clone(), max_len)?.encode(texts, device)?;
+            let m = b
+                .attention_mask
+                .to_dtype(DType::U32)?
+                .sum(1)?
+                .to_vec1::<u32>()?;
+            all.extend(m.into_iter().map(|l| l as usize));
+        }
+        Ok(all)
+    };
+    let (q_all, p_all) = (
+        sample_lengths(&q_sample, cfg.model.query_max_len)?,
+        sample_lengths(&p_sample, cfg.model.passage_max_len)?,
+    );
+    let longest = |all: &[usize], max_len| all.iter().copied().max().unwrap_or(max_len);
+    let (q_len, p_len) = (
+        longest(&q_all, cfg.model.query_max_len),
+        longest(&p_all, cfg.model.passage_max_len),
+    );
+    // Batches like the run's, each shortest first: `rows` lengths drawn from the sample,
+    // as many batches as the run has steps (at most 1,000), from the run's seed. The
+    // run's peak is its costliest chunk, in its batch with the most long texts.
+    let batches = |all: &[usize], rows: usize, side: u64| -> Vec<Vec<usize>> {
+        use rand::{Rng, SeedableRng};
+        if all.is_empty() {
+            return Vec::new();
+        }
+        let mut rng =
+            rand_chacha::ChaCha8Rng::seed_from_u64(crate::rng::derive_seed(&[cfg.seed, side]));
+        (0..t.steps.clamp(1, 1000))
+            .map(|_| {
+                let mut batch: Vec<usize> = (0..rows)
+                    .map(|_| all[rng.random_range(0..all.len())])
+                    .collect();
+                batch.sort_unstable();
+                batch
+            })
+            .collect()
+    };
+    let vocab = model.bert.vocab_size as u32;
+    let probe_batch = |rows: usize, len: usize| -> Result<TokenBatch> {
+        let ids: Vec<u32> = (0..rows * len)
+            .map(|i| 1 + (i as u32).wrapping_mul(2_654_435_761) % (vocab - 1).max(1))
+            .collect();
+        let ids = Tensor::from_vec(ids, (rows, len), device)?;
+        TokenBatch::new(ids.clone(), ids.ones_like()?, ids.zeros_like()?)
+    };
+    let ctx = crate::Ctx::train(crate::ChunkSeed {
+        run: cfg.seed,
+        step: 0,
+        rank: 0,
+        tower: 0,
+        chunk: 0,
+    });
+    // Peak bytes of one replay of `rows` rows of `len` tokens (with `warm`, the second of
+    // two runs, so that one-time allocations are not counted).
+    let replay_bytes = |enc: &BertEncoder, rows: usize, len: usize, warm: bool| -> Result<u64> {
+        let batch = probe_batch(rows, len)?;
+        let cot = Tensor::ones((rows, width), DType::F32, device)?;
+        if warm {
+            enc.replay(&batch, &cot, &ctx)?;
+        }
+        let (_, peak, grads) = memory::measure(|| enc.replay(&batch, &cot, &ctx));
+        grads?;
+        Ok(peak as u64)
+    };
+    let policies = [
+        Recompute::Off,
+        Recompute::Attention,
+        Recompute::selective(Recompute::Sqrt, &[]),
+        Recompute::selective(Recompute::EveryLayer, &[]),
+    ];
+    let (small, large) = PROBE_ROWS;
+    let mut costs = Vec::new();
+    for policy in &policies {
+        model.query.set_policy(policy.clone())?;
+        if let Some(p) = &mut model.passage {
+            p.set_policy(policy.clone())?;
+        }
+        let side = |enc: &BertEncoder, len| -> Result<ReplayCost> {
+            let a = replay_bytes(enc, small, len, true)?;
+            let b = replay_bytes(enc, large, len, false)?;
+            Ok(ReplayCost::from_probes(small, a, large, b))
+        };
+        let query = side(&model.query, q_len)?;
+        let passage = side(model.passage.as_ref().unwrap_or(&model.query), p_len)?;
+        costs.push(PolicyCost {
+            policy: policy.clone(),
+            query,
+            passage,
+        });
+    }
+    // The loss at the full (global) batch on stand-in representations of its shapes.
+    let global_q = t.batch_size;
+    let global_p = global_q * (1 + t.hard_negatives);
+    let reps =
+        |rows, seed| crate::rng::normal(seed, 0.0, 1.0, &(rows, width).into(), DType::F32, device);
+    let (rq, rp) = (reps(global_q, 1)?, reps(global_p, 2)?);
+    let loss = InfoNce::new(cfg.loss.temperature)?
+        .with_similarity(cfg.loss.similarity)
+        .with_symmetric(cfg.loss.symmetric)
+        .with_block_rows(
+            cfg.loss
+                .effective_block_rows(t.batch_size, t.hard_negatives),
+        )?;
+    let (_, loss_peak, value) = memory::measure(|| {
+        use crate::loss::Loss;
+        loss.value_and_grads(&rq, &rp)
+    });
+    value?;
+    drop((rq, rp));
+    let rep_bytes = ((global_q + global_p) * width * 4) as u64;
+    let param_bytes = (model.store.params().elem_count() * 4) as u64;
+    let moments = match cfg.optim.kind() {
+        crate::train::optim::OptimizerKind::AdamW { .. } => 2 * param_bytes,
+        crate::train::optim::OptimizerKind::Sgd => 0,
+    };
+    let tokens = ((q_rows * q_len + p_rows * p_len) * 3 * 4) as u64;
+    let shape = StepShape {
+        base: memory::current_bytes() as u64 + moments,
+        // Representations and cached gradients of the whole batch, the running gradient
+        // sums, the token batches.
+        resident: 2 * rep_bytes + param_bytes + tokens,
+        loss: rep_bytes + loss_peak as u64,
+        // The step's gradients and the update's temporaries.
+        optimizer: 3 * param_bytes,
+        query_rows: q_rows,
+        passage_rows: p_rows,
+        query_lengths: (batches(&q_all, q_rows, 0), q_len),
+        passage_lengths: (batches(&p_all, p_rows, 1), p_len),
+    };
+    // The line through the probes is a prediction; a replay at the chosen chunk sizes is
+    // a measurement. Shrink a side whose replay does not fit, and measure again; a policy
+    // that still does not fit gives way to the next leaner one.
+    let room = budget.saturating_sub(shape.base + shape.resident);
+    let mut candidates = costs.clone();
+    let plan = loop {
+        let mut plan = shape.choose(budget, &candidates)?;
+        model.query.set_policy(plan.policy.clone())?;
+        if let Some(p) = &mut model.passage {
+            p.set_policy(plan.policy.clone())?;
+        }
+        let passage_enc = model.passage.as_ref().unwrap_or(&model.query);
+        for _ in 0..6 {
+            let (lq, lp) = (&shape.query_lengths, &shape.passage_lengths);
+            let rows_q = costliest_rows(&lq.0, lq.1, plan.query_chunk).max(1);
+            let rows_p = costliest_rows(&lp.0, lp.1, plan.passage_chunk).max(1);
+            let q = replay_bytes(&model.query, rows_q, q_len, false)?;
+            let p = replay_bytes(passage_enc, rows_p, p_len, false)?;
+            let at = |fixed| ReplayCost { fixed, per_row: 0 };
+            let measured = PolicyCost {
+                policy: plan.policy.clone(),
+                query: at(q),
+                passage: at(p),
+            };
+            plan.predicted = shape.predict(&measured, 0, 0);
+            if plan.predicted <= budget {
+                break;
+            }
+            let shrink = |chunk: usize, bytes: u64| -> usize {
+                if bytes <= room {
+                    chunk
+                } else {
+                    ((chunk as u64 * room / bytes.max(1)) as usize).clamp(1, chunk.max(2) - 1)
+                }
+            };
+            let (qc, pc) = (shrink(plan.query_chunk, q), shrink(plan.passage_chunk, p));
+            if (qc, pc) == (plan.query_chunk, plan.passage_chunk) {
+                break;
+            }
+            (plan.query_chunk, plan.passage_chunk) = (qc, pc);
+        }
+        if plan.predicted <= budget {
+            break plan;
+        }
+        if candidates.len() <= 1 {
+            return Err(Error::MemoryBudget {
+                budget,
+                needed: plan.predicted,
+                what: format!(
+                    "a step with recompute {} at chunks {}/{}",
+                    plan.policy, plan.query_chunk, plan.passage_chunk
+                ),
+            });
+        }
+        candidates.retain(|c| c.policy != plan.policy);
+    };
+    let cost = costs
+        .iter()
+        .find(|c| c.policy == plan.policy)
+        .map_or(0, |c| c.query.per_row.max(c.passage.per_row));
+    let note = format!(
+        "memory budget {}: recompute {}, chunks {}/{}, predicted peak {} (weights and \
+         optimizer {}, replay {} per row at {} tokens, loss {})",
+        memory::human_bytes(budget),
+        plan.policy,
+        plan.query_chunk,
+        plan.passage_chunk,
+        memory::human_bytes(plan.predicted),
+        memory::human_bytes(shape.base),
+        memory::human_bytes(cost),
+        q_len.max(p_len),
+        memory::human_bytes(shape.loss),
+    );
+    Ok(MemoryPlan {
+        policy: plan.policy,
+        query_chunk: plan.query_chunk,
+        passage_chunk: plan.passage_chunk,
+        predicted: plan.predicted,
+        note,
+    })
 }
 
 #[cfg(test)]
