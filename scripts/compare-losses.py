@@ -5,7 +5,7 @@
 
 Prints the number of steps, the largest relative and absolute loss difference (and the
 step where the relative one occurs), and the recall@1 / MRR@10 of every evaluation of both
-runs. Used for the 2-rank against 1-rank comparison in the README.
+runs. Used for the 2-rank against 1-rank comparison in docs/distributed.md.
 """
 import json
 import sys

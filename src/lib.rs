@@ -107,3 +107,24 @@ pub use recompute::{LayerStack, Recompute, Recomputed};
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
+
+/// The code blocks of the pages under `docs/`, compiled and run as doctests too.
+#[cfg(doctest)]
+pub mod docs_doctests {
+    #[doc = include_str!("../docs/library.md")]
+    pub struct Library;
+    #[doc = include_str!("../docs/memory.md")]
+    pub struct Memory;
+    #[doc = include_str!("../docs/training.md")]
+    pub struct Training;
+    #[doc = include_str!("../docs/distributed.md")]
+    pub struct Distributed;
+    #[doc = include_str!("../docs/gpu.md")]
+    pub struct Gpu;
+    #[doc = include_str!("../docs/image-text.md")]
+    pub struct ImageText;
+    #[doc = include_str!("../docs/benchmarks.md")]
+    pub struct Benchmarks;
+    #[doc = include_str!("../docs/design.md")]
+    pub struct Design;
+}
