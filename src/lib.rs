@@ -3,9 +3,9 @@
 //! Contrastive learning with batches far larger than memory, on [candle].
 //!
 //! The crate has layers, and the folders show them. No module imports another that
-//! imports it back, and imports run downward but for three that remain: the engine's
-//! [`Dropout`] and [`loss`] call [`nn`]'s kernels (dropout, L2 normalisation), and BERT's
-//! loading reads [`hub`]'s model files.
+//! imports it back, and imports run downward but for two that remain: the engine's
+//! [`Dropout`] calls [`nn`]'s dropout kernel, and BERT's loading reads [`hub`]'s model
+//! files.
 //!
 //! ```text
 //! the binary (src/bin/gradcache)       console, progress, plots

@@ -165,7 +165,7 @@ impl InfoNce {
     fn prepare(&self, x: &Tensor) -> Result<Tensor> {
         match self.similarity {
             Similarity::Dot => Ok(x.clone()),
-            Similarity::Cosine => crate::nn::l2_normalize(x),
+            Similarity::Cosine => l2_normalize(x),
         }
     }
 
@@ -254,10 +254,17 @@ impl InfoNce {
     }
 }
 
+/// `x / max(||x||, 1e-12)` over the last dimension (as `torch.nn.functional.normalize`),
+/// differentiable. Also `gradcache::nn::l2_normalize`.
+pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
+    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
+    Ok(x.broadcast_div(&norm)?)
+}
+
 /// The gradient with respect to `x` of `sum(g * x / max(||x||, 1e-12))` (rows over the
 /// last dimension): `(g - y (g . y)) / ||x||` with `y` the normalised rows, and `g / 1e-12`
 /// on rows whose norm was clamped (the clamp is a constant there), as autograd through
-/// [`crate::nn::l2_normalize`] gives it.
+/// [`l2_normalize`] gives it.
 fn l2_normalize_backward(x: &Tensor, g: &Tensor) -> Result<Tensor> {
     let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?;
     let clamped = norm.maximum(1e-12)?;
@@ -444,8 +451,8 @@ impl Loss for ClipLoss {
     /// InfoNCE's symmetric terms over `exp(logit_scale) * q / |q|` and `p / |p|`: the
     /// logits `exp(logit_scale) * cos(q, p)` in both directions.
     fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
-        let q = crate::nn::l2_normalize(&queries.to_dtype(DType::F32)?)?;
-        let p = crate::nn::l2_normalize(&passages.to_dtype(DType::F32)?)?;
+        let q = l2_normalize(&queries.to_dtype(DType::F32)?)?;
+        let p = l2_normalize(&passages.to_dtype(DType::F32)?)?;
         let scaled = q.broadcast_mul(&self.logit_scale.as_tensor().exp()?)?;
         self.infonce.forward(&scaled, &p)
     }

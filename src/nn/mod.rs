@@ -46,6 +46,7 @@ use candle_nn::VarBuilder;
 use crate::precision::is_half;
 use crate::Result;
 
+pub use crate::loss::l2_normalize;
 pub use blocks::serial;
 pub use fused::{Act, AttentionSpec};
 
@@ -319,13 +320,6 @@ pub fn mean_pool_composed(x: &Tensor, mask: &Tensor, normalize: bool) -> Result<
     } else {
         Ok(pooled)
     }
-}
-
-/// `x / max(||x||, 1e-12)` over the last dimension (as `torch.nn.functional.normalize`),
-/// differentiable.
-pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
-    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
-    Ok(x.broadcast_div(&norm)?)
 }
 
 /// Layer norm over the last dimension: the fused kernel where it runs, else
