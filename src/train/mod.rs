@@ -13,6 +13,7 @@ pub mod image_text;
 pub mod metrics;
 mod model;
 pub mod optim;
+pub mod report;
 pub mod shapes;
 pub mod trainer;
 

@@ -1,8 +1,21 @@
 //! The towers of a text-pair run: what the trainer builds from the config and the memory
 //! budget's probes measure.
 
-use crate::models::bert::{BertConfig, BertEncoder};
-use crate::params::ParamStore;
+use candle_core::{DType, Device};
+
+use crate::dist::{self, Collective};
+use crate::encoder::Encoder;
+use crate::hub::tokenizer::{read_tokenizer_file, train_wordpiece};
+use crate::hub::{files, HubSettings, ModelFiles};
+use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
+use crate::params::{ParamStore, Params};
+use crate::train::config::Config;
+use crate::{Error, Result};
+
+/// The run's file that holds the model's Hugging Face config.
+pub const MODEL_CONFIG_FILE: &str = "model_config.json";
+/// The run's tokenizer.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// The towers of a run and what was built with them.
 pub(super) struct Model {
@@ -12,4 +25,140 @@ pub(super) struct Model {
     pub(super) bert: BertConfig,
     pub(super) tokenizer: tokenizers::Tokenizer,
     pub(super) store: ParamStore,
+}
+
+/// The encoder options a configuration asks for.
+pub(super) fn bert_options(cfg: &Config) -> BertOptions {
+    BertOptions {
+        pooling: cfg.model.pooling,
+        normalize: cfg.model.normalize,
+        recompute: cfg.model.recompute.clone(),
+        precision: cfg.precision,
+    }
+}
+
+/// The towers and tokenizer of a run, fresh or pretrained, checked against the
+/// configured token limits. Writes nothing.
+pub(super) fn build_model(
+    cfg: &Config,
+    texts: &[String],
+    comm: &dyn Collective,
+    device: &Device,
+) -> Result<Model> {
+    let store = ParamStore::new(cfg.seed, DType::F32, device);
+    let model = if cfg.model.pretrained.is_empty() {
+        let tokenizer = dist::from_root(comm, "the tokenizer", || fresh_tokenizer(cfg, texts))?;
+        dist::agree(comm, fresh_model(cfg, tokenizer, store))?
+    } else {
+        dist::agree(comm, pretrained_model(cfg, store))?
+    };
+    for (field, len) in [
+        ("model.query_max_len", cfg.model.query_max_len),
+        ("model.passage_max_len", cfg.model.passage_max_len),
+    ] {
+        if len > model.bert.max_position_embeddings {
+            return Err(Error::InvalidConfig {
+                field,
+                value: len.to_string(),
+                reason: "exceeds the model's max_position_embeddings",
+            });
+        }
+    }
+    Ok(model)
+}
+
+/// The tokenizer of a fresh model: the one in `output_dir` (a resumed run or a rerun), or
+/// one trained on the training texts.
+fn fresh_tokenizer(cfg: &Config, texts: &[String]) -> Result<tokenizers::Tokenizer> {
+    let path = cfg.output_dir.join(TOKENIZER_FILE);
+    if path.is_file() {
+        return read_tokenizer_file(&path);
+    }
+    let f = &cfg.model.fresh;
+    train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase)
+}
+
+/// A BERT of the configured size with fresh weights. Two towers start from one
+/// initialisation, copied into both (as DPR starts both from one checkpoint), and then
+/// train apart: two towers drawn independently share nothing to align.
+fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore) -> Result<Model> {
+    let f = &cfg.model.fresh;
+    let bert = BertConfig {
+        hidden_dropout_prob: f.dropout_prob,
+        attention_probs_dropout_prob: f.dropout_prob,
+        ..BertConfig::new(
+            tokenizer.get_vocab_size(true),
+            f.hidden_size,
+            f.num_layers,
+            f.num_heads,
+            f.intermediate_size,
+            cfg.model.query_max_len.max(cfg.model.passage_max_len),
+        )
+    };
+    let options = bert_options(cfg);
+    let (query, passage) = if cfg.model.shared {
+        (BertEncoder::build(&store, "", &bert, &options)?, None)
+    } else {
+        let query = BertEncoder::build(&store, "query", &bert, &options)?;
+        let passage = BertEncoder::build(&store, "passage", &bert, &options)?;
+        copy_tower(query.params(), "query.", passage.params(), "passage.")?;
+        (query, Some(passage))
+    };
+    Ok(Model {
+        query,
+        passage,
+        bert,
+        tokenizer,
+        store,
+    })
+}
+
+/// Sets every parameter `to_prefix + name` of `to` to the value of `from_prefix + name` in
+/// `from`.
+fn copy_tower(from: &Params, from_prefix: &str, to: &Params, to_prefix: &str) -> Result<()> {
+    for (name, var) in to.iter() {
+        let rest = name.strip_prefix(to_prefix).unwrap_or(name);
+        let source =
+            from.get(&format!("{from_prefix}{rest}"))
+                .ok_or_else(|| Error::DuplicateParameter {
+                    name: name.to_string(),
+                })?;
+        var.set(&source.as_tensor().copy()?)?;
+    }
+    Ok(())
+}
+
+/// A pretrained model from a directory or the Hub; two towers both load its weights.
+fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
+    let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
+    let tokenizer = read_model_tokenizer(&files)?;
+    let options = bert_options(cfg);
+    if cfg.model.shared {
+        let (query, bert, store) = load_pretrained(&files, "", &options, store)?;
+        Ok(Model {
+            query,
+            passage: None,
+            bert,
+            tokenizer,
+            store,
+        })
+    } else {
+        let (query, bert, store) = load_pretrained(&files, "query", &options, store)?;
+        let (passage, _, store) = load_pretrained(&files, "passage", &options, store)?;
+        Ok(Model {
+            query,
+            passage: Some(passage),
+            bert,
+            tokenizer,
+            store,
+        })
+    }
+}
+
+pub(super) fn read_model_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
+    let path = files.tokenizer.clone().ok_or_else(|| Error::MissingFile {
+        path: files.dir.join(files::TOKENIZER),
+        what: "tokenizer",
+    })?;
+    read_tokenizer_file(&path)
 }

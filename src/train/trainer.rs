@@ -30,11 +30,11 @@ use crate::batch::{Batch, TokenBatch};
 use crate::cache::GradCache;
 use crate::dist::{self, Backend, Collective};
 use crate::encoder::Encoder;
-use crate::hub::tokenizer::{read_tokenizer_file, train_wordpiece};
-use crate::hub::{embed, export_bert, files, HubSettings, ModelFiles, Tokenizer};
+use crate::hub::tokenizer::read_tokenizer_file;
+use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Tokenizer};
 use crate::loss::InfoNce;
 use crate::memory;
-use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
+use crate::models::bert::{BertConfig, BertEncoder, BertOptions};
 use crate::params::{ParamStore, Params, WeightFile};
 use crate::precision::{LossScaler, Precision};
 use crate::train::budget::plan_memory;
@@ -42,141 +42,17 @@ use crate::train::checkpoint::{self, TrainerState};
 use crate::train::config::Config;
 use crate::train::data::{read_jsonl, split, Loader, Pair, TextBatch};
 use crate::train::metrics::{evaluate, RetrievalMetrics};
-use crate::train::model::Model;
+use crate::train::model::{bert_options, build_model, read_model_tokenizer, Model};
 use crate::train::optim::{clip_grad_norm, Optimizer, Schedule};
 use crate::{Error, Result, Side};
 
-/// What one optimizer step did.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct StepReport {
-    /// The step just completed (1-based count of updates).
-    pub step: u64,
-    /// Loss over the whole batch.
-    pub loss: f32,
-    /// Learning rate used.
-    pub lr: f64,
-    /// Global gradient norm before clipping.
-    pub grad_norm: f64,
-    /// Query/positive pairs per second for this step.
-    pub pairs_per_sec: f64,
-    /// Peak bytes allocated during the step (0 unless the binary counts allocations).
-    pub peak_bytes: usize,
-    /// The heap's peak during the step: the bytes in use when it began (weights,
-    /// optimizer state, data) plus `peak_bytes` (what `train.memory_budget` bounds; 0
-    /// unless the binary counts allocations).
-    pub heap_peak_bytes: usize,
-    /// Hard negatives that were missing and filled from other pairs.
-    pub filled_negatives: usize,
-    /// Wall time of each phase of the step.
-    pub phases: PhaseTimes,
-    /// Peak heap bytes of each phase above the step's start (0 unless the binary counts
-    /// allocations).
-    pub phase_peaks: PhasePeaks,
-    /// Matrix-product FLOPs the step executed: this rank's sequences at their real
-    /// lengths (on the CPU in f32, where the layers skip padding; elsewhere the chunks at
-    /// their padded lengths), through every pass the engine runs (graph-free forward, replay forward
-    /// and its backward, and the recompute forward when on). See
-    /// [`BertConfig::forward_flops`].
-    pub flops: f64,
-    /// f16 training: the loss scale this step used, and whether the step was skipped.
-    pub loss_scaling: Option<LossScaling>,
-}
-
-/// What the dynamic loss scaler did in a step.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct LossScaling {
-    /// The scale the step's loss gradient was multiplied by.
-    pub used: f64,
-    /// The gradients held an inf or NaN: no weight or optimizer state changed, and the
-    /// scale backed off for the next step.
-    pub skipped: bool,
-}
-
-/// Peak heap bytes of the phases of a training step, each above the bytes allocated when
-/// the step's computation began (after tokenizing): what the weights, the optimizer state
-/// and the batch leave free is what a phase may use.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
-pub struct PhasePeaks {
-    /// The graph-free representation pass.
-    pub represent: usize,
-    /// The loss and the cached gradients.
-    pub loss: usize,
-    /// The replay of every chunk.
-    pub replay: usize,
-    /// The gradient all-reduce.
-    pub reduce: usize,
-    /// Clipping and the optimizer update.
-    pub optimizer: usize,
-}
-
-/// Wall time of the phases of a training step, in milliseconds.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
-pub struct PhaseTimes {
-    /// Tokenizing this rank's share of the batch.
-    pub tokenize_ms: f64,
-    /// The graph-free representation pass.
-    pub represent_ms: f64,
-    /// The loss over the global batch and its gradient (with the all-gather).
-    pub loss_ms: f64,
-    /// The replay of every chunk.
-    pub replay_ms: f64,
-    /// The gradient all-reduce across ranks.
-    pub reduce_ms: f64,
-    /// Clipping and the optimizer update.
-    pub optimizer_ms: f64,
-}
-
-impl PhaseTimes {
-    /// The sum of the phases.
-    pub fn total_ms(&self) -> f64 {
-        self.tokenize_ms
-            + self.represent_ms
-            + self.loss_ms
-            + self.replay_ms
-            + self.reduce_ms
-            + self.optimizer_ms
-    }
-}
+pub use super::report::{Event, LossScaling, Observer, PhasePeaks, PhaseTimes, Quiet, StepReport};
 
 fn ms(d: std::time::Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// Something the trainer reports while it runs.
-#[derive(Debug, Clone)]
-pub enum Event {
-    /// An optimizer step finished.
-    Step(StepReport),
-    /// An evaluation finished (at `step` updates).
-    Eval {
-        /// Updates done when it ran.
-        step: u64,
-        /// Retrieval metrics on the held-out pairs.
-        metrics: RetrievalMetrics,
-    },
-    /// A training checkpoint was written to this directory.
-    CheckpointSaved(PathBuf),
-    /// A fact worth a log line.
-    Note(String),
-}
-
-/// Receives the trainer's events (the binary draws and logs them).
-pub trait Observer {
-    /// Called for every event, in order.
-    fn event(&mut self, event: &Event);
-}
-
-/// An observer that ignores everything.
-pub struct Quiet;
-
-impl Observer for Quiet {
-    fn event(&mut self, _: &Event) {}
-}
-
-/// The run's file that holds the model's Hugging Face config.
-pub const MODEL_CONFIG_FILE: &str = "model_config.json";
-/// The run's tokenizer.
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub use super::model::{MODEL_CONFIG_FILE, TOKENIZER_FILE};
 
 /// The training data of a run.
 struct RunData {
@@ -750,16 +626,6 @@ impl Trainer {
     }
 }
 
-/// The encoder options a configuration asks for.
-fn bert_options(cfg: &Config) -> BertOptions {
-    BertOptions {
-        pooling: cfg.model.pooling,
-        normalize: cfg.model.normalize,
-        recompute: cfg.model.recompute.clone(),
-        precision: cfg.precision,
-    }
-}
-
 /// The device this rank trains on: with NCCL its local GPU, else `device` (the CPU unset).
 fn run_device(cfg: &Config, comm: &dyn Collective) -> Result<Device> {
     if cfg.dist.backend == Backend::Nccl {
@@ -840,132 +706,6 @@ fn load_pairs(cfg: &Config) -> Result<(Vec<Pair>, Vec<Pair>)> {
         Some(path) => Ok((pairs, read_jsonl(path, &cfg.data.fields)?)),
         None => split(pairs, cfg.data.eval_pairs, cfg.seed),
     }
-}
-
-/// The towers and tokenizer of a run, fresh or pretrained, checked against the
-/// configured token limits. Writes nothing.
-fn build_model(
-    cfg: &Config,
-    texts: &[String],
-    comm: &dyn Collective,
-    device: &Device,
-) -> Result<Model> {
-    let store = ParamStore::new(cfg.seed, DType::F32, device);
-    let model = if cfg.model.pretrained.is_empty() {
-        let tokenizer = dist::from_root(comm, "the tokenizer", || fresh_tokenizer(cfg, texts))?;
-        dist::agree(comm, fresh_model(cfg, tokenizer, store))?
-    } else {
-        dist::agree(comm, pretrained_model(cfg, store))?
-    };
-    for (field, len) in [
-        ("model.query_max_len", cfg.model.query_max_len),
-        ("model.passage_max_len", cfg.model.passage_max_len),
-    ] {
-        if len > model.bert.max_position_embeddings {
-            return Err(Error::InvalidConfig {
-                field,
-                value: len.to_string(),
-                reason: "exceeds the model's max_position_embeddings",
-            });
-        }
-    }
-    Ok(model)
-}
-
-/// The tokenizer of a fresh model: the one in `output_dir` (a resumed run or a rerun), or
-/// one trained on the training texts.
-fn fresh_tokenizer(cfg: &Config, texts: &[String]) -> Result<tokenizers::Tokenizer> {
-    let path = cfg.output_dir.join(TOKENIZER_FILE);
-    if path.is_file() {
-        return read_tokenizer_file(&path);
-    }
-    let f = &cfg.model.fresh;
-    train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase)
-}
-
-/// A BERT of the configured size with fresh weights. Two towers start from one
-/// initialisation, copied into both (as DPR starts both from one checkpoint), and then
-/// train apart: two towers drawn independently share nothing to align.
-fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore) -> Result<Model> {
-    let f = &cfg.model.fresh;
-    let bert = BertConfig {
-        hidden_dropout_prob: f.dropout_prob,
-        attention_probs_dropout_prob: f.dropout_prob,
-        ..BertConfig::new(
-            tokenizer.get_vocab_size(true),
-            f.hidden_size,
-            f.num_layers,
-            f.num_heads,
-            f.intermediate_size,
-            cfg.model.query_max_len.max(cfg.model.passage_max_len),
-        )
-    };
-    let options = bert_options(cfg);
-    let (query, passage) = if cfg.model.shared {
-        (BertEncoder::build(&store, "", &bert, &options)?, None)
-    } else {
-        let query = BertEncoder::build(&store, "query", &bert, &options)?;
-        let passage = BertEncoder::build(&store, "passage", &bert, &options)?;
-        copy_tower(query.params(), "query.", passage.params(), "passage.")?;
-        (query, Some(passage))
-    };
-    Ok(Model {
-        query,
-        passage,
-        bert,
-        tokenizer,
-        store,
-    })
-}
-
-/// Sets every parameter `to_prefix + name` of `to` to the value of `from_prefix + name` in
-/// `from`.
-fn copy_tower(from: &Params, from_prefix: &str, to: &Params, to_prefix: &str) -> Result<()> {
-    for (name, var) in to.iter() {
-        let rest = name.strip_prefix(to_prefix).unwrap_or(name);
-        let source =
-            from.get(&format!("{from_prefix}{rest}"))
-                .ok_or_else(|| Error::DuplicateParameter {
-                    name: name.to_string(),
-                })?;
-        var.set(&source.as_tensor().copy()?)?;
-    }
-    Ok(())
-}
-
-/// A pretrained model from a directory or the Hub; two towers both load its weights.
-fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
-    let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
-    let tokenizer = read_model_tokenizer(&files)?;
-    let options = bert_options(cfg);
-    if cfg.model.shared {
-        let (query, bert, store) = load_pretrained(&files, "", &options, store)?;
-        Ok(Model {
-            query,
-            passage: None,
-            bert,
-            tokenizer,
-            store,
-        })
-    } else {
-        let (query, bert, store) = load_pretrained(&files, "query", &options, store)?;
-        let (passage, _, store) = load_pretrained(&files, "passage", &options, store)?;
-        Ok(Model {
-            query,
-            passage: Some(passage),
-            bert,
-            tokenizer,
-            store,
-        })
-    }
-}
-
-fn read_model_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
-    let path = files.tokenizer.clone().ok_or_else(|| Error::MissingFile {
-        path: files.dir.join(files::TOKENIZER),
-        what: "tokenizer",
-    })?;
-    read_tokenizer_file(&path)
 }
 
 /// Writes `tokenizer.json` (unless the same one is there) and `model_config.json` into
