@@ -432,13 +432,19 @@ impl candle_core::InplaceOp2 for AddInPlace {
 fn add_blocks<T: Copy + Send + Sync + std::ops::AddAssign>(acc: &mut [T], g: &[T]) {
     use rayon::prelude::*;
     const BLOCK: usize = 1 << 15;
-    acc.par_chunks_mut(BLOCK)
-        .zip(g.par_chunks(BLOCK))
-        .for_each(|(a, g)| {
-            for (a, &v) in a.iter_mut().zip(g) {
-                *a += v;
-            }
-        });
+    let add = |a: &mut [T], g: &[T]| {
+        for (a, &v) in a.iter_mut().zip(g) {
+            *a += v;
+        }
+    };
+    if acc.len() <= BLOCK {
+        // One block: on this thread (handing it to the pool would only add a wake-up).
+        add(acc, g);
+    } else {
+        acc.par_chunks_mut(BLOCK)
+            .zip(g.par_chunks(BLOCK))
+            .for_each(|(a, g)| add(a, g));
+    }
 }
 
 /// Detached parameter gradients keyed by name, iterated in name order.

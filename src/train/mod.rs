@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod image_text;
+mod image_text_config;
 pub mod metrics;
 mod model;
 pub mod optim;

@@ -1,0 +1,361 @@
+//! The configuration of an image-text run ([`ImageTextConfig`]): its data, towers, loss and
+//! training keys with their defaults, `--set` overrides, and one `validate` that names
+//! the field and the value of anything wrong.
+
+use std::path::{Path, PathBuf};
+
+use crate::recompute::Recompute;
+use crate::resnet::ResNetConfig;
+use crate::train::config::{apply_override, OptimConfig};
+use crate::{Error, Result};
+
+/// The value of `task` that selects image-text training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Task {
+    /// Image-text training.
+    #[serde(rename = "image-text")]
+    ImageText,
+}
+
+/// An image-text run.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageTextConfig {
+    /// Must be `"image-text"`.
+    pub task: Task,
+    /// Seed of the weights, the data order and the dropout masks.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// Where checkpoints, metrics, the loss curve and the final model go.
+    pub output_dir: PathBuf,
+    /// The generated data set.
+    #[serde(default)]
+    pub data: ShapesData,
+    /// The image tower.
+    #[serde(default)]
+    pub image: ImageTower,
+    /// The text tower.
+    #[serde(default)]
+    pub text: TextTowerConfig,
+    /// The loss.
+    #[serde(default)]
+    pub loss: ClipLossConfig,
+    /// Steps, batch and chunk sizes, cadence.
+    #[serde(default)]
+    pub train: ImageTextTrain,
+    /// Optimiser and schedule (as in the text trainer's `[optim]`).
+    #[serde(default)]
+    pub optim: OptimConfig,
+}
+
+fn default_seed() -> u64 {
+    42
+}
+
+/// The Shapes data set of the run.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ShapesData {
+    /// Image side in pixels (at least 16).
+    pub image_size: usize,
+    /// Training scenes.
+    pub train: usize,
+    /// Held-out scenes (compositions never seen in training).
+    pub eval: usize,
+    /// Seed of the scenes (independent of the run's seed).
+    pub seed: u64,
+}
+
+impl Default for ShapesData {
+    fn default() -> Self {
+        Self {
+            image_size: 32,
+            train: 4096,
+            eval: 256,
+            seed: 0,
+        }
+    }
+}
+
+/// The image tower: a ResNet and its checkpointing policy.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ImageTower {
+    /// Width of the first stage.
+    pub width: usize,
+    /// Residual blocks per stage.
+    pub stages: Vec<usize>,
+    /// `basic` or `bottleneck`.
+    pub block: crate::resnet::Block,
+    /// Activation checkpointing over the blocks (a segment policy).
+    pub recompute: Recompute,
+}
+
+impl Default for ImageTower {
+    fn default() -> Self {
+        let r = ResNetConfig::default();
+        Self {
+            width: r.width,
+            stages: r.stages,
+            block: r.block,
+            recompute: Recompute::Off,
+        }
+    }
+}
+
+/// Which text tower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TextKind {
+    /// A BERT trained from scratch, mean pooling.
+    #[default]
+    Bert,
+    /// An LSTM (embedding, LSTM layers, pooling, projection).
+    Lstm,
+}
+
+/// The text tower.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TextTowerConfig {
+    /// `bert` or `lstm`.
+    pub kind: TextKind,
+    /// Token limit of a caption.
+    pub max_len: usize,
+    /// WordPiece vocabulary size (trained on the training captions).
+    pub vocab_size: usize,
+    /// Width of the tower (BERT's hidden size, the LSTM's state); also the embedding width
+    /// both towers map to.
+    pub hidden_size: usize,
+    /// BERT layers or LSTM layers.
+    pub num_layers: usize,
+    /// BERT attention heads.
+    pub num_heads: usize,
+    /// BERT feed-forward width.
+    pub intermediate_size: usize,
+    /// BERT dropout probability.
+    pub dropout_prob: f64,
+    /// LSTM pooling: `mean` or `last`.
+    pub pooling: crate::lstm::LstmPooling,
+    /// Activation checkpointing (BERT: over layers, selective policies too; LSTM: over
+    /// time steps).
+    pub recompute: Recompute,
+}
+
+impl Default for TextTowerConfig {
+    fn default() -> Self {
+        Self {
+            kind: TextKind::Bert,
+            max_len: 16,
+            vocab_size: 100,
+            hidden_size: 64,
+            num_layers: 2,
+            num_heads: 4,
+            intermediate_size: 128,
+            dropout_prob: 0.1,
+            pooling: crate::lstm::LstmPooling::Mean,
+            recompute: Recompute::Off,
+        }
+    }
+}
+
+/// CLIP's loss settings.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClipLossConfig {
+    /// The initial temperature (CLIP: 0.07, a logit scale of 1 / 0.07).
+    pub temperature: f64,
+    /// The largest logit scale the clamp allows (CLIP: 100).
+    pub max_logit_scale: f64,
+}
+
+impl Default for ClipLossConfig {
+    fn default() -> Self {
+        Self {
+            temperature: 0.07,
+            max_logit_scale: 100.0,
+        }
+    }
+}
+
+/// Steps, batch and chunk sizes, cadence.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ImageTextTrain {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Image-caption pairs per step.
+    pub batch_size: usize,
+    /// Images encoded with a graph at once.
+    pub image_chunk: usize,
+    /// Captions encoded with a graph at once.
+    pub text_chunk: usize,
+    /// Evaluate every this many steps (0: only before and after training).
+    pub eval_every: u64,
+    /// Write a checkpoint every this many steps (and at the end; 0: only at the end).
+    pub checkpoint_every: u64,
+    /// Checkpoints kept.
+    pub keep_checkpoints: usize,
+}
+
+impl Default for ImageTextTrain {
+    fn default() -> Self {
+        Self {
+            steps: 200,
+            batch_size: 128,
+            image_chunk: 32,
+            text_chunk: 64,
+            eval_every: 50,
+            checkpoint_every: 100,
+            keep_checkpoints: 2,
+        }
+    }
+}
+
+fn invalid(field: &'static str, value: impl ToString, reason: &'static str) -> Error {
+    Error::InvalidConfig {
+        field,
+        value: value.to_string(),
+        reason,
+    }
+}
+
+impl ImageTextConfig {
+    /// Whether the TOML table is an image-text config (`task = "image-text"`).
+    pub fn is_image_text(table: &toml::Table) -> bool {
+        table.get("task").and_then(|t| t.as_str()) == Some("image-text")
+    }
+
+    /// Reads `path`, applies `--set` overrides, deserialises and validates.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
+        let table = crate::train::config::read_table(path)?;
+        Self::from_table(table, path, overrides)
+    }
+
+    /// Deserialises an already read table (with overrides) and validates it.
+    pub fn from_table(mut table: toml::Table, path: &Path, overrides: &[String]) -> Result<Self> {
+        for o in overrides {
+            apply_override(&mut table, o)?;
+        }
+        let cfg: Self = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| Error::ConfigFile {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every value; the first bad one is reported with its key.
+    pub fn validate(&self) -> Result<()> {
+        let t = &self.train;
+        if t.steps == 0 {
+            return Err(invalid("train.steps", 0, "must be at least 1"));
+        }
+        if t.batch_size < 2 {
+            return Err(invalid(
+                "train.batch_size",
+                t.batch_size,
+                "needs at least 2 pairs (in-batch negatives)",
+            ));
+        }
+        if t.image_chunk < 2 {
+            return Err(invalid(
+                "train.image_chunk",
+                t.image_chunk,
+                "BatchNorm needs chunks of at least 2 images",
+            ));
+        }
+        if t.text_chunk == 0 {
+            return Err(invalid("train.text_chunk", 0, "must be at least 1"));
+        }
+        if t.batch_size % t.image_chunk == 1 {
+            return Err(invalid(
+                "train.image_chunk",
+                t.image_chunk,
+                "the batch would end with a chunk of one image, which BatchNorm cannot \
+                 normalise: choose a chunk size that leaves at least 2",
+            ));
+        }
+        if self.data.train < t.batch_size {
+            return Err(invalid(
+                "data.train",
+                self.data.train,
+                "must hold at least one batch of scenes",
+            ));
+        }
+        if self.data.eval < 2 {
+            return Err(invalid(
+                "data.eval",
+                self.data.eval,
+                "needs at least 2 scenes",
+            ));
+        }
+        if t.keep_checkpoints == 0 {
+            return Err(invalid("train.keep_checkpoints", 0, "must be at least 1"));
+        }
+        let x = &self.text;
+        if x.max_len < 3 || x.vocab_size < 10 || x.hidden_size == 0 || x.num_layers == 0 {
+            return Err(invalid(
+                "text",
+                format!(
+                    "max_len {}, vocab_size {}, hidden_size {}, num_layers {}",
+                    x.max_len, x.vocab_size, x.hidden_size, x.num_layers
+                ),
+                "max_len >= 3, vocab_size >= 10 and positive sizes are needed",
+            ));
+        }
+        if x.kind == TextKind::Bert && (x.num_heads == 0 || x.hidden_size % x.num_heads != 0) {
+            return Err(invalid(
+                "text.num_heads",
+                x.num_heads,
+                "must divide text.hidden_size",
+            ));
+        }
+        if self.image.stages.is_empty() || self.image.stages.contains(&0) {
+            return Err(invalid(
+                "image.stages",
+                format!("{:?}", self.image.stages),
+                "give at least one stage, each with at least one block",
+            ));
+        }
+        if self.image.width == 0 {
+            return Err(invalid("image.width", 0, "must be at least 1"));
+        }
+        self.resnet().validate()?;
+        self.optim.kind().validate()?;
+        if !(self.optim.lr > 0.0 && self.optim.lr.is_finite()) {
+            return Err(invalid("optim.lr", self.optim.lr, "must be positive"));
+        }
+        Ok(())
+    }
+
+    /// The image tower's sizes (its output is the text tower's width).
+    pub fn resnet(&self) -> ResNetConfig {
+        ResNetConfig {
+            in_channels: 3,
+            width: self.image.width,
+            stages: self.image.stages.clone(),
+            block: self.image.block,
+            output: self.text.hidden_size,
+        }
+    }
+
+    /// A fingerprint of what the run trains (cadence and output directory excluded).
+    pub fn fingerprint(&self) -> Result<String> {
+        let mut shaping = self.clone();
+        shaping.output_dir = PathBuf::new();
+        shaping.train.eval_every = 0;
+        shaping.train.checkpoint_every = 0;
+        shaping.train.keep_checkpoints = 1;
+        shaping.optim.warmup_steps = self.optim.warmup(self.train.steps);
+        shaping.optim.warmup_ratio = 0.0;
+        let text = serde_json::to_string(&shaping).map_err(|e| Error::InvalidArgument {
+            what: "configuration",
+            value: e.to_string(),
+            reason: "cannot be serialised for its fingerprint",
+        })?;
+        Ok(format!("{:016x}", crate::rng::hash_str(&text)))
+    }
+}
