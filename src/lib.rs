@@ -9,7 +9,8 @@
 //!
 //! ```text
 //! the binary (src/bin/gradcache)       console, progress, plots
-//!   train      the loop, config, data, optimisers, metrics, checkpoints, memory budget
+//!   train      the loop and its tasks, config, data, optimisers, metrics, checkpoints,
+//!              memory budget
 //!   hub        model files, tokenizers, export, the inference path
 //!   models     BERT, ResNet, LSTM, toy towers
 //!   nn         layers and fused kernels, one file per op family

@@ -29,9 +29,7 @@
 //! `heads * s * L` per sequence) or recomputes them from `Q` and `K` with the same
 //! arithmetic, bit for bit (selective recompute keeps nothing of size `s x s`).
 
-use candle_core::Tensor;
-
-use super::blocks::{parallel_ranges, with_wide_vectors, Float, SharedMut};
+use super::blocks::{parallel_ranges, with_wide_vectors, Float, SharedConst, SharedMut};
 use super::math::exp;
 
 /// A key whose additive bias is at or below this is masked (BERT's padding bias is
@@ -606,33 +604,4 @@ pub unsafe fn backward<T: Float>(
             (q.1.row, 1),
         );
     });
-}
-
-/// A read-only pointer that may cross threads.
-#[derive(Clone, Copy)]
-struct SharedConst<T>(*const T);
-
-impl<T> SharedConst<T> {
-    fn get(self) -> *const T {
-        self.0
-    }
-}
-
-// SAFETY: only read, by tasks that run while the buffer is borrowed by the caller.
-unsafe impl<T: Sync> Send for SharedConst<T> {}
-unsafe impl<T: Sync> Sync for SharedConst<T> {}
-
-/// The values of a contiguous CPU tensor of `T`, read in place, handed to `f`.
-pub(crate) fn with_values<T: Float, R>(
-    t: &Tensor,
-    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
-) -> candle_core::Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("attention: a non-contiguous input".into()))?;
-    match &*storage {
-        candle_core::Storage::Cpu(s) => f(&s.as_slice::<T>()?[start..end]),
-        _ => candle_core::bail!("attention: a tensor off the CPU"),
-    }
 }

@@ -7,7 +7,8 @@ use candle_core::Tensor;
 use num_traits::Zero as _;
 
 use super::accumulate::{AddInPlace, SumRows};
-use super::attention::{with_values, Dims, HeadLayout, KeyMask, Params, Rows};
+use super::attention::{Dims, HeadLayout, KeyMask, Params, Rows};
+use super::blocks::with_values;
 use super::blocks::Float;
 use super::node::{node, node_n};
 

@@ -55,6 +55,20 @@ impl<T> SharedMut<T> {
 unsafe impl<T: Send> Send for SharedMut<T> {}
 unsafe impl<T: Send> Sync for SharedMut<T> {}
 
+/// A read-only pointer that may cross threads.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedConst<T>(pub(crate) *const T);
+
+impl<T> SharedConst<T> {
+    pub(crate) fn get(self) -> *const T {
+        self.0
+    }
+}
+
+// SAFETY: only read, by tasks that run while the buffer is borrowed by the caller.
+unsafe impl<T: Sync> Send for SharedConst<T> {}
+unsafe impl<T: Sync> Sync for SharedConst<T> {}
+
 /// Runs `f(range)` over `0..items` split into ranges, on candle's own CPU thread pool (the
 /// one its element-wise ops use: a second pool would compete with candle's workers, which
 /// spin between ops), the calling thread taking part.
@@ -233,3 +247,19 @@ macro_rules! dispatch {
     };
 }
 pub(crate) use dispatch;
+
+/// The values of a contiguous CPU tensor of `T`, read in place, handed to `f` (the
+/// attention kernels read their inputs this way).
+pub(crate) fn with_values<T: Float, R>(
+    t: &candle_core::Tensor,
+    f: impl FnOnce(&[T]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("attention: a non-contiguous input".into()))?;
+    match &*storage {
+        candle_core::Storage::Cpu(s) => f(&s.as_slice::<T>()?[start..end]),
+        _ => candle_core::bail!("attention: a tensor off the CPU"),
+    }
+}

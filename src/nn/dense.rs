@@ -1,6 +1,6 @@
 //! Dense layers as single nodes: `x W^T + b` (the transposed weight read in place, no
 //! transposed copies in the backward) and the transformer feed-forward block, which keeps
-//! only the up projection's output.
+//! only the up projection's output; and [`Linear`], the layer that calls them.
 
 use candle_core::Tensor;
 
@@ -8,6 +8,7 @@ use super::accumulate::{AddInPlace, SumRows};
 use super::activation::{bias_activation_backward_in_place, BiasActivation};
 use super::math::Act;
 use super::node::{node, node_n};
+use candle_nn::VarBuilder;
 
 /// `x W^T + b` over the last dimension as one node: forward one matrix product (the
 /// transposed weight read in place) and a bias add; backward `dx = dy W`, `dW = dy^T x`,
@@ -131,4 +132,66 @@ fn as_accumulated(g: &Tensor) -> candle_core::Result<()> {
     let width = *g.dims().last().unwrap_or(&1);
     let zero = Tensor::zeros(width, g.dtype(), g.device())?;
     g.inplace_op2(&zero, &AddInPlace { rows: true })
+}
+
+/// A fully connected layer `y = x W^T + b` with Hugging Face names (`weight` `[out, in]`,
+/// `bias` `[out]`), for inputs `[.., in]`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub(super) weight: Tensor,
+    pub(super) bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// PyTorch's default initialisation (uniform in `+-1/sqrt(in)`), with a bias.
+    pub fn new(input: usize, output: usize, vb: VarBuilder) -> crate::Result<Self> {
+        let bound = 1.0 / (input as f64).sqrt();
+        let init = candle_nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        Ok(Self {
+            weight: vb.get_with_hints((output, input), "weight", init)?,
+            bias: Some(vb.get_with_hints(output, "bias", init)?),
+        })
+    }
+
+    /// BERT's initialisation: weight normal(0, `std`), bias zero.
+    pub fn normal(input: usize, output: usize, std: f64, vb: VarBuilder) -> crate::Result<Self> {
+        let init = candle_nn::Init::Randn {
+            mean: 0.0,
+            stdev: std,
+        };
+        Ok(Self {
+            weight: vb.get_with_hints((output, input), "weight", init)?,
+            bias: Some(vb.get_with_hints(output, "bias", candle_nn::init::ZERO)?),
+        })
+    }
+
+    /// The weight `[out, in]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The bias `[out]`, if any.
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    /// `x W^T + b` over the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> crate::Result<Tensor> {
+        super::linear(x, &self.weight, self.bias.as_ref())
+    }
+
+    /// `act(x W^T + b)`, the bias added inside the fused activation.
+    pub fn forward_activated(&self, x: &Tensor, act: Act) -> crate::Result<Tensor> {
+        let y = super::linear(x, &self.weight, None)?;
+        match &self.bias {
+            Some(b) => super::bias_activation(&y, b, act),
+            None => {
+                let zero = Tensor::zeros(y.dim(candle_core::D::Minus1)?, y.dtype(), y.device())?;
+                super::bias_activation(&y, &zero, act)
+            }
+        }
+    }
 }

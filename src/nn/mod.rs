@@ -37,6 +37,7 @@ mod rows;
 mod softmax;
 
 pub use batch_norm::BatchNorm;
+pub use dense::Linear;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -259,26 +260,26 @@ pub fn feed_forward(
     if !recompute {
         return down.forward(&up.forward_activated(x, act)?);
     }
-    let width = up.weight.dim(0)?;
-    let up_bias = match &up.bias {
+    let width = up.weight().dim(0)?;
+    let up_bias = match up.bias() {
         Some(b) => b.clone(),
-        None => Tensor::zeros(width, up.weight.dtype(), up.weight.device())?,
+        None => Tensor::zeros(width, up.weight().dtype(), up.weight().device())?,
     };
-    let mut all = vec![x, &up.weight, &up_bias, &down.weight];
-    all.extend(down.bias.as_ref());
+    let mut all = vec![x, up.weight(), &up_bias, down.weight()];
+    all.extend(down.bias());
     if fused_ok(&all) {
         return Ok(fused::feed_forward_recomputed(
             x,
-            &up.weight,
+            up.weight(),
             &up_bias,
-            &down.weight,
-            down.bias.as_ref(),
+            down.weight(),
+            down.bias(),
             act,
         )?);
     }
-    let pre = linear(x, &up.weight, None)?;
-    let mut inputs = vec![&pre, &up_bias, &down.weight];
-    inputs.extend(down.bias.as_ref());
+    let pre = linear(x, up.weight(), None)?;
+    let mut inputs = vec![&pre, &up_bias, down.weight()];
+    inputs.extend(down.bias());
     recomputed("gradcache-feed-forward-recomputed", &inputs, move |t| {
         let hidden = bias_activation(&t[0], &t[1], act)?;
         linear(&hidden, &t[2], t.get(3))
@@ -364,68 +365,6 @@ fn widened_layer_norm(
         eps,
     )?;
     Ok(y.to_dtype(x.dtype())?)
-}
-
-/// A fully connected layer `y = x W^T + b` with Hugging Face names (`weight` `[out, in]`,
-/// `bias` `[out]`), for inputs `[.., in]`.
-#[derive(Debug, Clone)]
-pub struct Linear {
-    weight: Tensor,
-    bias: Option<Tensor>,
-}
-
-impl Linear {
-    /// PyTorch's default initialisation (uniform in `+-1/sqrt(in)`), with a bias.
-    pub fn new(input: usize, output: usize, vb: VarBuilder) -> Result<Self> {
-        let bound = 1.0 / (input as f64).sqrt();
-        let init = candle_nn::Init::Uniform {
-            lo: -bound,
-            up: bound,
-        };
-        Ok(Self {
-            weight: vb.get_with_hints((output, input), "weight", init)?,
-            bias: Some(vb.get_with_hints(output, "bias", init)?),
-        })
-    }
-
-    /// BERT's initialisation: weight normal(0, `std`), bias zero.
-    pub fn normal(input: usize, output: usize, std: f64, vb: VarBuilder) -> Result<Self> {
-        let init = candle_nn::Init::Randn {
-            mean: 0.0,
-            stdev: std,
-        };
-        Ok(Self {
-            weight: vb.get_with_hints((output, input), "weight", init)?,
-            bias: Some(vb.get_with_hints(output, "bias", candle_nn::init::ZERO)?),
-        })
-    }
-
-    /// The weight `[out, in]`.
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
-    }
-
-    /// The bias `[out]`, if any.
-    pub fn bias(&self) -> Option<&Tensor> {
-        self.bias.as_ref()
-    }
-
-    /// `x W^T + b` over the last dimension of `x`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        linear(x, &self.weight, self.bias.as_ref())
-    }
-
-    /// `act(x W^T + b)`, the bias added inside the fused activation.
-    pub fn forward_activated(&self, x: &Tensor, act: Act) -> Result<Tensor> {
-        let y = linear(x, &self.weight, None)?;
-        match &self.bias {
-            Some(b) => bias_activation(&y, b, act),
-            None => {
-                let zero = Tensor::zeros(y.dim(D::Minus1)?, y.dtype(), y.device())?;
-                bias_activation(&y, &zero, act)
-            }
-        }
-    }
 }
 
 /// `x W^T + b` on the flattened rows of `x`: one node with a hand-written backward

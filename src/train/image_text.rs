@@ -13,6 +13,7 @@
 //! moments, step) resumes the run exactly.
 
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 use candle_core::{DType, Device, Tensor};
 use rand::seq::SliceRandom;
@@ -21,21 +22,20 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::batch::TokenBatch;
 use crate::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
+use crate::dist::{Collective, Single};
 use crate::dropout::Ctx;
 use crate::encoder::{Encoder, Tower};
 use crate::hub::tokenizer::{train_wordpiece, Tokenizer};
 use crate::loss::{ClipLoss, Similarity};
 use crate::lstm::{Lstm, LstmConfig, LstmEncoder};
-use crate::memory::{self, PhaseMeter};
 use crate::params::{Gradients, ParamStore, Params};
 use crate::recompute::Recomputed;
 use crate::resnet::ResNet;
-use crate::train::checkpoint::{self, TrainerState};
 use crate::train::data::Position;
 use crate::train::metrics::{self, RetrievalMetrics};
-use crate::train::optim::{clip_grad_norm, Optimizer, Schedule};
+use crate::train::model::TOKENIZER_FILE;
+use crate::train::run::{self, LoopConfig, Run, TaskCache};
 use crate::train::shapes::{self, Scene, ShapesConfig};
-use crate::train::trainer::{Event, Observer, PhasePeaks, PhaseTimes, StepReport, TOKENIZER_FILE};
 use crate::{Error, GradCache, Result};
 
 /// The name of the learnable logit scale in the store and in checkpoints.
@@ -96,21 +96,192 @@ impl Encoder for TextTower {
 /// The image tower type.
 pub type ImageEncoder = Recomputed<ResNet>;
 
-/// A running image-text training.
-pub struct ImageTextTrainer {
+/// What may change between an image-text run and its resume.
+const MAY_CHANGE: &str = "output_dir, train.eval_every, checkpoint_every and keep_checkpoints";
+
+/// A running image-text training: [`ImageText`] through the one loop.
+pub type ImageTextTrainer = Run<ImageText>;
+
+/// CLIP-style image-text training on the generated shapes: the task of `gradcache train`
+/// with `task = "image-text"`.
+pub struct ImageText {
     cfg: ImageTextConfig,
-    store: ParamStore,
-    gc: GradCache<ImageEncoder, TextTower, ClipLoss>,
     tokenizer: Tokenizer,
     data: shapes::Shapes,
-    optimizer: Optimizer,
-    schedule: Schedule,
-    step: u64,
     device: Device,
-    notes: Vec<String>,
 }
 
-impl ImageTextTrainer {
+impl run::Task for ImageText {
+    type Query = ImageEncoder;
+    type Passage = TextTower;
+    type Loss = ClipLoss;
+    /// Indices of the batch's training scenes.
+    type Batch = Vec<usize>;
+    type Config = ImageTextConfig;
+
+    fn config(&self) -> &ImageTextConfig {
+        &self.cfg
+    }
+
+    /// The scenes of update `step`: a seeded permutation per epoch, cut into batches.
+    fn next_batch(&mut self, step: u64) -> Result<Vec<usize>> {
+        let n = self.data.train.len();
+        let b = self.cfg.train.batch_size;
+        let per_epoch = (n / b) as u64;
+        let epoch = step / per_epoch;
+        let mut order: Vec<usize> = (0..n).collect();
+        let seed = crate::rng::derive_seed(&[self.cfg.seed, 0x5ce7e5, epoch]);
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
+        let start = (step % per_epoch) as usize * b;
+        Ok(order[start..start + b].to_vec())
+    }
+
+    fn batch_rows(&self, batch: &Vec<usize>) -> usize {
+        batch.len()
+    }
+
+    /// Images `[rows, 3, size, size]` and tokenized captions of the scenes.
+    fn inputs(&self, batch: &Vec<usize>, _comm: &dyn Collective) -> Result<(Tensor, TokenBatch)> {
+        let scenes: Vec<&Scene> = batch.iter().map(|&i| &self.data.train[i]).collect();
+        let images = self.images(&scenes)?;
+        let captions: Vec<&str> = scenes.iter().map(|s| s.caption.as_str()).collect();
+        let tokens = self.tokenizer.encode(&captions, &self.device)?;
+        Ok((images, tokens))
+    }
+
+    fn position(&self, step: u64) -> Position {
+        let per_epoch = (self.data.train.len() / self.cfg.train.batch_size) as u64;
+        Position {
+            epoch: step / per_epoch,
+            offset: (step % per_epoch) as usize * self.cfg.train.batch_size,
+        }
+    }
+
+    /// The data order is a function of the step: the position must be the step's.
+    fn seek(&mut self, position: Position, step: u64) -> Result<()> {
+        if position != self.position(step) {
+            return Err(Error::InvalidArgument {
+                what: "data position",
+                value: format!("{position:?}"),
+                reason: "is not where the data of an image-text run stands at its step",
+            });
+        }
+        Ok(())
+    }
+
+    /// Image-to-text retrieval on the held-out scenes: every image against every distinct
+    /// held-out caption, evaluation mode (BatchNorm's running statistics, no dropout).
+    fn evaluate(&self, gc: &TaskCache<Self>) -> Result<RetrievalMetrics> {
+        let captions = distinct(&self.data.eval);
+        let targets: Vec<usize> = self
+            .data
+            .eval
+            .iter()
+            .map(|s| captions.iter().position(|c| *c == s.caption).unwrap_or(0))
+            .collect();
+        let ctx = Ctx::eval();
+        let mut image_reps = Vec::new();
+        for chunk in self.data.eval.chunks(self.cfg.train.image_chunk.max(16)) {
+            let scenes: Vec<&Scene> = chunk.iter().collect();
+            image_reps.push(gc.query_encoder().encode(&self.images(&scenes)?, &ctx)?);
+        }
+        let mut text_reps = Vec::new();
+        for chunk in captions.chunks(self.cfg.train.text_chunk.max(16)) {
+            let texts: Vec<&str> = chunk.iter().map(String::as_str).collect();
+            let batch = self.tokenizer.encode(&texts, &self.device)?;
+            text_reps.push(gc.passage_encoder().encode(&batch, &ctx)?);
+        }
+        metrics::evaluate(
+            &Tensor::cat(&image_reps, 0)?,
+            &Tensor::cat(&text_reps, 0)?,
+            &targets,
+            Similarity::Cosine,
+            256,
+        )
+    }
+
+    /// The logit scale stays below its maximum.
+    fn after_update(&self, gc: &TaskCache<Self>) -> Result<()> {
+        gc.loss().clamp()
+    }
+
+    fn eval_note(&self, gc: &TaskCache<Self>) -> Result<Option<String>> {
+        let scale = gc.loss().scale()?;
+        Ok(Some(format!(
+            "logit scale {scale:.2} (temperature {:.4})",
+            1.0 / scale
+        )))
+    }
+
+    /// Writes the trained model to `output_dir/model`.
+    fn finish(&self, gc: &TaskCache<Self>, step: u64) -> Result<Option<String>> {
+        let dir = self.export(gc, step, &self.cfg.output_dir.join("model"))?;
+        Ok(Some(format!(
+            "trained model (towers with BatchNorm statistics, tokenizer, logit scale {:.2}): {}",
+            gc.loss().scale()?,
+            dir.display()
+        )))
+    }
+}
+
+impl ImageText {
+    /// Images `[rows, 3, size, size]` of `scenes`.
+    fn images(&self, scenes: &[&Scene]) -> Result<Tensor> {
+        let size = self.cfg.data.image_size;
+        let pixels: Vec<f32> = scenes
+            .iter()
+            .flat_map(|s| s.pixels.iter().copied())
+            .collect();
+        Ok(Tensor::from_vec(
+            pixels,
+            (scenes.len(), 3, size, size),
+            &self.device,
+        )?)
+    }
+
+    /// Writes the model of `gc` after `step` updates to `dir`: `image_tower.safetensors`
+    /// (torchvision ResNet names, BatchNorm running statistics included),
+    /// `text_tower.safetensors`, `tokenizer.json`, `logit_scale` inside
+    /// `image_text_config.json` with the config.
+    fn export(&self, gc: &TaskCache<Self>, step: u64, dir: &Path) -> Result<PathBuf> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
+        let state = gc.state()?;
+        for (prefix, file) in [
+            ("image.", "image_tower.safetensors"),
+            ("text.", "text_tower.safetensors"),
+        ] {
+            let tensors: std::collections::HashMap<String, Tensor> = state
+                .iter()
+                .filter_map(|(n, v)| {
+                    n.strip_prefix(prefix)
+                        .map(|rest| (rest.to_string(), v.as_tensor().clone()))
+                })
+                .collect();
+            let path = dir.join(file);
+            candle_core::safetensors::save(&tensors, &path)
+                .map_err(|e| Error::io("write", &path, e))?;
+        }
+        let path = dir.join(TOKENIZER_FILE);
+        self.tokenizer
+            .inner()
+            .save(&path, false)
+            .map_err(|e| Error::io("write", &path, e))?;
+        let path = dir.join("image_text_config.json");
+        let json = serde_json::json!({
+            "config": self.cfg,
+            "logit_scale": gc.loss().scale()?,
+            "step": step,
+        });
+        std::fs::write(
+            &path,
+            serde_json::to_string_pretty(&json).unwrap_or_default(),
+        )
+        .map_err(|e| Error::io("write", &path, e))?;
+        Ok(dir.to_path_buf())
+    }
+}
+
+impl Run<ImageText> {
     /// Generates the data, builds the towers, the loss and the optimiser; with `resume`, a
     /// checkpoint directory (or `output_dir/checkpoints`: its newest checkpoint) of the
     /// same configuration is restored.
@@ -139,12 +310,6 @@ impl ImageTextTrainer {
         let t = &cfg.train;
         let gc = GradCache::two_towers(image, text, t.image_chunk, t.text_chunk, loss)?
             .with_seed(cfg.seed);
-        let optimizer = Optimizer::new(cfg.optim.kind(), gc.params().clone())?;
-        let schedule = Schedule {
-            lr: cfg.optim.lr,
-            warmup: cfg.optim.warmup(t.steps),
-            total: t.steps,
-        };
         let notes = vec![format!(
             "shapes: {} training scenes, {} held-out scenes ({} distinct captions) of compositions never seen in \
              training, {}x{} pixels; image tower: ResNet {:?} width {} ({} parameters, {} \
@@ -161,330 +326,37 @@ impl ImageTextTrainer {
             cfg.text.kind,
             gc.params().len()
         )];
-        let mut trainer = Self {
+        let settings = LoopConfig {
+            output_dir: cfg.output_dir.clone(),
+            steps: t.steps,
+            eval_every: t.eval_every,
+            checkpoint_every: t.checkpoint_every,
+            keep_checkpoints: t.keep_checkpoints,
+            optim: cfg.optim.clone(),
+            check_weights_every: 0,
+            loss_scaler: None,
+            fingerprint: cfg.fingerprint()?,
+            may_change: MAY_CHANGE,
+        };
+        let task = ImageText {
             cfg,
-            store,
-            gc,
             tokenizer,
             data,
-            optimizer,
-            schedule,
-            step: 0,
-            device,
-            notes,
+            device: device.clone(),
         };
+        let mut trainer =
+            Run::from_parts(task, gc, store, device, Rc::new(Single), settings, notes)?;
         if let Some(path) = resume {
             trainer.restore(path)?;
         }
         Ok(trainer)
     }
 
-    /// Notes of the set-up, for the log.
-    pub fn setup_notes(&self) -> &[String] {
-        &self.notes
-    }
-
-    /// Updates done.
-    pub fn step(&self) -> u64 {
-        self.step
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &ImageTextConfig {
-        &self.cfg
-    }
-
-    /// The parameter store (parameters, BatchNorm buffers, the logit scale).
-    pub fn store(&self) -> &ParamStore {
-        &self.store
-    }
-
-    /// The gradient cache (towers and loss).
-    pub fn gradient_cache(&self) -> &GradCache<ImageEncoder, TextTower, ClipLoss> {
-        &self.gc
-    }
-
-    /// The optimizer's state (for checkpoints and tests).
-    pub fn optimizer_state(&self) -> Result<std::collections::BTreeMap<String, Tensor>> {
-        self.optimizer.state()
-    }
-
-    /// The scenes of update `step`: a seeded permutation per epoch, cut into batches.
-    fn batch_indices(&self, step: u64) -> Vec<usize> {
-        let n = self.data.train.len();
-        let b = self.cfg.train.batch_size;
-        let per_epoch = (n / b) as u64;
-        let epoch = step / per_epoch;
-        let mut order: Vec<usize> = (0..n).collect();
-        let seed = crate::rng::derive_seed(&[self.cfg.seed, 0x5ce7e5, epoch]);
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
-        let start = (step % per_epoch) as usize * b;
-        order[start..start + b].to_vec()
-    }
-
-    /// Images `[rows, 3, size, size]` of `scenes`.
-    fn images(&self, scenes: &[&Scene]) -> Result<Tensor> {
-        let size = self.cfg.data.image_size;
-        let pixels: Vec<f32> = scenes
-            .iter()
-            .flat_map(|s| s.pixels.iter().copied())
-            .collect();
-        Ok(Tensor::from_vec(
-            pixels,
-            (scenes.len(), 3, size, size),
-            &self.device,
-        )?)
-    }
-
-    /// One optimizer update on the batch of the current step.
-    pub fn train_step(&mut self) -> Result<StepReport> {
-        let _flush = crate::denormal::flush();
-        let start = std::time::Instant::now();
-        let heap_at_start = memory::current_bytes();
-        let scenes: Vec<&Scene> = self
-            .batch_indices(self.step)
-            .into_iter()
-            .map(|i| &self.data.train[i])
-            .collect();
-        let images = self.images(&scenes)?;
-        let captions: Vec<&str> = scenes.iter().map(|s| s.caption.as_str()).collect();
-        let tokens = self.tokenizer.encode(&captions, &self.device)?;
-        let tokenize_ms = start.elapsed().as_secs_f64() * 1e3;
-        let (_, peak, out) = memory::measure(|| -> Result<_> {
-            let out = self.gc.cache_step(self.step, &images, &tokens)?;
-            let mut meter = PhaseMeter::start();
-            let optimizer_start = std::time::Instant::now();
-            let mut grads = out.grads;
-            let max_norm = match self.cfg.optim.max_grad_norm {
-                0.0 => f64::INFINITY,
-                n => n,
-            };
-            let lr = self.schedule.lr_at(self.step);
-            let grad_norm = clip_grad_norm(&mut grads, max_norm)?;
-            self.optimizer.step(self.step, &grads, lr)?;
-            self.gc.loss().clamp()?;
-            let (_, optimizer_peak) = meter.lap();
-            let optimizer_ms = optimizer_start.elapsed().as_secs_f64() * 1e3;
-            // The gradients are dropped here, before the report is written.
-            let phases = (out.loss, out.times, out.peaks);
-            Ok((phases, lr, grad_norm, optimizer_ms, optimizer_peak))
-        });
-        let ((loss, t, m), lr, grad_norm, optimizer_ms, optimizer_peak) = out?;
-        self.step += 1;
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        Ok(StepReport {
-            step: self.step,
-            loss,
-            lr,
-            grad_norm,
-            pairs_per_sec: scenes.len() as f64 / start.elapsed().as_secs_f64().max(1e-9),
-            peak_bytes: peak,
-            heap_peak_bytes: if peak > 0 { heap_at_start + peak } else { 0 },
-            filled_negatives: 0,
-            phases: PhaseTimes {
-                tokenize_ms,
-                represent_ms: ms(t.represent),
-                loss_ms: ms(t.loss),
-                replay_ms: ms(t.replay),
-                reduce_ms: ms(t.reduce),
-                optimizer_ms,
-            },
-            phase_peaks: PhasePeaks {
-                represent: m.represent,
-                loss: m.loss,
-                replay: m.replay,
-                reduce: m.reduce,
-                optimizer: optimizer_peak,
-            },
-            flops: 0.0,
-            loss_scaling: None,
-        })
-    }
-
-    /// Image-to-text retrieval on the held-out scenes: every image against every distinct
-    /// held-out caption, evaluation mode (BatchNorm's running statistics, no dropout).
-    pub fn evaluate(&self) -> Result<RetrievalMetrics> {
-        let _flush = crate::denormal::flush();
-        let captions = distinct(&self.data.eval);
-        let targets: Vec<usize> = self
-            .data
-            .eval
-            .iter()
-            .map(|s| captions.iter().position(|c| *c == s.caption).unwrap_or(0))
-            .collect();
-        let ctx = Ctx::eval();
-        let mut image_reps = Vec::new();
-        for chunk in self.data.eval.chunks(self.cfg.train.image_chunk.max(16)) {
-            let scenes: Vec<&Scene> = chunk.iter().collect();
-            image_reps.push(
-                self.gc
-                    .query_encoder()
-                    .encode(&self.images(&scenes)?, &ctx)?,
-            );
-        }
-        let mut text_reps = Vec::new();
-        for chunk in captions.chunks(self.cfg.train.text_chunk.max(16)) {
-            let texts: Vec<&str> = chunk.iter().map(String::as_str).collect();
-            let batch = self.tokenizer.encode(&texts, &self.device)?;
-            text_reps.push(self.gc.passage_encoder().encode(&batch, &ctx)?);
-        }
-        metrics::evaluate(
-            &Tensor::cat(&image_reps, 0)?,
-            &Tensor::cat(&text_reps, 0)?,
-            &targets,
-            Similarity::Cosine,
-            256,
-        )
-    }
-
-    /// Trains to `train.steps`, evaluating before (on a fresh run), every `eval_every`
-    /// steps and after, writing checkpoints and, at the end, the trained model
-    /// (`output_dir/model`). Returns the metrics before (fresh runs) and after.
-    pub fn run(
-        &mut self,
-        observer: &mut dyn Observer,
-    ) -> Result<(Option<RetrievalMetrics>, RetrievalMetrics)> {
-        std::fs::create_dir_all(&self.cfg.output_dir)
-            .map_err(|e| Error::io("create", &self.cfg.output_dir, e))?;
-        for note in &self.notes {
-            observer.event(&Event::Note(note.clone()));
-        }
-        let before = if self.step == 0 {
-            let m = self.evaluate()?;
-            observer.event(&Event::Eval {
-                step: 0,
-                metrics: m,
-            });
-            Some(m)
-        } else {
-            None
-        };
-        let t = self.cfg.train;
-        while self.step < t.steps {
-            let report = self.train_step()?;
-            observer.event(&Event::Step(report));
-            let last = self.step == t.steps;
-            if t.eval_every > 0 && self.step % t.eval_every == 0 && !last {
-                let m = self.evaluate()?;
-                observer.event(&Event::Eval {
-                    step: self.step,
-                    metrics: m,
-                });
-                observer.event(&Event::Note(format!(
-                    "step {}: logit scale {:.2} (temperature {:.4})",
-                    self.step,
-                    self.gc.loss().scale()?,
-                    1.0 / self.gc.loss().scale()?
-                )));
-            }
-            if (t.checkpoint_every > 0 && self.step % t.checkpoint_every == 0) || last {
-                let dir = self.save_checkpoint()?;
-                observer.event(&Event::CheckpointSaved(dir));
-            }
-        }
-        let after = self.evaluate()?;
-        observer.event(&Event::Eval {
-            step: self.step,
-            metrics: after,
-        });
-        let dir = self.export(&self.cfg.output_dir.join("model"))?;
-        observer.event(&Event::Note(format!(
-            "trained model (towers with BatchNorm statistics, tokenizer, logit scale {:.2}): {}",
-            self.gc.loss().scale()?,
-            dir.display()
-        )));
-        Ok((before, after))
-    }
-
-    /// Everything a checkpoint holds besides the optimizer: parameters, BatchNorm
-    /// buffers, the logit scale.
-    pub fn state(&self) -> Result<Params> {
-        self.gc.state()
-    }
-
-    fn trainer_state(&self) -> Result<TrainerState> {
-        let per_epoch = (self.data.train.len() / self.cfg.train.batch_size) as u64;
-        Ok(TrainerState {
-            step: self.step,
-            data: Position {
-                epoch: self.step / per_epoch,
-                offset: (self.step % per_epoch) as usize * self.cfg.train.batch_size,
-            },
-            config_fingerprint: self.cfg.fingerprint()?,
-            loss_scaler: None,
-        })
-    }
-
-    /// Writes a checkpoint of the current step under `output_dir/checkpoints`.
-    pub fn save_checkpoint(&self) -> Result<PathBuf> {
-        checkpoint::save(
-            &self.cfg.output_dir.join("checkpoints"),
-            &self.state()?,
-            &self.optimizer.state()?,
-            &self.trainer_state()?,
-            self.cfg.train.keep_checkpoints,
-        )
-    }
-
-    fn restore(&mut self, path: &Path) -> Result<()> {
-        let ckpt = checkpoint::load(path, &self.device)?;
-        if ckpt.state.config_fingerprint != self.cfg.fingerprint()? {
-            return Err(Error::CheckpointMismatch {
-                what: format!("checkpoint {}", ckpt.dir.display()),
-                detail: "it was written with another configuration (only output_dir, \
-                         train.eval_every, checkpoint_every and keep_checkpoints may change)"
-                    .into(),
-            });
-        }
-        checkpoint::restore(&self.state()?, &ckpt.model, &ckpt.dir)?;
-        self.optimizer.load_state(&ckpt.optimizer)?;
-        self.step = ckpt.state.step;
-        self.notes.push(format!(
-            "resumed from {} at step {}",
-            ckpt.dir.display(),
-            self.step
-        ));
-        Ok(())
-    }
-
     /// Writes the trained model to `dir`: `image_tower.safetensors` (torchvision ResNet
     /// names, BatchNorm running statistics included), `text_tower.safetensors`,
     /// `tokenizer.json`, `logit_scale` inside `image_text_config.json` with the config.
     pub fn export(&self, dir: &Path) -> Result<PathBuf> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
-        let state = self.state()?;
-        for (prefix, file) in [
-            ("image.", "image_tower.safetensors"),
-            ("text.", "text_tower.safetensors"),
-        ] {
-            let tensors: std::collections::HashMap<String, Tensor> = state
-                .iter()
-                .filter_map(|(n, v)| {
-                    n.strip_prefix(prefix)
-                        .map(|rest| (rest.to_string(), v.as_tensor().clone()))
-                })
-                .collect();
-            let path = dir.join(file);
-            candle_core::safetensors::save(&tensors, &path)
-                .map_err(|e| Error::io("write", &path, e))?;
-        }
-        let path = dir.join(TOKENIZER_FILE);
-        self.tokenizer
-            .inner()
-            .save(&path, false)
-            .map_err(|e| Error::io("write", &path, e))?;
-        let path = dir.join("image_text_config.json");
-        let json = serde_json::json!({
-            "config": self.cfg,
-            "logit_scale": self.gc.loss().scale()?,
-            "step": self.step,
-        });
-        std::fs::write(
-            &path,
-            serde_json::to_string_pretty(&json).unwrap_or_default(),
-        )
-        .map_err(|e| Error::io("write", &path, e))?;
-        Ok(dir.to_path_buf())
+        self.task.export(&self.gc, self.step(), dir)
     }
 }
 

@@ -1,9 +1,15 @@
 //! The trainer behind `gradcache train`: [`config`] (TOML with documented defaults),
 //! [`data`] (JSONL pairs, held-out split, seeded resumable loader), [`optim`] (AdamW,
 //! SGD, the warmup schedule, clipping), [`metrics`] (retrieval quality), [`checkpoint`]
-//! (training checkpoints written atomically, exact resume), [`trainer`] (the loop, and
-//! the export of a finished run) and [`image_text`] (CLIP-style training of a ResNet and a
-//! text tower on the generated [`shapes`] data set).
+//! (training checkpoints written atomically, exact resume), [`run`] (the one training
+//! loop and the [`Task`] trait every kind of training implements), [`trainer`] (text
+//! pairs, and the export of a finished run) and [`image_text`] (CLIP-style training of a
+//! ResNet and a text tower on the generated [`shapes`] data set).
+//!
+//! A new kind of training implements [`Task`] (its batches, its inputs, its evaluation,
+//! where its data stands) and hands its towers and loss to [`Run::from_parts`]; the loop,
+//! the evaluation schedule, checkpoints and exact resume come with it (`tests/task.rs`
+//! does this for a task the crate does not ship).
 
 pub mod budget;
 pub mod checkpoint;
@@ -15,8 +21,10 @@ pub mod metrics;
 mod model;
 pub mod optim;
 pub mod report;
+pub mod run;
 pub mod shapes;
 pub mod trainer;
 
 pub use config::Config;
-pub use trainer::{export_run, Event, Observer, PhaseTimes, Quiet, StepReport, Trainer};
+pub use run::{LoopConfig, Run, Task};
+pub use trainer::{export_run, Event, Observer, PhaseTimes, Quiet, StepReport, TextPairs, Trainer};

@@ -1,6 +1,7 @@
-//! The training loop behind `gradcache train`: data, tokenizers, towers, gradient cache,
-//! optimiser, schedule, clipping, evaluation, checkpoints and resume; and
-//! [`export_run`], which turns a finished run into a model directory.
+//! Text-pair training behind `gradcache train`: the [`TextPairs`] task (data, tokenizers,
+//! BERT towers, InfoNCE, retrieval evaluation on held-out pairs) that [`Trainer`] runs
+//! through the one training loop ([`Run`]); and [`export_run`], which turns a finished
+//! run into a model directory.
 //!
 //! The library side of the trainer prints nothing: progress goes to an [`Observer`] (the
 //! binary draws the progress bar, writes the metrics file and the loss curve). It writes
@@ -9,20 +10,13 @@
 //! fails at set-up (bad data, a corrupt or mismatched checkpoint) leaves the directory as
 //! it was.
 //!
-//! One step counter: [`Trainer::step`] counts the updates done; the same number names the
-//! dropout masks of the step ([`GradCache::cache_step`]), its learning rate
-//! ([`Schedule::lr_at`]) and AdamW's bias correction ([`Optimizer::step`]).
-//!
-//! Resume is exact: weights and optimiser moments are stored as f32, the data loader's
-//! position and the step are stored, dropout masks derive from (seed, step, ...), and the
-//! learning rate from the step. With the same thread count on CPU, every later step's loss
-//! equals that of an uninterrupted run bit for bit (matrix products split their work by
-//! thread count, so another thread count may change the last bits).
+//! Resume is exact (see [`Run`]): the data loader's position is part of the checkpoint.
+//! Matrix products split their work by thread count, so another thread count may change
+//! the last bits.
 
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::sync::Arc;
-use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -33,26 +27,27 @@ use crate::encoder::Encoder;
 use crate::hub::tokenizer::read_tokenizer_file;
 use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Tokenizer};
 use crate::loss::InfoNce;
-use crate::memory;
 use crate::models::bert::{BertConfig, BertEncoder, BertOptions};
-use crate::params::{ParamStore, Params, WeightFile};
-use crate::precision::{LossScaler, Precision};
+use crate::params::{ParamStore, WeightFile};
+use crate::precision::Precision;
 use crate::train::budget::plan_memory;
-use crate::train::checkpoint::{self, TrainerState};
+use crate::train::checkpoint;
 use crate::train::config::Config;
-use crate::train::data::{read_jsonl, split, Loader, Pair, TextBatch};
+use crate::train::data::{read_jsonl, split, Loader, Pair, Position, TextBatch};
 use crate::train::metrics::{evaluate, RetrievalMetrics};
 use crate::train::model::{bert_options, build_model, read_model_tokenizer, Model};
-use crate::train::optim::{clip_grad_norm, Optimizer, Schedule};
+use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
 use crate::{Error, Result, Side};
 
+pub use super::model::{MODEL_CONFIG_FILE, TOKENIZER_FILE};
 pub use super::report::{Event, LossScaling, Observer, PhasePeaks, PhaseTimes, Quiet, StepReport};
 
-fn ms(d: std::time::Duration) -> f64 {
-    d.as_secs_f64() * 1e3
-}
+/// What may change between a text-pair run and its resume (see [`Config::fingerprint`]).
+const MAY_CHANGE: &str =
+    "output_dir, train.eval_every, checkpoint_every, keep_checkpoints and the dist section";
 
-pub use super::model::{MODEL_CONFIG_FILE, TOKENIZER_FILE};
+/// A text-pair training run: [`TextPairs`] through the one loop.
+pub type Trainer = Run<TextPairs>;
 
 /// The training data of a run.
 struct RunData {
@@ -64,31 +59,147 @@ struct RunData {
     texts: Vec<String>,
 }
 
-/// A training run.
-pub struct Trainer {
+/// Text pairs (query, positive, hard negatives) with BERT towers and InfoNCE: the task of
+/// `gradcache train` with a text-pair config.
+pub struct TextPairs {
     cfg: Config,
     device: Device,
-    store: ParamStore,
     bert: BertConfig,
     options: BertOptions,
     tokenizer: tokenizers::Tokenizer,
-    gc: GradCache<BertEncoder, BertEncoder, InfoNce>,
     query_tokenizer: Tokenizer,
     passage_tokenizer: Tokenizer,
-    optimizer: Optimizer,
-    schedule: Schedule,
     loader: Loader,
     eval: Vec<Pair>,
-    step: u64,
-    notes: Vec<String>,
-    comm: Rc<dyn Collective>,
-    /// The dynamic loss scaler of f16 training.
-    scaler: Option<LossScaler>,
     /// With `train.memory_budget`: the predicted heap peak of a step (bytes).
     predicted_peak: Option<u64>,
 }
 
-impl Trainer {
+impl Task for TextPairs {
+    type Query = BertEncoder;
+    type Passage = BertEncoder;
+    type Loss = InfoNce;
+    type Batch = TextBatch;
+    type Config = Config;
+
+    fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    fn next_batch(&mut self, _step: u64) -> Result<TextBatch> {
+        self.loader.next_batch()
+    }
+
+    fn batch_rows(&self, batch: &TextBatch) -> usize {
+        batch.queries.len()
+    }
+
+    fn filled_negatives(&self, batch: &TextBatch) -> usize {
+        batch.filled
+    }
+
+    /// This rank's share, tokenized and put in length order.
+    fn inputs(&self, batch: &TextBatch, comm: &dyn Collective) -> Result<(TokenBatch, TokenBatch)> {
+        let (queries, passages) = self.share(batch, comm)?;
+        let q = self.query_tokenizer.encode(&queries, &self.device)?;
+        let p = self.passage_tokenizer.encode(&passages, &self.device)?;
+        in_length_order(&q, &p)
+    }
+
+    fn step_flops(&self, queries: &TokenBatch, passages: &TokenBatch) -> Result<f64> {
+        // Graph-free forward, replay forward, backward (two forwards' worth); a recompute
+        // policy adds the graph-free forward of the replay's segments.
+        // Selective recompute alone re-runs no matrix product but the attention scores
+        // (not counted as a pass).
+        let layers = self.bert.num_hidden_layers;
+        let segmented = self.cfg.model.recompute.segments(layers)?.is_some();
+        let passes = if segmented { 5.0 } else { 4.0 };
+        let t = &self.cfg.train;
+        // On the CPU in f32 the layers run on the real tokens only (packed, no padding);
+        // elsewhere on every chunk at its padded length.
+        let packed = self.device.is_cpu() && self.cfg.precision == Precision::F32;
+        let mut forward = 0.0;
+        for (batch, chunk) in [(queries, t.query_chunk), (passages, t.passage_chunk)] {
+            if packed {
+                let lengths = batch
+                    .attention_mask
+                    .to_dtype(DType::U32)?
+                    .sum(1)?
+                    .to_vec1::<u32>()?;
+                for len in lengths {
+                    forward += self.bert.forward_flops(1, len as usize);
+                }
+            } else {
+                for piece in batch.chunks(chunk)? {
+                    forward += self.bert.forward_flops(piece.rows(), piece.seq_len());
+                }
+            }
+        }
+        Ok(forward * passes)
+    }
+
+    fn position(&self, _step: u64) -> Position {
+        self.loader.position()
+    }
+
+    fn seek(&mut self, position: Position, _step: u64) -> Result<()> {
+        self.loader.seek(position)
+    }
+
+    /// Every held-out query against every held-out positive (dropout off).
+    fn evaluate(&self, gc: &TaskCache<Self>) -> Result<RetrievalMetrics> {
+        let queries: Vec<&str> = self.eval.iter().map(|p| p.query.as_str()).collect();
+        let passages: Vec<&str> = self.eval.iter().map(|p| p.positive.as_str()).collect();
+        let q = embed(
+            gc.query_encoder(),
+            &self.query_tokenizer,
+            &queries,
+            self.cfg.train.query_chunk,
+            &self.device,
+        )?;
+        let p = embed(
+            gc.passage_encoder(),
+            &self.passage_tokenizer,
+            &passages,
+            self.cfg.train.passage_chunk,
+            &self.device,
+        )?;
+        let targets: Vec<usize> = (0..queries.len()).collect();
+        evaluate(&q, &p, &targets, self.cfg.loss.similarity, 256)
+    }
+}
+
+impl TextPairs {
+    /// This rank's queries and passages of a global batch: an equal, contiguous share
+    /// (passages keep their per-query groups).
+    fn share<'b>(
+        &self,
+        batch: &'b TextBatch,
+        comm: &dyn Collective,
+    ) -> Result<(Vec<&'b str>, Vec<&'b str>)> {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let rows = batch.queries.len() / world;
+        let group = batch.passages.len() / batch.queries.len().max(1);
+        if rows * world != batch.queries.len()
+            || group * batch.queries.len() != batch.passages.len()
+        {
+            return Err(Error::Data {
+                path: self.cfg.data.train_file.clone(),
+                line: 0,
+                reason: format!(
+                    "a batch of {} queries and {} passages does not split over {world} ranks",
+                    batch.queries.len(),
+                    batch.passages.len()
+                ),
+            });
+        }
+        let q = &batch.queries[rank * rows..(rank + 1) * rows];
+        let p = &batch.passages[rank * rows * group..(rank + 1) * rows * group];
+        Ok((to_refs(q), to_refs(p)))
+    }
+}
+
+impl Run<TextPairs> {
     /// Sets up a run from its configuration; with `resume`, continues from a checkpoint
     /// (a `step-N` directory, or a checkpoints root: then the newest). Starts the
     /// distributed backend `dist.backend` (at most once per process).
@@ -139,10 +250,9 @@ impl Trainer {
             notes.push(plan.note);
         }
         let mut trainer = Self::assemble(cfg, data, model, comm, notes, device)?;
-        trainer.predicted_peak = predicted_peak;
+        trainer.task.predicted_peak = predicted_peak;
         if let Some(path) = resume {
-            let restored = trainer.restore(path);
-            dist::agree(&*trainer.comm, restored)?;
+            trainer.restore(path)?;
         }
         trainer.write_run_files()?;
         trainer.check_identical_start()?;
@@ -177,67 +287,43 @@ impl Trainer {
         .with_dropout(m.dropout)
         .with_collective(Rc::clone(&comm))
         .with_bucket_bytes(cfg.dist.bucket_mib << 20);
-        let optimizer = Optimizer::new(cfg.optim.kind(), gc.params().clone())?;
-        let schedule = Schedule {
-            lr: cfg.optim.lr,
-            warmup: cfg.optim.warmup(cfg.train.steps),
-            total: cfg.train.steps,
-        };
-        Ok(Self {
-            device,
-            predicted_peak: None,
-            scaler: cfg
+        let t = &cfg.train;
+        let settings = LoopConfig {
+            output_dir: cfg.output_dir.clone(),
+            steps: t.steps,
+            eval_every: t.eval_every,
+            checkpoint_every: t.checkpoint_every,
+            keep_checkpoints: t.keep_checkpoints,
+            optim: cfg.optim.clone(),
+            check_weights_every: cfg.dist.check_weights_every,
+            loss_scaler: cfg
                 .precision
                 .needs_loss_scaling()
                 .then(|| cfg.loss_scale.scaler()),
+            fingerprint: cfg.fingerprint()?,
+            may_change: MAY_CHANGE,
+        };
+        let task = TextPairs {
+            device: device.clone(),
             options: bert_options(&cfg),
-            store: model.store,
             bert: model.bert,
             tokenizer: model.tokenizer,
-            gc,
             query_tokenizer,
             passage_tokenizer,
-            optimizer,
-            schedule,
             loader: data.loader,
             eval: data.eval,
-            step: 0,
-            notes,
-            comm,
+            predicted_peak: None,
             cfg,
-        })
-    }
-
-    /// Restores weights, optimiser state, data position and step from a checkpoint
-    /// written with the same configuration.
-    fn restore(&mut self, path: &Path) -> Result<()> {
-        let ckpt = checkpoint::load(path, &self.device)?;
-        check_fingerprint(&self.cfg, &ckpt.dir, &ckpt.state)?;
-        checkpoint::restore(&self.gc.state()?, &ckpt.model, &ckpt.dir)?;
-        self.optimizer.load_state(&ckpt.optimizer)?;
-        self.loader
-            .seek(ckpt.state.data)
-            .map_err(|e| Error::CheckpointMismatch {
-                what: format!("the data position of {}", ckpt.dir.display()),
-                detail: e.to_string(),
-            })?;
-        self.step = ckpt.state.step;
-        if self.scaler.is_some() {
-            self.scaler = ckpt.state.loss_scaler.or(self.scaler);
-        }
-        self.notes.push(format!(
-            "resumed from {} at step {}",
-            ckpt.dir.display(),
-            self.step
-        ));
-        Ok(())
+        };
+        Run::from_parts(task, gc, model.store, device, comm, settings, notes)
     }
 
     /// Rank 0 writes the run's tokenizer and model config into `output_dir`, so that the
     /// run directory alone is enough to resume or export it.
     fn write_run_files(&self) -> Result<()> {
         let written = if self.rank() == 0 {
-            write_run_files(&self.cfg.output_dir, &self.tokenizer, &self.bert)
+            let t = &self.task;
+            write_run_files(&t.cfg.output_dir, &t.tokenizer, &t.bert)
         } else {
             Ok(())
         };
@@ -259,366 +345,31 @@ impl Trainer {
     /// With `train.memory_budget`: the heap peak a step was predicted to reach, in bytes
     /// (what the chosen chunk sizes and recompute policy were fitted to).
     pub fn predicted_peak(&self) -> Option<u64> {
-        self.predicted_peak
-    }
-
-    /// Notes of the set-up (device, memory plan, data), as the log shows them.
-    pub fn setup_notes(&self) -> &[String] {
-        &self.notes
-    }
-
-    /// This process's rank (0 in a single-process run).
-    pub fn rank(&self) -> usize {
-        self.comm.rank()
-    }
-
-    /// The number of processes.
-    pub fn world_size(&self) -> usize {
-        self.comm.world_size()
-    }
-
-    /// The collective the run uses.
-    pub fn collective(&self) -> &dyn Collective {
-        &*self.comm
-    }
-
-    /// Updates done so far.
-    pub fn step(&self) -> u64 {
-        self.step
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &Config {
-        &self.cfg
-    }
-
-    /// Every trainable parameter.
-    pub fn params(&self) -> &Params {
-        self.gc.params()
-    }
-
-    /// The optimizer's state (AdamW's moments, by `m.<name>` / `v.<name>`), as a
-    /// checkpoint writes it.
-    pub fn optimizer_state(&self) -> Result<std::collections::BTreeMap<String, Tensor>> {
-        self.optimizer.state()
-    }
-
-    /// The parameter store.
-    pub fn store(&self) -> &ParamStore {
-        &self.store
-    }
-
-    /// Retrieval metrics on the held-out pairs: every held-out query against every held-out
-    /// positive (dropout off).
-    pub fn evaluate(&self) -> Result<RetrievalMetrics> {
-        let _flush = crate::denormal::flush();
-        let queries: Vec<&str> = self.eval.iter().map(|p| p.query.as_str()).collect();
-        let passages: Vec<&str> = self.eval.iter().map(|p| p.positive.as_str()).collect();
-        let q = embed(
-            self.gc.query_encoder(),
-            &self.query_tokenizer,
-            &queries,
-            self.cfg.train.query_chunk,
-            &self.device,
-        )?;
-        let p = embed(
-            self.gc.passage_encoder(),
-            &self.passage_tokenizer,
-            &passages,
-            self.cfg.train.passage_chunk,
-            &self.device,
-        )?;
-        let targets: Vec<usize> = (0..queries.len()).collect();
-        evaluate(&q, &p, &targets, self.cfg.loss.similarity, 256)
-    }
-
-    /// Times one gradient-cache step over `batch` (tokenized as a training batch, dropout
-    /// of the current step) and changes nothing: no update, no step counted, the data
-    /// position untouched. The same batch timed at different points of a run shows what
-    /// the weights alone do to the speed (subnormal floats: see [`crate::denormal`]);
-    /// `benches/train_step.rs` does that.
-    pub fn time_step(&self, batch: &TextBatch) -> Result<PhaseTimes> {
-        let _flush = crate::denormal::flush();
-        let start = Instant::now();
-        let (queries, passages) = self.share(batch)?;
-        let q = self.query_tokenizer.encode(&queries, &self.device)?;
-        let p = self.passage_tokenizer.encode(&passages, &self.device)?;
-        let (q, p) = in_length_order(&q, &p)?;
-        let tokenize_ms = ms(start.elapsed());
-        let out = self.gc.cache_step(self.step, &q, &p)?;
-        let t = out.times;
-        Ok(PhaseTimes {
-            tokenize_ms,
-            represent_ms: ms(t.represent),
-            loss_ms: ms(t.loss),
-            replay_ms: ms(t.replay),
-            reduce_ms: ms(t.reduce),
-            optimizer_ms: 0.0,
-        })
-    }
-
-    /// One optimizer step on the next (global) batch; in a distributed run this rank
-    /// encodes its share and every rank applies the same reduced gradients.
-    pub fn train_step(&mut self) -> Result<StepReport> {
-        let _flush = crate::denormal::flush();
-        let batch = self.loader.next_batch()?;
-        let start = Instant::now();
-        let heap_at_start = memory::current_bytes();
-        let (_, peak, out) = memory::measure(|| -> Result<_> {
-            let share = self.share(&batch);
-            let inputs = share.and_then(|(queries, passages)| {
-                let q = self.query_tokenizer.encode(&queries, &self.device)?;
-                let p = self.passage_tokenizer.encode(&passages, &self.device)?;
-                in_length_order(&q, &p)
-            });
-            let (q, p) = dist::agree(&*self.comm, inputs)?;
-            let tokenize_ms = ms(start.elapsed());
-            let flops = self.step_flops(&q, &p)?;
-            let loss_scale = self.scaler.map(|s| s.scale);
-            let mut meter = memory::PhaseMeter::start();
-            let out = self
-                .gc
-                .cache_step_scaled(self.step, &q, &p, loss_scale.unwrap_or(1.0))?;
-            meter.lap();
-            let optimizer_start = Instant::now();
-            let mut grads = out.grads;
-            // f16: unscale before clipping; a step with an inf or NaN gradient changes no
-            // weight and no optimizer state, and the scale backs off.
-            let finite = match &mut self.scaler {
-                Some(scaler) => {
-                    let finite = scaler.unscale(&mut grads)?;
-                    scaler.update(finite);
-                    finite
-                }
-                None => true,
-            };
-            let max_norm = match self.cfg.optim.max_grad_norm {
-                0.0 => f64::INFINITY,
-                n => n,
-            };
-            let lr = self.schedule.lr_at(self.step);
-            let grad_norm = if finite {
-                let norm = clip_grad_norm(&mut grads, max_norm)?;
-                self.optimizer.step(self.step, &grads, lr)?;
-                norm
-            } else {
-                f64::NAN
-            };
-            let (_, optimizer_peak) = meter.lap();
-            let (t, m) = (out.times, out.peaks);
-            let phase_peaks = PhasePeaks {
-                represent: m.represent,
-                loss: m.loss,
-                replay: m.replay,
-                reduce: m.reduce,
-                optimizer: optimizer_peak,
-            };
-            let phases = PhaseTimes {
-                tokenize_ms,
-                represent_ms: ms(t.represent),
-                loss_ms: ms(t.loss),
-                replay_ms: ms(t.replay),
-                reduce_ms: ms(t.reduce),
-                optimizer_ms: ms(optimizer_start.elapsed()),
-            };
-            let scaling = loss_scale.map(|used| LossScaling {
-                used,
-                skipped: !finite,
-            });
-            Ok((out.loss, lr, grad_norm, phases, phase_peaks, flops, scaling))
-        });
-        let (loss, lr, grad_norm, phases, phase_peaks, flops, loss_scaling) = out?;
-        self.step += 1;
-        let every = self.cfg.dist.check_weights_every;
-        if self.world_size() > 1
-            && (cfg!(debug_assertions) || (every > 0 && self.step % every == 0))
-        {
-            dist::ensure_identical_weights(&*self.comm, self.gc.params())?;
-        }
-        let secs = start.elapsed().as_secs_f64().max(1e-9);
-        Ok(StepReport {
-            step: self.step,
-            loss,
-            lr,
-            grad_norm,
-            pairs_per_sec: batch.queries.len() as f64 / secs,
-            peak_bytes: peak,
-            heap_peak_bytes: if peak > 0 { heap_at_start + peak } else { 0 },
-            filled_negatives: batch.filled,
-            phases,
-            phase_peaks,
-            flops,
-            loss_scaling,
-        })
-    }
-
-    /// Matrix-product FLOPs a cached step executes on these batches (see
-    /// [`StepReport::flops`]).
-    fn step_flops(&self, queries: &TokenBatch, passages: &TokenBatch) -> Result<f64> {
-        // Graph-free forward, replay forward, backward (two forwards' worth); a recompute
-        // policy adds the graph-free forward of the replay's segments.
-        // Selective recompute alone re-runs no matrix product but the attention scores
-        // (not counted as a pass).
-        let layers = self.bert.num_hidden_layers;
-        let segmented = self.cfg.model.recompute.segments(layers)?.is_some();
-        let passes = if segmented { 5.0 } else { 4.0 };
-        let t = &self.cfg.train;
-        // On the CPU in f32 the layers run on the real tokens only (packed, no padding);
-        // elsewhere on every chunk at its padded length.
-        let packed = self.device.is_cpu() && self.cfg.precision == Precision::F32;
-        let mut forward = 0.0;
-        for (batch, chunk) in [(queries, t.query_chunk), (passages, t.passage_chunk)] {
-            if packed {
-                let lengths = batch
-                    .attention_mask
-                    .to_dtype(DType::U32)?
-                    .sum(1)?
-                    .to_vec1::<u32>()?;
-                for len in lengths {
-                    forward += self.bert.forward_flops(1, len as usize);
-                }
-            } else {
-                for piece in batch.chunks(chunk)? {
-                    forward += self.bert.forward_flops(piece.rows(), piece.seq_len());
-                }
-            }
-        }
-        Ok(forward * passes)
-    }
-
-    /// This rank's queries and passages of a global batch: an equal, contiguous share
-    /// (passages keep their per-query groups).
-    fn share<'b>(&self, batch: &'b TextBatch) -> Result<(Vec<&'b str>, Vec<&'b str>)> {
-        let (rank, world) = (self.rank(), self.world_size());
-        let rows = batch.queries.len() / world;
-        let group = batch.passages.len() / batch.queries.len().max(1);
-        if rows * world != batch.queries.len()
-            || group * batch.queries.len() != batch.passages.len()
-        {
-            return Err(Error::Data {
-                path: self.cfg.data.train_file.clone(),
-                line: 0,
-                reason: format!(
-                    "a batch of {} queries and {} passages does not split over {world} ranks",
-                    batch.queries.len(),
-                    batch.passages.len()
-                ),
-            });
-        }
-        let q = &batch.queries[rank * rows..(rank + 1) * rows];
-        let p = &batch.passages[rank * rows * group..(rank + 1) * rows * group];
-        Ok((to_refs(q), to_refs(p)))
-    }
-
-    /// Writes a training checkpoint of the current state.
-    pub fn save_checkpoint(&self) -> Result<PathBuf> {
-        let state = TrainerState {
-            step: self.step,
-            data: self.loader.position(),
-            config_fingerprint: self.cfg.fingerprint()?,
-            loss_scaler: self.scaler,
-        };
-        checkpoint::save(
-            &self.cfg.output_dir.join("checkpoints"),
-            &self.gc.state()?,
-            &self.optimizer.state()?,
-            &state,
-            self.cfg.train.keep_checkpoints,
-        )
-    }
-
-    /// Runs until `train.steps`, evaluating before the first step (unless resumed), every
-    /// `eval_every` steps and at the end, and writing a checkpoint every
-    /// `checkpoint_every` steps and at the end. Returns the evaluations (first and last).
-    pub fn run(
-        &mut self,
-        observer: &mut dyn Observer,
-    ) -> Result<(Option<RetrievalMetrics>, RetrievalMetrics)> {
-        for note in std::mem::take(&mut self.notes) {
-            observer.event(&Event::Note(note));
-        }
-        let before = if self.step == 0 {
-            let m = self.evaluate_on_root()?;
-            observer.event(&Event::Eval {
-                step: 0,
-                metrics: m,
-            });
-            Some(m)
-        } else {
-            None
-        };
-        let mut filled = 0;
-        while self.step < self.cfg.train.steps {
-            let report = self.train_step()?;
-            filled += report.filled_negatives;
-            observer.event(&Event::Step(report));
-            let t = &self.cfg.train;
-            let last = self.step == t.steps;
-            if t.eval_every > 0 && self.step % t.eval_every == 0 && !last {
-                let m = self.evaluate_on_root()?;
-                observer.event(&Event::Eval {
-                    step: self.step,
-                    metrics: m,
-                });
-            }
-            if (t.checkpoint_every > 0 && self.step % t.checkpoint_every == 0) || last {
-                let saved = if self.rank() == 0 {
-                    self.save_checkpoint().map(Some)
-                } else {
-                    Ok(None)
-                };
-                if let Some(dir) = dist::agree(&*self.comm, saved)? {
-                    observer.event(&Event::CheckpointSaved(dir));
-                }
-            }
-        }
-        if filled > 0 {
-            observer.event(&Event::Note(format!(
-                "{filled} missing hard negatives were filled with positives of other pairs"
-            )));
-        }
-        if self.world_size() > 1 {
-            let sum = dist::ensure_identical_weights(&*self.comm, self.gc.params())?;
-            observer.event(&Event::Note(format!(
-                "all {} ranks hold identical weights (checksum {sum:016x})",
-                self.world_size()
-            )));
-        }
-        let after = self.evaluate_on_root()?;
-        observer.event(&Event::Eval {
-            step: self.step,
-            metrics: after,
-        });
-        Ok((before, after))
-    }
-
-    /// Evaluates on rank 0 only; every rank receives rank 0's metrics (a failure there
-    /// stops every rank).
-    fn evaluate_on_root(&self) -> Result<RetrievalMetrics> {
-        dist::from_root(&*self.comm, "the evaluation", || self.evaluate())
+        self.task.predicted_peak
     }
 
     /// Exports the tower of `side` (the shared tower for either side) as a Hugging Face +
     /// sentence-transformers directory.
     pub fn export(&self, dir: &Path, side: Side) -> Result<()> {
-        let (params, prefix, tokenizer) = match (side, self.cfg.model.shared) {
-            (_, true) => (self.gc.query_encoder().params(), "", &self.query_tokenizer),
+        let t = &self.task;
+        let (params, prefix, tokenizer) = match (side, t.cfg.model.shared) {
+            (_, true) => (self.gc.query_encoder().params(), "", &t.query_tokenizer),
             (Side::Query, false) => (
                 self.gc.query_encoder().params(),
                 "query",
-                &self.query_tokenizer,
+                &t.query_tokenizer,
             ),
             (Side::Passage, false) => (
                 self.gc.passage_encoder().params(),
                 "passage",
-                &self.passage_tokenizer,
+                &t.passage_tokenizer,
             ),
         };
         export_bert(
             dir,
-            &self.bert,
-            &self.options,
-            self.cfg.loss.similarity,
+            &t.bert,
+            &t.options,
+            t.cfg.loss.similarity,
             params,
             prefix,
             tokenizer,
@@ -724,21 +475,6 @@ fn write_run_files(dir: &Path, tokenizer: &tokenizers::Tokenizer, bert: &BertCon
     std::fs::write(&path, json).map_err(|e| Error::io("write", &path, e))
 }
 
-/// A checkpoint must have been written with this configuration (up to what may change
-/// between a run and its resume: see [`Config::fingerprint`]).
-fn check_fingerprint(cfg: &Config, dir: &Path, state: &TrainerState) -> Result<()> {
-    if state.config_fingerprint != cfg.fingerprint()? {
-        return Err(Error::CheckpointMismatch {
-            what: format!("checkpoint {}", dir.display()),
-            detail: "it was written with another configuration (only output_dir, \
-                     train.eval_every, checkpoint_every, keep_checkpoints and the dist \
-                     section may change)"
-                .into(),
-        });
-    }
-    Ok(())
-}
-
 /// Checks that every rank runs the same configuration on the same data. Data paths may
 /// differ between ranks (per-node copies); the data itself may not.
 fn check_same_run(
@@ -841,7 +577,7 @@ pub fn export_run(
     let root = cfg.output_dir.join("checkpoints");
     let dir = checkpoint::resolve(checkpoint.unwrap_or(&root))?;
     let state = checkpoint::read_state(&dir)?;
-    check_fingerprint(cfg, &dir, &state)?;
+    check_fingerprint(&cfg.fingerprint()?, MAY_CHANGE, &dir, &state)?;
 
     let run_config = cfg.output_dir.join(MODEL_CONFIG_FILE);
     let run_tokenizer = cfg.output_dir.join(TOKENIZER_FILE);
