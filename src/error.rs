@@ -149,8 +149,8 @@ pub enum Error {
 
     /// A batch holds sequences longer than the model's position table.
     #[error(
-        "sequences of {len} tokens are longer than the model's max_position_embeddings \
-         ({max}); truncate to at most that many tokens"
+        "sequences of {len} tokens are longer than the model's position embeddings cover \
+         ({max} tokens of max_position_embeddings); truncate to at most that many tokens"
     )]
     SequenceTooLong { len: usize, max: usize },
 

@@ -114,6 +114,8 @@ pub struct ReadmeDoctests;
 pub mod docs_doctests {
     #[doc = include_str!("../docs/library.md")]
     pub struct Library;
+    #[doc = include_str!("../docs/models.md")]
+    pub struct Models;
     #[doc = include_str!("../docs/memory.md")]
     pub struct Memory;
     #[doc = include_str!("../docs/training.md")]

@@ -74,18 +74,14 @@ fn exported_models_load_back_with_equal_embeddings() {
             config["transformers_version"], "4.44.0",
             "unknown config fields are kept"
         );
-        let head = read_sentence_transformers_config(&dir).unwrap();
-        assert_eq!(
-            head,
-            Some(SentenceTransformersConfig {
-                pooling,
-                normalize,
-                similarity: Some(Similarity::Cosine)
-            })
-        );
+        let head: SentenceTransformersConfig =
+            read_sentence_transformers_config(&dir).unwrap().unwrap();
+        assert_eq!(head.pooling, pooling);
+        assert_eq!(head.normalize, normalize);
+        assert_eq!(head.similarity, Some(Similarity::Cosine));
+        assert!(head.dense.is_empty() && head.include_prompt);
 
         let files = ModelFiles::from_dir(&dir).unwrap();
-        let head = head.unwrap();
         let loaded_options = BertOptions {
             pooling: head.pooling,
             normalize: head.normalize,

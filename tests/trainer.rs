@@ -94,7 +94,7 @@ fn every_bad_value_is_rejected_with_its_key() {
         ("loss.temperature=-1", "`loss.temperature`: -1"),
         ("optim.lr=-1", "`optim.lr`"),
         ("optim.name=adam", "unknown variant `adam`"),
-        ("model.pooling=max", "unknown variant `max`"),
+        ("model.pooling=median", "unknown variant `median`"),
         ("model.query_max_len=1", "`model.query_max_len`"),
         ("model.fresh.num_heads=3", "`model.fresh.num_heads`"),
         ("train.steps=ten", "invalid type"),

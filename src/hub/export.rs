@@ -1,6 +1,7 @@
-//! Writing a trained BERT tower as a Hugging Face model directory that
+//! Writing a trained BERT-family tower as a Hugging Face model directory that
 //! `transformers.AutoModel` and `sentence_transformers.SentenceTransformer` load:
-//! `config.json`, `model.safetensors` (Hugging Face `BertModel` names), `tokenizer.json`,
+//! `config.json` (the family's `model_type` and architecture), `model.safetensors`
+//! (Hugging Face `BertModel` / `RobertaModel` names, which are the same), `tokenizer.json`,
 //! `tokenizer_config.json`, plus the sentence-transformers files `modules.json`,
 //! `sentence_bert_config.json`, `config_sentence_transformers.json` and
 //! `1_Pooling/config.json` (and `2_Normalize` when the encoder normalises).
@@ -9,8 +10,9 @@
 //! non-empty directory is never overwritten. Every file gets the permissions the process
 //! gives a new file (a model directory is meant to be shared).
 //!
-//! [`read_sentence_transformers_config`] reads the pooling, normalisation and similarity
-//! back from such a directory (ours or any sentence-transformers model).
+//! [`read_sentence_transformers_config`](crate::hub::sentence_transformers) reads the
+//! pooling, normalisation and similarity back from such a directory (ours or any
+//! sentence-transformers model).
 
 use std::collections::HashMap;
 use std::fs;
@@ -20,6 +22,9 @@ use candle_core::Tensor;
 use serde_json::json;
 
 pub use crate::hub::files::{MODULES, POOLING, SENTENCE_TRANSFORMERS_CONFIG};
+pub use crate::hub::sentence_transformers::{
+    read_sentence_transformers_config, SentenceTransformersConfig,
+};
 use crate::hub::tokenizer::Tokenizer;
 use crate::loss::Similarity;
 use crate::models::bert::{BertConfig, BertOptions, Pooling};
@@ -90,8 +95,16 @@ pub fn export_bert(
 
     let config_path = tmp.join("config.json");
     let mut config = serde_json::to_value(cfg).map_err(|e| Error::io("write", &config_path, e))?;
-    config["architectures"] = json!(["BertModel"]);
-    config["model_type"] = json!("bert");
+    // The family's own names, so that `AutoModel` builds the same architecture.
+    let model_type = cfg.model_type.clone().unwrap_or_else(|| "bert".into());
+    let architecture = match model_type.as_str() {
+        "roberta" => "RobertaModel",
+        "xlm-roberta" => "XLMRobertaModel",
+        "camembert" => "CamembertModel",
+        _ => "BertModel",
+    };
+    config["architectures"] = json!([architecture]);
+    config["model_type"] = json!(model_type);
     write_json(&config_path, &config)?;
     let weights_path = tmp.join("model.safetensors");
     candle_core::safetensors::save(&weights, &weights_path)
@@ -151,95 +164,24 @@ pub fn export_bert(
     )?;
     write_json(
         &tmp.join(POOLING),
-        &json!({
-            "word_embedding_dimension": cfg.hidden_size,
-            "pooling_mode_cls_token": options.pooling == Pooling::Cls,
-            "pooling_mode_mean_tokens": options.pooling == Pooling::Mean,
-            "pooling_mode_max_tokens": false,
-            "pooling_mode_mean_sqrt_len_tokens": false,
-        }),
+        &pooling_config(cfg.hidden_size, options.pooling),
     )?;
-
     if dir.exists() {
         fs::remove_dir(dir).map_err(|e| Error::io("remove", dir, e))?;
     }
     fs::rename(&tmp, dir).map_err(|e| Error::io("rename into", dir, e))
 }
 
-/// What a sentence-transformers model directory says about its head.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SentenceTransformersConfig {
-    /// From `1_Pooling/config.json`.
-    pub pooling: Pooling,
-    /// Whether `modules.json` lists a `Normalize` module.
-    pub normalize: bool,
-    /// `similarity_fn_name` of `config_sentence_transformers.json`, when the file names one.
-    pub similarity: Option<Similarity>,
-}
-
-/// Reads the head of a sentence-transformers directory (an export of ours or any
-/// sentence-transformers model): `None` when it has no `modules.json` and
-/// `1_Pooling/config.json`. A pooling mode or similarity this crate does not implement
-/// is an error, not a silent substitute.
-pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTransformersConfig>> {
-    let pooling_path = dir.join(POOLING);
-    let modules_path = dir.join(MODULES);
-    if !pooling_path.is_file() || !modules_path.is_file() {
-        return Ok(None);
+/// The pooling module's `config.json` in the layout every version of sentence-transformers
+/// reads: the width as `word_embedding_dimension` and one `pooling_mode_*` boolean per
+/// mode (the current package converts both to its `embedding_dimension` and
+/// `pooling_mode`; older ones refuse keys they do not know).
+pub fn pooling_config(width: usize, pooling: Pooling) -> serde_json::Value {
+    let mut cfg = serde_json::Map::new();
+    cfg.insert("word_embedding_dimension".into(), json!(width));
+    for mode in Pooling::ALL {
+        cfg.insert(mode.legacy_key().into(), json!(mode == pooling));
     }
-    let read = |p: &Path| -> Result<serde_json::Value> {
-        let text = fs::read_to_string(p).map_err(|e| Error::io("read", p, e))?;
-        serde_json::from_str(&text).map_err(|e| Error::ModelFile {
-            path: p.to_path_buf(),
-            reason: e.to_string(),
-        })
-    };
-    let modes = read(&pooling_path)?;
-    let on = |key: &str| modes[key] == json!(true);
-    let pooling = match (on("pooling_mode_cls_token"), on("pooling_mode_mean_tokens")) {
-        (true, false) => Pooling::Cls,
-        (false, true) => Pooling::Mean,
-        _ => {
-            let set: Vec<&str> = modes
-                .as_object()
-                .into_iter()
-                .flatten()
-                .filter(|(k, v)| k.starts_with("pooling_mode_") && **v == json!(true))
-                .map(|(k, _)| k.as_str())
-                .collect();
-            return Err(Error::UnsupportedConfig {
-                field: "pooling_mode_*",
-                value: set.join(" + "),
-                supported: "exactly one of pooling_mode_cls_token, pooling_mode_mean_tokens",
-                path: pooling_path,
-            });
-        }
-    };
-    let normalize = read(&modules_path)?.as_array().is_some_and(|m| {
-        m.iter()
-            .any(|x| x["type"] == json!("sentence_transformers.models.Normalize"))
-    });
-    let st_path = dir.join(SENTENCE_TRANSFORMERS_CONFIG);
-    let similarity = if st_path.is_file() {
-        match read(&st_path)?["similarity_fn_name"].as_str() {
-            None => None,
-            Some(name) => Some(
-                Similarity::from_sentence_transformers_name(name).ok_or_else(|| {
-                    Error::UnsupportedConfig {
-                        field: "similarity_fn_name",
-                        value: name.to_string(),
-                        supported: "cosine, dot",
-                        path: st_path.clone(),
-                    }
-                })?,
-            ),
-        }
-    } else {
-        None
-    };
-    Ok(Some(SentenceTransformersConfig {
-        pooling,
-        normalize,
-        similarity,
-    }))
+    cfg.insert("include_prompt".into(), json!(true));
+    serde_json::Value::Object(cfg)
 }

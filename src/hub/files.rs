@@ -185,10 +185,15 @@ impl ModelFiles {
             }
         };
         let tokenizer = fetch(TOKENIZER)?;
-        // The sentence-transformers head (pooling, normalisation, similarity), when the
-        // repo has one: fetched into the same snapshot directory.
-        for file in [MODULES, POOLING, SENTENCE_TRANSFORMERS_CONFIG] {
+        // The sentence-transformers head (pooling, Dense modules, normalisation,
+        // similarity), when the repo has one: fetched into the same snapshot directory.
+        for file in [POOLING, SENTENCE_TRANSFORMERS_CONFIG] {
             fetch(file)?;
+        }
+        if let Some(modules) = fetch(MODULES)? {
+            for file in module_files(&modules) {
+                fetch(&file)?;
+            }
         }
         Ok(Self {
             dir: config.parent().map(Path::to_path_buf).unwrap_or_default(),
@@ -197,6 +202,30 @@ impl ModelFiles {
             tokenizer,
         })
     }
+}
+
+/// The files of the modules a `modules.json` lists after the transformer: each module's
+/// `config.json`, and a `Dense` module's weights. An unreadable list names none (reading
+/// the head later says what is wrong with it).
+fn module_files(modules: &Path) -> Vec<String> {
+    let list: Vec<serde_json::Value> = std::fs::read_to_string(modules)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let mut files = Vec::new();
+    for m in list {
+        let (Some(dir), Some(ty)) = (m["path"].as_str(), m["type"].as_str()) else {
+            continue;
+        };
+        if dir.is_empty() {
+            continue;
+        }
+        files.push(format!("{dir}/config.json"));
+        if ty.ends_with("Dense") {
+            files.push(format!("{dir}/model.safetensors"));
+        }
+    }
+    files
 }
 
 /// Downloads `file` of `repo` into the cache; `None` when the repo has no such file.

@@ -14,12 +14,16 @@
 
 pub mod export;
 pub mod files;
+pub mod sentence_transformers;
 pub mod tokenizer;
 
 use candle_core::{DType, Device, Tensor};
 
-pub use export::{export_bert, read_sentence_transformers_config, SentenceTransformersConfig};
+pub use export::export_bert;
 pub use files::{HubSettings, ModelFiles};
+pub use sentence_transformers::{
+    read_sentence_transformers_config, DenseActivation, DenseLayer, SentenceTransformersConfig,
+};
 pub use tokenizer::Tokenizer;
 
 use crate::batch::TokenBatch;
@@ -105,7 +109,7 @@ pub struct LoadOptions {
     pub normalize: Option<bool>,
     /// Similarity for ranking (default: cosine).
     pub similarity: Option<Similarity>,
-    /// Token limit; capped at the model's `max_position_embeddings`.
+    /// Token limit; capped at what the model's position embeddings cover.
     pub max_len: usize,
     /// Where to run.
     pub device: Device,
@@ -126,6 +130,11 @@ impl Default for LoadOptions {
 /// A model loaded for inference: encoder, tokenizer, pooling, normalisation, similarity.
 pub struct EmbeddingModel {
     encoder: BertEncoder,
+    /// The sentence-transformers `Dense` modules after the pooling.
+    dense: Vec<DenseLayer>,
+    /// L2-normalise after the `Dense` modules (when there are any; else the encoder
+    /// normalises).
+    normalize_after_dense: bool,
     tokenizer: Tokenizer,
     config: BertConfig,
     options: BertOptions,
@@ -161,24 +170,35 @@ impl EmbeddingModel {
         let head = read_sentence_transformers_config(&files.dir)?;
         let (pooling, pooling_src) = pick(
             options.pooling,
-            head.map(|h| h.pooling),
+            head.as_ref().map(|h| h.pooling),
             export::POOLING,
             Pooling::Mean,
         );
         let (normalize, normalize_src) = pick(
             options.normalize,
-            head.map(|h| h.normalize),
+            head.as_ref().map(|h| h.normalize),
             export::MODULES,
             false,
         );
         let (similarity, similarity_src) = pick(
             options.similarity,
-            head.and_then(|h| h.similarity),
+            head.as_ref().and_then(|h| h.similarity),
             export::SENTENCE_TRANSFORMERS_CONFIG,
             Similarity::Cosine,
         );
-        let head_note = if head.is_some() {
-            "sentence-transformers files found".to_string()
+        let dense = head.as_ref().map(|h| h.dense.clone()).unwrap_or_default();
+        let head_note = if let Some(h) = &head {
+            let mut note = "sentence-transformers files found".to_string();
+            for d in &h.dense {
+                note += &format!(
+                    "; Dense {} -> {} ({:?}) from {}",
+                    d.weight.dim(1)?,
+                    d.out_features(),
+                    d.activation,
+                    d.dir.display()
+                );
+            }
+            note
         } else {
             format!(
                 "no sentence-transformers files in {}: a plain model, defaults as \
@@ -195,7 +215,7 @@ impl EmbeddingModel {
         );
         let bert_options = BertOptions {
             pooling,
-            normalize,
+            normalize: normalize && dense.is_empty(),
             ..Default::default()
         };
         let store = ParamStore::new(0, DType::F32, &options.device);
@@ -204,10 +224,12 @@ impl EmbeddingModel {
             path: files.dir.join(files::TOKENIZER),
             what: "tokenizer",
         })?;
-        let max_len = options.max_len.min(config.max_position_embeddings);
+        let max_len = options.max_len.min(config.max_tokens());
         let tokenizer = Tokenizer::from_file(tokenizer_path, max_len)?;
         Ok(Self {
             encoder,
+            normalize_after_dense: normalize && !dense.is_empty(),
+            dense,
             tokenizer,
             config,
             options: bert_options,
@@ -220,7 +242,19 @@ impl EmbeddingModel {
 
     /// Embeddings `[texts, width]`, encoding `chunk` texts at a time.
     pub fn embed(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
-        embed(&self.encoder, &self.tokenizer, texts, chunk, &self.device)
+        let mut x = embed(&self.encoder, &self.tokenizer, texts, chunk, &self.device)?;
+        for dense in &self.dense {
+            x = dense.forward(&x)?;
+        }
+        if self.normalize_after_dense {
+            x = crate::nn::l2_normalize(&x)?;
+        }
+        Ok(x)
+    }
+
+    /// The sentence-transformers `Dense` modules after the pooling, in order.
+    pub fn dense(&self) -> &[DenseLayer] {
+        &self.dense
     }
 
     /// The similarity to rank with.

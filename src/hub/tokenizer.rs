@@ -41,6 +41,7 @@ impl Tokenizer {
             .get_padding()
             .map(|p| p.pad_id)
             .or_else(|| inner.token_to_id("[PAD]"))
+            .or_else(|| inner.token_to_id("<pad>"))
             .unwrap_or(0);
         let pad_token = inner.id_to_token(pad_id).unwrap_or_else(|| "[PAD]".into());
         inner

@@ -1,4 +1,6 @@
-//! A trainable BERT-family encoder (BERT, MiniLM, and other `BertModel` checkpoints).
+//! A trainable BERT-family encoder: BERT, MiniLM and other `BertModel` checkpoints, and
+//! the RoBERTa family (RoBERTa, XLM-RoBERTa, CamemBERT), whose layers are BERT's and whose
+//! positions start past the padding index ([`Family`]).
 //!
 //! candle-transformers' `BertModel` is inference-only: its fused LayerNorm cuts the graph,
 //! its dropout is a no-op and its `f32::MIN` attention mask turns into NaN in f16/bf16. This
@@ -101,6 +103,20 @@ mod defaults {
     }
 }
 
+/// The model families this encoder loads, by `config.json`'s `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `bert` (or no `model_type`): BERT, MiniLM, bge, e5, gte-small, ...: absolute
+    /// positions counted from 0.
+    Bert,
+    /// `roberta`, `xlm-roberta`, `camembert`: BERT's layers with absolute positions that
+    /// start past the padding index (`pad_token_id + 1`), one token type, `<s> .. </s>`.
+    Roberta,
+}
+
+/// The `model_type`s [`Family`] accepts, for errors.
+pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert";
+
 /// Feed-forward activations of BERT-family configs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
@@ -189,8 +205,39 @@ impl BertConfig {
         Ok(cfg)
     }
 
+    /// The family of `model_type`; another type is refused with the supported ones named.
+    pub fn family(&self, path: &Path) -> Result<Family> {
+        match self.model_type.as_deref() {
+            None | Some("bert") => Ok(Family::Bert),
+            Some("roberta" | "xlm-roberta" | "camembert") => Ok(Family::Roberta),
+            Some(other) => Err(Error::UnsupportedConfig {
+                field: "model_type",
+                value: other.to_string(),
+                supported: SUPPORTED_FAMILIES,
+                path: path.to_path_buf(),
+            }),
+        }
+    }
+
+    /// The position of the first token: 0 for BERT, `pad_token_id + 1` for the RoBERTa
+    /// family (whose positions count from past the padding index).
+    pub fn first_position(&self) -> usize {
+        match self.family(Path::new("config")) {
+            Ok(Family::Roberta) => self.pad_token_id + 1,
+            _ => 0,
+        }
+    }
+
+    /// The longest sequence the position embeddings cover, in tokens (special tokens
+    /// included).
+    pub fn max_tokens(&self) -> usize {
+        self.max_position_embeddings
+            .saturating_sub(self.first_position())
+    }
+
     /// Checks the values a BERT encoder depends on; `path` names the config in errors.
     pub fn validate(&self, path: &Path) -> Result<()> {
+        self.family(path)?;
         self.activation(path)?;
         if self.position_embedding_type != "absolute" {
             return Err(Error::UnsupportedConfig {
@@ -208,6 +255,13 @@ impl BertConfig {
             ("max_position_embeddings", self.max_position_embeddings),
             ("type_vocab_size", self.type_vocab_size),
         ];
+        if self.max_tokens() == 0 {
+            return Err(Error::InvalidConfig {
+                field: "max_position_embeddings",
+                value: self.max_position_embeddings.to_string(),
+                reason: "must leave room past the padding index (pad_token_id + 1)",
+            });
+        }
         for (field, value) in positive {
             if value == 0 {
                 return Err(Error::InvalidConfig {
@@ -258,7 +312,8 @@ impl BertConfig {
     }
 }
 
-/// How token states become one vector per sequence.
+/// How token states become one vector per sequence: the pooling modes of
+/// sentence-transformers, with its names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Pooling {
@@ -267,14 +322,109 @@ pub enum Pooling {
     /// The mean over real (unmasked) tokens, as sentence-transformers.
     #[default]
     Mean,
+    /// The maximum of each dimension over the real tokens.
+    Max,
+    /// The sum over the real tokens divided by the square root of their number.
+    #[serde(rename = "mean_sqrt_len_tokens", alias = "mean_sqrt_len")]
+    MeanSqrtLen,
+    /// The mean over real tokens weighted by position (the first token 1, the second 2,
+    /// ...), as SGPT.
+    #[serde(rename = "weightedmean")]
+    WeightedMean,
+    /// The last real token's state (decoder-style embedding models).
+    #[serde(rename = "lasttoken")]
+    LastToken,
 }
 
 impl Pooling {
-    /// The name used in configs (`cls`, `mean`).
+    /// Every mode, in the order sentence-transformers lists them.
+    pub const ALL: [Pooling; 6] = [
+        Pooling::Cls,
+        Pooling::Max,
+        Pooling::Mean,
+        Pooling::MeanSqrtLen,
+        Pooling::WeightedMean,
+        Pooling::LastToken,
+    ];
+
+    /// The name used in configs and by sentence-transformers' `pooling_mode`.
     pub fn name(self) -> &'static str {
         match self {
             Pooling::Cls => "cls",
             Pooling::Mean => "mean",
+            Pooling::Max => "max",
+            Pooling::MeanSqrtLen => "mean_sqrt_len_tokens",
+            Pooling::WeightedMean => "weightedmean",
+            Pooling::LastToken => "lasttoken",
+        }
+    }
+
+    /// The mode named `name` ([`Self::name`], or `mean_sqrt_len`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        if name == "mean_sqrt_len" {
+            return Some(Pooling::MeanSqrtLen);
+        }
+        Self::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// The key of the mode among the booleans of sentence-transformers' older
+    /// `1_Pooling/config.json` (`pooling_mode_mean_tokens`, ...).
+    pub fn legacy_key(self) -> &'static str {
+        match self {
+            Pooling::Cls => "pooling_mode_cls_token",
+            Pooling::Mean => "pooling_mode_mean_tokens",
+            Pooling::Max => "pooling_mode_max_tokens",
+            Pooling::MeanSqrtLen => "pooling_mode_mean_sqrt_len_tokens",
+            Pooling::WeightedMean => "pooling_mode_weightedmean_tokens",
+            Pooling::LastToken => "pooling_mode_lasttoken",
+        }
+    }
+
+    /// Pools token states `x` `[n, s, h]` over the real tokens of `mask` `[n, s]` (1 for a
+    /// real token, 0 for padding; padding on the right), as sentence-transformers does.
+    /// Mean pooling runs as one node (see [`crate::nn::mean_pool`]); the others are
+    /// composed of differentiable ops. Normalises the result with `normalize`.
+    pub fn pool(self, x: &Tensor, mask: &Tensor, normalize: bool) -> Result<Tensor> {
+        let (n, s, h) = x.dims3()?;
+        let pooled = match self {
+            Pooling::Mean => return crate::nn::mean_pool(x, mask, normalize),
+            Pooling::Cls => x.narrow(1, 0, 1)?.squeeze(1)?,
+            Pooling::Max => {
+                let keep = mask.unsqueeze(2)?.broadcast_as((n, s, h))?.ne(0.0)?;
+                let floor =
+                    Tensor::full(f32::NEG_INFINITY, (n, s, h), x.device())?.to_dtype(x.dtype())?;
+                keep.where_cond(x, &floor)?.max(1)?
+            }
+            Pooling::MeanSqrtLen => {
+                let sum = x.broadcast_mul(&mask.unsqueeze(2)?)?.sum(1)?;
+                let count = mask.sum_keepdim(1)?.clamp(1e-9, f64::MAX)?;
+                sum.broadcast_div(&count.sqrt()?)?
+            }
+            Pooling::WeightedMean => {
+                let positions = Tensor::arange(1u32, s as u32 + 1, x.device())?
+                    .to_dtype(mask.dtype())?
+                    .unsqueeze(0)?;
+                let weights = mask.broadcast_mul(&positions)?;
+                let sum = x.broadcast_mul(&weights.unsqueeze(2)?)?.sum(1)?;
+                let total = weights.sum_keepdim(1)?.clamp(1e-9, f64::MAX)?;
+                sum.broadcast_div(&total)?
+            }
+            Pooling::LastToken => {
+                let counts: Vec<f32> = mask.to_dtype(candle_core::DType::F32)?.sum(1)?.to_vec1()?;
+                let rows: Vec<u32> = counts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &c)| (i * s + (c as usize).max(1).min(s) - 1) as u32)
+                    .collect();
+                let rows = Tensor::new(rows.as_slice(), x.device())?;
+                let masked = x.broadcast_mul(&mask.unsqueeze(2)?)?;
+                masked.reshape((n * s, h))?.index_select(&rows, 0)?
+            }
+        };
+        if normalize {
+            crate::nn::l2_normalize(&pooled)
+        } else {
+            Ok(pooled)
         }
     }
 }
@@ -344,6 +494,8 @@ pub struct Bert {
     embeddings: Embeddings,
     layers: Vec<Layer>,
     heads: usize,
+    /// The position of the first token (see [`BertConfig::first_position`]).
+    first_position: usize,
     max_positions: usize,
     activation: Activation,
     hidden_dropout: Dropout,
@@ -414,7 +566,8 @@ impl Bert {
             embeddings,
             layers,
             heads: cfg.num_attention_heads,
-            max_positions: cfg.max_position_embeddings,
+            first_position: cfg.first_position(),
+            max_positions: cfg.max_tokens(),
             activation: cfg.activation(path)?,
             hidden_dropout: Dropout::new(cfg.hidden_dropout_prob as f32)?,
             attention_dropout: Dropout::new(cfg.attention_probs_dropout_prob as f32)?,
@@ -557,6 +710,7 @@ impl LayerStack for Bert {
                     e.token_types.embeddings(),
                     e.positions.embeddings(),
                 ],
+                self.first_position,
                 &e.norm,
                 dropout,
                 ctx.recompute.recomputes(SITE_EMBEDDINGS),
@@ -565,7 +719,8 @@ impl LayerStack for Bert {
                 return Ok(x);
             }
         }
-        let positions = Tensor::arange(0u32, s as u32, input.input_ids.device())?;
+        let first = self.first_position as u32;
+        let positions = Tensor::arange(first, first + s as u32, input.input_ids.device())?;
         let x = e
             .words
             .forward(&input.input_ids)?
@@ -631,15 +786,9 @@ impl LayerStack for Bert {
 
     fn head(&self, x: &Tensor, aux: &BertAux, _: &Ctx) -> Result<Tensor> {
         let x = &x.to_dtype(aux.mask.dtype())?;
-        let pooled = match self.options.pooling {
-            Pooling::Cls => x.narrow(1, 0, 1)?.squeeze(1)?,
-            Pooling::Mean => return crate::nn::mean_pool(x, &aux.mask, self.options.normalize),
-        };
-        if self.options.normalize {
-            crate::nn::l2_normalize(&pooled)
-        } else {
-            Ok(pooled)
-        }
+        self.options
+            .pooling
+            .pool(x, &aux.mask, self.options.normalize)
     }
 }
 
@@ -673,11 +822,11 @@ pub fn load_pretrained(
 ) -> Result<(BertEncoder, BertConfig, ParamStore)> {
     let cfg = BertConfig::from_file(&files.config)?;
     let probe = WeightFile::open(&files.weights, "")?;
-    let file_prefix = if probe.contains("bert.embeddings.word_embeddings.weight") {
-        "bert."
-    } else {
-        ""
-    };
+    // `BertFor...` / `RobertaFor...` checkpoints keep the encoder under its base name.
+    let file_prefix = ["bert.", "roberta."]
+        .into_iter()
+        .find(|p| probe.contains(&format!("{p}embeddings.word_embeddings.weight")))
+        .unwrap_or("");
     let file = Arc::new(WeightFile::open(&files.weights, file_prefix)?);
     let store = store.with_weights(prefix, file);
     let encoder = BertEncoder::build(&store, prefix, &cfg, options)?;

@@ -22,8 +22,23 @@ use super::rows::{dropped, norm_backward, norm_row};
 /// p)` on the result (masks of each element's place in `[n, s, h]`). One node over the
 /// five parameters; the plain forward when none is tracked.
 pub fn embeddings(
+    ids: [&Tensor; 2],
+    tables: [&Tensor; 3],
+    norm: [&Tensor; 2],
+    eps: f64,
+    dropout: Option<(u64, f32)>,
+    recompute: bool,
+) -> candle_core::Result<Tensor> {
+    embeddings_from(ids, tables, 0, norm, eps, dropout, recompute)
+}
+
+/// [`embeddings`] with the positions of a sequence starting at `first` (the RoBERTa
+/// family counts them from past the padding index): token `t` reads position row
+/// `first + t`.
+pub fn embeddings_from(
     [ids, type_ids]: [&Tensor; 2],
     [words, types, positions]: [&Tensor; 3],
+    first: usize,
     [gamma, beta]: [&Tensor; 2],
     eps: f64,
     dropout: Option<(u64, f32)>,
@@ -47,9 +62,9 @@ pub fn embeddings(
             gamma.dims()
         );
     }
-    if s > positions.dim(0)? {
+    if first + s > positions.dim(0)? {
         candle_core::bail!(
-            "embeddings: {s} tokens, {} position embeddings",
+            "embeddings: {s} tokens from position {first}, {} position embeddings",
             positions.dim(0)?
         );
     }
@@ -66,6 +81,7 @@ pub fn embeddings(
             Inputs {
                 ids,
                 type_ids,
+                first,
                 n,
                 s,
                 h,
@@ -79,6 +95,7 @@ pub fn embeddings(
             Inputs {
                 ids,
                 type_ids,
+                first,
                 n,
                 s,
                 h,
@@ -96,13 +113,15 @@ pub fn embeddings(
 struct Inputs {
     ids: Vec<u32>,
     type_ids: Vec<u32>,
+    /// The position of each sequence's first token.
+    first: usize,
     n: usize,
     s: usize,
     h: usize,
 }
 
 impl Inputs {
-    /// `words[ids] + types[type_ids] + positions[t]`, row by row (`[n s, h]`).
+    /// `words[ids] + types[type_ids] + positions[first + t]`, row by row (`[n s, h]`).
     fn sum<T: Float>(&self, words: &[T], types: &[T], positions: &[T]) -> Vec<T> {
         let h = self.h;
         let mut sum = vec![T::zero(); self.n * self.s * h];
@@ -112,7 +131,7 @@ impl Inputs {
                 let token = first + r;
                 let w = self.ids[token] as usize * h;
                 let k = self.type_ids[token] as usize * h;
-                let p = (token % self.s) * h;
+                let p = (self.first + token % self.s) * h;
                 for (j, o) in row.iter_mut().enumerate() {
                     *o = (words[w + j] + types[k + j]) + positions[p + j];
                 }
@@ -175,7 +194,8 @@ fn node<T: Float>(
             let g = View::new(&detached[3])?;
             let (dsum, dgamma, dbeta) = norm_backward(&sum, g.values::<T>()?, &dnormed, eps);
             drop((sum, dnormed));
-            let positions: Vec<u32> = (0..n * s).map(|r| (r % s) as u32).collect();
+            let first = inputs.first;
+            let positions: Vec<u32> = (0..n * s).map(|r| (first + r % s) as u32).collect();
             Ok(vec![
                 crate::sink::deposit_rows(&params[0], &inputs.ids, &dsum)?,
                 crate::sink::deposit_rows(&params[1], &inputs.type_ids, &dsum)?,

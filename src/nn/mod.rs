@@ -194,7 +194,8 @@ pub fn add_norm_recomputed(
     )
 }
 
-/// BERT's embeddings, `dropout(norm(words[ids] + types[type_ids] + positions[0..s]))`, as
+/// BERT's embeddings, `dropout(norm(words[ids] + types[type_ids] + positions[f..f+s]))`
+/// with `f` the `first_position` (0 for BERT, past the padding index for RoBERTa), as
 /// one node whose backward adds only the rows the tokens touched
 /// ([`embeddings::embeddings`]) where the fused kernels run; `None` elsewhere (the caller
 /// then runs the separate ops). With `recompute` it keeps nothing but the ids, else the
@@ -202,6 +203,7 @@ pub fn add_norm_recomputed(
 pub fn embeddings(
     ids: [&Tensor; 2],
     tables: [&Tensor; 3],
+    first_position: usize,
     norm: &LayerNorm,
     dropout: Option<(u64, f32)>,
     recompute: bool,
@@ -210,9 +212,10 @@ pub fn embeddings(
     if !fused_ok(&[words, types, positions, &norm.weight, &norm.bias]) {
         return Ok(None);
     }
-    Ok(Some(embeddings::embeddings(
+    Ok(Some(embeddings::embeddings_from(
         ids,
         tables,
+        first_position,
         [&norm.weight, &norm.bias],
         norm.eps,
         dropout,

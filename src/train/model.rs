@@ -56,11 +56,13 @@ pub(super) fn build_model(
         ("model.query_max_len", cfg.model.query_max_len),
         ("model.passage_max_len", cfg.model.passage_max_len),
     ] {
-        if len > model.bert.max_position_embeddings {
+        if len > model.bert.max_tokens() {
             return Err(Error::InvalidConfig {
                 field,
                 value: len.to_string(),
-                reason: "exceeds the model's max_position_embeddings",
+                reason: "exceeds the tokens the model's position embeddings cover \
+                         (max_position_embeddings, less pad_token_id + 1 for the RoBERTa \
+                         family)",
             });
         }
     }
@@ -131,6 +133,17 @@ fn copy_tower(from: &Params, from_prefix: &str, to: &Params, to_prefix: &str) ->
 /// A pretrained model from a directory or the Hub; two towers both load its weights.
 fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
+    if let Some(head) = crate::hub::read_sentence_transformers_config(&files.dir)? {
+        if let Some(dense) = head.dense.first() {
+            return Err(Error::UnsupportedConfig {
+                field: "modules",
+                value: format!("a Dense module after the pooling ({})", dense.dir.display()),
+                supported: "training through Transformer, Pooling and Normalize modules \
+                            (a model with Dense modules can be used by encode and eval)",
+                path: files.dir.join(files::MODULES),
+            });
+        }
+    }
     let tokenizer = read_model_tokenizer(&files)?;
     let options = bert_options(cfg);
     if cfg.model.shared {

@@ -162,6 +162,13 @@ enum SimilarityArg {
 enum PoolingArg {
     Mean,
     Cls,
+    Max,
+    #[value(name = "mean_sqrt_len_tokens", alias = "mean_sqrt_len")]
+    MeanSqrtLen,
+    #[value(name = "weightedmean")]
+    WeightedMean,
+    #[value(name = "lasttoken")]
+    LastToken,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -176,6 +183,10 @@ impl HeadArgs {
             pooling: self.pooling.map(|p| match p {
                 PoolingArg::Mean => Pooling::Mean,
                 PoolingArg::Cls => Pooling::Cls,
+                PoolingArg::Max => Pooling::Max,
+                PoolingArg::MeanSqrtLen => Pooling::MeanSqrtLen,
+                PoolingArg::WeightedMean => Pooling::WeightedMean,
+                PoolingArg::LastToken => Pooling::LastToken,
             }),
             normalize: self.normalize,
             similarity: self.similarity.map(|s| match s {

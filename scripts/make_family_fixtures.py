@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""Tiny random models of each supported family, with reference outputs from transformers
+and sentence-transformers, for tests/families.rs (run by a developer, never by CI).
+
+    python3 -m venv /tmp/fx && /tmp/fx/bin/pip install torch transformers \
+        sentence-transformers safetensors
+    /tmp/fx/bin/python scripts/make_family_fixtures.py    # writes tests/fixtures/families/
+
+For each family the script trains a small tokenizer of the family's kind on the repo's
+sample text (data/quickstart/train.jsonl), builds a tiny model from a config of that
+family with every weight perturbed away from its initialisation (no LayerNorm is an
+identity, no bias zero), wraps it as a sentence-transformers model (Transformer + mean
+Pooling) and saves it with the installed sentence-transformers (so the files have the
+current package's layout). Then it writes `reference.safetensors` and `reference.json`:
+
+- `hidden.{i}`: the last hidden state of text i, its real tokens only `[len, h]`;
+- `pooled.{mode}`: the sentence embeddings of every text under each pooling mode
+  (cls, max, mean, mean_sqrt_len_tokens, weightedmean, lasttoken) `[texts, h]`;
+- `grad.{name}`: the gradient of every transformer parameter of a fixed contrastive loss
+  (MultipleNegativesRankingLoss: cosine similarity times 20, cross-entropy over the
+  in-batch passages) over four (query, passage) pairs, evaluation mode (no dropout);
+- `reference.json`: the texts, the pairs, the loss value, the versions used.
+
+The texts include an empty string and one longer than the model's max length (32 tokens:
+it is truncated). BERT also gets `bert-dense/`: the same model with a Dense (tanh) and a
+Normalize module after the pooling, and its embeddings.
+"""
+
+import json
+import os
+import random
+import shutil
+import sys
+
+import numpy as np
+import safetensors.torch
+import sentence_transformers
+import tokenizers
+import torch
+import transformers
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer import modules as st_modules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "tests", "fixtures", "families")
+MAX_LEN = 32
+SEED = 1234
+
+TEXTS = [
+    "In the beginning God created the heaven and the earth.",
+    "And the earth was without form, and void.",
+    "",
+    "Jesus wept.",
+    "And God said, Let there be light: and there was light. And God saw the light, that it "
+    "was good: and God divided the light from the darkness, and God called the light Day, "
+    "and the darkness he called Night.",
+    "Naomi, Mahlon and Chilion came into the country of Moab!",
+]
+QUERIES = [
+    "Who created the heaven and the earth?",
+    "the earth without form",
+    "Let there be light",
+    "the country of Moab",
+]
+PASSAGES = [
+    "In the beginning God created the heaven and the earth.",
+    "And the earth was without form, and void; and darkness was upon the face of the deep.",
+    "And God said, Let there be light: and there was light.",
+    "And they came into the country of Moab, and continued there.",
+]
+MODES = ["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
+
+
+def sample_text():
+    lines = []
+    with open(os.path.join(ROOT, "data", "quickstart", "train.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            lines += [row["query"], row["positive"]]
+    return lines[:2000]
+
+
+def wordpiece(texts):
+    tok = tokenizers.BertWordPieceTokenizer(lowercase=True)
+    tok.train_from_iterator(texts, vocab_size=400, min_frequency=2)
+    tok._tokenizer.post_processor = tokenizers.processors.BertProcessing(
+        ("[SEP]", tok.token_to_id("[SEP]")), ("[CLS]", tok.token_to_id("[CLS]"))
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok._tokenizer,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=MAX_LEN,
+    )
+    return fast
+
+
+def byte_level_bpe(texts):
+    tok = tokenizers.ByteLevelBPETokenizer()
+    tok.train_from_iterator(
+        texts,
+        vocab_size=500,
+        min_frequency=2,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+    )
+    tok._tokenizer.post_processor = tokenizers.processors.RobertaProcessing(
+        ("</s>", tok.token_to_id("</s>")), ("<s>", tok.token_to_id("<s>"))
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok._tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        cls_token="<s>",
+        sep_token="</s>",
+        mask_token="<mask>",
+        model_max_length=MAX_LEN,
+    )
+
+
+def unigram(texts):
+    tok = tokenizers.SentencePieceUnigramTokenizer()
+    tok.train_from_iterator(
+        texts,
+        vocab_size=500,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+        unk_token="<unk>",
+    )
+    tok._tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A </s>",
+        pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", 0), ("</s>", 2)],
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok._tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        cls_token="<s>",
+        sep_token="</s>",
+        mask_token="<mask>",
+        model_max_length=MAX_LEN,
+    )
+
+
+def tiny(kind, vocab, tokenizer):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        hidden_act="gelu",
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if kind == "bert":
+        return transformers.BertConfig(max_position_embeddings=40, **common)
+    if kind == "roberta":
+        return transformers.RobertaConfig(
+            max_position_embeddings=MAX_LEN + 2 + 6, type_vocab_size=1,
+            bos_token_id=0, eos_token_id=2, **common,
+        )
+    if kind == "xlm-roberta":
+        return transformers.XLMRobertaConfig(
+            max_position_embeddings=MAX_LEN + 2 + 6, type_vocab_size=1,
+            bos_token_id=0, eos_token_id=2, **common,
+        )
+    raise ValueError(kind)
+
+
+def perturb(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def build(kind, make_tokenizer, texts):
+    torch.manual_seed(SEED)
+    tokenizer = make_tokenizer(texts)
+    cfg = tiny(kind, len(tokenizer), tokenizer)
+    model = transformers.AutoModel.from_config(cfg)
+    perturb(model, SEED + 1)
+    model.eval()
+    return tokenizer, model
+
+
+def save_sentence_transformer(kind, tokenizer, model, extra=()):
+    raw = os.path.join(OUT, f"_{kind}_raw")
+    shutil.rmtree(raw, ignore_errors=True)
+    model.save_pretrained(raw, safe_serialization=True)
+    tokenizer.save_pretrained(raw)
+    transformer = st_modules.Transformer(raw, max_seq_length=MAX_LEN)
+    pooling = st_modules.Pooling(model.config.hidden_size, pooling_mode="mean")
+    st = SentenceTransformer(modules=[transformer, pooling, *extra], device="cpu")
+    st.eval()
+    shutil.rmtree(raw)
+    return st
+
+
+def references(st, texts):
+    out = {}
+    features = st.tokenize(texts)
+    with torch.no_grad():
+        tokens = st[0](dict(features))["token_embeddings"]
+    for i, row in enumerate(features["attention_mask"]):
+        n = int(row.sum())
+        out[f"hidden.{i}"] = tokens[i, :n].contiguous()
+    for mode in MODES:
+        pool = st_modules.Pooling(tokens.shape[-1], pooling_mode=mode)
+        f = {"token_embeddings": tokens, "attention_mask": features["attention_mask"]}
+        out[f"pooled.{mode}"] = pool(f)["sentence_embedding"].contiguous()
+    return out
+
+
+def contrastive_grads(st):
+    st.zero_grad()
+    q = st(st.tokenize(QUERIES))["sentence_embedding"]
+    p = st(st.tokenize(PASSAGES))["sentence_embedding"]
+    scores = 20.0 * torch.nn.functional.normalize(q, dim=-1) @ torch.nn.functional.normalize(p, dim=-1).T
+    loss = torch.nn.functional.cross_entropy(scores, torch.arange(len(QUERIES)))
+    loss.backward()
+    grads = {}
+    for name, param in st[0].auto_model.named_parameters():
+        if param.grad is not None:
+            grads[f"grad.{name}"] = param.grad.detach().clone()
+    return float(loss), grads
+
+
+def write(kind, st, tensors, loss):
+    d = os.path.join(OUT, kind)
+    shutil.rmtree(d, ignore_errors=True)
+    st.save(d)
+    os.remove(os.path.join(d, "README.md"))  # the model card: not needed by the tests
+    safetensors.torch.save_file(tensors, os.path.join(d, "reference.safetensors"))
+    meta = {
+        "texts": TEXTS,
+        "queries": QUERIES,
+        "passages": PASSAGES,
+        "max_len": MAX_LEN,
+        "modes": MODES,
+        "loss": loss,
+        "loss_fn": "cross_entropy(20 * cos(q, p), arange)",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "sentence_transformers": sentence_transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+    }
+    with open(os.path.join(d, "reference.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+    size = sum(os.path.getsize(os.path.join(r, x)) for r, _, fs in os.walk(d) for x in fs)
+    print(f"{kind}: {size / 1024:.0f} KB, loss {loss:.6f}, {len(tensors)} tensors")
+
+
+def main():
+    torch.set_default_dtype(torch.float32)
+    random.seed(SEED)
+    np.random.seed(SEED)
+    texts = sample_text()
+    families = [
+        ("bert", wordpiece),
+        ("roberta", byte_level_bpe),
+        ("xlm-roberta", unigram),
+    ]
+    only = sys.argv[1:]
+    for kind, make_tokenizer in families:
+        if only and kind not in only:
+            continue
+        tokenizer, model = build(kind, make_tokenizer, texts)
+        st = save_sentence_transformer(kind, tokenizer, model)
+        tensors = references(st, TEXTS)
+        loss, grads = contrastive_grads(st)
+        tensors.update(grads)
+        write(kind, st, tensors, loss)
+        if kind == "bert":
+            torch.manual_seed(SEED + 2)
+            dense = st_modules.Dense(32, 16, activation_function=torch.nn.Tanh())
+            with torch.no_grad():
+                dense.linear.bias.add_(0.1 * torch.randn(16))
+            st2 = save_sentence_transformer(
+                "bert-dense", tokenizer, model, extra=[dense, st_modules.Normalize()]
+            )
+            with torch.no_grad():
+                emb = st2.encode(TEXTS, convert_to_tensor=True, batch_size=len(TEXTS))
+            write("bert-dense", st2, {"embeddings": emb.contiguous()}, 0.0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+//! Reading the sentence-transformers files of a model, of every version of the package:
+//! `modules.json` (module types of the old layout, `sentence_transformers.models.Pooling`,
+//! and of the new, `sentence_transformers.sentence_transformer.modules.pooling.Pooling`
+//! or `sentence_transformers.base.modules.dense.Dense`), the pooling config (the old
+//! `pooling_mode_*` booleans with `word_embedding_dimension`, or the new `pooling_mode`
+//! string with `embedding_dimension` and `include_prompt`), `Dense` modules after the
+//! pooling (their weights from `model.safetensors`), `Normalize`, and the similarity of
+//! `config_sentence_transformers.json`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde_json::{json, Value};
+
+use crate::hub::files::{MODULES, SENTENCE_TRANSFORMERS_CONFIG};
+use crate::loss::Similarity;
+use crate::models::bert::Pooling;
+use crate::{Error, Result};
+
+/// What a sentence-transformers model directory says about its head.
+#[derive(Debug, Clone)]
+pub struct SentenceTransformersConfig {
+    /// From the pooling module's `config.json`.
+    pub pooling: Pooling,
+    /// `include_prompt` of the pooling config (`true` when absent): whether the tokens of
+    /// a prompt count in the pooling.
+    pub include_prompt: bool,
+    /// The `Dense` modules after the pooling, in order.
+    pub dense: Vec<DenseLayer>,
+    /// Whether `modules.json` lists a `Normalize` module (it comes last).
+    pub normalize: bool,
+    /// `similarity_fn_name` of `config_sentence_transformers.json`, when the file names one.
+    pub similarity: Option<Similarity>,
+}
+
+/// The activation of a sentence-transformers `Dense` module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenseActivation {
+    /// `torch.nn.modules.linear.Identity`.
+    Identity,
+    /// `torch.nn.modules.activation.Tanh` (the package's default).
+    Tanh,
+    /// `torch.nn.modules.activation.ReLU`.
+    Relu,
+    /// `torch.nn.modules.activation.GELU` (exact).
+    Gelu,
+    /// `torch.nn.modules.activation.Sigmoid`.
+    Sigmoid,
+}
+
+impl DenseActivation {
+    /// The activation named by a `Dense` config's `activation_function` (a PyTorch class
+    /// path; only its last part is read).
+    pub fn from_torch_name(name: &str) -> Option<Self> {
+        match name.rsplit('.').next().unwrap_or(name) {
+            "Identity" => Some(Self::Identity),
+            "Tanh" => Some(Self::Tanh),
+            "ReLU" => Some(Self::Relu),
+            "GELU" => Some(Self::Gelu),
+            "Sigmoid" => Some(Self::Sigmoid),
+            _ => None,
+        }
+    }
+}
+
+/// A `Dense` module: `activation(x W^T + b)` on the sentence embedding.
+#[derive(Debug, Clone)]
+pub struct DenseLayer {
+    /// `linear.weight` `[out, in]`.
+    pub weight: Tensor,
+    /// `linear.bias` `[out]`, when the module has one.
+    pub bias: Option<Tensor>,
+    /// The activation after the product.
+    pub activation: DenseActivation,
+    /// The module's directory.
+    pub dir: PathBuf,
+}
+
+impl DenseLayer {
+    /// The module applied to sentence embeddings `[n, in]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let weight = self.weight.to_device(x.device())?.to_dtype(x.dtype())?;
+        let bias = match &self.bias {
+            Some(b) => Some(b.to_device(x.device())?.to_dtype(x.dtype())?),
+            None => None,
+        };
+        let y = crate::nn::linear(x, &weight, bias.as_ref())?;
+        Ok(match self.activation {
+            DenseActivation::Identity => y,
+            DenseActivation::Tanh => y.tanh()?,
+            DenseActivation::Relu => y.relu()?,
+            DenseActivation::Gelu => y.gelu_erf()?,
+            DenseActivation::Sigmoid => candle_nn::ops::sigmoid(&y)?,
+        })
+    }
+
+    /// Output width.
+    pub fn out_features(&self) -> usize {
+        self.weight.dims().first().copied().unwrap_or(0)
+    }
+}
+
+/// The kinds of module a sentence-transformers `modules.json` may list here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Module {
+    Transformer,
+    Pooling,
+    Dense,
+    Normalize,
+}
+
+const SUPPORTED_MODULES: &str = "Transformer, Pooling, Dense, Normalize (in that order)";
+
+/// The kind of a module type name of either layout: read from its class name, the last
+/// part of the path.
+fn module_kind(type_name: &str) -> Option<Module> {
+    match type_name.rsplit('.').next().unwrap_or(type_name) {
+        "Transformer" => Some(Module::Transformer),
+        "Pooling" => Some(Module::Pooling),
+        "Dense" => Some(Module::Dense),
+        "Normalize" => Some(Module::Normalize),
+        _ => None,
+    }
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = fs::read_to_string(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::MissingFile {
+            path: path.to_path_buf(),
+            what: "sentence-transformers module config",
+        },
+        _ => Error::io("read", path, e),
+    })?;
+    serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+fn model_file(path: &Path, reason: impl Into<String>) -> Error {
+    Error::ModelFile {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// The module list of `modules.json`: each module's kind and directory (relative), in
+/// order. Refuses a module this crate does not run, naming it.
+pub fn read_modules(path: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let modules = read_json(path)?;
+    let list = modules
+        .as_array()
+        .ok_or_else(|| model_file(path, "expected a list of modules"))?;
+    let mut out = Vec::new();
+    for m in list {
+        let ty = m["type"]
+            .as_str()
+            .ok_or_else(|| model_file(path, format!("a module without a type: {m}")))?;
+        let dir = m["path"].as_str().unwrap_or_default();
+        out.push((ty.to_string(), PathBuf::from(dir)));
+    }
+    Ok(out)
+}
+
+/// The pooling mode and `include_prompt` of a pooling module's `config.json`, in the old
+/// layout (`pooling_mode_*` booleans) or the new (`pooling_mode`).
+pub fn read_pooling(path: &Path) -> Result<(Pooling, bool)> {
+    let cfg = read_json(path)?;
+    let include_prompt = cfg["include_prompt"].as_bool().unwrap_or(true);
+    let unsupported = |value: String| Error::UnsupportedConfig {
+        field: "pooling_mode",
+        value,
+        supported: "one of cls, mean, max, mean_sqrt_len_tokens, weightedmean, lasttoken",
+        path: path.to_path_buf(),
+    };
+    let mode = match &cfg["pooling_mode"] {
+        Value::String(name) => Pooling::from_name(name).ok_or_else(|| unsupported(name.clone()))?,
+        Value::Array(names) if names.len() == 1 => {
+            let name = names[0].as_str().unwrap_or_default();
+            Pooling::from_name(name).ok_or_else(|| unsupported(name.to_string()))?
+        }
+        Value::Array(names) => {
+            return Err(unsupported(format!(
+                "{} (several modes concatenated)",
+                Value::Array(names.clone())
+            )))
+        }
+        Value::Null => {
+            let on: Vec<Pooling> = Pooling::ALL
+                .into_iter()
+                .filter(|p| cfg[p.legacy_key()] == json!(true))
+                .collect();
+            match on.as_slice() {
+                [one] => *one,
+                [] => return Err(unsupported("no pooling_mode_* set".into())),
+                several => {
+                    let keys: Vec<&str> = several.iter().map(|p| p.legacy_key()).collect();
+                    return Err(unsupported(format!(
+                        "{} (several modes concatenated)",
+                        keys.join(" + ")
+                    )));
+                }
+            }
+        }
+        other => return Err(unsupported(other.to_string())),
+    };
+    Ok((mode, include_prompt))
+}
+
+/// A `Dense` module from its directory: `config.json` (`in_features`, `out_features`,
+/// `bias`, `activation_function`) and `model.safetensors` (`linear.weight`,
+/// `linear.bias`), read onto the CPU.
+pub fn read_dense(dir: &Path) -> Result<DenseLayer> {
+    let cfg_path = dir.join("config.json");
+    let cfg = read_json(&cfg_path)?;
+    let size = |key: &str| {
+        cfg[key]
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| model_file(&cfg_path, format!("`{key}` is missing or not a count")))
+    };
+    let (inp, out) = (size("in_features")?, size("out_features")?);
+    let has_bias = cfg["bias"].as_bool().unwrap_or(true);
+    let name = cfg["activation_function"]
+        .as_str()
+        .unwrap_or("torch.nn.modules.activation.Tanh");
+    let activation =
+        DenseActivation::from_torch_name(name).ok_or_else(|| Error::UnsupportedConfig {
+            field: "activation_function",
+            value: name.to_string(),
+            supported: "Identity, Tanh, ReLU, GELU, Sigmoid",
+            path: cfg_path.clone(),
+        })?;
+    let weights = dir.join("model.safetensors");
+    if !weights.is_file() {
+        if let Some(pickle) = ["pytorch_model.bin", "model.bin"]
+            .iter()
+            .find(|p| dir.join(p).is_file())
+        {
+            return Err(Error::PickleOnly {
+                dir: dir.to_path_buf(),
+                file: pickle.to_string(),
+            });
+        }
+        return Err(Error::MissingFile {
+            path: weights,
+            what: "Dense module weights",
+        });
+    }
+    let tensors = candle_core::safetensors::load(&weights, &Device::Cpu)
+        .map_err(|e| model_file(&weights, e.to_string()))?;
+    let weight = tensors
+        .get("linear.weight")
+        .cloned()
+        .ok_or_else(|| model_file(&weights, "no tensor `linear.weight`"))?;
+    if weight.dims() != [out, inp] {
+        return Err(model_file(
+            &weights,
+            format!(
+                "`linear.weight` is {:?}, the config says [{out}, {inp}]",
+                weight.dims()
+            ),
+        ));
+    }
+    let bias = if has_bias {
+        let b = tensors
+            .get("linear.bias")
+            .cloned()
+            .ok_or_else(|| model_file(&weights, "no tensor `linear.bias`"))?;
+        if b.dims() != [out] {
+            return Err(model_file(
+                &weights,
+                format!("`linear.bias` is {:?}", b.dims()),
+            ));
+        }
+        Some(b)
+    } else {
+        None
+    };
+    Ok(DenseLayer {
+        weight: weight.to_dtype(candle_core::DType::F32)?,
+        bias: bias
+            .map(|b| b.to_dtype(candle_core::DType::F32))
+            .transpose()?,
+        activation,
+        dir: dir.to_path_buf(),
+    })
+}
+
+/// Reads the head of a sentence-transformers directory (an export of ours or any
+/// sentence-transformers model, old or new): `None` when it has no `modules.json`. The
+/// modules must be a Transformer, a Pooling, any number of Dense and at most one
+/// Normalize, in that order; a module, pooling mode, activation or similarity this crate
+/// does not implement is an error that names it, not a silent substitute.
+pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTransformersConfig>> {
+    let modules_path = dir.join(MODULES);
+    if !modules_path.is_file() {
+        return Ok(None);
+    }
+    let mut pooling = None;
+    let mut dense = Vec::new();
+    let mut normalize = false;
+    let mut last = None;
+    for (ty, path) in read_modules(&modules_path)? {
+        let kind = module_kind(&ty).ok_or_else(|| Error::UnsupportedConfig {
+            field: "modules",
+            value: ty.clone(),
+            supported: SUPPORTED_MODULES,
+            path: modules_path.clone(),
+        })?;
+        let in_order = match kind {
+            Module::Transformer => last.is_none(),
+            Module::Pooling => last == Some(Module::Transformer),
+            Module::Dense => matches!(last, Some(Module::Pooling | Module::Dense)),
+            Module::Normalize => matches!(last, Some(Module::Pooling | Module::Dense)),
+        };
+        if !in_order {
+            return Err(Error::UnsupportedConfig {
+                field: "modules",
+                value: format!("{ty} after {last:?}"),
+                supported: SUPPORTED_MODULES,
+                path: modules_path.clone(),
+            });
+        }
+        match kind {
+            Module::Transformer => {}
+            Module::Pooling => pooling = Some(read_pooling(&dir.join(&path).join("config.json"))?),
+            Module::Dense => dense.push(read_dense(&dir.join(&path))?),
+            Module::Normalize => normalize = true,
+        }
+        last = Some(kind);
+    }
+    let Some((pooling, include_prompt)) = pooling else {
+        return Err(Error::UnsupportedConfig {
+            field: "modules",
+            value: "no Pooling module".into(),
+            supported: SUPPORTED_MODULES,
+            path: modules_path,
+        });
+    };
+    let st_path = dir.join(SENTENCE_TRANSFORMERS_CONFIG);
+    let similarity = if st_path.is_file() {
+        match read_json(&st_path)?["similarity_fn_name"].as_str() {
+            None => None,
+            Some(name) => Some(
+                Similarity::from_sentence_transformers_name(name).ok_or_else(|| {
+                    Error::UnsupportedConfig {
+                        field: "similarity_fn_name",
+                        value: name.to_string(),
+                        supported: "cosine, dot",
+                        path: st_path.clone(),
+                    }
+                })?,
+            ),
+        }
+    } else {
+        None
+    };
+    Ok(Some(SentenceTransformersConfig {
+        pooling,
+        include_prompt,
+        dense,
+        normalize,
+        similarity,
+    }))
+}

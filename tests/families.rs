@@ -1,0 +1,460 @@
+//! Every supported model family against transformers and sentence-transformers, without
+//! network: `tests/fixtures/families/<family>/` holds a tiny random model of the family
+//! (weights perturbed away from their initialisation, a tokenizer trained on the repo's
+//! sample text), saved by sentence-transformers 6.2, with reference outputs written by
+//! `scripts/make_family_fixtures.py` (versions in each `reference.json`):
+//!
+//! - the last hidden state of every text (real tokens), <= 1e-5;
+//! - the sentence embedding under each of the six pooling modes, <= 1e-5;
+//! - the gradient of every parameter under a fixed contrastive loss (cosine x 20,
+//!   cross-entropy over in-batch passages), <= 1e-4 relative (floored at 1e-3 of the
+//!   largest entry), with and without chunking and recompute;
+//! - an export of ours loads back to the same embeddings.
+//!
+//! The texts include an empty string and one longer than the model's 32-token limit.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use gradcache::bert::{load_pretrained, BertOptions, Pooling};
+use gradcache::hub::{
+    export_bert, read_sentence_transformers_config, EmbeddingModel, LoadOptions, ModelFiles,
+    Tokenizer,
+};
+use gradcache::{Ctx, Encoder, Error, GradCache, InfoNce, ParamStore, Recompute, Similarity};
+
+mod common;
+use common::{max_abs, max_diff};
+
+const FAMILIES: [&str; 3] = ["bert", "roberta", "xlm-roberta"];
+const MAX_LEN: usize = 32;
+
+fn fixture(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/families")
+        .join(family)
+}
+
+struct Reference {
+    texts: Vec<String>,
+    queries: Vec<String>,
+    passages: Vec<String>,
+    loss: f64,
+    tensors: HashMap<String, Tensor>,
+}
+
+fn reference(family: &str) -> Reference {
+    let dir = fixture(family);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let list = |key: &str| -> Vec<String> {
+        meta[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect()
+    };
+    Reference {
+        texts: list("texts"),
+        queries: list("queries"),
+        passages: list("passages"),
+        loss: meta["loss"].as_f64().unwrap(),
+        tensors: candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
+            .unwrap(),
+    }
+}
+
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn load(dir: &Path, pooling: Option<Pooling>) -> EmbeddingModel {
+    let options = LoadOptions {
+        pooling,
+        max_len: MAX_LEN,
+        ..Default::default()
+    };
+    EmbeddingModel::load(dir.to_str().unwrap(), &options).unwrap()
+}
+
+#[test]
+fn hidden_states_match_transformers_for_every_family() {
+    for family in FAMILIES {
+        let r = reference(family);
+        let model = load(&fixture(family), None);
+        let batch = model
+            .tokenizer()
+            .encode(&refs(&r.texts), &Device::Cpu)
+            .unwrap();
+        let bert = model.encoder().tower().detached_model();
+        let hidden = bert.hidden_states(&batch, &Ctx::eval()).unwrap();
+        let lengths: Vec<u32> = batch
+            .attention_mask
+            .to_dtype(DType::U32)
+            .unwrap()
+            .sum(1)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (i, &len) in lengths.iter().enumerate() {
+            let want = &r.tensors[&format!("hidden.{i}")];
+            assert_eq!(
+                want.dim(0).unwrap(),
+                len as usize,
+                "{family}: text {i} tokens"
+            );
+            let got = hidden.get(i).unwrap().narrow(0, 0, len as usize).unwrap();
+            let err = max_diff(&got, want);
+            assert!(
+                err <= 1e-5,
+                "{family}: hidden state of text {i} differs by {err:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_pooling_mode_matches_sentence_transformers() {
+    for family in FAMILIES {
+        let r = reference(family);
+        // The files say mean pooling, in the current package's layout (`pooling_mode`).
+        let model = load(&fixture(family), None);
+        assert!(
+            model.settings().starts_with("pooling mean (from"),
+            "{}",
+            model.settings()
+        );
+        for mode in Pooling::ALL {
+            let model = load(&fixture(family), Some(mode));
+            let got = model.embed(&refs(&r.texts), 4).unwrap();
+            let want = &r.tensors[&format!("pooled.{}", mode.name())];
+            let err = max_diff(&got, want);
+            assert!(
+                err <= 1e-5,
+                "{family}: pooling {} differs by {err:e}",
+                mode.name()
+            );
+        }
+    }
+}
+
+/// The gradient-cache step of the reference loss on the model of `family`.
+fn step(family: &str, chunk: usize, recompute: Recompute) -> (f32, gradcache::Gradients) {
+    let dir = fixture(family);
+    let r = reference(family);
+    let files = ModelFiles::from_dir(&dir).unwrap();
+    let options = BertOptions {
+        recompute,
+        ..Default::default()
+    };
+    let store = ParamStore::new(0, DType::F32, &Device::Cpu);
+    let (encoder, _, _store) = load_pretrained(&files, "", &options, store).unwrap();
+    let loss = InfoNce::new(0.05)
+        .unwrap()
+        .with_similarity(Similarity::Cosine);
+    let gc = GradCache::shared(encoder, chunk, loss)
+        .unwrap()
+        .with_dropout(false);
+    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"), MAX_LEN).unwrap();
+    let q = tokenizer.encode(&refs(&r.queries), &Device::Cpu).unwrap();
+    let p = tokenizer.encode(&refs(&r.passages), &Device::Cpu).unwrap();
+    let out = gc.cache_step(0, &q, &p).unwrap();
+    (out.loss, out.grads)
+}
+
+#[test]
+fn gradients_match_pytorch_with_and_without_chunks_and_recompute() {
+    for family in FAMILIES {
+        let r = reference(family);
+        let want: HashMap<&str, &Tensor> = r
+            .tensors
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n, v)))
+            .collect();
+        let global = want.values().map(|g| max_abs(g)).fold(0.0, f64::max);
+        for (chunk, recompute) in [
+            (4, Recompute::Off),
+            (1, Recompute::Off),
+            (3, Recompute::Attention),
+            (2, Recompute::EveryLayer),
+        ] {
+            let (loss, grads) = step(family, chunk, recompute.clone());
+            let what = format!("{family}, chunk {chunk}, recompute {recompute:?}");
+            assert!(
+                (loss as f64 - r.loss).abs() <= 1e-5 * r.loss.abs().max(1.0),
+                "{what}: loss {loss} against {}",
+                r.loss
+            );
+            let mut seen = 0;
+            for (name, got) in grads.iter() {
+                let reference = want
+                    .get(name)
+                    .unwrap_or_else(|| panic!("{what}: no reference gradient for `{name}`"));
+                let err = max_diff(got, reference) / max_abs(reference).max(1e-3 * global);
+                assert!(err <= 1e-4, "{what}: gradient of `{name}` off by {err:e}");
+                seen += 1;
+            }
+            assert_eq!(seen, want.len(), "{what}: every parameter gets a gradient");
+        }
+    }
+}
+
+#[test]
+fn an_export_loads_back_to_the_same_embeddings_and_family() {
+    for family in FAMILIES {
+        let r = reference(family);
+        let model = load(&fixture(family), None);
+        let before = model.embed(&refs(&r.texts), 8).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        let dir = out.path().join("export");
+        export_bert(
+            &dir,
+            model.config(),
+            model.options(),
+            Similarity::Cosine,
+            model.encoder().params(),
+            "",
+            model.tokenizer(),
+        )
+        .unwrap();
+        let again = load(&dir, None);
+        let after = again.embed(&refs(&r.texts), 8).unwrap();
+        assert!(
+            max_diff(&before, &after) <= 1e-6,
+            "{family}: {}",
+            max_diff(&before, &after)
+        );
+        assert_eq!(again.config().model_type, model.config().model_type);
+        assert!(again.settings().starts_with("pooling mean (from"));
+    }
+}
+
+#[test]
+fn a_dense_and_a_normalize_module_after_the_pooling_are_applied() {
+    let dir = fixture("bert-dense");
+    let r = reference("bert-dense");
+    let model = load(&dir, None);
+    assert_eq!(model.dense().len(), 1);
+    assert!(
+        model.settings().contains("Dense 32 -> 16"),
+        "{}",
+        model.settings()
+    );
+    let got = model.embed(&refs(&r.texts), 4).unwrap();
+    let want = &r.tensors["embeddings"];
+    assert_eq!(got.dims(), want.dims());
+    let err = max_diff(&got, want);
+    assert!(err <= 1e-5, "Dense + Normalize differ by {err:e}");
+}
+
+/// A copy of the BERT fixture's files with the pooling config replaced by `pooling` and
+/// `modules.json` by `modules`.
+fn with_head(dir: &Path, pooling: &str, modules: Option<&str>) -> PathBuf {
+    let src = fixture("bert");
+    let out = dir.join("model");
+    std::fs::create_dir_all(out.join("1_Pooling")).unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "modules.json",
+    ] {
+        std::fs::copy(src.join(f), out.join(f)).unwrap();
+    }
+    std::fs::write(out.join("1_Pooling/config.json"), pooling).unwrap();
+    if let Some(m) = modules {
+        std::fs::write(out.join("modules.json"), m).unwrap();
+    }
+    out
+}
+
+#[test]
+fn sentence_transformers_files_of_every_version_are_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let old_modules = r#"[
+      {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+      {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+      {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+    ]"#;
+    let cases = [
+        // The layout of sentence-transformers before 5.x: booleans.
+        (
+            r#"{"word_embedding_dimension": 32, "pooling_mode_cls_token": false,
+               "pooling_mode_mean_tokens": false, "pooling_mode_max_tokens": true,
+               "pooling_mode_mean_sqrt_len_tokens": false}"#,
+            Some(old_modules),
+            Pooling::Max,
+            true,
+        ),
+        // The current layout: one string, `embedding_dimension`, `include_prompt`.
+        (
+            r#"{"embedding_dimension": 32, "pooling_mode": "lasttoken", "include_prompt": false}"#,
+            None,
+            Pooling::LastToken,
+            false,
+        ),
+        (
+            r#"{"embedding_dimension": 32, "pooling_mode": ["weightedmean"]}"#,
+            None,
+            Pooling::WeightedMean,
+            false,
+        ),
+    ];
+    for (i, (pooling, modules, mode, normalize)) in cases.into_iter().enumerate() {
+        let dir = with_head(&tmp.path().join(i.to_string()), pooling, modules);
+        let head = read_sentence_transformers_config(&dir).unwrap().unwrap();
+        assert_eq!(head.pooling, mode, "{pooling}");
+        assert_eq!(head.normalize, normalize, "{pooling}");
+        assert_eq!(head.include_prompt, i != 1);
+    }
+    // Refused, naming what is wrong.
+    for (pooling, modules, needle) in [
+        (
+            r#"{"embedding_dimension": 32, "pooling_mode": ["cls", "mean"]}"#,
+            None,
+            "several modes",
+        ),
+        (
+            r#"{"word_embedding_dimension": 32, "pooling_mode_cls_token": true, "pooling_mode_mean_tokens": true}"#,
+            None,
+            "pooling_mode_cls_token + pooling_mode_mean_tokens",
+        ),
+        (r#"{"pooling_mode": "median"}"#, None, "median"),
+        (
+            r#"{"pooling_mode": "mean"}"#,
+            Some(
+                r#"[{"path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                   {"path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}]"#,
+            ),
+            "sentence_transformers.models.LayerNorm",
+        ),
+    ] {
+        let dir = with_head(&tmp.path().join("bad"), pooling, modules);
+        let err = read_sentence_transformers_config(&dir).unwrap_err();
+        assert!(
+            matches!(err, Error::UnsupportedConfig { .. }) && err.to_string().contains(needle),
+            "{pooling}: {err}"
+        );
+        std::fs::remove_dir_all(tmp.path().join("bad")).unwrap();
+    }
+}
+
+#[test]
+fn another_model_type_is_refused_naming_the_supported_families() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = with_head(tmp.path(), r#"{"pooling_mode": "mean"}"#, None);
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["model_type"] = "distilbert".into();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let err = EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default())
+        .err()
+        .unwrap();
+    let text = err.to_string();
+    assert!(
+        text.contains("distilbert") && text.contains("xlm-roberta"),
+        "{text}"
+    );
+}
+
+#[test]
+fn every_family_trains_and_its_export_loads_back_as_the_family() {
+    use gradcache::train::{export_run, Config, Quiet, Trainer};
+    let tmp = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = std::fs::read_to_string("data/quickstart/train.jsonl")
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    let data = tmp.path().join("train.jsonl");
+    std::fs::write(&data, lines[..40].join("\n")).unwrap();
+    for family in FAMILIES {
+        let out = tmp.path().join(family);
+        let config = format!(
+            r#"
+output_dir = "{out}"
+[data]
+train_file = "{data}"
+eval_pairs = 8
+[model]
+pretrained = "{model}"
+query_max_len = 24
+passage_max_len = 32
+[train]
+steps = 2
+batch_size = 8
+query_chunk = 3
+passage_chunk = 5
+"#,
+            out = out.display(),
+            data = data.display(),
+            model = fixture(family).display(),
+        );
+        let path = tmp.path().join(format!("{family}.toml"));
+        std::fs::write(&path, config).unwrap();
+        let cfg = Config::load(&path, &[]).unwrap();
+        let mut trainer = Trainer::new(cfg.clone(), None).unwrap();
+        let before: Vec<f32> = trainer
+            .params()
+            .iter()
+            .map(|(_, v)| common::max_abs(v.as_tensor()) as f32)
+            .collect();
+        trainer.run(&mut Quiet).unwrap();
+        let moved = trainer
+            .params()
+            .iter()
+            .zip(&before)
+            .filter(|((_, v), b)| common::max_abs(v.as_tensor()) as f32 != **b)
+            .count();
+        assert!(moved > 0, "{family}: training moved no weight");
+        let export = tmp.path().join(format!("{family}-export"));
+        export_run(&cfg, None, &export, gradcache::Side::Query).unwrap();
+        let exported: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(exported["model_type"], family, "{family}");
+        let live = tmp.path().join(format!("{family}-live"));
+        trainer.export(&live, gradcache::Side::Query).unwrap();
+        let r = reference(family);
+        let a = load(&export, None).embed(&refs(&r.texts), 4).unwrap();
+        let b = load(&live, None).embed(&refs(&r.texts), 4).unwrap();
+        assert!(max_diff(&a, &b) <= 1e-6, "{family}");
+        // Trained: no longer the fixture's embeddings.
+        let c = load(&fixture(family), None)
+            .embed(&refs(&r.texts), 4)
+            .unwrap();
+        assert!(
+            max_diff(&a, &c) > 1e-4,
+            "{family}: the export is the untrained model"
+        );
+    }
+}
+
+#[test]
+fn the_composed_ops_match_transformers_too() {
+    // The path a GPU or a half dtype takes (the fused CPU kernels off).
+    gradcache::nn::set_fused_kernels(false);
+    let result = std::panic::catch_unwind(|| {
+        for family in ["roberta", "xlm-roberta"] {
+            let r = reference(family);
+            let model = load(&fixture(family), None);
+            let got = model.embed(&refs(&r.texts), 4).unwrap();
+            let err = max_diff(&got, &r.tensors["pooled.mean"]);
+            assert!(
+                err <= 1e-5,
+                "{family}: composed embeddings differ by {err:e}"
+            );
+            let (loss, _) = step(family, 2, Recompute::EveryLayer);
+            assert!(
+                (loss as f64 - r.loss).abs() <= 1e-5,
+                "{family}: loss {loss}"
+            );
+        }
+    });
+    gradcache::nn::set_fused_kernels(true);
+    result.unwrap();
+}
