@@ -98,6 +98,32 @@ def wordpiece(texts):
     return fast
 
 
+def mpnet_wordpiece(texts):
+    """MPNet's tokenizer: BERT's WordPiece with RoBERTa's special tokens and template."""
+    tok = tokenizers.BertWordPieceTokenizer(
+        lowercase=True, unk_token="<unk>", sep_token="</s>", cls_token="<s>",
+        pad_token="<pad>", mask_token="<mask>",
+    )
+    tok.train_from_iterator(
+        texts, vocab_size=400, min_frequency=2,
+        special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"],
+    )
+    tok._tokenizer.post_processor = tokenizers.processors.RobertaProcessing(
+        ("</s>", tok.token_to_id("</s>")), ("<s>", tok.token_to_id("<s>"))
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok._tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        cls_token="<s>",
+        sep_token="</s>",
+        mask_token="<mask>",
+        model_max_length=MAX_LEN,
+    )
+
+
 def byte_level_bpe(texts):
     tok = tokenizers.ByteLevelBPETokenizer()
     tok.train_from_iterator(
@@ -168,6 +194,11 @@ def tiny(kind, vocab, tokenizer):
     if kind == "xlm-roberta":
         return transformers.XLMRobertaConfig(
             max_position_embeddings=MAX_LEN + 2 + 6, type_vocab_size=1,
+            bos_token_id=0, eos_token_id=2, **common,
+        )
+    if kind == "mpnet":
+        return transformers.MPNetConfig(
+            max_position_embeddings=MAX_LEN + 2 + 6, relative_attention_num_buckets=32,
             bos_token_id=0, eos_token_id=2, **common,
         )
     raise ValueError(kind)
@@ -269,6 +300,7 @@ def main():
         ("bert", wordpiece),
         ("roberta", byte_level_bpe),
         ("xlm-roberta", unigram),
+        ("mpnet", mpnet_wordpiece),
     ]
     only = sys.argv[1:]
     for kind, make_tokenizer in families:

@@ -101,6 +101,7 @@ pub fn export_bert(
         "roberta" => "RobertaModel",
         "xlm-roberta" => "XLMRobertaModel",
         "camembert" => "CamembertModel",
+        "mpnet" => "MPNetModel",
         _ => "BertModel",
     };
     config["architectures"] = json!([architecture]);

@@ -1,6 +1,7 @@
-//! A trainable BERT-family encoder: BERT, MiniLM and other `BertModel` checkpoints, and
-//! the RoBERTa family (RoBERTa, XLM-RoBERTa, CamemBERT), whose layers are BERT's and whose
-//! positions start past the padding index ([`Family`]).
+//! A trainable BERT-family encoder ([`Family`]): BERT, MiniLM and other `BertModel`
+//! checkpoints; the RoBERTa family (RoBERTa, XLM-RoBERTa, CamemBERT), whose layers are
+//! BERT's and whose positions start past the padding index; and MPNet, BERT's layers under
+//! other names with a relative position bias on the attention scores.
 //!
 //! candle-transformers' `BertModel` is inference-only: its fused LayerNorm cuts the graph,
 //! its dropout is a no-op and its `f32::MIN` attention mask turns into NaN in f16/bf16. This
@@ -29,405 +30,8 @@ use crate::precision::Precision;
 use crate::recompute::{LayerStack, Recompute, Recomputed};
 use crate::{Error, Result};
 
-/// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct BertConfig {
-    /// Vocabulary size.
-    pub vocab_size: usize,
-    /// Hidden width.
-    pub hidden_size: usize,
-    /// Number of transformer layers.
-    pub num_hidden_layers: usize,
-    /// Attention heads per layer.
-    pub num_attention_heads: usize,
-    /// Width of the feed-forward layer.
-    pub intermediate_size: usize,
-    /// Feed-forward activation: `gelu` (erf), `gelu_new` / `gelu_pytorch_tanh` (tanh
-    /// approximation) or `relu`.
-    #[serde(default = "defaults::hidden_act")]
-    pub hidden_act: String,
-    /// Dropout after embeddings, attention output and feed-forward output.
-    #[serde(default = "defaults::dropout")]
-    pub hidden_dropout_prob: f64,
-    /// Dropout on attention probabilities.
-    #[serde(default = "defaults::dropout")]
-    pub attention_probs_dropout_prob: f64,
-    /// Longest sequence the position embeddings cover.
-    #[serde(default = "defaults::max_position_embeddings")]
-    pub max_position_embeddings: usize,
-    /// Number of token types (segments).
-    #[serde(default = "defaults::type_vocab_size")]
-    pub type_vocab_size: usize,
-    /// Standard deviation of the normal initialisation of fresh weights.
-    #[serde(default = "defaults::initializer_range")]
-    pub initializer_range: f64,
-    /// LayerNorm epsilon.
-    #[serde(default = "defaults::layer_norm_eps")]
-    pub layer_norm_eps: f64,
-    /// Only `absolute` is supported.
-    #[serde(default = "defaults::position_embedding_type")]
-    pub position_embedding_type: String,
-    /// Padding token id.
-    #[serde(default)]
-    pub pad_token_id: usize,
-    /// `bert` for BERT checkpoints.
-    #[serde(default)]
-    pub model_type: Option<String>,
-    /// Every other field of the file, kept so that an exported config says what the
-    /// loaded one said.
-    #[serde(flatten)]
-    pub extra: serde_json::Map<String, serde_json::Value>,
-}
-
-mod defaults {
-    pub fn hidden_act() -> String {
-        "gelu".into()
-    }
-    pub fn dropout() -> f64 {
-        0.1
-    }
-    pub fn max_position_embeddings() -> usize {
-        512
-    }
-    pub fn type_vocab_size() -> usize {
-        2
-    }
-    pub fn initializer_range() -> f64 {
-        0.02
-    }
-    pub fn layer_norm_eps() -> f64 {
-        1e-12
-    }
-    pub fn position_embedding_type() -> String {
-        "absolute".into()
-    }
-}
-
-/// The model families this encoder loads, by `config.json`'s `model_type`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    /// `bert` (or no `model_type`): BERT, MiniLM, bge, e5, gte-small, ...: absolute
-    /// positions counted from 0.
-    Bert,
-    /// `roberta`, `xlm-roberta`, `camembert`: BERT's layers with absolute positions that
-    /// start past the padding index (`pad_token_id + 1`), one token type, `<s> .. </s>`.
-    Roberta,
-}
-
-/// The `model_type`s [`Family`] accepts, for errors.
-pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert";
-
-/// Feed-forward activations of BERT-family configs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// Exact GELU (`gelu`).
-    Gelu,
-    /// Tanh approximation of GELU (`gelu_new`, `gelu_pytorch_tanh`).
-    GeluTanh,
-    /// `relu`.
-    Relu,
-}
-
-impl Activation {
-    /// The activation as [`crate::nn::bias_activation`] names it.
-    pub fn fused(self) -> crate::nn::Act {
-        match self {
-            Activation::Gelu => crate::nn::Act::GeluErf,
-            Activation::GeluTanh => crate::nn::Act::GeluTanh,
-            Activation::Relu => crate::nn::Act::Relu,
-        }
-    }
-}
-
-impl BertConfig {
-    /// A BERT of the given size with Hugging Face's defaults for everything else (GELU,
-    /// dropout 0.1, two token types, initializer range 0.02, LayerNorm epsilon 1e-12).
-    pub fn new(
-        vocab_size: usize,
-        hidden_size: usize,
-        num_hidden_layers: usize,
-        num_attention_heads: usize,
-        intermediate_size: usize,
-        max_position_embeddings: usize,
-    ) -> Self {
-        Self {
-            vocab_size,
-            hidden_size,
-            num_hidden_layers,
-            num_attention_heads,
-            intermediate_size,
-            hidden_act: defaults::hidden_act(),
-            hidden_dropout_prob: defaults::dropout(),
-            attention_probs_dropout_prob: defaults::dropout(),
-            max_position_embeddings,
-            type_vocab_size: defaults::type_vocab_size(),
-            initializer_range: defaults::initializer_range(),
-            layer_norm_eps: defaults::layer_norm_eps(),
-            position_embedding_type: defaults::position_embedding_type(),
-            pad_token_id: 0,
-            model_type: Some("bert".into()),
-            extra: Default::default(),
-        }
-    }
-
-    /// Matrix-product FLOPs of one forward pass over `rows` sequences of `len` tokens
-    /// (multiply and add counted as two): per layer and token, the Q, K, V and output
-    /// projections (`8 h^2`), the feed-forward (`4 h I`), and the attention scores and
-    /// their product with the values (`4 len h`). Element-wise work is not counted; it is
-    /// what the achieved GFLOP/s of a step is set against.
-    pub fn forward_flops(&self, rows: usize, len: usize) -> f64 {
-        let (h, i, s) = (
-            self.hidden_size as f64,
-            self.intermediate_size as f64,
-            len as f64,
-        );
-        let per_token = 8.0 * h * h + 4.0 * h * i + 4.0 * s * h;
-        per_token * s * rows as f64 * self.num_hidden_layers as f64
-    }
-
-    /// Reads and checks a `config.json`.
-    pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => Error::MissingFile {
-                path: path.to_path_buf(),
-                what: "model config",
-            },
-            _ => Error::ModelFile {
-                path: path.to_path_buf(),
-                reason: e.to_string(),
-            },
-        })?;
-        let cfg: BertConfig = serde_json::from_str(&text).map_err(|e| Error::ModelFile {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-        cfg.validate(path)?;
-        Ok(cfg)
-    }
-
-    /// The family of `model_type`; another type is refused with the supported ones named.
-    pub fn family(&self, path: &Path) -> Result<Family> {
-        match self.model_type.as_deref() {
-            None | Some("bert") => Ok(Family::Bert),
-            Some("roberta" | "xlm-roberta" | "camembert") => Ok(Family::Roberta),
-            Some(other) => Err(Error::UnsupportedConfig {
-                field: "model_type",
-                value: other.to_string(),
-                supported: SUPPORTED_FAMILIES,
-                path: path.to_path_buf(),
-            }),
-        }
-    }
-
-    /// The position of the first token: 0 for BERT, `pad_token_id + 1` for the RoBERTa
-    /// family (whose positions count from past the padding index).
-    pub fn first_position(&self) -> usize {
-        match self.family(Path::new("config")) {
-            Ok(Family::Roberta) => self.pad_token_id + 1,
-            _ => 0,
-        }
-    }
-
-    /// The longest sequence the position embeddings cover, in tokens (special tokens
-    /// included).
-    pub fn max_tokens(&self) -> usize {
-        self.max_position_embeddings
-            .saturating_sub(self.first_position())
-    }
-
-    /// Checks the values a BERT encoder depends on; `path` names the config in errors.
-    pub fn validate(&self, path: &Path) -> Result<()> {
-        self.family(path)?;
-        self.activation(path)?;
-        if self.position_embedding_type != "absolute" {
-            return Err(Error::UnsupportedConfig {
-                field: "position_embedding_type",
-                value: self.position_embedding_type.clone(),
-                supported: "absolute",
-                path: path.to_path_buf(),
-            });
-        }
-        let positive = [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("num_attention_heads", self.num_attention_heads),
-            ("intermediate_size", self.intermediate_size),
-            ("max_position_embeddings", self.max_position_embeddings),
-            ("type_vocab_size", self.type_vocab_size),
-        ];
-        if self.max_tokens() == 0 {
-            return Err(Error::InvalidConfig {
-                field: "max_position_embeddings",
-                value: self.max_position_embeddings.to_string(),
-                reason: "must leave room past the padding index (pad_token_id + 1)",
-            });
-        }
-        for (field, value) in positive {
-            if value == 0 {
-                return Err(Error::InvalidConfig {
-                    field,
-                    value: "0".into(),
-                    reason: "must be at least 1",
-                });
-            }
-        }
-        if self.hidden_size % self.num_attention_heads != 0 {
-            return Err(Error::InvalidConfig {
-                field: "num_attention_heads",
-                value: self.num_attention_heads.to_string(),
-                reason: "must divide hidden_size",
-            });
-        }
-        for (field, p) in [
-            ("hidden_dropout_prob", self.hidden_dropout_prob),
-            (
-                "attention_probs_dropout_prob",
-                self.attention_probs_dropout_prob,
-            ),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return Err(Error::InvalidConfig {
-                    field,
-                    value: p.to_string(),
-                    reason: "a drop probability must be in [0, 1)",
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// The feed-forward activation named by `hidden_act`.
-    pub fn activation(&self, path: &Path) -> Result<Activation> {
-        match self.hidden_act.as_str() {
-            "gelu" => Ok(Activation::Gelu),
-            "gelu_new" | "gelu_pytorch_tanh" => Ok(Activation::GeluTanh),
-            "relu" => Ok(Activation::Relu),
-            other => Err(Error::UnsupportedConfig {
-                field: "hidden_act",
-                value: other.to_string(),
-                supported: "gelu, gelu_new, gelu_pytorch_tanh, relu",
-                path: path.to_path_buf(),
-            }),
-        }
-    }
-}
-
-/// How token states become one vector per sequence: the pooling modes of
-/// sentence-transformers, with its names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Pooling {
-    /// The first token's state (`[CLS]`), as DPR.
-    Cls,
-    /// The mean over real (unmasked) tokens, as sentence-transformers.
-    #[default]
-    Mean,
-    /// The maximum of each dimension over the real tokens.
-    Max,
-    /// The sum over the real tokens divided by the square root of their number.
-    #[serde(rename = "mean_sqrt_len_tokens", alias = "mean_sqrt_len")]
-    MeanSqrtLen,
-    /// The mean over real tokens weighted by position (the first token 1, the second 2,
-    /// ...), as SGPT.
-    #[serde(rename = "weightedmean")]
-    WeightedMean,
-    /// The last real token's state (decoder-style embedding models).
-    #[serde(rename = "lasttoken")]
-    LastToken,
-}
-
-impl Pooling {
-    /// Every mode, in the order sentence-transformers lists them.
-    pub const ALL: [Pooling; 6] = [
-        Pooling::Cls,
-        Pooling::Max,
-        Pooling::Mean,
-        Pooling::MeanSqrtLen,
-        Pooling::WeightedMean,
-        Pooling::LastToken,
-    ];
-
-    /// The name used in configs and by sentence-transformers' `pooling_mode`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Pooling::Cls => "cls",
-            Pooling::Mean => "mean",
-            Pooling::Max => "max",
-            Pooling::MeanSqrtLen => "mean_sqrt_len_tokens",
-            Pooling::WeightedMean => "weightedmean",
-            Pooling::LastToken => "lasttoken",
-        }
-    }
-
-    /// The mode named `name` ([`Self::name`], or `mean_sqrt_len`).
-    pub fn from_name(name: &str) -> Option<Self> {
-        if name == "mean_sqrt_len" {
-            return Some(Pooling::MeanSqrtLen);
-        }
-        Self::ALL.into_iter().find(|p| p.name() == name)
-    }
-
-    /// The key of the mode among the booleans of sentence-transformers' older
-    /// `1_Pooling/config.json` (`pooling_mode_mean_tokens`, ...).
-    pub fn legacy_key(self) -> &'static str {
-        match self {
-            Pooling::Cls => "pooling_mode_cls_token",
-            Pooling::Mean => "pooling_mode_mean_tokens",
-            Pooling::Max => "pooling_mode_max_tokens",
-            Pooling::MeanSqrtLen => "pooling_mode_mean_sqrt_len_tokens",
-            Pooling::WeightedMean => "pooling_mode_weightedmean_tokens",
-            Pooling::LastToken => "pooling_mode_lasttoken",
-        }
-    }
-
-    /// Pools token states `x` `[n, s, h]` over the real tokens of `mask` `[n, s]` (1 for a
-    /// real token, 0 for padding; padding on the right), as sentence-transformers does.
-    /// Mean pooling runs as one node (see [`crate::nn::mean_pool`]); the others are
-    /// composed of differentiable ops. Normalises the result with `normalize`.
-    pub fn pool(self, x: &Tensor, mask: &Tensor, normalize: bool) -> Result<Tensor> {
-        let (n, s, h) = x.dims3()?;
-        let pooled = match self {
-            Pooling::Mean => return crate::nn::mean_pool(x, mask, normalize),
-            Pooling::Cls => x.narrow(1, 0, 1)?.squeeze(1)?,
-            Pooling::Max => {
-                let keep = mask.unsqueeze(2)?.broadcast_as((n, s, h))?.ne(0.0)?;
-                let floor =
-                    Tensor::full(f32::NEG_INFINITY, (n, s, h), x.device())?.to_dtype(x.dtype())?;
-                keep.where_cond(x, &floor)?.max(1)?
-            }
-            Pooling::MeanSqrtLen => {
-                let sum = x.broadcast_mul(&mask.unsqueeze(2)?)?.sum(1)?;
-                let count = mask.sum_keepdim(1)?.clamp(1e-9, f64::MAX)?;
-                sum.broadcast_div(&count.sqrt()?)?
-            }
-            Pooling::WeightedMean => {
-                let positions = Tensor::arange(1u32, s as u32 + 1, x.device())?
-                    .to_dtype(mask.dtype())?
-                    .unsqueeze(0)?;
-                let weights = mask.broadcast_mul(&positions)?;
-                let sum = x.broadcast_mul(&weights.unsqueeze(2)?)?.sum(1)?;
-                let total = weights.sum_keepdim(1)?.clamp(1e-9, f64::MAX)?;
-                sum.broadcast_div(&total)?
-            }
-            Pooling::LastToken => {
-                let counts: Vec<f32> = mask.to_dtype(candle_core::DType::F32)?.sum(1)?.to_vec1()?;
-                let rows: Vec<u32> = counts
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &c)| (i * s + (c as usize).max(1).min(s) - 1) as u32)
-                    .collect();
-                let rows = Tensor::new(rows.as_slice(), x.device())?;
-                let masked = x.broadcast_mul(&mask.unsqueeze(2)?)?;
-                masked.reshape((n * s, h))?.index_select(&rows, 0)?
-            }
-        };
-        if normalize {
-            crate::nn::l2_normalize(&pooled)
-        } else {
-            Ok(pooled)
-        }
-    }
-}
+pub use super::bert_config::{Activation, BertConfig, Family, SUPPORTED_FAMILIES};
+pub use super::pooling::Pooling;
 
 /// Encoder options that are not part of the Hugging Face config.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -474,8 +78,16 @@ mod site {
 struct Embeddings {
     words: Embedding,
     positions: Embedding,
-    token_types: Embedding,
+    /// BERT and RoBERTa have token types; MPNet has none.
+    token_types: Option<Embedding>,
     norm: LayerNorm,
+}
+
+/// MPNet's relative position bias: `buckets` learned values per head
+/// (`encoder.relative_attention_bias`, `[buckets, heads]`), shared by every layer.
+struct RelativeBias {
+    table: Embedding,
+    buckets: usize,
 }
 
 struct Layer {
@@ -493,6 +105,7 @@ struct Layer {
 pub struct Bert {
     embeddings: Embeddings,
     layers: Vec<Layer>,
+    relative_bias: Option<RelativeBias>,
     heads: usize,
     /// The position of the first token (see [`BertConfig::first_position`]).
     first_position: usize,
@@ -530,7 +143,17 @@ impl Bert {
         cfg.validate(path)?;
         let (h, std, eps) = (cfg.hidden_size, cfg.initializer_range, cfg.layer_norm_eps);
         let linear = |i: usize, o: usize, vb: VarBuilder| Linear::normal(i, o, std, vb);
+        let family = cfg.family(path)?;
         let e = vb.pp("embeddings");
+        let token_types = match family {
+            Family::MpNet => None,
+            _ => Some(embedding(
+                cfg.type_vocab_size,
+                h,
+                std,
+                e.pp("token_type_embeddings"),
+            )?),
+        };
         let embeddings = Embeddings {
             words: embedding(cfg.vocab_size, h, std, e.pp("word_embeddings"))?,
             positions: embedding(
@@ -539,19 +162,44 @@ impl Bert {
                 std,
                 e.pp("position_embeddings"),
             )?,
-            token_types: embedding(cfg.type_vocab_size, h, std, e.pp("token_type_embeddings"))?,
+            token_types,
             norm: LayerNorm::new(h, eps, e.pp("LayerNorm"))?,
         };
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let l = vb.pp(format!("encoder.layer.{i}"));
-                let (a, s) = (l.pp("attention"), l.pp("attention").pp("self"));
+                let a = l.pp("attention");
+                // MPNet names the projections `attention.attn.{q,k,v,o}` and the norm
+                // `attention.LayerNorm`; BERT `attention.self.*`, `attention.output.*`.
+                let (q, k, v, o, norm) = match family {
+                    Family::MpNet => {
+                        let attn = a.pp("attn");
+                        (
+                            attn.pp("q"),
+                            attn.pp("k"),
+                            attn.pp("v"),
+                            attn.pp("o"),
+                            a.pp("LayerNorm"),
+                        )
+                    }
+                    _ => {
+                        let s = a.pp("self");
+                        let out = a.pp("output");
+                        (
+                            s.pp("query"),
+                            s.pp("key"),
+                            s.pp("value"),
+                            out.pp("dense"),
+                            out.pp("LayerNorm"),
+                        )
+                    }
+                };
                 Ok(Layer {
-                    query: linear(h, h, s.pp("query"))?,
-                    key: linear(h, h, s.pp("key"))?,
-                    value: linear(h, h, s.pp("value"))?,
-                    attention_output: linear(h, h, a.pp("output").pp("dense"))?,
-                    attention_norm: LayerNorm::new(h, eps, a.pp("output").pp("LayerNorm"))?,
+                    query: linear(h, h, q)?,
+                    key: linear(h, h, k)?,
+                    value: linear(h, h, v)?,
+                    attention_output: linear(h, h, o)?,
+                    attention_norm: LayerNorm::new(h, eps, norm)?,
                     intermediate: linear(
                         h,
                         cfg.intermediate_size,
@@ -562,9 +210,23 @@ impl Bert {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let relative_bias = match family {
+            Family::MpNet => {
+                let buckets = cfg.relative_attention_buckets();
+                let table = embedding(
+                    buckets,
+                    cfg.num_attention_heads,
+                    std,
+                    vb.pp("encoder").pp("relative_attention_bias"),
+                )?;
+                Some(RelativeBias { table, buckets })
+            }
+            _ => None,
+        };
         Ok(Self {
             embeddings,
             layers,
+            relative_bias,
             heads: cfg.num_attention_heads,
             first_position: cfg.first_position(),
             max_positions: cfg.max_tokens(),
@@ -602,12 +264,14 @@ impl Bert {
                 .mask(ctx, layer_id(i), site::ATTENTION_PROBS),
             recompute: ctx.recompute.recomputes(SITE_ATTENTION_PROBS),
         };
-        crate::nn::self_attention(
-            x,
-            [&layer.query, &layer.key, &layer.value],
-            self.heads,
-            &spec,
-        )
+        let projections = [&layer.query, &layer.key, &layer.value];
+        match &self.relative_bias {
+            Some(relative) => {
+                let bias = relative.scores_bias(x.dim(1)?)?;
+                crate::nn::self_attention_biased(x, projections, self.heads, &spec, &bias)
+            }
+            None => crate::nn::self_attention(x, projections, self.heads, &spec),
+        }
     }
 }
 
@@ -622,6 +286,10 @@ impl Bert {
         aux: &BertAux,
         ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
+        if self.relative_bias.is_some() {
+            // The fused layer's attention reads a key mask only, not a bias per head.
+            return Ok(None);
+        }
         let layer = &self.layers[i];
         let (Some(bq), Some(bk), Some(bv), Some(bo), Some(bi), Some(bd)) = (
             layer.query.bias(),
@@ -672,6 +340,42 @@ impl Bert {
     }
 }
 
+impl RelativeBias {
+    /// The bias the attention scores of a sequence of `s` tokens get, `[1, heads, s, s]`:
+    /// the learned value of the bucket of each (query, key) distance.
+    fn scores_bias(&self, s: usize) -> Result<Tensor> {
+        let buckets: Vec<u32> = (0..s)
+            .flat_map(|i| (0..s).map(move |j| (i, j)))
+            .map(|(i, j)| relative_bucket(j as i64 - i as i64, self.buckets, 128) as u32)
+            .collect();
+        let ids = Tensor::from_vec(buckets, s * s, self.table.embeddings().device())?;
+        let values = self.table.forward(&ids)?; // [s s, heads]
+        let heads = values.dim(1)?;
+        Ok(values.t()?.reshape((1, heads, s, s))?)
+    }
+}
+
+/// MPNet's (and T5's) bucket of a relative position `key - query`: half the buckets for
+/// keys before the query, half for keys after; within each, exact distances below a
+/// quarter of the buckets, then logarithmically wider buckets up to `max_distance`. The
+/// arithmetic of `MPNetEncoder.relative_position_bucket`, in f32 as PyTorch runs it.
+pub fn relative_bucket(relative: i64, buckets: usize, max_distance: usize) -> usize {
+    let half = buckets / 2;
+    let n = -relative;
+    let mut bucket = if n < 0 { half } else { 0 };
+    let n = n.unsigned_abs() as usize;
+    let max_exact = half / 2;
+    bucket += if n < max_exact {
+        n
+    } else {
+        let ratio = (n as f32 / max_exact as f32).ln()
+            / ((max_distance as f64 / max_exact as f64).ln() as f32);
+        let large = max_exact + (ratio * (half - max_exact) as f32) as usize;
+        large.min(half - 1)
+    };
+    bucket
+}
+
 /// Dropout layer ids: 0 for the embeddings, `i + 1` for transformer layer `i`.
 fn layer_id(i: usize) -> u32 {
     i as u32 + 1
@@ -702,12 +406,12 @@ impl LayerStack for Bert {
             });
         }
         let dropout = self.hidden_dropout.mask(ctx, 0, site::EMBEDDINGS);
-        if self.options.precision == Precision::F32 {
+        if let (Precision::F32, Some(types)) = (self.options.precision, &e.token_types) {
             let fused = crate::nn::embeddings(
                 [&input.input_ids, &input.token_type_ids],
                 [
                     e.words.embeddings(),
-                    e.token_types.embeddings(),
+                    types.embeddings(),
                     e.positions.embeddings(),
                 ],
                 self.first_position,
@@ -721,11 +425,12 @@ impl LayerStack for Bert {
         }
         let first = self.first_position as u32;
         let positions = Tensor::arange(first, first + s as u32, input.input_ids.device())?;
-        let x = e
-            .words
-            .forward(&input.input_ids)?
-            .add(&e.token_types.forward(&input.token_type_ids)?)?
-            .broadcast_add(&e.positions.forward(&positions)?)?;
+        let words = e.words.forward(&input.input_ids)?;
+        let words = match &e.token_types {
+            Some(types) => words.add(&types.forward(&input.token_type_ids)?)?,
+            None => words,
+        };
+        let x = words.broadcast_add(&e.positions.forward(&positions)?)?;
         let x = e.norm.forward(&x)?;
         // Mixed precision: the layers run in the half dtype (`F32` keeps the weights' own
         // dtype, so a model stored in half precision runs in it).
@@ -823,7 +528,7 @@ pub fn load_pretrained(
     let cfg = BertConfig::from_file(&files.config)?;
     let probe = WeightFile::open(&files.weights, "")?;
     // `BertFor...` / `RobertaFor...` checkpoints keep the encoder under its base name.
-    let file_prefix = ["bert.", "roberta."]
+    let file_prefix = ["bert.", "roberta.", "mpnet."]
         .into_iter()
         .find(|p| probe.contains(&format!("{p}embeddings.word_embeddings.weight")))
         .unwrap_or("");

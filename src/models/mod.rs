@@ -7,6 +7,8 @@
 //! [`Recomputed`](crate::Recomputed) so activation checkpointing comes with it.
 
 pub mod bert;
+mod bert_config;
 pub mod lstm;
+mod pooling;
 pub mod resnet;
 pub mod toy;

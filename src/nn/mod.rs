@@ -569,6 +569,51 @@ pub fn self_attention(
     self_attention_composed(x, [query, key, value], heads, spec)
 }
 
+/// Self-attention whose scores get, besides the spec's key mask, an additive bias per head
+/// and (query, key) pair, `score_bias` `[1 or n, heads, s, s]`, that is itself trained
+/// (MPNet's relative position bias): `softmax(scale q k^T + mask + score_bias)`. Composed
+/// ops, so the bias receives its gradient; with the spec's `recompute` the probabilities
+/// are recomputed in the backward pass instead of kept.
+pub fn self_attention_biased(
+    x: &Tensor,
+    [query, key, value]: [&Linear; 3],
+    heads: usize,
+    spec: &fused::AttentionSpec,
+    score_bias: &Tensor,
+) -> Result<Tensor> {
+    let (n, s, h) = x.dims3()?;
+    let split = |t: Tensor| -> Result<Tensor> {
+        Ok(t.reshape((n, s, heads, h / heads))?
+            .transpose(1, 2)?
+            .contiguous()?)
+    };
+    let q = split(query.forward(x)?)?;
+    let k = split(key.forward(x)?)?;
+    let v = split(value.forward(x)?)?;
+    let bias = cast(score_bias, q.dtype())?.broadcast_add(&cast(&spec.bias, q.dtype())?)?;
+    let attended = if spec.recompute {
+        let spec = spec.clone();
+        recomputed(
+            "gradcache-biased-attention",
+            &[&q, &k, &v, &bias],
+            move |t| {
+                let spec = fused::AttentionSpec {
+                    bias: t[3].clone(),
+                    ..spec.clone()
+                };
+                attention_composed(&t[0], &t[1], &t[2], &spec)
+            },
+        )?
+    } else {
+        let spec = fused::AttentionSpec {
+            bias,
+            ..spec.clone()
+        };
+        attention_composed(&q, &k, &v, &spec)?
+    };
+    Ok(attended.transpose(1, 2)?.reshape((n, s, h))?)
+}
+
 /// Composed self-attention (see [`self_attention`]).
 pub fn self_attention_composed(
     x: &Tensor,

@@ -1,0 +1,312 @@
+//! The Hugging Face `config.json` of the BERT-family encoder ([`BertConfig`]), the
+//! families it names ([`Family`]: BERT, the RoBERTa family, MPNet) and the feed-forward activations ([`Activation`]).
+
+use std::path::Path;
+
+use crate::{Error, Result};
+
+/// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct BertConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Hidden width.
+    pub hidden_size: usize,
+    /// Number of transformer layers.
+    pub num_hidden_layers: usize,
+    /// Attention heads per layer.
+    pub num_attention_heads: usize,
+    /// Width of the feed-forward layer.
+    pub intermediate_size: usize,
+    /// Feed-forward activation: `gelu` (erf), `gelu_new` / `gelu_pytorch_tanh` (tanh
+    /// approximation) or `relu`.
+    #[serde(default = "defaults::hidden_act")]
+    pub hidden_act: String,
+    /// Dropout after embeddings, attention output and feed-forward output.
+    #[serde(default = "defaults::dropout")]
+    pub hidden_dropout_prob: f64,
+    /// Dropout on attention probabilities.
+    #[serde(default = "defaults::dropout")]
+    pub attention_probs_dropout_prob: f64,
+    /// Longest sequence the position embeddings cover.
+    #[serde(default = "defaults::max_position_embeddings")]
+    pub max_position_embeddings: usize,
+    /// Number of token types (segments).
+    #[serde(default = "defaults::type_vocab_size")]
+    pub type_vocab_size: usize,
+    /// Standard deviation of the normal initialisation of fresh weights.
+    #[serde(default = "defaults::initializer_range")]
+    pub initializer_range: f64,
+    /// LayerNorm epsilon.
+    #[serde(default = "defaults::layer_norm_eps")]
+    pub layer_norm_eps: f64,
+    /// Only `absolute` is supported.
+    #[serde(default = "defaults::position_embedding_type")]
+    pub position_embedding_type: String,
+    /// Padding token id.
+    #[serde(default)]
+    pub pad_token_id: usize,
+    /// `bert` for BERT checkpoints.
+    #[serde(default)]
+    pub model_type: Option<String>,
+    /// Every other field of the file, kept so that an exported config says what the
+    /// loaded one said.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+mod defaults {
+    pub fn hidden_act() -> String {
+        "gelu".into()
+    }
+    pub fn dropout() -> f64 {
+        0.1
+    }
+    pub fn max_position_embeddings() -> usize {
+        512
+    }
+    pub fn type_vocab_size() -> usize {
+        2
+    }
+    pub fn initializer_range() -> f64 {
+        0.02
+    }
+    pub fn layer_norm_eps() -> f64 {
+        1e-12
+    }
+    pub fn position_embedding_type() -> String {
+        "absolute".into()
+    }
+}
+
+/// The model families this encoder loads, by `config.json`'s `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `bert` (or no `model_type`): BERT, MiniLM, bge, e5, gte-small, ...: absolute
+    /// positions counted from 0.
+    Bert,
+    /// `roberta`, `xlm-roberta`, `camembert`: BERT's layers with absolute positions that
+    /// start past the padding index (`pad_token_id + 1`), one token type, `<s> .. </s>`.
+    Roberta,
+    /// `mpnet`: BERT's post-norm layers under other names, no token types, positions past
+    /// the padding index 1, and a relative position bias on the attention scores (buckets
+    /// of the distance between tokens, one learned value per bucket and head, shared by
+    /// every layer).
+    MpNet,
+}
+
+/// The `model_type`s [`Family`] accepts, for errors.
+pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet";
+
+/// Feed-forward activations of BERT-family configs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// Exact GELU (`gelu`).
+    Gelu,
+    /// Tanh approximation of GELU (`gelu_new`, `gelu_pytorch_tanh`).
+    GeluTanh,
+    /// `relu`.
+    Relu,
+}
+
+impl Activation {
+    /// The activation as [`crate::nn::bias_activation`] names it.
+    pub fn fused(self) -> crate::nn::Act {
+        match self {
+            Activation::Gelu => crate::nn::Act::GeluErf,
+            Activation::GeluTanh => crate::nn::Act::GeluTanh,
+            Activation::Relu => crate::nn::Act::Relu,
+        }
+    }
+}
+
+impl BertConfig {
+    /// A BERT of the given size with Hugging Face's defaults for everything else (GELU,
+    /// dropout 0.1, two token types, initializer range 0.02, LayerNorm epsilon 1e-12).
+    pub fn new(
+        vocab_size: usize,
+        hidden_size: usize,
+        num_hidden_layers: usize,
+        num_attention_heads: usize,
+        intermediate_size: usize,
+        max_position_embeddings: usize,
+    ) -> Self {
+        Self {
+            vocab_size,
+            hidden_size,
+            num_hidden_layers,
+            num_attention_heads,
+            intermediate_size,
+            hidden_act: defaults::hidden_act(),
+            hidden_dropout_prob: defaults::dropout(),
+            attention_probs_dropout_prob: defaults::dropout(),
+            max_position_embeddings,
+            type_vocab_size: defaults::type_vocab_size(),
+            initializer_range: defaults::initializer_range(),
+            layer_norm_eps: defaults::layer_norm_eps(),
+            position_embedding_type: defaults::position_embedding_type(),
+            pad_token_id: 0,
+            model_type: Some("bert".into()),
+            extra: Default::default(),
+        }
+    }
+
+    /// Matrix-product FLOPs of one forward pass over `rows` sequences of `len` tokens
+    /// (multiply and add counted as two): per layer and token, the Q, K, V and output
+    /// projections (`8 h^2`), the feed-forward (`4 h I`), and the attention scores and
+    /// their product with the values (`4 len h`). Element-wise work is not counted; it is
+    /// what the achieved GFLOP/s of a step is set against.
+    pub fn forward_flops(&self, rows: usize, len: usize) -> f64 {
+        let (h, i, s) = (
+            self.hidden_size as f64,
+            self.intermediate_size as f64,
+            len as f64,
+        );
+        let per_token = 8.0 * h * h + 4.0 * h * i + 4.0 * s * h;
+        per_token * s * rows as f64 * self.num_hidden_layers as f64
+    }
+
+    /// Reads and checks a `config.json`.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::MissingFile {
+                path: path.to_path_buf(),
+                what: "model config",
+            },
+            _ => Error::ModelFile {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            },
+        })?;
+        let cfg: BertConfig = serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        cfg.validate(path)?;
+        Ok(cfg)
+    }
+
+    /// The family of `model_type`; another type is refused with the supported ones named.
+    pub fn family(&self, path: &Path) -> Result<Family> {
+        match self.model_type.as_deref() {
+            None | Some("bert") => Ok(Family::Bert),
+            Some("roberta" | "xlm-roberta" | "camembert") => Ok(Family::Roberta),
+            Some("mpnet") => Ok(Family::MpNet),
+            Some(other) => Err(Error::UnsupportedConfig {
+                field: "model_type",
+                value: other.to_string(),
+                supported: SUPPORTED_FAMILIES,
+                path: path.to_path_buf(),
+            }),
+        }
+    }
+
+    /// The position of the first token: 0 for BERT, `pad_token_id + 1` for the RoBERTa
+    /// family (whose positions count from past the padding index).
+    pub fn first_position(&self) -> usize {
+        match self.family(Path::new("config")) {
+            Ok(Family::Roberta) => self.pad_token_id + 1,
+            // MPNet's embeddings fix the padding index at 1, whatever the config says.
+            Ok(Family::MpNet) => 2,
+            _ => 0,
+        }
+    }
+
+    /// MPNet's number of relative position buckets (`relative_attention_num_buckets`,
+    /// default 32).
+    pub fn relative_attention_buckets(&self) -> usize {
+        self.extra
+            .get("relative_attention_num_buckets")
+            .and_then(|v| v.as_u64())
+            .map_or(32, |v| v as usize)
+    }
+
+    /// The longest sequence the position embeddings cover, in tokens (special tokens
+    /// included).
+    pub fn max_tokens(&self) -> usize {
+        self.max_position_embeddings
+            .saturating_sub(self.first_position())
+    }
+
+    /// Checks the values a BERT encoder depends on; `path` names the config in errors.
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        if self.family(path)? == Family::MpNet && self.relative_attention_buckets() < 4 {
+            return Err(Error::InvalidConfig {
+                field: "relative_attention_num_buckets",
+                value: self.relative_attention_buckets().to_string(),
+                reason: "must be at least 4",
+            });
+        }
+        self.activation(path)?;
+        if self.position_embedding_type != "absolute" {
+            return Err(Error::UnsupportedConfig {
+                field: "position_embedding_type",
+                value: self.position_embedding_type.clone(),
+                supported: "absolute",
+                path: path.to_path_buf(),
+            });
+        }
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_attention_heads", self.num_attention_heads),
+            ("intermediate_size", self.intermediate_size),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("type_vocab_size", self.type_vocab_size),
+        ];
+        if self.max_tokens() == 0 {
+            return Err(Error::InvalidConfig {
+                field: "max_position_embeddings",
+                value: self.max_position_embeddings.to_string(),
+                reason: "must leave room past the padding index (pad_token_id + 1)",
+            });
+        }
+        for (field, value) in positive {
+            if value == 0 {
+                return Err(Error::InvalidConfig {
+                    field,
+                    value: "0".into(),
+                    reason: "must be at least 1",
+                });
+            }
+        }
+        if self.hidden_size % self.num_attention_heads != 0 {
+            return Err(Error::InvalidConfig {
+                field: "num_attention_heads",
+                value: self.num_attention_heads.to_string(),
+                reason: "must divide hidden_size",
+            });
+        }
+        for (field, p) in [
+            ("hidden_dropout_prob", self.hidden_dropout_prob),
+            (
+                "attention_probs_dropout_prob",
+                self.attention_probs_dropout_prob,
+            ),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(Error::InvalidConfig {
+                    field,
+                    value: p.to_string(),
+                    reason: "a drop probability must be in [0, 1)",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The feed-forward activation named by `hidden_act`.
+    pub fn activation(&self, path: &Path) -> Result<Activation> {
+        match self.hidden_act.as_str() {
+            "gelu" => Ok(Activation::Gelu),
+            "gelu_new" | "gelu_pytorch_tanh" => Ok(Activation::GeluTanh),
+            "relu" => Ok(Activation::Relu),
+            other => Err(Error::UnsupportedConfig {
+                field: "hidden_act",
+                value: other.to_string(),
+                supported: "gelu, gelu_new, gelu_pytorch_tanh, relu",
+                path: path.to_path_buf(),
+            }),
+        }
+    }
+}
