@@ -148,6 +148,29 @@ def byte_level_bpe(texts):
     )
 
 
+def modernbert_bpe(texts):
+    """ModernBERT's tokenizer: byte-level BPE with BERT's special tokens and template."""
+    tok = tokenizers.ByteLevelBPETokenizer()
+    tok.train_from_iterator(
+        texts, vocab_size=500, min_frequency=2,
+        special_tokens=["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"],
+    )
+    tok._tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", 1), ("[SEP]", 2)],
+    )
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok._tokenizer,
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        pad_token="[PAD]",
+        mask_token="[MASK]",
+        model_max_length=MAX_LEN,
+    )
+
+
 def unigram(texts):
     tok = tokenizers.SentencePieceUnigramTokenizer()
     tok.train_from_iterator(
@@ -195,6 +218,17 @@ def tiny(kind, vocab, tokenizer):
         return transformers.XLMRobertaConfig(
             max_position_embeddings=MAX_LEN + 2 + 6, type_vocab_size=1,
             bos_token_id=0, eos_token_id=2, **common,
+        )
+    if kind == "modernbert":
+        # Three layers: global, sliding (a window of 4 tokens each side), global; small
+        # rotary bases so the rotation matters over 32 tokens.
+        return transformers.ModernBertConfig(
+            vocab_size=vocab, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+            intermediate_size=48, hidden_activation="gelu", max_position_embeddings=64,
+            local_attention=8, global_attn_every_n_layers=2, global_rope_theta=1000.0,
+            local_rope_theta=100.0, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
+            cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id,
         )
     if kind == "mpnet":
         return transformers.MPNetConfig(
@@ -301,6 +335,7 @@ def main():
         ("roberta", byte_level_bpe),
         ("xlm-roberta", unigram),
         ("mpnet", mpnet_wordpiece),
+        ("modernbert", modernbert_bpe),
     ]
     only = sys.argv[1:]
     for kind, make_tokenizer in families:

@@ -27,7 +27,7 @@ use gradcache::{Ctx, Encoder, Error, GradCache, InfoNce, ParamStore, Recompute, 
 mod common;
 use common::{max_abs, max_diff};
 
-const FAMILIES: [&str; 4] = ["bert", "roberta", "xlm-roberta", "mpnet"];
+const FAMILIES: [&str; 5] = ["bert", "roberta", "xlm-roberta", "mpnet", "modernbert"];
 const MAX_LEN: usize = 32;
 
 fn fixture(family: &str) -> PathBuf {
@@ -439,7 +439,7 @@ fn the_composed_ops_match_transformers_too() {
     // The path a GPU or a half dtype takes (the fused CPU kernels off).
     gradcache::nn::set_fused_kernels(false);
     let result = std::panic::catch_unwind(|| {
-        for family in ["roberta", "xlm-roberta", "mpnet"] {
+        for family in ["roberta", "xlm-roberta", "mpnet", "modernbert"] {
             let r = reference(family);
             let model = load(&fixture(family), None);
             let got = model.embed(&refs(&r.texts), 4).unwrap();

@@ -102,6 +102,7 @@ pub fn export_bert(
         "xlm-roberta" => "XLMRobertaModel",
         "camembert" => "CamembertModel",
         "mpnet" => "MPNetModel",
+        "modernbert" => "ModernBertModel",
         _ => "BertModel",
     };
     config["architectures"] = json!([architecture]);

@@ -31,6 +31,7 @@ use crate::recompute::{LayerStack, Recompute, Recomputed};
 use crate::{Error, Result};
 
 pub use super::bert_config::{Activation, BertConfig, Family, SUPPORTED_FAMILIES};
+use super::modernbert::{ModernAux, ModernBert};
 pub use super::pooling::Pooling;
 
 /// Encoder options that are not part of the Hugging Face config.
@@ -103,8 +104,11 @@ struct Layer {
 
 /// The BERT model: embeddings, transformer layers, pooling.
 pub struct Bert {
-    embeddings: Embeddings,
+    /// BERT's embeddings (`None` for ModernBERT, whose layers hold their own).
+    embeddings: Option<Embeddings>,
     layers: Vec<Layer>,
+    /// ModernBERT's embeddings and layers, which then replace BERT's.
+    modern: Option<Box<ModernBert>>,
     relative_bias: Option<RelativeBias>,
     heads: usize,
     /// The position of the first token (see [`BertConfig::first_position`]).
@@ -121,6 +125,8 @@ pub struct Bert {
 pub struct BertAux {
     bias: Tensor,
     mask: Tensor,
+    /// ModernBERT's rotary tables and window mask.
+    modern: Option<ModernAux>,
 }
 
 fn embedding(rows: usize, width: usize, std: f64, vb: VarBuilder) -> Result<Embedding> {
@@ -144,6 +150,22 @@ impl Bert {
         let (h, std, eps) = (cfg.hidden_size, cfg.initializer_range, cfg.layer_norm_eps);
         let linear = |i: usize, o: usize, vb: VarBuilder| Linear::normal(i, o, std, vb);
         let family = cfg.family(path)?;
+        if family == Family::ModernBert {
+            let modern = ModernBert::new(cfg, &cfg.modern(path)?, vb)?;
+            return Ok(Self {
+                embeddings: None,
+                layers: Vec::new(),
+                modern: Some(Box::new(modern)),
+                relative_bias: None,
+                heads: cfg.num_attention_heads,
+                first_position: 0,
+                max_positions: cfg.max_tokens(),
+                activation: cfg.activation(path)?,
+                hidden_dropout: Dropout::new(0.0)?,
+                attention_dropout: Dropout::new(0.0)?,
+                options: options.clone(),
+            });
+        }
         let e = vb.pp("embeddings");
         let token_types = match family {
             Family::MpNet => None,
@@ -224,8 +246,9 @@ impl Bert {
             _ => None,
         };
         Ok(Self {
-            embeddings,
+            embeddings: Some(embeddings),
             layers,
+            modern: None,
             relative_bias,
             heads: cfg.num_attention_heads,
             first_position: cfg.first_position(),
@@ -241,10 +264,13 @@ impl Bert {
     pub fn hidden_states(&self, input: &TokenBatch, ctx: &Ctx) -> Result<Tensor> {
         let aux = self.aux(input)?;
         let mut x = self.embed(input, &aux, ctx)?;
-        for i in 0..self.layers.len() {
+        for i in 0..self.num_layers() {
             x = self.layer(i, &x, &aux, ctx)?;
         }
-        Ok(x)
+        match &self.modern {
+            Some(m) => m.final_norm(&x),
+            None => Ok(x),
+        }
     }
 
     /// The pooling options.
@@ -386,18 +412,25 @@ impl LayerStack for Bert {
     type Aux = BertAux;
 
     fn aux(&self, input: &TokenBatch) -> Result<BertAux> {
-        let dtype = self.embeddings.norm.dtype();
+        let dtype = match (&self.modern, &self.embeddings) {
+            (Some(m), _) => m.dtype(),
+            (None, Some(e)) => e.norm.dtype(),
+            (None, None) => candle_core::DType::F32,
+        };
         let mask = input.attention_mask.to_dtype(dtype)?;
         // -10000 for padding, 0 for real tokens: finite in f16, bf16 and f32, and exp()
         // of it underflows to exactly 0 next to any real score.
         let bias = ((mask.ones_like()? - &mask)? * -10000.0)?
             .unsqueeze(1)?
             .unsqueeze(1)?;
-        Ok(BertAux { bias, mask })
+        let modern = match &self.modern {
+            Some(m) => Some(m.aux(&bias)?),
+            None => None,
+        };
+        Ok(BertAux { bias, mask, modern })
     }
 
     fn embed(&self, input: &TokenBatch, _: &BertAux, ctx: &Ctx) -> Result<Tensor> {
-        let e = &self.embeddings;
         let s = input.input_ids.dim(1)?;
         if s > self.max_positions {
             return Err(Error::SequenceTooLong {
@@ -405,6 +438,11 @@ impl LayerStack for Bert {
                 max: self.max_positions,
             });
         }
+        let e = match (&self.modern, &self.embeddings) {
+            (Some(m), _) => return m.embed(input, self.options.precision, ctx),
+            (None, Some(e)) => e,
+            (None, None) => unreachable!("a BERT has embeddings or ModernBERT layers"),
+        };
         let dropout = self.hidden_dropout.mask(ctx, 0, site::EMBEDDINGS);
         if let (Precision::F32, Some(types)) = (self.options.precision, &e.token_types) {
             let fused = crate::nn::embeddings(
@@ -442,10 +480,17 @@ impl LayerStack for Bert {
     }
 
     fn num_layers(&self) -> usize {
-        self.layers.len()
+        match &self.modern {
+            Some(m) => m.num_layers(),
+            None => self.layers.len(),
+        }
     }
 
     fn layer(&self, i: usize, x: &Tensor, aux: &BertAux, ctx: &Ctx) -> Result<Tensor> {
+        if let (Some(m), Some(modern_aux)) = (&self.modern, &aux.modern) {
+            let probs = ctx.recompute.recomputes(SITE_ATTENTION_PROBS);
+            return m.layer(i, x, &aux.bias, modern_aux, probs, ctx);
+        }
         if let Some(y) = self.whole_layer(i, x, aux, ctx)? {
             return Ok(y);
         }
@@ -491,6 +536,14 @@ impl LayerStack for Bert {
 
     fn head(&self, x: &Tensor, aux: &BertAux, _: &Ctx) -> Result<Tensor> {
         let x = &x.to_dtype(aux.mask.dtype())?;
+        let normed;
+        let x = match &self.modern {
+            Some(m) => {
+                normed = m.final_norm(x)?;
+                &normed
+            }
+            None => x,
+        };
         self.options
             .pooling
             .pool(x, &aux.mask, self.options.normalize)
@@ -527,10 +580,15 @@ pub fn load_pretrained(
 ) -> Result<(BertEncoder, BertConfig, ParamStore)> {
     let cfg = BertConfig::from_file(&files.config)?;
     let probe = WeightFile::open(&files.weights, "")?;
-    // `BertFor...` / `RobertaFor...` checkpoints keep the encoder under its base name.
-    let file_prefix = ["bert.", "roberta.", "mpnet."]
+    // `BertFor...` / `RobertaFor...` / `ModernBertFor...` checkpoints keep the encoder
+    // under its base name.
+    let file_prefix = ["bert.", "roberta.", "mpnet.", "model."]
         .into_iter()
-        .find(|p| probe.contains(&format!("{p}embeddings.word_embeddings.weight")))
+        .find(|p| {
+            ["word_embeddings", "tok_embeddings"]
+                .iter()
+                .any(|t| probe.contains(&format!("{p}embeddings.{t}.weight")))
+        })
         .unwrap_or("");
     let file = Arc::new(WeightFile::open(&files.weights, file_prefix)?);
     let store = store.with_weights(prefix, file);

@@ -93,10 +93,42 @@ pub enum Family {
     /// of the distance between tokens, one learned value per bucket and head, shared by
     /// every layer).
     MpNet,
+    /// `modernbert`: pre-norm layers without biases, rotary position embeddings (a theta
+    /// per layer type), a GeGLU feed-forward, global and sliding-window (local) attention
+    /// as the config's layer types say, a final norm; no position table, no token types.
+    ModernBert,
+}
+
+/// What a ModernBERT `config.json` says beyond BERT's fields (old layout, transformers 4.x:
+/// `global_attn_every_n_layers`, `global_rope_theta`, `local_rope_theta`; new, 5.x:
+/// `layer_types`, `rope_parameters`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModernSettings {
+    /// `norm_eps` (default 1e-5).
+    pub norm_eps: f64,
+    /// `norm_bias` (default false).
+    pub norm_bias: bool,
+    /// `attention_bias` (default false): biases on `Wqkv` and `Wo`.
+    pub attention_bias: bool,
+    /// `mlp_bias` (default false): biases on `Wi` and `Wo`.
+    pub mlp_bias: bool,
+    /// `hidden_activation` (default `gelu`), the GeGLU's activation.
+    pub activation: Activation,
+    /// Per layer: whether it attends within the sliding window only.
+    pub sliding: Vec<bool>,
+    /// The rotary base of the global layers (default 160,000).
+    pub global_theta: f64,
+    /// The rotary base of the sliding-window layers (default 10,000).
+    pub local_theta: f64,
+    /// Half the local window: a token attends to tokens at most this far (default 64,
+    /// `local_attention / 2`).
+    pub half_window: usize,
+    /// `embedding_dropout`, `attention_dropout`, `mlp_dropout` (default 0 each).
+    pub dropout: [f64; 3],
 }
 
 /// The `model_type`s [`Family`] accepts, for errors.
-pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet";
+pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, modernbert";
 
 /// Feed-forward activations of BERT-family configs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -153,7 +185,7 @@ impl BertConfig {
 
     /// Matrix-product FLOPs of one forward pass over `rows` sequences of `len` tokens
     /// (multiply and add counted as two): per layer and token, the Q, K, V and output
-    /// projections (`8 h^2`), the feed-forward (`4 h I`), and the attention scores and
+    /// projections (`8 h^2`), the feed-forward (`4 h I`; ModernBERT's GeGLU `6 h I`), and the attention scores and
     /// their product with the values (`4 len h`). Element-wise work is not counted; it is
     /// what the achieved GFLOP/s of a step is set against.
     pub fn forward_flops(&self, rows: usize, len: usize) -> f64 {
@@ -162,7 +194,12 @@ impl BertConfig {
             self.intermediate_size as f64,
             len as f64,
         );
-        let per_token = 8.0 * h * h + 4.0 * h * i + 4.0 * s * h;
+        // ModernBERT's GeGLU has two up projections (`Wi` is `[2 I, h]`).
+        let up = match self.family(Path::new("config")) {
+            Ok(Family::ModernBert) => 6.0,
+            _ => 4.0,
+        };
+        let per_token = 8.0 * h * h + up * h * i + 4.0 * s * h;
         per_token * s * rows as f64 * self.num_hidden_layers as f64
     }
 
@@ -192,6 +229,7 @@ impl BertConfig {
             None | Some("bert") => Ok(Family::Bert),
             Some("roberta" | "xlm-roberta" | "camembert") => Ok(Family::Roberta),
             Some("mpnet") => Ok(Family::MpNet),
+            Some("modernbert") => Ok(Family::ModernBert),
             Some(other) => Err(Error::UnsupportedConfig {
                 field: "model_type",
                 value: other.to_string(),
@@ -212,6 +250,89 @@ impl BertConfig {
         }
     }
 
+    /// ModernBERT's settings, read from the config's fields beyond BERT's.
+    pub fn modern(&self, path: &Path) -> Result<ModernSettings> {
+        let x = &self.extra;
+        let num = |key: &str, default: f64| x.get(key).and_then(|v| v.as_f64()).unwrap_or(default);
+        let flag =
+            |key: &str, default: bool| x.get(key).and_then(|v| v.as_bool()).unwrap_or(default);
+        let activation = match x.get("hidden_activation").and_then(|v| v.as_str()) {
+            None | Some("gelu") => Activation::Gelu,
+            Some("gelu_new" | "gelu_pytorch_tanh") => Activation::GeluTanh,
+            Some("relu") => Activation::Relu,
+            Some(other) => {
+                return Err(Error::UnsupportedConfig {
+                    field: "hidden_activation",
+                    value: other.to_string(),
+                    supported: "gelu, gelu_new, gelu_pytorch_tanh, relu",
+                    path: path.to_path_buf(),
+                })
+            }
+        };
+        let layers = self.num_hidden_layers;
+        let sliding = match x.get("layer_types").and_then(|v| v.as_array()) {
+            Some(types) => {
+                let parsed: Vec<Option<bool>> = types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("sliding_attention") => Some(true),
+                        Some("full_attention") => Some(false),
+                        _ => None,
+                    })
+                    .collect();
+                if parsed.len() != layers || parsed.iter().any(Option::is_none) {
+                    return Err(Error::UnsupportedConfig {
+                        field: "layer_types",
+                        value: serde_json::Value::Array(types.clone()).to_string(),
+                        supported: "one of full_attention, sliding_attention per layer",
+                        path: path.to_path_buf(),
+                    });
+                }
+                parsed.into_iter().flatten().collect()
+            }
+            None => {
+                let every = (num("global_attn_every_n_layers", 3.0) as usize).max(1);
+                (0..layers).map(|i| i % every != 0).collect()
+            }
+        };
+        let rope = |kind: &str, old_key: &str, default: f64| -> Result<f64> {
+            let params = x.get("rope_parameters").and_then(|p| p.get(kind));
+            if let Some(t) = params
+                .and_then(|p| p.get("rope_type"))
+                .and_then(|t| t.as_str())
+            {
+                if t != "default" {
+                    return Err(Error::UnsupportedConfig {
+                        field: "rope_parameters.rope_type",
+                        value: t.to_string(),
+                        supported: "default",
+                        path: path.to_path_buf(),
+                    });
+                }
+            }
+            Ok(params
+                .and_then(|p| p.get("rope_theta"))
+                .and_then(|v| v.as_f64())
+                .unwrap_or_else(|| num(old_key, default)))
+        };
+        Ok(ModernSettings {
+            norm_eps: num("norm_eps", 1e-5),
+            norm_bias: flag("norm_bias", false),
+            attention_bias: flag("attention_bias", false),
+            mlp_bias: flag("mlp_bias", false),
+            activation,
+            sliding,
+            global_theta: rope("full_attention", "global_rope_theta", 160_000.0)?,
+            local_theta: rope("sliding_attention", "local_rope_theta", 10_000.0)?,
+            half_window: num("local_attention", 128.0) as usize / 2,
+            dropout: [
+                num("embedding_dropout", 0.0),
+                num("attention_dropout", 0.0),
+                num("mlp_dropout", 0.0),
+            ],
+        })
+    }
+
     /// MPNet's number of relative position buckets (`relative_attention_num_buckets`,
     /// default 32).
     pub fn relative_attention_buckets(&self) -> usize {
@@ -230,6 +351,25 @@ impl BertConfig {
 
     /// Checks the values a BERT encoder depends on; `path` names the config in errors.
     pub fn validate(&self, path: &Path) -> Result<()> {
+        if self.family(path)? == Family::ModernBert {
+            let m = self.modern(path)?;
+            for p in m.dropout {
+                if !(0.0..1.0).contains(&p) {
+                    return Err(Error::InvalidConfig {
+                        field: "embedding_dropout / attention_dropout / mlp_dropout",
+                        value: p.to_string(),
+                        reason: "a drop probability must be in [0, 1)",
+                    });
+                }
+            }
+            if (self.hidden_size / self.num_attention_heads.max(1)) % 2 != 0 {
+                return Err(Error::InvalidConfig {
+                    field: "num_attention_heads",
+                    value: self.num_attention_heads.to_string(),
+                    reason: "rotary embeddings need an even head width",
+                });
+            }
+        }
         if self.family(path)? == Family::MpNet && self.relative_attention_buckets() < 4 {
             return Err(Error::InvalidConfig {
                 field: "relative_attention_num_buckets",

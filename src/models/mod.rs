@@ -9,6 +9,7 @@
 pub mod bert;
 mod bert_config;
 pub mod lstm;
+mod modernbert;
 mod pooling;
 pub mod resnet;
 pub mod toy;

@@ -168,6 +168,24 @@ impl Linear {
         })
     }
 
+    /// BERT's initialisation without a bias (`nn.Linear(bias=False)`): weight normal(0,
+    /// `std`).
+    pub fn normal_without_bias(
+        input: usize,
+        output: usize,
+        std: f64,
+        vb: VarBuilder,
+    ) -> crate::Result<Self> {
+        let init = candle_nn::Init::Randn {
+            mean: 0.0,
+            stdev: std,
+        };
+        Ok(Self {
+            weight: vb.get_with_hints((output, input), "weight", init)?,
+            bias: None,
+        })
+    }
+
     /// The weight `[out, in]`.
     pub fn weight(&self) -> &Tensor {
         &self.weight

@@ -85,6 +85,8 @@ pub struct LayerNorm {
     weight: Tensor,
     bias: Tensor,
     eps: f64,
+    /// Whether `bias` is a parameter (else a constant zero: ModernBERT's norms).
+    has_bias: bool,
 }
 
 impl LayerNorm {
@@ -94,6 +96,19 @@ impl LayerNorm {
             weight: vb.get_with_hints(size, "weight", candle_nn::init::ONE)?,
             bias: vb.get_with_hints(size, "bias", candle_nn::init::ZERO)?,
             eps,
+            has_bias: true,
+        })
+    }
+
+    /// A scale initialised to ones and no shift (`weight` only, as `nn.LayerNorm(bias=False)`).
+    pub fn without_bias(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get_with_hints(size, "weight", candle_nn::init::ONE)?;
+        let bias = Tensor::zeros(size, weight.dtype(), weight.device())?;
+        Ok(Self {
+            weight,
+            bias,
+            eps,
+            has_bias: false,
         })
     }
 
@@ -117,9 +132,14 @@ impl LayerNorm {
         self.eps
     }
 
-    /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension.
+    /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension. Without a
+    /// bias parameter the composed ops run (the fused node gives every input a gradient).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        layer_norm(x, &self.weight, &self.bias, self.eps)
+        if self.has_bias {
+            layer_norm(x, &self.weight, &self.bias, self.eps)
+        } else {
+            layer_norm_composed(x, &self.weight, &self.bias, self.eps)
+        }
     }
 }
 
@@ -139,6 +159,7 @@ pub fn add_norm(
             weight: cast(&norm.weight, f32)?,
             bias: cast(&norm.bias, f32)?,
             eps: norm.eps,
+            has_bias: norm.has_bias,
         };
         let wide = add_norm(
             &x.to_dtype(f32)?,
@@ -188,6 +209,7 @@ pub fn add_norm_recomputed(
                 weight: t[2].clone(),
                 bias: t[3].clone(),
                 eps,
+                has_bias: true,
             };
             add_norm(&t[0], &t[1], &norm, dropout)
         },
@@ -567,6 +589,33 @@ pub fn self_attention(
         }
     }
     self_attention_composed(x, [query, key, value], heads, spec)
+}
+
+/// Attention whose `spec.bias` may be any additive bias that broadcasts to the scores
+/// `[n, heads, q, k]` (a sliding-window mask `[n, 1, q, k]`, a trainable bias per head),
+/// composed so that a trainable bias gets its gradient; with the spec's `recompute` the
+/// probabilities are recomputed in the backward pass instead of kept.
+pub fn attention_with_bias(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &fused::AttentionSpec,
+) -> Result<Tensor> {
+    if !spec.recompute {
+        return attention_composed(q, k, v, spec);
+    }
+    let spec = spec.clone();
+    recomputed(
+        "gradcache-biased-attention",
+        &[q, k, v, &spec.bias.clone()],
+        move |t| {
+            let spec = fused::AttentionSpec {
+                bias: t[3].clone(),
+                ..spec.clone()
+            };
+            attention_composed(&t[0], &t[1], &t[2], &spec)
+        },
+    )
 }
 
 /// Self-attention whose scores get, besides the spec's key mask, an additive bias per head
