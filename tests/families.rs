@@ -220,6 +220,22 @@ fn an_export_loads_back_to_the_same_embeddings_and_family() {
             model.tokenizer(),
         )
         .unwrap();
+        // The tokenizer config names the family's own special tokens (sentence-transformers
+        // pads with `pad_token`).
+        let read = |p: PathBuf| -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+        };
+        let ours = read(dir.join("tokenizer_config.json"));
+        let theirs = read(fixture(family).join("tokenizer_config.json"));
+        for key in [
+            "pad_token",
+            "cls_token",
+            "sep_token",
+            "unk_token",
+            "mask_token",
+        ] {
+            assert_eq!(ours[key], theirs[key], "{family}: {key}");
+        }
         let again = load(&dir, None);
         let after = again.embed(&refs(&r.texts), 8).unwrap();
         assert!(

@@ -127,24 +127,29 @@ pub fn export_bert(
     plain
         .save(tmp.join("tokenizer.json"), false)
         .map_err(|e| Error::io("write", &tmp.join("tokenizer.json"), e))?;
-    let special = |t: &str| {
-        plain
-            .token_to_id(t)
-            .map(|_| json!(t))
+    // The special tokens of the vocabulary's convention: BERT's `[CLS]`-style or the
+    // RoBERTa family's `<s>`-style (the first that the vocabulary holds).
+    let special = |names: &[&str]| {
+        names
+            .iter()
+            .find(|t| plain.token_to_id(t).is_some())
+            .map(|t| json!(t))
             .unwrap_or(serde_json::Value::Null)
     };
-    write_json(
-        &tmp.join("tokenizer_config.json"),
-        &json!({
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": tokenizer.max_len(),
-            "cls_token": special("[CLS]"),
-            "sep_token": special("[SEP]"),
-            "pad_token": special("[PAD]"),
-            "unk_token": special("[UNK]"),
-            "mask_token": special("[MASK]"),
-        }),
-    )?;
+    let mut tokenizer_config = json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": tokenizer.max_len(),
+        "cls_token": special(&["[CLS]", "<s>"]),
+        "sep_token": special(&["[SEP]", "</s>"]),
+        "pad_token": special(&["[PAD]", "<pad>"]),
+        "unk_token": special(&["[UNK]", "<unk>"]),
+        "mask_token": special(&["[MASK]", "<mask>"]),
+    });
+    if plain.token_to_id("<s>").is_some() && plain.token_to_id("</s>").is_some() {
+        tokenizer_config["bos_token"] = json!("<s>");
+        tokenizer_config["eos_token"] = json!("</s>");
+    }
+    write_json(&tmp.join("tokenizer_config.json"), &tokenizer_config)?;
 
     let mut modules = vec![
         json!({"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}),
