@@ -4,6 +4,13 @@
     peer_bench.py train MODEL_DIR PAIRS.jsonl BATCH MINI_BATCH MAX_LEN SYMMETRIC STEPS
     peer_bench.py encode MODEL_DIR TEXTS.txt BATCH MAX_LEN
     peer_bench.py sgemm
+    peer_bench.py make FAMILY DIR
+
+make: a randomly initialised base-size model of FAMILY (bert, roberta, xlm-roberta,
+mpnet, modernbert: the sizes of bert-base / roberta-base / xlm-roberta-base /
+mpnet-base / ModernBERT-base) with the tokenizer of its fixture in
+tests/fixtures/families (a vocabulary of a few hundred tokens on both sides), saved as a
+sentence-transformers directory (mean pooling) that both sides load.
 
 train: CachedMultipleNegativesRankingLoss (or its symmetric variant) with AdamW, dropout
 on (train mode), one optimizer step per batch of BATCH pairs in mini-batches of
@@ -61,6 +68,40 @@ def encode(model_dir, texts_path, batch, max_len):
     print(f"{len(texts) / (time.perf_counter() - start):.2f}")
 
 
+def make(family, out):
+    import shutil
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "families", family)
+    small = transformers.AutoConfig.from_pretrained(fixture)
+    base = dict(hidden_size=768, num_attention_heads=12, num_hidden_layers=12, intermediate_size=3072)
+    if family == "modernbert":
+        base.update(num_hidden_layers=22, intermediate_size=1152, local_attention=128,
+                    max_position_embeddings=8192)
+        base["layer_types"] = None
+        cfg = transformers.ModernBertConfig(
+            vocab_size=small.vocab_size, pad_token_id=small.pad_token_id,
+            bos_token_id=small.bos_token_id, eos_token_id=small.eos_token_id,
+            cls_token_id=small.cls_token_id, sep_token_id=small.sep_token_id,
+            global_attn_every_n_layers=3, **{k: v for k, v in base.items() if k != "layer_types"})
+    else:
+        cfg = type(small)(**{**small.to_dict(), **base, "max_position_embeddings": small.max_position_embeddings + 512})
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(cfg)
+    raw = out + ".raw"
+    shutil.rmtree(raw, ignore_errors=True)
+    model.save_pretrained(raw)
+    tok = transformers.AutoTokenizer.from_pretrained(fixture)
+    tok.model_max_length = 512
+    tok.save_pretrained(raw)
+    st = SentenceTransformer(modules=[modules.Transformer(raw, max_seq_length=512),
+                                      modules.Pooling(cfg.hidden_size, pooling_mode="mean")], device="cpu")
+    st.save(out)
+    shutil.rmtree(raw)
+
+
 def sgemm():
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
@@ -79,5 +120,7 @@ if __name__ == "__main__":
         train(args[0], args[1], int(args[2]), int(args[3]), int(args[4]), args[5] == "1", int(args[6]))
     elif cmd == "encode":
         encode(args[0], args[1], int(args[2]), int(args[3]))
+    elif cmd == "make":
+        make(args[0], args[1])
     else:
         sgemm()

@@ -309,6 +309,7 @@ fn attention_node_matches_the_composed_attention_and_finite_differences() {
             scale: 0.5,
             dropout,
             recompute,
+            window: None,
         };
         agree(
             &format!("attention, dropout {dropout:?}, recompute {recompute}"),
@@ -330,6 +331,133 @@ fn attention_node_matches_the_composed_attention_and_finite_differences() {
             attention(&t[0], &t[1], &t[2], &spec64)
         });
     }
+}
+
+#[test]
+fn windowed_attention_matches_an_explicit_window_mask_and_finite_differences() {
+    use gradcache::nn::{attention, attention_composed, AttentionSpec};
+    let (n, heads, s, d) = (3, 2, 9, 4);
+    let inputs = [
+        random(56, &[n, heads, s, d]),
+        random(57, &[n, heads, s, d]),
+        random(58, &[n, heads, s, d]),
+    ];
+    // The key mask with the window folded in, written out here: query i sees keys j with
+    // |i - j| <= w (ModernBERT's local layers).
+    let explicit = |w: usize| -> Tensor {
+        let mut v = Vec::new();
+        for b in 0..n {
+            for i in 0..s {
+                for j in 0..s {
+                    let padding = j + b >= s;
+                    let outside = i.abs_diff(j) > w;
+                    v.push(if padding || outside { -10000f32 } else { 0.0 });
+                }
+            }
+        }
+        Tensor::from_vec(v, (n, 1, s, s), &Device::Cpu).unwrap()
+    };
+    // Padding queries (rows past a sequence's last real key) are left out of the
+    // comparison: their outputs reach nothing in a model, and a padding row whose window
+    // holds no real key attends unwindowed in the kernel but uniformly under a full mask.
+    let real_queries = padding_bias(n, s)
+        .affine(1e-4, 1.0)
+        .unwrap()
+        .reshape((n, 1, s, 1))
+        .unwrap();
+    let drop = Some((13u64, 0.2f32));
+    for w in [1, 3] {
+        for (dropout, recompute) in [(None, false), (drop, false), (drop, true)] {
+            let spec = AttentionSpec {
+                bias: padding_bias(n, s),
+                scale: 0.5,
+                dropout,
+                recompute,
+                window: Some(w),
+            };
+            let full = AttentionSpec {
+                bias: explicit(w),
+                window: None,
+                ..spec.clone()
+            };
+            agree(
+                &format!("windowed attention, w {w}, dropout {dropout:?}, recompute {recompute}"),
+                &inputs,
+                &[0, 1, 2],
+                &|t| Ok(attention(&t[0], &t[1], &t[2], &spec)?.broadcast_mul(&real_queries)?),
+                &|t| {
+                    Ok(attention_composed(&t[0], &t[1], &t[2], &full)?
+                        .broadcast_mul(&real_queries)?)
+                },
+            );
+            // The composed form honours the window the same way.
+            agree(
+                &format!("composed window, w {w}"),
+                &inputs,
+                &[0, 1, 2],
+                &|t| {
+                    Ok(attention_composed(&t[0], &t[1], &t[2], &spec)?
+                        .broadcast_mul(&real_queries)?)
+                },
+                &|t| {
+                    Ok(attention_composed(&t[0], &t[1], &t[2], &full)?
+                        .broadcast_mul(&real_queries)?)
+                },
+            );
+        }
+    }
+    let spec64 = AttentionSpec {
+        bias: padding_bias(2, 5).to_dtype(DType::F64).unwrap(),
+        scale: 0.5,
+        dropout: None,
+        recompute: false,
+        window: Some(1),
+    };
+    let small = [
+        random(59, &[2, 2, 5, 2]),
+        random(60, &[2, 2, 5, 2]),
+        random(61, &[2, 2, 5, 2]),
+    ];
+    finite_differences("windowed attention", &small, &[0, 1, 2], &|t| {
+        attention(&t[0], &t[1], &t[2], &spec64)
+    });
+}
+
+#[test]
+fn glu_and_rotary_nodes_match_their_composed_forms_and_finite_differences() {
+    use gradcache::nn::{glu, glu_composed, rotary, rotary_composed, Act};
+    for act in [Act::GeluErf, Act::GeluTanh, Act::Relu] {
+        let x = random(80, &[3, 5, 2 * 6]);
+        agree(
+            &format!("glu {act:?}"),
+            &[x],
+            &[0],
+            &|t| glu(&t[0], act),
+            &|t| glu_composed(&t[0], act),
+        );
+        finite_differences("glu", &[random(81, &[2, 3, 2 * 4])], &[0], &|t| {
+            glu(&t[0], act)
+        });
+    }
+    // Tables whose halves differ (ModernBERT's repeat their frequencies; the node must
+    // not rely on it).
+    let (s, d) = (5, 6);
+    let cos = random(82, &[s, d]);
+    let sin = random(83, &[s, d]);
+    agree(
+        "rotary",
+        &[random(84, &[2, 3, s, d])],
+        &[0],
+        &|t| rotary(&t[0], &cos, &sin),
+        &|t| rotary_composed(&t[0], &cos, &sin),
+    );
+    let (cos64, sin64) = (
+        cos.to_dtype(DType::F64).unwrap(),
+        sin.to_dtype(DType::F64).unwrap(),
+    );
+    finite_differences("rotary", &[random(85, &[2, 2, s, d])], &[0], &|t| {
+        rotary(&t[0], &cos64, &sin64)
+    });
 }
 
 #[test]
@@ -407,6 +535,7 @@ fn self_attention_node_matches_the_projection_and_attention_nodes_and_finite_dif
             scale: 0.5,
             dropout,
             recompute,
+            window: None,
         };
         let fused_fn = |t: &[Tensor]| -> gradcache::Result<Tensor> {
             Ok(fused::self_attention(&t[0], &t[1], &t[2], heads, &spec)?)
@@ -463,6 +592,7 @@ fn self_attention_node_matches_the_projection_and_attention_nodes_and_finite_dif
             scale: 0.5,
             dropout: None,
             recompute: false,
+            window: None,
         }
     )
     .is_err());
@@ -505,6 +635,7 @@ fn shapes_that_do_not_fit_are_errors_not_panics() {
         scale: 0.5,
         dropout: None,
         recompute: true,
+        window: None,
     };
     let (w, b) = (random(92, &[4, 4]), random(93, &[4]));
     assert!(fused::self_attention_projections(

@@ -82,6 +82,7 @@ fn attention_ignores_masked_keys_entirely() {
         scale: 0.5,
         dropout: Some((5, 0.2)),
         recompute: false,
+        window: None,
     };
     let q = random(1, &[n, heads, s, d]);
     let (k, v) = (random(2, &[n, heads, s, d]), random(3, &[n, heads, s, d]));

@@ -289,6 +289,7 @@ impl Bert {
                 .attention_dropout
                 .mask(ctx, layer_id(i), site::ATTENTION_PROBS),
             recompute: ctx.recompute.recomputes(SITE_ATTENTION_PROBS),
+            window: None,
         };
         let projections = [&layer.query, &layer.key, &layer.value];
         match &self.relative_bias {
@@ -352,6 +353,7 @@ impl Bert {
                 scale: 1.0 / (head_dim as f64).sqrt(),
                 dropout: self.attention_dropout.mask(ctx, id, site::ATTENTION_PROBS),
                 recompute: recompute(SITE_ATTENTION_PROBS),
+                window: None,
             },
             attention_output_dropout: self.hidden_dropout.mask(ctx, id, site::ATTENTION_OUTPUT),
             output_dropout: self.hidden_dropout.mask(ctx, id, site::FEED_FORWARD_OUTPUT),

@@ -9,11 +9,11 @@
 //!
 //! [`Bert`](super::bert::Bert) runs it as its layer stack when the config's `model_type`
 //! is `modernbert`, so the gradient cache, recompute policies, dtypes, export and the
-//! distributed backends are those of every family. The rotary product, the window mask
-//! and the GeGLU run as composed ops; the global layers' attention runs on the fused CPU
-//! kernel.
+//! distributed backends are those of every family. The attention of both layer types
+//! runs on the fused CPU kernel (the window is one of its parameters); the rotary product
+//! and the GeGLU are fused nodes too ([`crate::nn::rotary`], [`crate::nn::glu`]).
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Tensor};
 use candle_nn::{Embedding, Init, Module, VarBuilder};
 
 use crate::batch::TokenBatch;
@@ -50,7 +50,6 @@ pub(super) struct ModernBert {
     layers: Vec<Layer>,
     final_norm: LayerNorm,
     heads: usize,
-    intermediate: usize,
     activation: Activation,
     global_theta: f64,
     local_theta: f64,
@@ -60,15 +59,12 @@ pub(super) struct ModernBert {
     mlp_dropout: Dropout,
 }
 
-/// Per-chunk data of ModernBERT's layers: the rotary tables of each layer type and the
-/// sliding-window mask with the key mask folded in.
+/// Per-chunk data of ModernBERT's layers: the rotary tables of each layer type.
 pub(super) struct ModernAux {
     /// `(cos, sin)` `[s, head_dim]` for the global layers.
     global: (Tensor, Tensor),
     /// The same for the sliding-window layers.
     local: (Tensor, Tensor),
-    /// `[n, 1, s, s]`: -10000 outside the window or on padding keys, else 0.
-    window_bias: Tensor,
 }
 
 fn linear(i: usize, o: usize, bias: bool, std: f64, vb: VarBuilder) -> Result<Linear> {
@@ -127,7 +123,6 @@ impl ModernBert {
             layers,
             final_norm: norm(h, s, vb.pp("final_norm"))?,
             heads: cfg.num_attention_heads,
-            intermediate: inter,
             activation: s.activation,
             global_theta: s.global_theta,
             local_theta: s.local_theta,
@@ -146,10 +141,9 @@ impl ModernBert {
         self.norm.dtype()
     }
 
-    /// The rotary tables and the window mask of a chunk whose key mask is `key_bias`
-    /// `[n, 1, 1, s]`.
+    /// The rotary tables of a chunk whose key mask is `key_bias` `[n, 1, 1, s]`.
     pub(super) fn aux(&self, key_bias: &Tensor) -> Result<ModernAux> {
-        let (n, _, _, s) = key_bias.dims4()?;
+        let s = key_bias.dim(3)?;
         let dtype = key_bias.dtype();
         let device = key_bias.device();
         let head_dim = self.norm.weight().dim(0)? / self.heads;
@@ -174,20 +168,9 @@ impl ModernBert {
                 Tensor::from_vec(sin, (s, head_dim), device)?.to_dtype(dtype)?,
             ))
         };
-        let w = self.half_window;
-        let window: Vec<f32> = (0..s)
-            .flat_map(|i| (0..s).map(move |j| if i.abs_diff(j) <= w { 0.0 } else { -10000.0 }))
-            .collect();
-        let window = Tensor::from_vec(window, (1, 1, s, s), device)?.to_dtype(dtype)?;
-        let window_bias = window
-            .broadcast_add(key_bias)?
-            .clamp(-10000.0, 0.0)?
-            .broadcast_as((n, 1, s, s))?
-            .contiguous()?;
         Ok(ModernAux {
             global: rope(self.global_theta)?,
             local: rope(self.local_theta)?,
-            window_bias,
         })
     }
 
@@ -241,26 +224,18 @@ impl ModernBert {
         } else {
             &aux.global
         };
+        let rotary = crate::nn::rotary;
         let (q, k) = (rotary(&q, cos, sin)?, rotary(&k, cos, sin)?);
         let dropout = self.attention_dropout.mask(ctx, id, site::ATTENTION_PROBS);
         let scale = 1.0 / (d as f64).sqrt();
-        let attended = if layer.sliding {
-            let spec = AttentionSpec {
-                bias: aux.window_bias.clone(),
-                scale,
-                dropout,
-                recompute: recompute_probs,
-            };
-            crate::nn::attention_with_bias(&q, &k, &v, &spec)?
-        } else {
-            let spec = AttentionSpec {
-                bias: key_bias.clone(),
-                scale,
-                dropout,
-                recompute: recompute_probs,
-            };
-            crate::nn::attention(&q, &k, &v, &spec)?
+        let spec = AttentionSpec {
+            bias: key_bias.clone(),
+            scale,
+            dropout,
+            recompute: recompute_probs,
+            window: layer.sliding.then_some(self.half_window),
         };
+        let attended = crate::nn::attention(&q, &k, &v, &spec)?;
         let attended = attended.transpose(1, 2)?.reshape((n, s, h))?;
         let out = layer.wo.forward(&attended)?;
         let out = self
@@ -268,16 +243,10 @@ impl ModernBert {
             .forward(&out, ctx, id, site::ATTENTION_OUTPUT)?;
         let x = (x + out)?;
         let up = layer.wi.forward(&layer.mlp_norm.forward(&x)?)?;
-        let input = up.narrow(D::Minus1, 0, self.intermediate)?;
-        let gate = up.narrow(D::Minus1, self.intermediate, self.intermediate)?;
-        let act = match self.activation {
-            Activation::Gelu => input.gelu_erf()?,
-            Activation::GeluTanh => input.gelu()?,
-            Activation::Relu => input.relu()?,
-        };
+        let gated = crate::nn::glu(&up, self.activation.fused())?;
         let hidden = self
             .mlp_dropout
-            .forward(&(act * gate)?, ctx, id, site::FEED_FORWARD)?;
+            .forward(&gated, ctx, id, site::FEED_FORWARD)?;
         Ok((x + layer.mlp_wo.forward(&hidden)?)?)
     }
 
@@ -285,18 +254,4 @@ impl ModernBert {
     pub(super) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
         self.final_norm.forward(x)
     }
-}
-
-/// Rotary position embedding of `x` `[n, heads, s, d]` with tables `[s, d]`:
-/// `x cos + rotate_half(x) sin`, `rotate_half([a, b]) = [-b, a]` over the two halves.
-fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let (a, b) = (
-        x.narrow(D::Minus1, 0, d / 2)?,
-        x.narrow(D::Minus1, d / 2, d / 2)?,
-    );
-    let rotated = Tensor::cat(&[&b.neg()?, &a], D::Minus1)?;
-    let cos = cos.to_dtype(x.dtype())?;
-    let sin = sin.to_dtype(x.dtype())?;
-    Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
 }

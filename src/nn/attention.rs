@@ -338,6 +338,8 @@ pub struct Params {
     pub scale: f64,
     /// Dropout on the probabilities: `(mask seed, drop probability)`.
     pub dropout: Option<(u64, f32)>,
+    /// A sliding window: query `i` attends to keys `j` with `|i - j| <= w` only.
+    pub window: Option<usize>,
 }
 
 impl Params {
@@ -384,7 +386,17 @@ unsafe fn probabilities<T: Float>(
     );
     let bias = &mask.bias[b * s..(b + 1) * s];
     let scale = T::of(params.scale);
-    for row in p.chunks_exact_mut(l) {
+    for (i, row) in p.chunks_exact_mut(l).enumerate() {
+        if let Some(w) = params.window {
+            // Keys outside the window get -inf (probability exactly 0). A row whose window
+            // holds no computed key (a padding query far past the last real key) keeps
+            // the key mask alone, so it stays finite.
+            let (lo, hi) = (i.saturating_sub(w), (i + w + 1).min(l));
+            if lo < hi {
+                row[..lo].fill(T::neg_infinity());
+                row[hi..].fill(T::neg_infinity());
+            }
+        }
         softmax_row(row, bias, scale, mask.masking[b]);
     }
 }

@@ -27,6 +27,9 @@ pub struct AttentionSpec {
     /// instead of keeping them (selective recompute): nothing of size `[n, heads, s, s]`
     /// outlives the forward, for one more `q k^T` product and softmax in the backward.
     pub recompute: bool,
+    /// Attend only to keys within this distance of the query (`|i - j| <= w`: a sliding
+    /// window, ModernBERT's local layers); `None` for every key.
+    pub window: Option<usize>,
 }
 
 /// The attention kernel's shape, parameters and key mask for `n` sequences of `s` tokens
@@ -49,6 +52,7 @@ fn attention_setup<T: Float>(
     let params = Params {
         scale: spec.scale,
         dropout: spec.dropout,
+        window: spec.window,
     };
     Ok((Dims { n, heads, s, d }, params, mask))
 }

@@ -413,6 +413,7 @@ fn attend<T: Float>(
     let params = kernel::Params {
         scale: spec.attention.scale,
         dropout: spec.attention.dropout,
+        window: spec.attention.window,
     };
     let kdims = kernel::Dims {
         n: dims.n,
@@ -579,6 +580,7 @@ fn attention_backward<T: Float>(
     let params = kernel::Params {
         scale: spec.attention.scale,
         dropout: spec.attention.dropout,
+        window: spec.attention.window,
     };
     let kdims = kernel::Dims {
         n: dims.n,

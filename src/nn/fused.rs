@@ -144,6 +144,7 @@ mod tests {
                 scale: 0.5,
                 dropout: Some((9, 0.25)),
                 recompute,
+                window: None,
             };
             let vars: Vec<candle_core::Var> = (1..=3)
                 .map(|seed| candle_core::Var::from_tensor(&tensor(&[n, heads, s, d], seed)))

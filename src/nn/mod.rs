@@ -27,6 +27,7 @@ mod dropout_ops;
 pub mod embeddings;
 pub mod encoder_layer;
 pub mod fused;
+mod gated;
 mod gemm;
 mod math;
 mod node;
@@ -133,13 +134,10 @@ impl LayerNorm {
     }
 
     /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension. Without a
-    /// bias parameter the composed ops run (the fused node gives every input a gradient).
+    /// bias parameter the zero constant's gradient goes nowhere (the gradient sink keeps
+    /// parameters' gradients only; candle's backward drops a constant's).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if self.has_bias {
-            layer_norm(x, &self.weight, &self.bias, self.eps)
-        } else {
-            layer_norm_composed(x, &self.weight, &self.bias, self.eps)
-        }
+        layer_norm(x, &self.weight, &self.bias, self.eps)
     }
 }
 
@@ -683,6 +681,71 @@ pub fn self_attention_composed(
     Ok(attended.transpose(1, 2)?.reshape((n, s, h))?)
 }
 
+/// The gated linear unit `act(a) * g` over the halves `[a, g]` of `x`'s last dimension
+/// (ModernBERT's GeGLU with GELU): one node keeping `x` ([`gated::glu`]) where the fused
+/// kernels run, else composed.
+pub fn glu(x: &Tensor, act: Act) -> Result<Tensor> {
+    if fused_ok(&[x]) {
+        return Ok(gated::glu(x, act)?);
+    }
+    glu_composed(x, act)
+}
+
+/// Composed `act(a) * g` (see [`glu`]).
+pub fn glu_composed(x: &Tensor, act: Act) -> Result<Tensor> {
+    let w = x.dim(D::Minus1)? / 2;
+    let (a, g) = (x.narrow(D::Minus1, 0, w)?, x.narrow(D::Minus1, w, w)?);
+    let a = match act {
+        Act::GeluErf => a.gelu_erf()?,
+        Act::GeluTanh => a.gelu()?,
+        Act::Relu => a.relu()?,
+    };
+    Ok((a * g)?)
+}
+
+/// Rotary position embedding of `x` `[.., s, d]` with tables `[s, d]`: `x cos +
+/// rotate_half(x) sin`, `rotate_half([u, v]) = [-v, u]` over the two halves. One node
+/// keeping nothing ([`gated::rotary`]) where the fused kernels run, else composed.
+pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if fused_ok(&[x]) && x.is_contiguous() {
+        return Ok(gated::rotary(x, cos, sin)?);
+    }
+    rotary_composed(x, cos, sin)
+}
+
+/// Composed rotary embedding (see [`rotary`]).
+pub fn rotary_composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let (u, v) = (
+        x.narrow(D::Minus1, 0, d / 2)?,
+        x.narrow(D::Minus1, d / 2, d / 2)?,
+    );
+    let rotated = Tensor::cat(&[&v.neg()?, &u], D::Minus1)?;
+    let cos = cos.to_dtype(x.dtype())?;
+    let sin = sin.to_dtype(x.dtype())?;
+    Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
+}
+
+/// The additive mask `[1, 1, q, k]` of a sliding window: 0 where `|i - j| <= w`, else
+/// -10000 (masked). A query row with no key inside the window is left unmasked, as the
+/// fused kernel leaves it.
+pub fn window_bias(
+    queries: usize,
+    keys: usize,
+    w: usize,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    let mut bias = vec![0f32; queries * keys];
+    for (i, row) in bias.chunks_exact_mut(keys).enumerate() {
+        let (lo, hi) = (i.saturating_sub(w), (i + w + 1).min(keys));
+        if lo < hi {
+            row[..lo].fill(-10000.0);
+            row[hi..].fill(-10000.0);
+        }
+    }
+    Ok(Tensor::from_vec(bias, (1, 1, queries, keys), device)?)
+}
+
 /// Composed attention (see [`attention()`](fn@attention)); keeps the probabilities for the backward.
 pub fn attention_composed(
     q: &Tensor,
@@ -690,7 +753,13 @@ pub fn attention_composed(
     v: &Tensor,
     spec: &fused::AttentionSpec,
 ) -> Result<Tensor> {
-    let probs = masked_softmax_composed(&q.matmul(&k.t()?)?, &spec.bias, spec.scale)?;
+    let bias = match spec.window {
+        Some(w) => window_bias(q.dim(2)?, k.dim(2)?, w, q.device())?
+            .to_dtype(spec.bias.dtype())?
+            .broadcast_add(&spec.bias)?,
+        None => spec.bias.clone(),
+    };
+    let probs = masked_softmax_composed(&q.matmul(&k.t()?)?, &bias, spec.scale)?;
     let probs = match spec.dropout {
         Some((seed, p)) if p > 0.0 => dropout_composed(&probs, seed, p)?,
         _ => probs,
