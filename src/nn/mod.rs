@@ -26,9 +26,11 @@ mod dense;
 mod dropout_ops;
 pub mod embeddings;
 pub mod encoder_layer;
+pub mod family_ops;
 pub mod fused;
 mod gated;
 mod gemm;
+mod layer_norm;
 mod math;
 mod node;
 mod norm;
@@ -39,11 +41,15 @@ mod softmax;
 
 pub use batch_norm::BatchNorm;
 pub use dense::Linear;
+pub use family_ops::{
+    attention_with_bias, glu, glu_composed, rotary, rotary_composed, self_attention_biased,
+    window_bias,
+};
+pub use layer_norm::LayerNorm;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Tensor, D};
-use candle_nn::VarBuilder;
 
 use crate::precision::is_half;
 use crate::Result;
@@ -77,68 +83,6 @@ fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
     } else {
         t.to_dtype(dtype)?
     })
-}
-
-/// Layer normalisation over the last dimension with learned scale and shift
-/// (Hugging Face names `weight` and `bias`), differentiable end to end.
-#[derive(Debug, Clone)]
-pub struct LayerNorm {
-    weight: Tensor,
-    bias: Tensor,
-    eps: f64,
-    /// Whether `bias` is a parameter (else a constant zero: ModernBERT's norms).
-    has_bias: bool,
-}
-
-impl LayerNorm {
-    /// Scale initialised to ones, shift to zeros.
-    pub fn new(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        Ok(Self {
-            weight: vb.get_with_hints(size, "weight", candle_nn::init::ONE)?,
-            bias: vb.get_with_hints(size, "bias", candle_nn::init::ZERO)?,
-            eps,
-            has_bias: true,
-        })
-    }
-
-    /// A scale initialised to ones and no shift (`weight` only, as `nn.LayerNorm(bias=False)`).
-    pub fn without_bias(size: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        let weight = vb.get_with_hints(size, "weight", candle_nn::init::ONE)?;
-        let bias = Tensor::zeros(size, weight.dtype(), weight.device())?;
-        Ok(Self {
-            weight,
-            bias,
-            eps,
-            has_bias: false,
-        })
-    }
-
-    /// The dtype of the parameters.
-    pub fn dtype(&self) -> candle_core::DType {
-        self.weight.dtype()
-    }
-
-    /// The scale (`weight`).
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
-    }
-
-    /// The shift (`bias`).
-    pub fn bias(&self) -> &Tensor {
-        &self.bias
-    }
-
-    /// The epsilon added to the variance.
-    pub fn eps(&self) -> f64 {
-        self.eps
-    }
-
-    /// `(x - mean) / sqrt(var + eps) * weight + bias` over the last dimension. Without a
-    /// bias parameter the zero constant's gradient goes nowhere (the gradient sink keeps
-    /// parameters' gradients only; candle's backward drops a constant's).
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        layer_norm(x, &self.weight, &self.bias, self.eps)
-    }
 }
 
 /// The residual block's tail, `norm(dropout(x) + residual)`, `dropout` the mask seed and
@@ -589,78 +533,6 @@ pub fn self_attention(
     self_attention_composed(x, [query, key, value], heads, spec)
 }
 
-/// Attention whose `spec.bias` may be any additive bias that broadcasts to the scores
-/// `[n, heads, q, k]` (a sliding-window mask `[n, 1, q, k]`, a trainable bias per head),
-/// composed so that a trainable bias gets its gradient; with the spec's `recompute` the
-/// probabilities are recomputed in the backward pass instead of kept.
-pub fn attention_with_bias(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    spec: &fused::AttentionSpec,
-) -> Result<Tensor> {
-    if !spec.recompute {
-        return attention_composed(q, k, v, spec);
-    }
-    let spec = spec.clone();
-    recomputed(
-        "gradcache-biased-attention",
-        &[q, k, v, &spec.bias.clone()],
-        move |t| {
-            let spec = fused::AttentionSpec {
-                bias: t[3].clone(),
-                ..spec.clone()
-            };
-            attention_composed(&t[0], &t[1], &t[2], &spec)
-        },
-    )
-}
-
-/// Self-attention whose scores get, besides the spec's key mask, an additive bias per head
-/// and (query, key) pair, `score_bias` `[1 or n, heads, s, s]`, that is itself trained
-/// (MPNet's relative position bias): `softmax(scale q k^T + mask + score_bias)`. Composed
-/// ops, so the bias receives its gradient; with the spec's `recompute` the probabilities
-/// are recomputed in the backward pass instead of kept.
-pub fn self_attention_biased(
-    x: &Tensor,
-    [query, key, value]: [&Linear; 3],
-    heads: usize,
-    spec: &fused::AttentionSpec,
-    score_bias: &Tensor,
-) -> Result<Tensor> {
-    let (n, s, h) = x.dims3()?;
-    let split = |t: Tensor| -> Result<Tensor> {
-        Ok(t.reshape((n, s, heads, h / heads))?
-            .transpose(1, 2)?
-            .contiguous()?)
-    };
-    let q = split(query.forward(x)?)?;
-    let k = split(key.forward(x)?)?;
-    let v = split(value.forward(x)?)?;
-    let bias = cast(score_bias, q.dtype())?.broadcast_add(&cast(&spec.bias, q.dtype())?)?;
-    let attended = if spec.recompute {
-        let spec = spec.clone();
-        recomputed(
-            "gradcache-biased-attention",
-            &[&q, &k, &v, &bias],
-            move |t| {
-                let spec = fused::AttentionSpec {
-                    bias: t[3].clone(),
-                    ..spec.clone()
-                };
-                attention_composed(&t[0], &t[1], &t[2], &spec)
-            },
-        )?
-    } else {
-        let spec = fused::AttentionSpec {
-            bias,
-            ..spec.clone()
-        };
-        attention_composed(&q, &k, &v, &spec)?
-    };
-    Ok(attended.transpose(1, 2)?.reshape((n, s, h))?)
-}
-
 /// Composed self-attention (see [`self_attention`]).
 pub fn self_attention_composed(
     x: &Tensor,
@@ -679,71 +551,6 @@ pub fn self_attention_composed(
     let v = split(value.forward(x)?)?;
     let attended = attention(&q, &k, &v, spec)?;
     Ok(attended.transpose(1, 2)?.reshape((n, s, h))?)
-}
-
-/// The gated linear unit `act(a) * g` over the halves `[a, g]` of `x`'s last dimension
-/// (ModernBERT's GeGLU with GELU): one node keeping `x` ([`gated::glu`]) where the fused
-/// kernels run, else composed.
-pub fn glu(x: &Tensor, act: Act) -> Result<Tensor> {
-    if fused_ok(&[x]) {
-        return Ok(gated::glu(x, act)?);
-    }
-    glu_composed(x, act)
-}
-
-/// Composed `act(a) * g` (see [`glu`]).
-pub fn glu_composed(x: &Tensor, act: Act) -> Result<Tensor> {
-    let w = x.dim(D::Minus1)? / 2;
-    let (a, g) = (x.narrow(D::Minus1, 0, w)?, x.narrow(D::Minus1, w, w)?);
-    let a = match act {
-        Act::GeluErf => a.gelu_erf()?,
-        Act::GeluTanh => a.gelu()?,
-        Act::Relu => a.relu()?,
-    };
-    Ok((a * g)?)
-}
-
-/// Rotary position embedding of `x` `[.., s, d]` with tables `[s, d]`: `x cos +
-/// rotate_half(x) sin`, `rotate_half([u, v]) = [-v, u]` over the two halves. One node
-/// keeping nothing ([`gated::rotary`]) where the fused kernels run, else composed.
-pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if fused_ok(&[x]) && x.is_contiguous() {
-        return Ok(gated::rotary(x, cos, sin)?);
-    }
-    rotary_composed(x, cos, sin)
-}
-
-/// Composed rotary embedding (see [`rotary`]).
-pub fn rotary_composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let (u, v) = (
-        x.narrow(D::Minus1, 0, d / 2)?,
-        x.narrow(D::Minus1, d / 2, d / 2)?,
-    );
-    let rotated = Tensor::cat(&[&v.neg()?, &u], D::Minus1)?;
-    let cos = cos.to_dtype(x.dtype())?;
-    let sin = sin.to_dtype(x.dtype())?;
-    Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
-}
-
-/// The additive mask `[1, 1, q, k]` of a sliding window: 0 where `|i - j| <= w`, else
-/// -10000 (masked). A query row with no key inside the window is left unmasked, as the
-/// fused kernel leaves it.
-pub fn window_bias(
-    queries: usize,
-    keys: usize,
-    w: usize,
-    device: &candle_core::Device,
-) -> Result<Tensor> {
-    let mut bias = vec![0f32; queries * keys];
-    for (i, row) in bias.chunks_exact_mut(keys).enumerate() {
-        let (lo, hi) = (i.saturating_sub(w), (i + w + 1).min(keys));
-        if lo < hi {
-            row[..lo].fill(-10000.0);
-            row[hi..].fill(-10000.0);
-        }
-    }
-    Ok(Tensor::from_vec(bias, (1, 1, queries, keys), device)?)
 }
 
 /// Composed attention (see [`attention()`](fn@attention)); keeps the probabilities for the backward.

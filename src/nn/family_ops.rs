@@ -1,0 +1,146 @@
+//! The ops the newer families add to BERT's, each run as a fused node where the fused
+//! kernels run and composed elsewhere: the gated linear unit (ModernBERT's GeGLU), rotary
+//! position embeddings, attention under a sliding window or an additive bias of any shape
+//! (MPNet's relative position bias, which is trained).
+
+use candle_core::{Tensor, D};
+
+use super::{attention_composed, cast, fused, fused_ok, gated, recomputed, Act, Linear};
+use crate::Result;
+
+/// The gated linear unit `act(a) * g` over the halves `[a, g]` of `x`'s last dimension
+/// (ModernBERT's GeGLU with GELU): one node keeping `x` (`gated::glu`) where the fused
+/// kernels run, else composed.
+pub fn glu(x: &Tensor, act: Act) -> Result<Tensor> {
+    if fused_ok(&[x]) {
+        return Ok(gated::glu(x, act)?);
+    }
+    glu_composed(x, act)
+}
+
+/// Composed `act(a) * g` (see [`glu`]).
+pub fn glu_composed(x: &Tensor, act: Act) -> Result<Tensor> {
+    let w = x.dim(D::Minus1)? / 2;
+    let (a, g) = (x.narrow(D::Minus1, 0, w)?, x.narrow(D::Minus1, w, w)?);
+    let a = match act {
+        Act::GeluErf => a.gelu_erf()?,
+        Act::GeluTanh => a.gelu()?,
+        Act::Relu => a.relu()?,
+    };
+    Ok((a * g)?)
+}
+
+/// Rotary position embedding of `x` `[.., s, d]` with tables `[s, d]`: `x cos +
+/// rotate_half(x) sin`, `rotate_half([u, v]) = [-v, u]` over the two halves. One node
+/// keeping nothing (`gated::rotary`) where the fused kernels run, else composed.
+pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if fused_ok(&[x]) && x.is_contiguous() {
+        return Ok(gated::rotary(x, cos, sin)?);
+    }
+    rotary_composed(x, cos, sin)
+}
+
+/// Composed rotary embedding (see [`rotary`]).
+pub fn rotary_composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let (u, v) = (
+        x.narrow(D::Minus1, 0, d / 2)?,
+        x.narrow(D::Minus1, d / 2, d / 2)?,
+    );
+    let rotated = Tensor::cat(&[&v.neg()?, &u], D::Minus1)?;
+    let cos = cos.to_dtype(x.dtype())?;
+    let sin = sin.to_dtype(x.dtype())?;
+    Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
+}
+
+/// The additive mask `[1, 1, q, k]` of a sliding window: 0 where `|i - j| <= w`, else
+/// -10000 (masked). A query row with no key inside the window is left unmasked, as the
+/// fused kernel leaves it.
+pub fn window_bias(
+    queries: usize,
+    keys: usize,
+    w: usize,
+    device: &candle_core::Device,
+) -> Result<Tensor> {
+    let mut bias = vec![0f32; queries * keys];
+    for (i, row) in bias.chunks_exact_mut(keys).enumerate() {
+        let (lo, hi) = (i.saturating_sub(w), (i + w + 1).min(keys));
+        if lo < hi {
+            row[..lo].fill(-10000.0);
+            row[hi..].fill(-10000.0);
+        }
+    }
+    Ok(Tensor::from_vec(bias, (1, 1, queries, keys), device)?)
+}
+
+/// Attention whose `spec.bias` may be any additive bias that broadcasts to the scores
+/// `[n, heads, q, k]` (a sliding-window mask `[n, 1, q, k]`, a trainable bias per head),
+/// composed so that a trainable bias gets its gradient; with the spec's `recompute` the
+/// probabilities are recomputed in the backward pass instead of kept.
+pub fn attention_with_bias(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &fused::AttentionSpec,
+) -> Result<Tensor> {
+    if !spec.recompute {
+        return attention_composed(q, k, v, spec);
+    }
+    let spec = spec.clone();
+    recomputed(
+        "gradcache-biased-attention",
+        &[q, k, v, &spec.bias.clone()],
+        move |t| {
+            let spec = fused::AttentionSpec {
+                bias: t[3].clone(),
+                ..spec.clone()
+            };
+            attention_composed(&t[0], &t[1], &t[2], &spec)
+        },
+    )
+}
+
+/// Self-attention whose scores get, besides the spec's key mask, an additive bias per head
+/// and (query, key) pair, `score_bias` `[1 or n, heads, s, s]`, that is itself trained
+/// (MPNet's relative position bias): `softmax(scale q k^T + mask + score_bias)`. Composed
+/// ops, so the bias receives its gradient; with the spec's `recompute` the probabilities
+/// are recomputed in the backward pass instead of kept.
+pub fn self_attention_biased(
+    x: &Tensor,
+    [query, key, value]: [&Linear; 3],
+    heads: usize,
+    spec: &fused::AttentionSpec,
+    score_bias: &Tensor,
+) -> Result<Tensor> {
+    let (n, s, h) = x.dims3()?;
+    let split = |t: Tensor| -> Result<Tensor> {
+        Ok(t.reshape((n, s, heads, h / heads))?
+            .transpose(1, 2)?
+            .contiguous()?)
+    };
+    let q = split(query.forward(x)?)?;
+    let k = split(key.forward(x)?)?;
+    let v = split(value.forward(x)?)?;
+    let bias = cast(score_bias, q.dtype())?.broadcast_add(&cast(&spec.bias, q.dtype())?)?;
+    let attended = if spec.recompute {
+        let spec = spec.clone();
+        recomputed(
+            "gradcache-biased-attention",
+            &[&q, &k, &v, &bias],
+            move |t| {
+                let spec = fused::AttentionSpec {
+                    bias: t[3].clone(),
+                    ..spec.clone()
+                };
+                attention_composed(&t[0], &t[1], &t[2], &spec)
+            },
+        )?
+    } else {
+        let spec = fused::AttentionSpec {
+            bias,
+            ..spec.clone()
+        };
+        attention_composed(&q, &k, &v, &spec)?
+    };
+    Ok(attended.transpose(1, 2)?.reshape((n, s, h))?)
+}
