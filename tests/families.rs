@@ -474,3 +474,112 @@ fn the_composed_ops_match_transformers_too() {
     gradcache::nn::set_fused_kernels(true);
     result.unwrap();
 }
+
+/// A copy of fixture `family` in `dir`, with `edit` applied to the JSON file `file`.
+fn edited(dir: &Path, family: &str, file: &str, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
+    let out = dir.join(format!("{family}-{}", file.replace('/', "-")));
+    let src = fixture(family);
+    for entry in walk(&src) {
+        let rel = entry.strip_prefix(&src).unwrap();
+        let to = out.join(rel);
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(&entry, &to).unwrap();
+    }
+    let path = out.join(file);
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, v.to_string()).unwrap();
+    out
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        if e.path().is_dir() {
+            out.extend(walk(&e.path()));
+        } else {
+            out.push(e.path());
+        }
+    }
+    out
+}
+
+fn load_err(dir: &Path) -> String {
+    EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default())
+        .err()
+        .expect("refused")
+        .to_string()
+}
+
+#[test]
+fn bad_family_configs_and_module_files_are_refused_naming_the_problem() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    // ModernBERT's own fields.
+    let dir = edited(t, "modernbert", "config.json", |c| {
+        c["layer_types"] = serde_json::json!(["full_attention", "local"])
+    });
+    assert!(load_err(&dir).contains("layer_types"));
+    let dir = edited(t, "modernbert", "config.json", |c| {
+        c["rope_parameters"]["sliding_attention"]["rope_type"] = "yarn".into()
+    });
+    let err = load_err(&dir);
+    assert!(err.contains("rope_type") && err.contains("yarn"), "{err}");
+    let dir = edited(t, "modernbert", "config.json", |c| {
+        c["mlp_dropout"] = 1.5.into()
+    });
+    assert!(load_err(&dir).contains("mlp_dropout"));
+    // MPNet needs room for its relative position buckets.
+    let dir = edited(t, "mpnet", "config.json", |c| {
+        c["relative_attention_num_buckets"] = 2.into()
+    });
+    assert!(load_err(&dir).contains("relative_attention_num_buckets"));
+    // Dense modules: an activation this crate does not run, weights of another shape.
+    let dir = edited(t, "bert-dense", "2_Dense/config.json", |c| {
+        c["activation_function"] = "torch.nn.modules.activation.Softplus".into()
+    });
+    assert!(load_err(&dir).contains("Softplus"));
+    let dir = edited(t, "bert-dense", "2_Dense/config.json", |c| {
+        c["out_features"] = 8.into()
+    });
+    assert!(load_err(&dir).contains("linear.weight"));
+    // Modules out of order, and no pooling at all.
+    let dir = edited(t, "bert-dense", "modules.json", |m| {
+        let list = m.as_array_mut().unwrap();
+        list.swap(1, 3);
+    });
+    assert!(load_err(&dir).contains("Normalize"), "{}", load_err(&dir));
+    let dir = edited(t, "bert", "modules.json", |m| {
+        m.as_array_mut().unwrap().truncate(1);
+    });
+    assert!(load_err(&dir).contains("no Pooling module"));
+}
+
+#[test]
+fn training_through_a_dense_module_is_refused_before_anything_is_written() {
+    use gradcache::train::{Config, Trainer};
+    let tmp = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = std::fs::read_to_string("data/quickstart/train.jsonl")
+        .unwrap()
+        .lines()
+        .take(20)
+        .map(String::from)
+        .collect();
+    let data = tmp.path().join("train.jsonl");
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let out = tmp.path().join("run");
+    let sets = [
+        format!("output_dir=\"{}\"", out.display()),
+        format!("data.train_file=\"{}\"", data.display()),
+        "data.eval_file=\"data/quickstart/eval.jsonl\"".into(),
+        "train.batch_size=8".into(),
+        format!("model.pretrained=\"{}\"", fixture("bert-dense").display()),
+        "model.query_max_len=32".into(),
+        "model.passage_max_len=32".into(),
+    ];
+    let cfg = Config::load(Path::new("configs/quickstart.toml"), &sets).unwrap();
+    let err = Trainer::new(cfg, None).err().expect("refused").to_string();
+    assert!(err.contains("Dense"), "{err}");
+    assert!(!out.exists(), "nothing written");
+}

@@ -330,3 +330,24 @@ fn the_shipped_config_scaled_down_learns_held_out_compositions() {
         after.recall_at_5
     );
 }
+
+#[test]
+fn a_checkpoint_whose_data_position_is_not_its_steps_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(dir.path(), &[]);
+    let ckpt = {
+        let mut t = ImageTextTrainer::new(cfg.clone(), None).unwrap();
+        t.train_step().unwrap();
+        t.save_checkpoint().unwrap()
+    };
+    let state = ckpt.join("trainer_state.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    v["data"]["offset"] = 3.into();
+    std::fs::write(&state, v.to_string()).unwrap();
+    let err = ImageTextTrainer::new(cfg, Some(&ckpt))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("data position"), "{err}");
+}

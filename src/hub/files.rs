@@ -204,19 +204,36 @@ impl ModelFiles {
     }
 }
 
+/// The module list of a `modules.json`: each module's type name and directory (relative
+/// to the model's), in order.
+pub fn read_modules(path: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let bad = |reason: String| Error::ModelFile {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))?;
+    let modules: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let list = modules
+        .as_array()
+        .ok_or_else(|| bad("expected a list of modules".into()))?;
+    list.iter()
+        .map(|m| {
+            let ty = m["type"]
+                .as_str()
+                .ok_or_else(|| bad(format!("a module without a type: {m}")))?;
+            let dir = m["path"].as_str().unwrap_or_default();
+            Ok((ty.to_string(), PathBuf::from(dir)))
+        })
+        .collect()
+}
+
 /// The files of the modules a `modules.json` lists after the transformer: each module's
 /// `config.json`, and a `Dense` module's weights. An unreadable list names none (reading
 /// the head later says what is wrong with it).
 fn module_files(modules: &Path) -> Vec<String> {
-    let list: Vec<serde_json::Value> = std::fs::read_to_string(modules)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or_default();
     let mut files = Vec::new();
-    for m in list {
-        let (Some(dir), Some(ty)) = (m["path"].as_str(), m["type"].as_str()) else {
-            continue;
-        };
+    for (ty, dir) in read_modules(modules).unwrap_or_default() {
+        let dir = dir.to_string_lossy();
         if dir.is_empty() {
             continue;
         }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
 
-use crate::hub::files::{MODULES, SENTENCE_TRANSFORMERS_CONFIG};
+use crate::hub::files::{read_modules, MODULES, SENTENCE_TRANSFORMERS_CONFIG};
 use crate::loss::Similarity;
 use crate::models::bert::Pooling;
 use crate::{Error, Result};
@@ -143,24 +143,6 @@ fn model_file(path: &Path, reason: impl Into<String>) -> Error {
         path: path.to_path_buf(),
         reason: reason.into(),
     }
-}
-
-/// The module list of `modules.json`: each module's kind and directory (relative), in
-/// order. Refuses a module this crate does not run, naming it.
-pub fn read_modules(path: &Path) -> Result<Vec<(String, PathBuf)>> {
-    let modules = read_json(path)?;
-    let list = modules
-        .as_array()
-        .ok_or_else(|| model_file(path, "expected a list of modules"))?;
-    let mut out = Vec::new();
-    for m in list {
-        let ty = m["type"]
-            .as_str()
-            .ok_or_else(|| model_file(path, format!("a module without a type: {m}")))?;
-        let dir = m["path"].as_str().unwrap_or_default();
-        out.push((ty.to_string(), PathBuf::from(dir)));
-    }
-    Ok(out)
 }
 
 /// The pooling mode and `include_prompt` of a pooling module's `config.json`, in the old

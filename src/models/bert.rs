@@ -125,8 +125,10 @@ pub struct Bert {
 pub struct BertAux {
     bias: Tensor,
     mask: Tensor,
-    /// ModernBERT's rotary tables and window mask.
+    /// ModernBERT's rotary tables.
     modern: Option<ModernAux>,
+    /// MPNet's relative position bucket of every (query, key) pair `[s s]`.
+    buckets: Option<Tensor>,
 }
 
 fn embedding(rows: usize, width: usize, std: f64, vb: VarBuilder) -> Result<Embedding> {
@@ -292,12 +294,12 @@ impl Bert {
             window: None,
         };
         let projections = [&layer.query, &layer.key, &layer.value];
-        match &self.relative_bias {
-            Some(relative) => {
-                let bias = relative.scores_bias(x.dim(1)?)?;
+        match (&self.relative_bias, &aux.buckets) {
+            (Some(relative), Some(buckets)) => {
+                let bias = relative.scores_bias(buckets, x.dim(1)?)?;
                 crate::nn::self_attention_biased(x, projections, self.heads, &spec, &bias)
             }
-            None => crate::nn::self_attention(x, projections, self.heads, &spec),
+            _ => crate::nn::self_attention(x, projections, self.heads, &spec),
         }
     }
 }
@@ -369,15 +371,25 @@ impl Bert {
 }
 
 impl RelativeBias {
-    /// The bias the attention scores of a sequence of `s` tokens get, `[1, heads, s, s]`:
-    /// the learned value of the bucket of each (query, key) distance.
-    fn scores_bias(&self, s: usize) -> Result<Tensor> {
+    /// The bucket of every (query, key) pair of a sequence of `s` tokens, `[s s]` (one per
+    /// chunk: every layer reads it).
+    fn buckets(&self, s: usize) -> Result<Tensor> {
         let buckets: Vec<u32> = (0..s)
             .flat_map(|i| (0..s).map(move |j| (i, j)))
             .map(|(i, j)| relative_bucket(j as i64 - i as i64, self.buckets, 128) as u32)
             .collect();
-        let ids = Tensor::from_vec(buckets, s * s, self.table.embeddings().device())?;
-        let values = self.table.forward(&ids)?; // [s s, heads]
+        Ok(Tensor::from_vec(
+            buckets,
+            s * s,
+            self.table.embeddings().device(),
+        )?)
+    }
+
+    /// The bias the attention scores get, `[1, heads, s, s]`: the learned value of the
+    /// bucket of each (query, key) distance (`buckets` from [`Self::buckets`]). Looked up
+    /// in every layer, so each layer's use of the table is in its own graph.
+    fn scores_bias(&self, buckets: &Tensor, s: usize) -> Result<Tensor> {
+        let values = self.table.forward(buckets)?; // [s s, heads]
         let heads = values.dim(1)?;
         Ok(values.t()?.reshape((1, heads, s, s))?)
     }
@@ -429,7 +441,16 @@ impl LayerStack for Bert {
             Some(m) => Some(m.aux(&bias)?),
             None => None,
         };
-        Ok(BertAux { bias, mask, modern })
+        let buckets = match &self.relative_bias {
+            Some(relative) => Some(relative.buckets(mask.dim(1)?)?),
+            None => None,
+        };
+        Ok(BertAux {
+            bias,
+            mask,
+            modern,
+            buckets,
+        })
     }
 
     fn embed(&self, input: &TokenBatch, _: &BertAux, ctx: &Ctx) -> Result<Tensor> {

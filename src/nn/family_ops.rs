@@ -5,7 +5,9 @@
 
 use candle_core::{Tensor, D};
 
-use super::{attention_composed, cast, fused, fused_ok, gated, recomputed, Act, Linear};
+use super::{
+    attention_composed, cast, fused, fused_ok, gated, multi_head, recomputed, Act, Linear,
+};
 use crate::Result;
 
 /// The gated linear unit `act(a) * g` over the halves `[a, g]` of `x`'s last dimension
@@ -107,40 +109,17 @@ pub fn attention_with_bias(
 /// are recomputed in the backward pass instead of kept.
 pub fn self_attention_biased(
     x: &Tensor,
-    [query, key, value]: [&Linear; 3],
+    projections: [&Linear; 3],
     heads: usize,
     spec: &fused::AttentionSpec,
     score_bias: &Tensor,
 ) -> Result<Tensor> {
-    let (n, s, h) = x.dims3()?;
-    let split = |t: Tensor| -> Result<Tensor> {
-        Ok(t.reshape((n, s, heads, h / heads))?
-            .transpose(1, 2)?
-            .contiguous()?)
-    };
-    let q = split(query.forward(x)?)?;
-    let k = split(key.forward(x)?)?;
-    let v = split(value.forward(x)?)?;
-    let bias = cast(score_bias, q.dtype())?.broadcast_add(&cast(&spec.bias, q.dtype())?)?;
-    let attended = if spec.recompute {
-        let spec = spec.clone();
-        recomputed(
-            "gradcache-biased-attention",
-            &[&q, &k, &v, &bias],
-            move |t| {
-                let spec = fused::AttentionSpec {
-                    bias: t[3].clone(),
-                    ..spec.clone()
-                };
-                attention_composed(&t[0], &t[1], &t[2], &spec)
-            },
-        )?
-    } else {
+    multi_head(x, projections, heads, |q, k, v| {
+        let bias = cast(score_bias, q.dtype())?.broadcast_add(&cast(&spec.bias, q.dtype())?)?;
         let spec = fused::AttentionSpec {
             bias,
             ..spec.clone()
         };
-        attention_composed(&q, &k, &v, &spec)?
-    };
-    Ok(attended.transpose(1, 2)?.reshape((n, s, h))?)
+        attention_with_bias(q, k, v, &spec)
+    })
 }

@@ -536,9 +536,21 @@ pub fn self_attention(
 /// Composed self-attention (see [`self_attention`]).
 pub fn self_attention_composed(
     x: &Tensor,
-    [query, key, value]: [&Linear; 3],
+    projections: [&Linear; 3],
     heads: usize,
     spec: &fused::AttentionSpec,
+) -> Result<Tensor> {
+    multi_head(x, projections, heads, |q, k, v| attention(q, k, v, spec))
+}
+
+/// Multi-head attention around `attend`: the query, key and value projections of `x`
+/// `[n, s, h]` split into `heads` (`[n, heads, s, d]` each), `attend(q, k, v)`, and its
+/// heads merged back, `[n, s, h]`.
+fn multi_head(
+    x: &Tensor,
+    [query, key, value]: [&Linear; 3],
+    heads: usize,
+    attend: impl FnOnce(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let (n, s, h) = x.dims3()?;
     let split = |t: Tensor| -> Result<Tensor> {
@@ -549,7 +561,7 @@ pub fn self_attention_composed(
     let q = split(query.forward(x)?)?;
     let k = split(key.forward(x)?)?;
     let v = split(value.forward(x)?)?;
-    let attended = attention(&q, &k, &v, spec)?;
+    let attended = attend(&q, &k, &v)?;
     Ok(attended.transpose(1, 2)?.reshape((n, s, h))?)
 }
 
