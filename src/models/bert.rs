@@ -315,10 +315,6 @@ impl Bert {
         aux: &BertAux,
         ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        if self.relative_bias.is_some() {
-            // The fused layer's attention reads a key mask only, not a bias per head.
-            return Ok(None);
-        }
         let layer = &self.layers[i];
         let (Some(bq), Some(bk), Some(bv), Some(bo), Some(bi), Some(bd)) = (
             layer.query.bias(),
@@ -362,6 +358,10 @@ impl Bert {
             recompute_attention_norm: recompute(SITE_ATTENTION_NORM),
             recompute_intermediate: recompute(SITE_INTERMEDIATE),
             recompute_output_norm: recompute(SITE_OUTPUT_NORM),
+            score_bias: match (&self.relative_bias, &aux.buckets) {
+                (Some(relative), Some(buckets)) => Some(relative.scores_bias(buckets, x.dim(1)?)?),
+                _ => None,
+            },
         };
         if layer.output_norm.eps() != spec.eps {
             return Ok(None);

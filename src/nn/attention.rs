@@ -143,6 +143,8 @@ pub struct KeyMask<T> {
     bias: Vec<T>,
     lengths: Vec<usize>,
     masking: Vec<bool>,
+    /// A bias per head and (query, key) pair, `[heads, s, s]`, shared by the sequences.
+    scores: Option<Vec<T>>,
 }
 
 impl<T: Float> KeyMask<T> {
@@ -168,7 +170,16 @@ impl<T: Float> KeyMask<T> {
             bias: bias.to_vec(),
             lengths,
             masking,
+            scores: None,
         }
+    }
+
+    /// The mask with `scores` `[heads, s, s]` added to the scaled scores of every sequence
+    /// besides the key bias (MPNet's relative position bias): `softmax(scale q k^T +
+    /// scores[h] + bias)`.
+    pub fn with_scores(mut self, scores: &[T]) -> Self {
+        self.scores = Some(scores.to_vec());
+        self
     }
 
     /// Keys computed for sequence `b`.
@@ -385,7 +396,17 @@ unsafe fn probabilities<T: Float>(
         (1, k.1.row),
     );
     let bias = &mask.bias[b * s..(b + 1) * s];
-    let scale = T::of(params.scale);
+    let mut scale = T::of(params.scale);
+    if let Some(scores) = &mask.scores {
+        // The scores scaled here, the per-head bias added; the softmax then scales by 1.
+        for (i, row) in p.chunks_exact_mut(l).enumerate() {
+            let at = (h * s + i) * s;
+            for (v, &c) in row.iter_mut().zip(&scores[at..at + l]) {
+                *v = *v * scale + c;
+            }
+        }
+        scale = T::one();
+    }
     for (i, row) in p.chunks_exact_mut(l).enumerate() {
         if let Some(w) = params.window {
             // Keys outside the window get -inf (probability exactly 0). A row whose window
@@ -497,11 +518,14 @@ pub unsafe fn forward<T: Float>(
 
 /// The backward pass from `dctx` into `dq`, `dk`, `dv`: with `kept` the forward's
 /// probabilities, else recomputed. Rows of `dk` and `dv` past a sequence's key length
-/// are not written (their gradient is 0: the caller's buffers start at zero).
+/// are not written (their gradient is 0: the caller's buffers start at zero). With
+/// `dscores`, a `[n, heads, s, s]` buffer of zeros, the gradient of each sequence's
+/// scores after scaling (that of the mask's per-head score bias, before its sum over the
+/// sequences) is written into it, likewise only where computed.
 ///
 /// # Safety
-/// Every pointer addresses its layout for `dims`; the three gradients overlap nothing
-/// else and one another only in disjoint columns.
+/// Every pointer addresses its layout for `dims`; the gradients overlap nothing else and
+/// one another only in disjoint columns.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn backward<T: Float>(
     (dims, rows): (Dims, &Rows),
@@ -515,8 +539,10 @@ pub unsafe fn backward<T: Float>(
     dq: (*mut T, HeadLayout),
     dk: (*mut T, HeadLayout),
     dv: (*mut T, HeadLayout),
+    dscores: Option<*mut T>,
 ) {
     let (s, d) = (dims.s, dims.d);
+    let dscores = dscores.map(SharedMut);
     let offsets = mask.kept_offsets(dims, rows);
     let kept = kept.map(|k| SharedConst(k.as_ptr()));
     let (q, k, v, dctx) = (
@@ -589,10 +615,27 @@ pub unsafe fn backward<T: Float>(
             dropout_block(dims, drop, (b, h), l, dp);
         }
         // dS = scale P (dP - rowsum(dP P)), in place of dP.
-        for (dr, pr) in dp.chunks_exact_mut(l).zip(p.chunks_exact(l)) {
-            let dot = lane_dot(dr, pr);
-            for (g, &pv) in dr.iter_mut().zip(pr) {
-                *g = scale * pv * (*g - dot);
+        match dscores {
+            None => {
+                for (dr, pr) in dp.chunks_exact_mut(l).zip(p.chunks_exact(l)) {
+                    let dot = lane_dot(dr, pr);
+                    for (g, &pv) in dr.iter_mut().zip(pr) {
+                        *g = scale * pv * (*g - dot);
+                    }
+                }
+            }
+            Some(ptr) => {
+                // SAFETY: task (b, h) owns its s x s block of the buffer.
+                let block = ptr.get().add((b * dims.heads + h) * s * s);
+                for (i, (dr, pr)) in dp.chunks_exact_mut(l).zip(p.chunks_exact(l)).enumerate() {
+                    let dot = lane_dot(dr, pr);
+                    let out = std::slice::from_raw_parts_mut(block.add(i * s), l);
+                    for ((g, &pv), o) in dr.iter_mut().zip(pr).zip(out) {
+                        let t = pv * (*g - dot);
+                        *o = t;
+                        *g = scale * t;
+                    }
+                }
             }
         }
         // dQ [q, d] = dS [q, L] K [L, d]

@@ -164,6 +164,7 @@ pub fn attention(
                                             (gq, layout),
                                             (gk, layout),
                                             (gv, layout),
+                                            None,
                                         )
                                     }
                                 };
@@ -318,6 +319,7 @@ fn self_attention_node(
                                     (g, packed(0)),
                                     (g, packed(1)),
                                     (g, packed(2)),
+                                    None,
                                 )
                             }
                         };

@@ -116,6 +116,10 @@ pub struct LayerSpec {
     pub recompute_intermediate: bool,
     /// Recompute the residual sum under the second LayerNorm (`output.LayerNorm`).
     pub recompute_output_norm: bool,
+    /// A bias added to the attention scores of every sequence, `heads * s * s` values
+    /// (`[1, heads, s, s]`; MPNet's relative position bias): an input of the node, which
+    /// gives it its gradient (summed over the sequences).
+    pub score_bias: Option<Tensor>,
 }
 
 /// The layer on `x` `[n, s, h]` (CPU, f32 or f64): one node over `x` and the sixteen
@@ -160,7 +164,17 @@ pub fn encoder_layer(
         d: h / heads,
         rows: n * s,
     };
-    let tracked = x.track_op() || w.all().iter().any(|t| t.track_op());
+    if let Some(scores) = &spec.score_bias {
+        if scores.elem_count() != heads * s * s {
+            candle_core::bail!(
+                "encoder layer: score bias {:?} does not fit {heads} heads of {s} tokens",
+                scores.dims()
+            );
+        }
+    }
+    let tracked = x.track_op()
+        || w.all().iter().any(|t| t.track_op())
+        || spec.score_bias.as_ref().is_some_and(|t| t.track_op());
     match x.dtype() {
         DType::F32 => layer::<f32>(x, w, spec, dims, tracked),
         DType::F64 => layer::<f64>(x, w, spec, dims, tracked),
@@ -184,6 +198,24 @@ struct Shape {
 impl Shape {
     fn rows(&self) -> usize {
         self.rows
+    }
+
+    fn kernel(&self) -> kernel::Dims {
+        kernel::Dims {
+            n: self.n,
+            heads: self.heads,
+            s: self.s,
+            d: self.d,
+        }
+    }
+}
+
+/// The attention kernel's parameters of a spec.
+fn params(attention: &AttentionSpec) -> kernel::Params {
+    kernel::Params {
+        scale: attention.scale,
+        dropout: attention.dropout,
+        window: attention.window,
     }
 }
 
@@ -272,7 +304,11 @@ fn layer<T: Float>(
             dims.s
         );
     }
-    let mask = KeyMask::new(View::new(&bias)?.values::<T>()?, dims.n, dims.s);
+    let mut mask = KeyMask::new(View::new(&bias)?.values::<T>()?, dims.n, dims.s);
+    if let Some(scores) = &spec.score_bias {
+        let scores = scores.to_dtype(x.dtype())?.contiguous()?;
+        mask = mask.with_scores(View::new(&scores)?.values::<T>()?);
+    }
     let packing = Packing::new(&mask, dims.n, dims.s);
     let dims = Shape {
         rows: packing.total(),
@@ -292,6 +328,10 @@ fn layer<T: Float>(
     let params: Vec<Tensor> = w.all().into_iter().cloned().collect();
     let mut inputs = vec![x];
     inputs.extend(w.all());
+    if let Some(scores) = &spec.score_bias {
+        inputs.push(scores);
+    }
+    let score_bias = spec.score_bias.clone();
     let spec = spec.clone();
     node_n_owned(
         "gradcache-encoder-layer",
@@ -321,6 +361,11 @@ fn layer<T: Float>(
             // Into the open gradient sink, or to candle when none is open.
             for (param, g) in params.iter().zip(all) {
                 out.push(crate::sink::deposit(param, g)?);
+            }
+            if let (Some(scores), Some(g)) = (&score_bias, grads.dscores) {
+                // Not a variable: the gradient goes back through the graph that made it.
+                let g = Tensor::from_vec(g, scores.shape(), &candle_core::Device::Cpu)?;
+                out.push(Some(g.to_dtype(scores.dtype())?));
             }
             Ok(out)
         }),
@@ -374,7 +419,13 @@ fn forward<T: Float>(
     let (rows, h) = (dims.rows(), dims.h);
     let places = &packing.padded;
     let qkv = qkv(x, w, rows, h);
-    let (ctx, probs) = attend(&qkv, mask, &packing.rows, spec, dims, keep);
+    let (ctx, probs) = attend(
+        &qkv,
+        (mask, &packing.rows),
+        &spec.attention,
+        dims.kernel(),
+        keep,
+    );
     let qkv = keep.then_some(qkv);
     let a = linear(&ctx, w.wo, w.bo, rows, h);
     let ctx = keep.then_some(ctx);
@@ -398,29 +449,20 @@ fn forward<T: Float>(
     Ok((y, kept))
 }
 
-/// The attention of the packed `qkv`: the context `[rows, h]` and, when `keep` and the
-/// probabilities are not recomputed, the probabilities.
-fn attend<T: Float>(
+/// The attention of the packed `[rows, 3h]` `qkv` (sequences of `rows`): the context
+/// `[rows, h]` and, when `keep` and the probabilities are not recomputed, the
+/// probabilities.
+pub(super) fn attend<T: Float>(
     qkv: &[T],
-    mask: &KeyMask<T>,
-    rows: &Rows,
-    spec: &LayerSpec,
-    dims: Shape,
+    (mask, rows): (&KeyMask<T>, &Rows),
+    attention: &AttentionSpec,
+    kdims: kernel::Dims,
     keep: bool,
 ) -> (Vec<T>, Option<Vec<T>>) {
-    let (h, d, s) = (dims.h, dims.d, dims.s);
-    let mut ctx = vec![T::zero(); dims.rows() * h];
-    let params = kernel::Params {
-        scale: spec.attention.scale,
-        dropout: spec.attention.dropout,
-        window: spec.attention.window,
-    };
-    let kdims = kernel::Dims {
-        n: dims.n,
-        heads: dims.heads,
-        s,
-        d,
-    };
+    let (d, h) = (kdims.d, kdims.heads * kdims.d);
+    let total: usize = rows.queries.iter().sum();
+    let mut ctx = vec![T::zero(); total * h];
+    let params = params(attention);
     let packed = |part: usize| HeadLayout::in_rows(3 * h, d, part * h);
     let p = qkv.as_ptr();
     // SAFETY: qkv is a [rows, 3h] buffer, ctx a [rows, h] one.
@@ -433,7 +475,7 @@ fn attend<T: Float>(
             (p, packed(1)),
             (p, packed(2)),
             (ctx.as_mut_ptr(), HeadLayout::in_rows(h, d, 0)),
-            keep && !spec.attention.recompute,
+            keep && !attention.recompute,
         )
     };
     (ctx, probs)
@@ -454,6 +496,8 @@ struct Grads<T> {
     dbd: Vec<T>,
     dg2: Vec<T>,
     db2: Vec<T>,
+    /// The score bias's, `[heads, s, s]`, when the layer has one.
+    dscores: Option<Vec<T>>,
 }
 
 /// The backward pass from `dy`.
@@ -526,13 +570,14 @@ fn backward<T: Float>(
     let dctx = product_new((rows, h, h), (&d_a, h, 1), (w.wo, h, 1));
     drop(d_a);
     // Attention.
-    let dqkv = attention_backward(
+    let (dqkv, dscores) = attention_backward(
         &kept.qkv,
         kept.probs.as_deref(),
         &dctx,
         (mask, &packing.rows),
-        spec,
-        dims,
+        &spec.attention,
+        dims.kernel(),
+        spec.score_bias.is_some(),
     );
     drop(dctx);
     let sums = column_sums(&dqkv, 3 * h);
@@ -563,31 +608,28 @@ fn backward<T: Float>(
         dbd,
         dg2,
         db2,
+        dscores,
     })
 }
 
-/// `dqkv` `[rows, 3h]` from `dctx` `[rows, h]`.
-fn attention_backward<T: Float>(
+/// `dqkv` `[rows, 3h]` from `dctx` `[rows, h]` (the backward of [`attend`]), and with
+/// `scores` the gradient of the mask's score bias `[heads, s, s]`.
+pub(super) fn attention_backward<T: Float>(
     qkv: &[T],
     probs: Option<&[T]>,
     dctx: &[T],
     (mask, rows): (&KeyMask<T>, &Rows),
-    spec: &LayerSpec,
-    dims: Shape,
-) -> Vec<T> {
-    let (h, d, s) = (dims.h, dims.d, dims.s);
-    let mut dqkv = vec![T::zero(); dims.rows() * 3 * h];
-    let params = kernel::Params {
-        scale: spec.attention.scale,
-        dropout: spec.attention.dropout,
-        window: spec.attention.window,
-    };
-    let kdims = kernel::Dims {
-        n: dims.n,
-        heads: dims.heads,
-        s,
-        d,
-    };
+    attention: &AttentionSpec,
+    kdims: kernel::Dims,
+    scores: bool,
+) -> (Vec<T>, Option<Vec<T>>) {
+    let (d, s) = (kdims.d, kdims.s);
+    let h = kdims.heads * d;
+    let total: usize = rows.queries.iter().sum();
+    let mut dqkv = vec![T::zero(); total * 3 * h];
+    let block = kdims.heads * s * s;
+    let mut dscores = scores.then(|| vec![T::zero(); kdims.n * block]);
+    let params = params(attention);
     let packed = |part: usize| HeadLayout::in_rows(3 * h, d, part * h);
     let (p, g) = (qkv.as_ptr(), dqkv.as_mut_ptr());
     // SAFETY: qkv and dqkv are [rows, 3h] buffers (the three gradients in disjoint
@@ -605,7 +647,18 @@ fn attention_backward<T: Float>(
             (g, packed(0)),
             (g, packed(1)),
             (g, packed(2)),
+            dscores.as_mut().map(|b| b.as_mut_ptr()),
         );
     }
-    dqkv
+    // The score bias is shared: its gradient sums the sequences', in their order.
+    let dscores = dscores.map(|per_sequence| {
+        let mut sum = per_sequence[..block].to_vec();
+        for seq in per_sequence[block..].chunks_exact(block) {
+            for (a, &g) in sum.iter_mut().zip(seq) {
+                *a += g;
+            }
+        }
+        sum
+    });
+    (dqkv, dscores)
 }
