@@ -1,8 +1,10 @@
 //! A whole cached BERT step with the fused kernels equals the same step with the composed
 //! ops they replace: loss and every parameter gradient, dropout on, padded batches, two
-//! towers with mean and CLS pooling; for BERT and for MPNet (whose whole-layer node adds
-//! the trained relative position bias to the scores and gives it its gradient). One test
-//! in its own binary: it switches the kernels for the whole process.
+//! towers with mean and CLS pooling; for BERT, for MPNet (whose whole-layer node adds the
+//! trained relative position bias to the scores and gives it its gradient) and for
+//! ModernBERT (the pre-norm layer node: rotary, global and windowed layers, GeGLU), with
+//! and without biases. One test in its own binary: it switches the kernels for the whole
+//! process.
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
@@ -14,6 +16,22 @@ use common::rel_err_with_zeros;
 fn config(family: &str) -> BertConfig {
     let mut cfg = BertConfig::new(60, 16, 3, 2, 24, 32);
     cfg.initializer_range = 0.2;
+    if family.starts_with("modernbert") {
+        cfg.model_type = Some("modernbert".into());
+        let biased = family == "modernbert-biased";
+        for (key, value) in [
+            ("embedding_dropout", 0.1.into()),
+            ("attention_dropout", 0.1.into()),
+            ("mlp_dropout", 0.1.into()),
+            ("global_attn_every_n_layers", 2.into()),
+            ("local_attention", 4.into()),
+            ("norm_bias", biased.into()),
+            ("attention_bias", biased.into()),
+            ("mlp_bias", biased.into()),
+        ] {
+            cfg.extra.insert(key.into(), value);
+        }
+    }
     if family == "mpnet" {
         cfg.model_type = Some("mpnet".into());
         cfg.pad_token_id = 1;
@@ -68,7 +86,7 @@ fn step_in(family: &str, fused: bool, recompute: Recompute, precision: Precision
 
 #[test]
 fn fused_kernels_give_the_composed_step() {
-    for family in ["bert", "mpnet"] {
+    for family in ["bert", "mpnet", "modernbert", "modernbert-biased"] {
         fused_equals_composed(family);
     }
 }
@@ -76,13 +94,16 @@ fn fused_kernels_give_the_composed_step() {
 fn fused_equals_composed(family: &str) {
     let cfg = config(family);
     let key_bias = match family {
-        "mpnet" => "attention.attn.k.bias",
-        _ => "attention.self.key.bias",
+        "mpnet" => Some("attention.attn.k.bias"),
+        "bert" => Some("attention.self.key.bias"),
+        // ModernBERT's key bias is a third of `attn.Wqkv.bias`.
+        _ => None,
     };
     let zero: Vec<String> = ["query.", "passage."]
         .iter()
         .flat_map(|p| {
-            (0..cfg.num_hidden_layers).map(move |i| format!("{p}encoder.layer.{i}.{key_bias}"))
+            (0..cfg.num_hidden_layers)
+                .filter_map(move |i| key_bias.map(|k| format!("{p}encoder.layer.{i}.{k}")))
         })
         .collect();
     let zero: Vec<&str> = zero.iter().map(String::as_str).collect();

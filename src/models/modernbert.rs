@@ -18,6 +18,7 @@ use candle_nn::{Embedding, Init, Module, VarBuilder};
 
 use crate::batch::TokenBatch;
 use crate::dropout::{Ctx, Dropout};
+use crate::nn::prenorm_layer::{PreNormSpec, PreNormWeights};
 use crate::nn::{AttentionSpec, LayerNorm, Linear};
 use crate::precision::Precision;
 use crate::Result;
@@ -73,6 +74,11 @@ fn linear(i: usize, o: usize, bias: bool, std: f64, vb: VarBuilder) -> Result<Li
     } else {
         Linear::normal_without_bias(i, o, std, vb)
     }
+}
+
+/// A projection's weight and bias, as the layer node takes them.
+fn affine(l: &Linear) -> (&Tensor, Option<&Tensor>) {
+    (l.weight(), l.bias())
 }
 
 fn norm(h: usize, s: &ModernSettings, vb: VarBuilder) -> Result<LayerNorm> {
@@ -199,6 +205,9 @@ impl ModernBert {
         recompute_probs: bool,
         ctx: &Ctx,
     ) -> Result<Tensor> {
+        if let Some(y) = self.whole_layer(i, x, key_bias, aux, recompute_probs, ctx)? {
+            return Ok(y);
+        }
         let layer = &self.layers[i];
         let id = i as u32 + 1;
         let (n, s, h) = x.dims3()?;
@@ -248,6 +257,52 @@ impl ModernBert {
             .mlp_dropout
             .forward(&gated, ctx, id, site::FEED_FORWARD)?;
         Ok((x + layer.mlp_wo.forward(&hidden)?)?)
+    }
+
+    /// Layer `i` as one node with its backward written out
+    /// ([`crate::nn::prenorm_layer`]) where the fused kernels run: the arithmetic of
+    /// [`Self::layer`]'s ops on the packed real tokens. `None` elsewhere.
+    fn whole_layer(
+        &self,
+        i: usize,
+        x: &Tensor,
+        key_bias: &Tensor,
+        aux: &ModernAux,
+        recompute_probs: bool,
+        ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        let layer = &self.layers[i];
+        let id = i as u32 + 1;
+        let d = x.dim(2)? / self.heads;
+        let weights = PreNormWeights {
+            attention_norm: layer.attn_norm.as_ref().map(|n| (n.weight(), n.shift())),
+            qkv: affine(&layer.wqkv),
+            attention_output: affine(&layer.wo),
+            mlp_norm: (layer.mlp_norm.weight(), layer.mlp_norm.shift()),
+            up: affine(&layer.wi),
+            down: affine(&layer.mlp_wo),
+        };
+        let (cos, sin) = if layer.sliding {
+            &aux.local
+        } else {
+            &aux.global
+        };
+        let spec = PreNormSpec {
+            heads: self.heads,
+            act: self.activation.fused(),
+            eps: layer.mlp_norm.eps(),
+            attention: AttentionSpec {
+                bias: key_bias.clone(),
+                scale: 1.0 / (d as f64).sqrt(),
+                dropout: self.attention_dropout.mask(ctx, id, site::ATTENTION_PROBS),
+                recompute: recompute_probs,
+                window: layer.sliding.then_some(self.half_window),
+            },
+            rotary: (cos.clone(), sin.clone()),
+            attention_output_dropout: self.attention_dropout.mask(ctx, id, site::ATTENTION_OUTPUT),
+            mlp_dropout: self.mlp_dropout.mask(ctx, id, site::FEED_FORWARD),
+        };
+        crate::nn::prenorm_layer(x, &weights, &spec)
     }
 
     /// The final norm, before the pooling.

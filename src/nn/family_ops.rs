@@ -5,6 +5,7 @@
 
 use candle_core::{Tensor, D};
 
+use super::prenorm_layer::{PreNormSpec, PreNormWeights};
 use super::{
     attention_composed, cast, fused, fused_ok, gated, multi_head, recomputed, Act, Linear,
 };
@@ -122,4 +123,34 @@ pub fn self_attention_biased(
         };
         attention_with_bias(q, k, v, &spec)
     })
+}
+
+/// A whole pre-norm layer (ModernBERT's) as one node with its backward written out
+/// ([`super::prenorm_layer::prenorm_layer`]) where the fused kernels run; `None` elsewhere
+/// (the caller then runs the layer op by op).
+pub fn prenorm_layer(
+    x: &Tensor,
+    weights: &PreNormWeights,
+    spec: &PreNormSpec,
+) -> Result<Option<Tensor>> {
+    let mut all = vec![x, &spec.attention.bias];
+    let (n1, b1) = match weights.attention_norm {
+        Some((g, b)) => (Some(g), b),
+        None => (None, None),
+    };
+    all.extend(n1.into_iter().chain(b1));
+    for (w, b) in [
+        weights.qkv,
+        weights.attention_output,
+        weights.mlp_norm,
+        weights.up,
+        weights.down,
+    ] {
+        all.push(w);
+        all.extend(b);
+    }
+    if !fused_ok(&all) || x.rank() != 3 {
+        return Ok(None);
+    }
+    Ok(Some(super::prenorm_layer::prenorm_layer(x, weights, spec)?))
 }

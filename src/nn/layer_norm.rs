@@ -53,6 +53,11 @@ impl LayerNorm {
         &self.bias
     }
 
+    /// The shift parameter, `None` for a LayerNorm without one.
+    pub fn shift(&self) -> Option<&Tensor> {
+        self.has_bias.then_some(&self.bias)
+    }
+
     /// The epsilon added to the variance.
     pub fn eps(&self) -> f64 {
         self.eps

@@ -36,14 +36,15 @@ mod node;
 mod norm;
 mod packing;
 pub mod pooling;
+pub mod prenorm_layer;
 mod rows;
 mod softmax;
 
 pub use batch_norm::BatchNorm;
 pub use dense::Linear;
 pub use family_ops::{
-    attention_with_bias, glu, glu_composed, rotary, rotary_composed, self_attention_biased,
-    window_bias,
+    attention_with_bias, glu, glu_composed, prenorm_layer, rotary, rotary_composed,
+    self_attention_biased, window_bias,
 };
 pub use layer_norm::LayerNorm;
 

@@ -1,0 +1,575 @@
+//! A whole pre-norm transformer encoder layer (ModernBERT's) as one graph node with its
+//! backward written out, on the packed real tokens ([`Packing`]) as BERT's layer node
+//! ([`super::encoder_layer`]) runs:
+//!
+//! ```text
+//! n1   = LayerNorm1(x)                        (the identity in a layer without one)
+//! qkv  = n1 W_qkv^T (+ b)                     (one product)
+//! q, k = rotary(q, k) at each token's place   (in place, head by head)
+//! ctx  = attention(qkv)                       (super::attention; a local layer's window)
+//! x1   = x + dropout(ctx W_o^T (+ b))
+//! up   = LayerNorm2(x1) W_i^T (+ b) = [a, g]
+//! y    = x1 + dropout(act(a) g) W_d^T (+ b)
+//! ```
+//!
+//! Biases are optional everywhere (ModernBERT has none; a missing one adds nothing and
+//! gets no gradient). The forward keeps the input, the rotated `qkv`, the probabilities
+//! (unless `attention.probs` is recomputed), `ctx`, `x1` and `up`; the norms' outputs and
+//! the gated activations are recomputed in the backward with the forward's arithmetic.
+//! The rotation and the gated unit are those of the per-op nodes ([`super::gated`]),
+//! element for element.
+
+use candle_core::{DType, Tensor};
+
+use super::attention::{self as kernel, KeyMask};
+use super::blocks::{for_blocks, Float, BLOCK_ROWS};
+use super::encoder_layer::{attend, attention_backward};
+use super::fused::AttentionSpec;
+use super::gemm::{column_sums, linear, product, product_new};
+use super::math::Act;
+use super::node::node_n_owned;
+use super::packing::{Packing, View};
+use super::rows::{add_row, dropped, norm, norm_backward};
+
+/// A weight and its bias, when the layer has one.
+pub type Affine<'a> = (&'a Tensor, Option<&'a Tensor>);
+
+/// The weights of one pre-norm layer, in order.
+#[derive(Debug, Clone)]
+pub struct PreNormWeights<'a> {
+    /// LayerNorm before the attention: scale and shift `[h]`; `None`: the identity.
+    pub attention_norm: Option<Affine<'a>>,
+    /// The query-key-value projection `[3h, h]`.
+    pub qkv: Affine<'a>,
+    /// The attention output projection `[h, h]`.
+    pub attention_output: Affine<'a>,
+    /// LayerNorm before the feed-forward: scale and shift `[h]`.
+    pub mlp_norm: Affine<'a>,
+    /// The gated unit's input and gate, `[2I, h]`.
+    pub up: Affine<'a>,
+    /// The feed-forward down projection `[h, I]`.
+    pub down: Affine<'a>,
+}
+
+/// Slots of the weights: two per part (weight or scale, then bias or shift).
+const SLOTS: usize = 12;
+
+impl<'a> PreNormWeights<'a> {
+    fn slots(&self) -> [Option<&'a Tensor>; SLOTS] {
+        let (n1, b1) = match self.attention_norm {
+            Some((g, b)) => (Some(g), b),
+            None => (None, None),
+        };
+        [
+            n1,
+            b1,
+            Some(self.qkv.0),
+            self.qkv.1,
+            Some(self.attention_output.0),
+            self.attention_output.1,
+            Some(self.mlp_norm.0),
+            self.mlp_norm.1,
+            Some(self.up.0),
+            self.up.1,
+            Some(self.down.0),
+            self.down.1,
+        ]
+    }
+}
+
+/// Everything of the layer besides its weights.
+#[derive(Debug, Clone)]
+pub struct PreNormSpec {
+    /// Attention heads.
+    pub heads: usize,
+    /// The gated unit's activation.
+    pub act: Act,
+    /// LayerNorm epsilon (both norms).
+    pub eps: f64,
+    /// The self-attention: key mask, scale, dropout on the probabilities, recompute of
+    /// the probabilities, sliding window.
+    pub attention: AttentionSpec,
+    /// The rotary tables `(cos, sin)`, `[s, d]` each.
+    pub rotary: (Tensor, Tensor),
+    /// Dropout on the attention output (before the first residual sum).
+    pub attention_output_dropout: Option<(u64, f32)>,
+    /// Dropout on the gated unit's output (before the down projection).
+    pub mlp_dropout: Option<(u64, f32)>,
+}
+
+/// The layer on `x` `[n, s, h]` (CPU, f32 or f64): one node over `x` and the weights, or
+/// the plain forward when none of them is tracked.
+pub fn prenorm_layer(
+    x: &Tensor,
+    w: &PreNormWeights,
+    spec: &PreNormSpec,
+) -> candle_core::Result<Tensor> {
+    let (n, s, h) = x.dims3()?;
+    let (up, h2) = w.up.0.dims2()?;
+    let inter = up / 2;
+    let heads = spec.heads;
+    let d = h.checked_div(heads).unwrap_or(0);
+    let vector = |t: Option<&Tensor>, len: usize| t.is_none_or(|t| t.dims() == [len]);
+    let fits = heads > 0
+        && h % heads == 0
+        && d % 2 == 0
+        && up % 2 == 0
+        && h2 == h
+        && w.qkv.0.dims() == [3 * h, h]
+        && vector(w.qkv.1, 3 * h)
+        && w.attention_output.0.dims() == [h, h]
+        && vector(w.attention_output.1, h)
+        && w.attention_norm
+            .is_none_or(|(g, b)| g.dims() == [h] && vector(b, h))
+        && w.mlp_norm.0.dims() == [h]
+        && vector(w.mlp_norm.1, h)
+        && vector(w.up.1, up)
+        && w.down.0.dims() == [h, inter]
+        && vector(w.down.1, h)
+        && spec.rotary.0.dims() == [s, d]
+        && spec.rotary.1.dims() == [s, d];
+    if !fits {
+        candle_core::bail!(
+            "pre-norm layer: hidden size {h}, {heads} heads, the weights ({:?} up, {:?} down) and the rotary tables {:?} do not fit",
+            w.up.0.dims(),
+            w.down.0.dims(),
+            spec.rotary.0.dims()
+        );
+    }
+    let dims = Shape {
+        n,
+        s,
+        h,
+        inter,
+        heads,
+        d,
+    };
+    let tracked = x.track_op() || w.slots().iter().flatten().any(|t| t.track_op());
+    match x.dtype() {
+        DType::F32 => layer::<f32>(x, w, spec, dims, tracked),
+        DType::F64 => layer::<f64>(x, w, spec, dims, tracked),
+        other => candle_core::bail!("pre-norm layer: runs in f32 or f64, not {other:?}"),
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    n: usize,
+    s: usize,
+    h: usize,
+    inter: usize,
+    heads: usize,
+    d: usize,
+}
+
+impl Shape {
+    fn kernel(&self) -> kernel::Dims {
+        kernel::Dims {
+            n: self.n,
+            heads: self.heads,
+            s: self.s,
+            d: self.d,
+        }
+    }
+
+    /// The length of each slot's values.
+    fn slot_len(&self, slot: usize) -> usize {
+        let (h, i) = (self.h, self.inter);
+        [
+            h,
+            h,
+            3 * h * h,
+            3 * h,
+            h * h,
+            h,
+            h,
+            h,
+            2 * i * h,
+            2 * i,
+            h * i,
+            h,
+        ][slot]
+    }
+}
+
+/// The weights, detached and contiguous (views of the variables: no copy).
+struct Weights([Option<Tensor>; SLOTS]);
+
+impl Weights {
+    fn new(w: &PreNormWeights) -> candle_core::Result<Self> {
+        let mut out: [Option<Tensor>; SLOTS] = Default::default();
+        for (o, t) in out.iter_mut().zip(w.slots()) {
+            *o = t.map(|t| t.detach().contiguous()).transpose()?;
+        }
+        Ok(Self(out))
+    }
+
+    /// Runs `f` on the weights' values; a missing bias or shift reads as zeros.
+    fn read<T: Float, R>(
+        &self,
+        dims: Shape,
+        f: impl FnOnce(&W<T>) -> candle_core::Result<R>,
+    ) -> candle_core::Result<R> {
+        let views = self
+            .0
+            .iter()
+            .map(|t| t.as_ref().map(View::new).transpose())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let zeros = vec![T::zero(); 2 * dims.inter.max(2 * dims.h)];
+        let mut v: Vec<&[T]> = Vec::with_capacity(SLOTS);
+        for (slot, view) in views.iter().enumerate() {
+            v.push(match view {
+                Some(view) => view.values::<T>()?,
+                None => &zeros[..dims.slot_len(slot).min(zeros.len())],
+            });
+        }
+        let w = W {
+            n1: self.0[0].is_some().then_some((v[0], v[1])),
+            wqkv: v[2],
+            bqkv: v[3],
+            wo: v[4],
+            bo: v[5],
+            n2: (v[6], v[7]),
+            wi: v[8],
+            bi: v[9],
+            wd: v[10],
+            bd: v[11],
+        };
+        f(&w)
+    }
+}
+
+/// The weights' values.
+struct W<'a, T> {
+    n1: Option<(&'a [T], &'a [T])>,
+    wqkv: &'a [T],
+    bqkv: &'a [T],
+    wo: &'a [T],
+    bo: &'a [T],
+    n2: (&'a [T], &'a [T]),
+    wi: &'a [T],
+    bi: &'a [T],
+    wd: &'a [T],
+    bd: &'a [T],
+}
+
+/// What the forward keeps for the backward.
+struct Kept<T> {
+    qkv: Vec<T>,
+    probs: Option<Vec<T>>,
+    ctx: Vec<T>,
+    x1: Vec<T>,
+    up: Vec<T>,
+}
+
+/// The rotary tables' values and each packed row's place in its sequence.
+struct Rotary<T> {
+    cos: Vec<T>,
+    sin: Vec<T>,
+    positions: Vec<usize>,
+}
+
+fn layer<T: Float>(
+    x: &Tensor,
+    w: &PreNormWeights,
+    spec: &PreNormSpec,
+    dims: Shape,
+    tracked: bool,
+) -> candle_core::Result<Tensor> {
+    let xd = x.detach().contiguous()?;
+    let weights = Weights::new(w)?;
+    let bias = spec.attention.bias.contiguous()?;
+    if bias.elem_count() != dims.n * dims.s {
+        candle_core::bail!(
+            "pre-norm layer: key mask {:?} does not fit {} sequences of {} tokens",
+            bias.dims(),
+            dims.n,
+            dims.s
+        );
+    }
+    let mask = KeyMask::new(View::new(&bias)?.values::<T>()?, dims.n, dims.s);
+    let packing = Packing::new(&mask, dims.n, dims.s);
+    let table = |t: &Tensor| -> candle_core::Result<Vec<T>> {
+        t.to_dtype(x.dtype())?.flatten_all()?.to_vec1()
+    };
+    let rotary = Rotary {
+        cos: table(&spec.rotary.0)?,
+        sin: table(&spec.rotary.1)?,
+        positions: packing.padded.iter().map(|&r| r % dims.s).collect(),
+    };
+    let padded_rows = dims.n * dims.s;
+    let (out, kept) = weights.read::<T, _>(dims, |wv| {
+        let xv = View::new(&xd)?;
+        let xp = packing.gather(xv.values::<T>()?, dims.h);
+        Ok(forward(
+            &xp,
+            wv,
+            (&mask, &packing, &rotary),
+            spec,
+            dims,
+            tracked,
+        ))
+    })?;
+    let out = packing.scatter(out, padded_rows, dims.h);
+    let shape = (dims.n, dims.s, dims.h);
+    let Some(kept) = kept else {
+        return Tensor::from_vec(out, shape, x.device());
+    };
+    let slots = w.slots().map(|t| t.cloned());
+    let mut inputs = vec![x];
+    inputs.extend(w.slots().into_iter().flatten());
+    let spec = spec.clone();
+    node_n_owned(
+        "gradcache-prenorm-layer",
+        &inputs,
+        out,
+        shape.into(),
+        Box::new(move |dy| {
+            let dy = dy.contiguous()?;
+            let grads = weights.read::<T, _>(dims, |wv| {
+                let (xv, dyv) = (View::new(&xd)?, View::new(&dy)?);
+                let xp = packing.gather(xv.values::<T>()?, dims.h);
+                let dyp = packing.gather(dyv.values::<T>()?, dims.h);
+                Ok(backward(
+                    &xp,
+                    &dyp,
+                    wv,
+                    (&mask, &packing, &rotary),
+                    &spec,
+                    dims,
+                    &kept,
+                ))
+            })?;
+            let dx = packing.scatter(grads.dx, padded_rows, dims.h);
+            let mut out = vec![Some(Tensor::from_vec(
+                dx,
+                shape,
+                &candle_core::Device::Cpu,
+            )?)];
+            // Into the open gradient sink, or to candle when none is open.
+            for (param, g) in slots.iter().zip(grads.slots) {
+                if let Some(param) = param {
+                    out.push(crate::sink::deposit(param, g)?);
+                }
+            }
+            Ok(out)
+        }),
+    )
+}
+
+/// Rotates the query and key parts of the packed `[rows, 3h]` `qkv` in place, each head
+/// at its row's place (`transpose`: the backward's `R^T`), as [`super::gated`]'s rotary.
+fn rotate_qk<T: Float>(qkv: &mut [T], rotary: &Rotary<T>, dims: Shape, transpose: bool) {
+    let (h, d) = (dims.h, dims.d);
+    let half = d / 2;
+    for_blocks(qkv, 3 * h, |blk, chunk| {
+        let first = blk * BLOCK_ROWS;
+        for (r, row) in chunk.chunks_exact_mut(3 * h).enumerate() {
+            let t = rotary.positions[first + r];
+            let c = &rotary.cos[t * d..(t + 1) * d];
+            let sn = &rotary.sin[t * d..(t + 1) * d];
+            for x in row[..2 * h].chunks_exact_mut(d) {
+                for i in 0..half {
+                    let (u, v) = (x[i], x[i + half]);
+                    if transpose {
+                        x[i] = u * c[i] + v * sn[i + half];
+                        x[i + half] = v * c[i + half] - u * sn[i];
+                    } else {
+                        x[i] = u * c[i] - v * sn[i];
+                        x[i + half] = v * c[i + half] + u * sn[i + half];
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// `act(a) g` of the rows `[a, g]` of `up` (`[rows, 2I]` into `[rows, I]`).
+fn gated<T: Float>(up: &[T], act: Act, i: usize) -> Vec<T> {
+    let mut out = vec![T::zero(); up.len() / 2];
+    for_blocks(&mut out, i, |blk, chunk| {
+        let first = blk * BLOCK_ROWS;
+        for (r, o) in chunk.chunks_exact_mut(i).enumerate() {
+            let row = &up[(first + r) * 2 * i..(first + r + 1) * 2 * i];
+            let (a, g) = row.split_at(i);
+            for ((o, &a), &g) in o.iter_mut().zip(a).zip(g) {
+                *o = act.value(a) * g;
+            }
+        }
+    });
+    out
+}
+
+/// The gradient `[rows, 2I]` of `up` from that of the gated output `dg` `[rows, I]`.
+fn gated_backward<T: Float>(up: &[T], dg: &[T], act: Act, i: usize) -> Vec<T> {
+    let mut dup = vec![T::zero(); up.len()];
+    for_blocks(&mut dup, 2 * i, |blk, chunk| {
+        let first = blk * BLOCK_ROWS;
+        for (r, d) in chunk.chunks_exact_mut(2 * i).enumerate() {
+            let row = first + r;
+            let (a, g) = up[row * 2 * i..(row + 1) * 2 * i].split_at(i);
+            let gy = &dg[row * i..(row + 1) * i];
+            let (da, dgate) = d.split_at_mut(i);
+            for j in 0..i {
+                let (value, slope) = act.value_and_derivative(a[j]);
+                da[j] = gy[j] * g[j] * slope;
+                dgate[j] = gy[j] * value;
+            }
+        }
+    });
+    dup
+}
+
+/// The first norm's output (`x` itself in a layer without one).
+fn first_norm<'a, T: Float>(x: &'a [T], w: &W<T>, eps: f64) -> std::borrow::Cow<'a, [T]> {
+    match w.n1 {
+        Some(n1) => std::borrow::Cow::Owned(norm(x, n1, eps)),
+        None => std::borrow::Cow::Borrowed(x),
+    }
+}
+
+/// The forward pass: the output rows and, when `keep`, what the backward reads.
+fn forward<T: Float>(
+    x: &[T],
+    w: &W<T>,
+    (mask, packing, rotary): (&KeyMask<T>, &Packing, &Rotary<T>),
+    spec: &PreNormSpec,
+    dims: Shape,
+    keep: bool,
+) -> (Vec<T>, Option<Kept<T>>) {
+    let (rows, h, i) = (packing.total(), dims.h, dims.inter);
+    let places = &packing.padded;
+    let mut qkv = linear(&first_norm(x, w, spec.eps), w.wqkv, w.bqkv, rows, h);
+    rotate_qk(&mut qkv, rotary, dims, false);
+    let (ctx, probs) = attend(
+        &qkv,
+        (mask, &packing.rows),
+        &spec.attention,
+        dims.kernel(),
+        keep,
+    );
+    let a = linear(&ctx, w.wo, w.bo, rows, h);
+    let mut x1 = vec![T::zero(); rows * h];
+    for_blocks(&mut x1, h, |blk, chunk| {
+        let first = blk * BLOCK_ROWS;
+        for (r, out) in chunk.chunks_exact_mut(h).enumerate() {
+            let at = (first + r) * h;
+            let (a, x) = (&a[at..at + h], &x[at..at + h]);
+            add_row(
+                a,
+                x,
+                spec.attention_output_dropout,
+                places[first + r] * h,
+                out,
+            );
+        }
+    });
+    drop(a);
+    let up = linear(&norm(&x1, w.n2, spec.eps), w.wi, w.bi, rows, h);
+    let g = gated(&up, spec.act, i);
+    let g = dropped(&g, spec.mlp_dropout, i, Some(places));
+    let mut y = x1.clone();
+    for (yrow, brow) in y.chunks_exact_mut(h).zip(std::iter::repeat(w.bd)) {
+        for (v, &b) in yrow.iter_mut().zip(brow) {
+            *v += b;
+        }
+    }
+    product((rows, h, i), (&mut y, h), true, (&g, i, 1), (w.wd, 1, i));
+    let kept = keep.then_some(Kept {
+        qkv,
+        probs,
+        ctx,
+        x1,
+        up,
+    });
+    (y, kept)
+}
+
+/// Every gradient: of the input and of the twelve slots (a missing one's is unused).
+struct Grads<T> {
+    dx: Vec<T>,
+    slots: [Vec<T>; SLOTS],
+}
+
+/// The backward pass from `dy`.
+fn backward<T: Float>(
+    x: &[T],
+    dy: &[T],
+    w: &W<T>,
+    (mask, packing, rotary): (&KeyMask<T>, &Packing, &Rotary<T>),
+    spec: &PreNormSpec,
+    dims: Shape,
+    kept: &Kept<T>,
+) -> Grads<T> {
+    let (rows, h, i) = (packing.total(), dims.h, dims.inter);
+    let places = &packing.padded;
+    // The feed-forward: y = x1 + dropout(glu(up)) W_d^T + b_d.
+    let dbd = column_sums(dy, h);
+    let g = gated(&kept.up, spec.act, i);
+    let g = dropped(&g, spec.mlp_dropout, i, Some(places));
+    let dwd = product_new((h, i, rows), (dy, 1, h), (&g, i, 1));
+    drop(g);
+    let dg = product_new((rows, i, h), (dy, h, 1), (w.wd, i, 1));
+    let dg = dropped(&dg, spec.mlp_dropout, i, Some(places));
+    let dup = gated_backward(&kept.up, &dg, spec.act, i);
+    drop(dg);
+    let dbi = column_sums(&dup, 2 * i);
+    let n2 = norm(&kept.x1, w.n2, spec.eps);
+    let dwi = product_new((2 * i, h, rows), (&dup, 1, 2 * i), (&n2, h, 1));
+    drop(n2);
+    let dn2 = product_new((rows, h, 2 * i), (&dup, 2 * i, 1), (w.wi, h, 1));
+    drop(dup);
+    let (mut dx1, dg2, db2) = norm_backward(&kept.x1, w.n2.0, &dn2, spec.eps);
+    drop(dn2);
+    for (a, &b) in dx1.iter_mut().zip(dy) {
+        *a += b;
+    }
+    // The attention: x1 = x + dropout(ctx W_o^T + b_o).
+    let da = dropped(&dx1, spec.attention_output_dropout, h, Some(places));
+    let dbo = column_sums(&da, h);
+    let dwo = product_new((h, h, rows), (&da, 1, h), (&kept.ctx, h, 1));
+    let dctx = product_new((rows, h, h), (&da, h, 1), (w.wo, h, 1));
+    drop(da);
+    let (mut dqkv, _) = attention_backward(
+        &kept.qkv,
+        kept.probs.as_deref(),
+        &dctx,
+        (mask, &packing.rows),
+        &spec.attention,
+        dims.kernel(),
+        false,
+    );
+    drop(dctx);
+    rotate_qk(&mut dqkv, rotary, dims, true);
+    let dbqkv = column_sums(&dqkv, 3 * h);
+    let n1 = first_norm(x, w, spec.eps);
+    let dwqkv = product_new((3 * h, h, rows), (&dqkv, 1, 3 * h), (&n1, h, 1));
+    drop(n1);
+    let (dx, dg1, db1) = match w.n1 {
+        Some((g1, _)) => {
+            let dn1 = product_new((rows, h, 3 * h), (&dqkv, 3 * h, 1), (w.wqkv, h, 1));
+            let (mut dx, dg1, db1) = norm_backward(x, g1, &dn1, spec.eps);
+            for (a, &b) in dx.iter_mut().zip(&dx1) {
+                *a += b;
+            }
+            (dx, dg1, db1)
+        }
+        None => {
+            let mut dx = dx1;
+            product(
+                (rows, h, 3 * h),
+                (&mut dx, h),
+                true,
+                (&dqkv, 3 * h, 1),
+                (w.wqkv, h, 1),
+            );
+            (dx, Vec::new(), Vec::new())
+        }
+    };
+    Grads {
+        dx,
+        slots: [
+            dg1, db1, dwqkv, dbqkv, dwo, dbo, dg2, db2, dwi, dbi, dwd, dbd,
+        ],
+    }
+}
