@@ -294,6 +294,11 @@ def contrastive_grads(st):
     for name, param in st[0].auto_model.named_parameters():
         if param.grad is not None:
             grads[f"grad.{name}"] = param.grad.detach().clone()
+    # Dense modules after the pooling, named after the directory `st.save` gives them.
+    for idx, module in enumerate(st):
+        if isinstance(module, st_modules.Dense):
+            for name, param in module.named_parameters():
+                grads[f"grad.{idx}_Dense.{name}"] = param.grad.detach().clone()
     return float(loss), grads
 
 
@@ -357,7 +362,8 @@ def main():
             )
             with torch.no_grad():
                 emb = st2.encode(TEXTS, convert_to_tensor=True, batch_size=len(TEXTS))
-            write("bert-dense", st2, {"embeddings": emb.contiguous()}, 0.0)
+            loss2, grads2 = contrastive_grads(st2)
+            write("bert-dense", st2, {"embeddings": emb.contiguous(), **grads2}, loss2)
 
 
 if __name__ == "__main__":

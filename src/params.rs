@@ -109,7 +109,8 @@ impl ParamStore {
 
     /// Serves names under `prefix` (e.g. `"query"`, or `""` for all) from `file`: a
     /// requested variable `prefix.x` is read from the file's tensor `x` instead of being
-    /// initialised, and a name missing from the file is an error.
+    /// initialised, and a name missing from the file is an error. Where several prefixes
+    /// match a name, the longest serves it.
     pub fn with_weights(mut self, prefix: &str, file: Arc<WeightFile>) -> Self {
         let prefix = if prefix.is_empty() {
             String::new()
@@ -213,10 +214,17 @@ impl SimpleBackend for ParamStore {
             }
             return Ok(var.as_tensor().clone());
         }
+        // The longest prefix serves a name (a Dense module's file under its directory's
+        // name, inside the tower the model's weights file serves).
         let source = self
             .sources
             .iter()
-            .find_map(|(prefix, file)| name.strip_prefix(prefix.as_str()).map(|n| (n, file)));
+            .filter_map(|(prefix, file)| {
+                name.strip_prefix(prefix.as_str())
+                    .map(|n| (prefix.len(), n, file))
+            })
+            .max_by_key(|&(len, _, _)| len)
+            .map(|(_, n, file)| (n, file));
         let value = match source {
             Some((rest, file)) => file.load(rest, &s, dtype, &self.device),
             None => self.init(name, &s, h, dtype),

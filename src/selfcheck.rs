@@ -102,6 +102,7 @@ fn encoder(
         normalize: true,
         recompute,
         precision,
+        dense: Vec::new(),
     };
     BertEncoder::build(store, prefix, &cfg, &options)
 }

@@ -146,8 +146,14 @@ fn step(family: &str, chunk: usize, recompute: Recompute) -> (f32, gradcache::Gr
     let dir = fixture(family);
     let r = reference(family);
     let files = ModelFiles::from_dir(&dir).unwrap();
+    // A model's Dense modules train with it.
+    let dense = read_sentence_transformers_config(&dir)
+        .unwrap()
+        .map(|head| head.dense.iter().map(|d| d.spec()).collect())
+        .unwrap_or_default();
     let options = BertOptions {
         recompute,
+        dense,
         ..Default::default()
     };
     let store = ParamStore::new(0, DType::F32, &Device::Cpu);
@@ -167,7 +173,9 @@ fn step(family: &str, chunk: usize, recompute: Recompute) -> (f32, gradcache::Gr
 
 #[test]
 fn gradients_match_pytorch_with_and_without_chunks_and_recompute() {
-    for family in FAMILIES {
+    // bert-dense: BERT with a Dense (tanh) and a Normalize module after the pooling, the
+    // Dense weights trained too.
+    for family in FAMILIES.into_iter().chain(["bert-dense"]) {
         let r = reference(family);
         let want: HashMap<&str, &Tensor> = r
             .tensors
@@ -557,13 +565,13 @@ fn bad_family_configs_and_module_files_are_refused_naming_the_problem() {
 }
 
 #[test]
-fn training_through_a_dense_module_is_refused_before_anything_is_written() {
-    use gradcache::train::{Config, Trainer};
+fn a_dense_module_trains_with_the_model_and_is_exported_back() {
+    use gradcache::train::{export_run, Config, Quiet, Trainer, DENSE_FILE};
     let tmp = tempfile::tempdir().unwrap();
     let lines: Vec<String> = std::fs::read_to_string("data/quickstart/train.jsonl")
         .unwrap()
         .lines()
-        .take(20)
+        .take(40)
         .map(String::from)
         .collect();
     let data = tmp.path().join("train.jsonl");
@@ -574,12 +582,98 @@ fn training_through_a_dense_module_is_refused_before_anything_is_written() {
         format!("data.train_file=\"{}\"", data.display()),
         "data.eval_file=\"data/quickstart/eval.jsonl\"".into(),
         "train.batch_size=8".into(),
+        "train.steps=3".into(),
+        "train.eval_every=0".into(),
+        "model.normalize=true".into(),
         format!("model.pretrained=\"{}\"", fixture("bert-dense").display()),
         "model.query_max_len=32".into(),
         "model.passage_max_len=32".into(),
     ];
     let cfg = Config::load(Path::new("configs/quickstart.toml"), &sets).unwrap();
-    let err = Trainer::new(cfg, None).err().expect("refused").to_string();
-    assert!(err.contains("Dense"), "{err}");
-    assert!(!out.exists(), "nothing written");
+    let mut trainer = Trainer::new(cfg.clone(), None).unwrap();
+    let dense: Vec<(String, Tensor)> = trainer
+        .params()
+        .iter()
+        .filter(|(n, _)| n.contains("2_Dense.linear."))
+        .map(|(n, v)| (n.to_string(), v.as_tensor().copy().unwrap()))
+        .collect();
+    assert_eq!(dense.len(), 2, "the Dense weight and bias are trained");
+    let original = candle_core::safetensors::load(
+        fixture("bert-dense").join("2_Dense/model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    for (name, value) in &dense {
+        let file_name = &name[name.find("linear.").unwrap()..];
+        assert_eq!(
+            max_diff(value, &original[file_name]),
+            0.0,
+            "`{name}` loaded"
+        );
+    }
+    trainer.run(&mut Quiet).unwrap();
+    for (name, before) in &dense {
+        let now = trainer.params().get(name).unwrap();
+        assert!(max_diff(now.as_tensor(), before) > 0.0, "`{name}` moved");
+    }
+    assert!(
+        out.join(DENSE_FILE).is_file(),
+        "the run records its Dense modules"
+    );
+
+    // The export (live and from the run directory) writes the module back, and loads
+    // back to the trained model's embeddings.
+    let live = tmp.path().join("live");
+    trainer.export(&live, gradcache::Side::Query).unwrap();
+    let from_run = tmp.path().join("from-run");
+    export_run(&cfg, None, &from_run, gradcache::Side::Query).unwrap();
+    let modules = std::fs::read_to_string(live.join("modules.json")).unwrap();
+    assert!(
+        modules.contains("2_Dense") && modules.contains("3_Normalize"),
+        "{modules}"
+    );
+    let texts = ["In the beginning", "", "And God said"];
+    let a = load(&live, None);
+    assert_eq!(a.dense().len(), 1);
+    assert_eq!(
+        a.dense()[0].spec(),
+        read_sentence_transformers_config(&fixture("bert-dense"))
+            .unwrap()
+            .unwrap()
+            .dense[0]
+            .spec()
+    );
+    let exported = a.encoder().params();
+    let trained = trainer.params();
+    let suffix = |n: &str| n[n.find("2_Dense").unwrap()..].to_string();
+    for (name, _) in &dense {
+        let got = exported.get(&suffix(name)).expect("exported Dense weight");
+        assert_eq!(
+            max_diff(got.as_tensor(), trained.get(name).unwrap().as_tensor()),
+            0.0
+        );
+    }
+    let ea = a.embed(&texts, 2).unwrap();
+    let eb = load(&from_run, None).embed(&texts, 2).unwrap();
+    assert!(max_diff(&ea, &eb) <= 1e-6);
+    let original = load(&fixture("bert-dense"), None).embed(&texts, 2).unwrap();
+    assert!(
+        max_diff(&ea, &original) > 1e-4,
+        "the export holds the trained model"
+    );
+    assert_eq!(ea.dims(), [3, 16]);
+
+    // A damaged record of the run's Dense modules is refused, naming the file; nothing
+    // is written.
+    std::fs::write(
+        out.join(DENSE_FILE),
+        r#"[{"path": "2_Dense", "config": {"in_features": 32}}]"#,
+    )
+    .unwrap();
+    let again = tmp.path().join("again");
+    let err = export_run(&cfg, None, &again, gradcache::Side::Query)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(DENSE_FILE), "{err}");
+    assert!(!again.exists());
 }

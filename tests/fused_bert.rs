@@ -74,6 +74,7 @@ fn step_in(family: &str, fused: bool, recompute: Recompute, precision: Precision
         normalize: true,
         recompute: recompute.clone(),
         precision,
+        dense: Vec::new(),
     };
     let q = BertEncoder::build(&store, "query", &cfg, &options(Pooling::Cls)).unwrap();
     let p = BertEncoder::build(&store, "passage", &cfg, &options(Pooling::Mean)).unwrap();

@@ -4,7 +4,9 @@
 //! (Hugging Face `BertModel` / `RobertaModel` names, which are the same), `tokenizer.json`,
 //! `tokenizer_config.json`, plus the sentence-transformers files `modules.json`,
 //! `sentence_bert_config.json`, `config_sentence_transformers.json` and
-//! `1_Pooling/config.json` (and `2_Normalize` when the encoder normalises).
+//! `1_Pooling/config.json`, each `Dense` module the encoder trains in its own directory
+//! (`2_Dense/config.json` and `model.safetensors`), and `N_Normalize` when the encoder
+//! normalises.
 //!
 //! The directory is written under a temporary name and renamed when complete; an existing
 //! non-empty directory is never overwritten. Every file gets the permissions the process
@@ -62,13 +64,30 @@ pub fn export_bert(
     } else {
         format!("{prefix}.")
     };
-    let weights: HashMap<String, Tensor> = params
+    let mut weights: HashMap<String, Tensor> = params
         .iter()
         .filter_map(|(n, v)| {
             n.strip_prefix(strip.as_str())
                 .map(|s| (s.to_string(), v.as_tensor().clone()))
         })
         .collect();
+    // Each Dense module's parameters go to its own directory, under `linear.*`.
+    let mut dense_weights = Vec::new();
+    for spec in &options.dense {
+        let module = format!("{}.", spec.path);
+        let names: Vec<String> = weights
+            .keys()
+            .filter(|n| n.starts_with(&module))
+            .cloned()
+            .collect();
+        let mut own = HashMap::new();
+        for name in names {
+            if let Some(t) = weights.remove(&name) {
+                own.insert(name[module.len()..].to_string(), t);
+            }
+        }
+        dense_weights.push(own);
+    }
     if weights.is_empty() {
         return Err(Error::InvalidArgument {
             what: "export prefix",
@@ -116,7 +135,7 @@ pub fn export_bert(
     let shared = fs::metadata(&config_path)
         .map_err(|e| Error::io("read", &config_path, e))?
         .permissions();
-    fs::set_permissions(&weights_path, shared)
+    fs::set_permissions(&weights_path, shared.clone())
         .map_err(|e| Error::io("set permissions of", &weights_path, e))?;
 
     let mut plain = tokenizer.inner().clone();
@@ -155,10 +174,24 @@ pub fn export_bert(
         json!({"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}),
         json!({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}),
     ];
+    for (spec, own) in options.dense.iter().zip(&dense_weights) {
+        let idx = modules.len();
+        let module_dir = tmp.join(&spec.path);
+        fs::create_dir_all(&module_dir).map_err(|e| Error::io("create", &module_dir, e))?;
+        write_json(&module_dir.join("config.json"), &spec.config())?;
+        let module_weights = module_dir.join("model.safetensors");
+        candle_core::safetensors::save(own, &module_weights)
+            .map_err(|e| Error::io("write", &module_weights, e))?;
+        fs::set_permissions(&module_weights, shared.clone())
+            .map_err(|e| Error::io("set permissions of", &module_weights, e))?;
+        modules.push(json!({"idx": idx, "name": idx.to_string(), "path": spec.path, "type": "sentence_transformers.models.Dense"}));
+    }
     if options.normalize {
-        let normalize_dir = tmp.join("2_Normalize");
+        let idx = modules.len();
+        let path = format!("{idx}_Normalize");
+        let normalize_dir = tmp.join(&path);
         fs::create_dir_all(&normalize_dir).map_err(|e| Error::io("create", &normalize_dir, e))?;
-        modules.push(json!({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}));
+        modules.push(json!({"idx": idx, "name": idx.to_string(), "path": path, "type": "sentence_transformers.models.Normalize"}));
     }
     write_json(&tmp.join(MODULES), &json!(modules))?;
     write_json(

@@ -19,10 +19,11 @@ pub mod tokenizer;
 
 use candle_core::{DType, Device, Tensor};
 
+pub use crate::models::bert::DenseActivation;
 pub use export::export_bert;
 pub use files::{HubSettings, ModelFiles};
 pub use sentence_transformers::{
-    read_sentence_transformers_config, DenseActivation, DenseLayer, SentenceTransformersConfig,
+    read_sentence_transformers_config, DenseLayer, SentenceTransformersConfig,
 };
 pub use tokenizer::Tokenizer;
 
@@ -132,9 +133,6 @@ pub struct EmbeddingModel {
     encoder: BertEncoder,
     /// The sentence-transformers `Dense` modules after the pooling.
     dense: Vec<DenseLayer>,
-    /// L2-normalise after the `Dense` modules (when there are any; else the encoder
-    /// normalises).
-    normalize_after_dense: bool,
     tokenizer: Tokenizer,
     config: BertConfig,
     options: BertOptions,
@@ -215,7 +213,8 @@ impl EmbeddingModel {
         );
         let bert_options = BertOptions {
             pooling,
-            normalize: normalize && dense.is_empty(),
+            normalize,
+            dense: dense.iter().map(DenseLayer::spec).collect(),
             ..Default::default()
         };
         let store = ParamStore::new(0, DType::F32, &options.device);
@@ -228,7 +227,6 @@ impl EmbeddingModel {
         let tokenizer = Tokenizer::from_file(tokenizer_path, max_len)?;
         Ok(Self {
             encoder,
-            normalize_after_dense: normalize && !dense.is_empty(),
             dense,
             tokenizer,
             config,
@@ -242,14 +240,7 @@ impl EmbeddingModel {
 
     /// Embeddings `[texts, width]`, encoding `chunk` texts at a time.
     pub fn embed(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
-        let mut x = embed(&self.encoder, &self.tokenizer, texts, chunk, &self.device)?;
-        for dense in &self.dense {
-            x = dense.forward(&x)?;
-        }
-        if self.normalize_after_dense {
-            x = crate::nn::l2_normalize(&x)?;
-        }
-        Ok(x)
+        embed(&self.encoder, &self.tokenizer, texts, chunk, &self.device)
     }
 
     /// The sentence-transformers `Dense` modules after the pooling, in order.

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 
 use crate::hub::files::{read_modules, MODULES, SENTENCE_TRANSFORMERS_CONFIG};
 use crate::loss::Similarity;
-use crate::models::bert::Pooling;
+use crate::models::bert::{DenseActivation, DenseSpec, Pooling};
 use crate::{Error, Result};
 
 /// What a sentence-transformers model directory says about its head.
@@ -34,36 +34,6 @@ pub struct SentenceTransformersConfig {
     pub similarity: Option<Similarity>,
 }
 
-/// The activation of a sentence-transformers `Dense` module.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DenseActivation {
-    /// `torch.nn.modules.linear.Identity`.
-    Identity,
-    /// `torch.nn.modules.activation.Tanh` (the package's default).
-    Tanh,
-    /// `torch.nn.modules.activation.ReLU`.
-    Relu,
-    /// `torch.nn.modules.activation.GELU` (exact).
-    Gelu,
-    /// `torch.nn.modules.activation.Sigmoid`.
-    Sigmoid,
-}
-
-impl DenseActivation {
-    /// The activation named by a `Dense` config's `activation_function` (a PyTorch class
-    /// path; only its last part is read).
-    pub fn from_torch_name(name: &str) -> Option<Self> {
-        match name.rsplit('.').next().unwrap_or(name) {
-            "Identity" => Some(Self::Identity),
-            "Tanh" => Some(Self::Tanh),
-            "ReLU" => Some(Self::Relu),
-            "GELU" => Some(Self::Gelu),
-            "Sigmoid" => Some(Self::Sigmoid),
-            _ => None,
-        }
-    }
-}
-
 /// A `Dense` module: `activation(x W^T + b)` on the sentence embedding.
 #[derive(Debug, Clone)]
 pub struct DenseLayer {
@@ -78,26 +48,30 @@ pub struct DenseLayer {
 }
 
 impl DenseLayer {
-    /// The module applied to sentence embeddings `[n, in]`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let weight = self.weight.to_device(x.device())?.to_dtype(x.dtype())?;
-        let bias = match &self.bias {
-            Some(b) => Some(b.to_device(x.device())?.to_dtype(x.dtype())?),
-            None => None,
-        };
-        let y = crate::nn::linear(x, &weight, bias.as_ref())?;
-        Ok(match self.activation {
-            DenseActivation::Identity => y,
-            DenseActivation::Tanh => y.tanh()?,
-            DenseActivation::Relu => y.relu()?,
-            DenseActivation::Gelu => y.gelu_erf()?,
-            DenseActivation::Sigmoid => candle_nn::ops::sigmoid(&y)?,
-        })
-    }
-
     /// Output width.
     pub fn out_features(&self) -> usize {
         self.weight.dims().first().copied().unwrap_or(0)
+    }
+
+    /// Input width.
+    pub fn in_features(&self) -> usize {
+        self.weight.dims().get(1).copied().unwrap_or(0)
+    }
+
+    /// The module as the encoder trains and applies it: its shape, and its directory's
+    /// name (which names its parameters).
+    pub fn spec(&self) -> DenseSpec {
+        DenseSpec {
+            path: self
+                .dir
+                .file_name()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_default(),
+            in_features: self.in_features(),
+            out_features: self.out_features(),
+            bias: self.bias.is_some(),
+            activation: self.activation,
+        }
     }
 }
 

@@ -31,6 +31,8 @@ use crate::recompute::{LayerStack, Recompute, Recomputed};
 use crate::{Error, Result};
 
 pub use super::bert_config::{Activation, BertConfig, Family, SUPPORTED_FAMILIES};
+use super::dense::Dense;
+pub use super::dense::{DenseActivation, DenseSpec};
 use super::modernbert::{ModernAux, ModernBert};
 pub use super::pooling::Pooling;
 
@@ -47,6 +49,9 @@ pub struct BertOptions {
     /// and `F16` cast f32 weights where they are used (the embeddings' LayerNorm, the
     /// pooling and the output stay in the weights' dtype).
     pub precision: Precision,
+    /// sentence-transformers `Dense` modules after the pooling, in order, trained with the
+    /// encoder (the normalisation, if any, comes after them).
+    pub dense: Vec<DenseSpec>,
 }
 
 /// The sites of BERT that selective recompute can recompute instead of keeping (Hugging
@@ -118,6 +123,8 @@ pub struct Bert {
     hidden_dropout: Dropout,
     attention_dropout: Dropout,
     options: BertOptions,
+    /// The `Dense` modules after the pooling.
+    dense: Vec<Dense>,
 }
 
 /// Per-chunk data every layer reads: the additive attention bias `[n, 1, 1, s]` and the
@@ -152,6 +159,7 @@ impl Bert {
         let (h, std, eps) = (cfg.hidden_size, cfg.initializer_range, cfg.layer_norm_eps);
         let linear = |i: usize, o: usize, vb: VarBuilder| Linear::normal(i, o, std, vb);
         let family = cfg.family(path)?;
+        let dense = dense_modules(h, &options.dense, &vb)?;
         if family == Family::ModernBert {
             let modern = ModernBert::new(cfg, &cfg.modern(path)?, vb)?;
             return Ok(Self {
@@ -166,6 +174,7 @@ impl Bert {
                 hidden_dropout: Dropout::new(0.0)?,
                 attention_dropout: Dropout::new(0.0)?,
                 options: options.clone(),
+                dense,
             });
         }
         let e = vb.pp("embeddings");
@@ -259,6 +268,7 @@ impl Bert {
             hidden_dropout: Dropout::new(cfg.hidden_dropout_prob as f32)?,
             attention_dropout: Dropout::new(cfg.attention_probs_dropout_prob as f32)?,
             options: options.clone(),
+            dense,
         })
     }
 
@@ -368,6 +378,32 @@ impl Bert {
         }
         crate::nn::encoder_layer(x, &weights, &spec)
     }
+}
+
+/// The `Dense` modules of `specs` under `vb`, each taking the previous one's output (the
+/// first, the pooled `hidden` width).
+fn dense_modules(hidden: usize, specs: &[DenseSpec], vb: &VarBuilder) -> Result<Vec<Dense>> {
+    let mut width = hidden;
+    specs
+        .iter()
+        .map(|spec| {
+            let named = !spec.path.is_empty() && !spec.path.contains(['.', '/', '\\']);
+            if spec.in_features != width || !named {
+                return Err(Error::InvalidArgument {
+                    what: "Dense module",
+                    value: format!(
+                        "`{}` ({} -> {})",
+                        spec.path, spec.in_features, spec.out_features
+                    ),
+                    reason: "each Dense module takes the previous output's width (the first, \
+                             the hidden size) and is a directory of the model (a name \
+                             without `.` or `/`)",
+                });
+            }
+            width = spec.out_features;
+            Dense::new(spec, vb.clone())
+        })
+        .collect()
 }
 
 impl RelativeBias {
@@ -567,9 +603,18 @@ impl LayerStack for Bert {
             }
             None => x,
         };
-        self.options
-            .pooling
-            .pool(x, &aux.mask, self.options.normalize)
+        let pooling = self.options.pooling;
+        if self.dense.is_empty() {
+            return pooling.pool(x, &aux.mask, self.options.normalize);
+        }
+        let mut y = pooling.pool(x, &aux.mask, false)?;
+        for dense in &self.dense {
+            y = dense.forward(&y)?;
+        }
+        if self.options.normalize {
+            y = crate::nn::l2_normalize(&y)?;
+        }
+        Ok(y)
     }
 }
 
@@ -593,8 +638,9 @@ impl Recomputed<Bert> {
 
 /// Loads a pretrained BERT tower from a model's files into `store` under `prefix` (`""`
 /// for a shared tower). Weight names may carry the `bert.` prefix of Hugging Face
-/// `BertFor...` checkpoints or not. Returns the encoder, its config, and the store (which
-/// now reads those names from the weights file).
+/// `BertFor...` checkpoints or not; the `Dense` modules of `options` read their weights
+/// from their directories. Returns the encoder, its config, and the store (which now reads
+/// those names from the weights files).
 pub fn load_pretrained(
     files: &ModelFiles,
     prefix: &str,
@@ -614,7 +660,16 @@ pub fn load_pretrained(
         })
         .unwrap_or("");
     let file = Arc::new(WeightFile::open(&files.weights, file_prefix)?);
-    let store = store.with_weights(prefix, file);
+    let mut store = store.with_weights(prefix, file);
+    // Each Dense module's weights from its own directory.
+    for dense in &options.dense {
+        let weights = files.dir.join(&dense.path).join("model.safetensors");
+        let module = match prefix {
+            "" => dense.path.clone(),
+            p => format!("{p}.{}", dense.path),
+        };
+        store = store.with_weights(&module, Arc::new(WeightFile::open(&weights, "")?));
+    }
     let encoder = BertEncoder::build(&store, prefix, &cfg, options)?;
     Ok((encoder, cfg, store))
 }

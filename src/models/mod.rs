@@ -8,6 +8,7 @@
 
 pub mod bert;
 mod bert_config;
+mod dense;
 pub mod lstm;
 mod modernbert;
 mod pooling;

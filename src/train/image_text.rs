@@ -49,9 +49,9 @@ pub use super::image_text_config::{
 /// The text tower of an image-text run.
 pub enum TextTower {
     /// A BERT.
-    Bert(BertEncoder),
+    Bert(Box<BertEncoder>),
     /// An LSTM.
-    Lstm(LstmEncoder),
+    Lstm(Box<LstmEncoder>),
 }
 
 impl Encoder for TextTower {
@@ -416,7 +416,9 @@ fn build_text(cfg: &ImageTextConfig, store: &ParamStore, vocab: usize) -> Result
                 recompute: x.recompute.clone(),
                 ..Default::default()
             };
-            TextTower::Bert(BertEncoder::build(store, "text", &bert, &options)?)
+            TextTower::Bert(Box::new(BertEncoder::build(
+                store, "text", &bert, &options,
+            )?))
         }
         TextKind::Lstm => {
             let lstm = LstmConfig {
@@ -428,7 +430,7 @@ fn build_text(cfg: &ImageTextConfig, store: &ParamStore, vocab: usize) -> Result
                 output: x.hidden_size,
             };
             let tower = Tower::build(store, "text", |vb| Lstm::new(&lstm, vb))?;
-            TextTower::Lstm(LstmEncoder::new(tower, x.recompute.clone())?)
+            TextTower::Lstm(Box::new(LstmEncoder::new(tower, x.recompute.clone())?))
         }
     })
 }

@@ -27,4 +27,6 @@ pub mod trainer;
 
 pub use config::Config;
 pub use run::{LoopConfig, Run, Task};
-pub use trainer::{export_run, Event, Observer, PhaseTimes, Quiet, StepReport, TextPairs, Trainer};
+pub use trainer::{
+    export_run, Event, Observer, PhaseTimes, Quiet, StepReport, TextPairs, Trainer, DENSE_FILE,
+};

@@ -17,12 +17,18 @@ pub const MODEL_CONFIG_FILE: &str = "model_config.json";
 /// The run's tokenizer.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
+/// The run's Dense modules after the pooling, when its pretrained model has any (their
+/// paths and sentence-transformers configs).
+pub const DENSE_FILE: &str = "dense_modules.json";
+
 /// The towers of a run and what was built with them.
 pub(super) struct Model {
     pub(super) query: BertEncoder,
     /// The passage tower; `None` when one tower is shared.
     pub(super) passage: Option<BertEncoder>,
     pub(super) bert: BertConfig,
+    /// The encoders' options (with the pretrained model's Dense modules).
+    pub(super) options: BertOptions,
     pub(super) tokenizer: tokenizers::Tokenizer,
     pub(super) store: ParamStore,
 }
@@ -34,6 +40,7 @@ pub(super) fn bert_options(cfg: &Config) -> BertOptions {
         normalize: cfg.model.normalize,
         recompute: cfg.model.recompute.clone(),
         precision: cfg.precision,
+        dense: Vec::new(),
     }
 }
 
@@ -110,6 +117,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         query,
         passage,
         bert,
+        options,
         tokenizer,
         store,
     })
@@ -133,25 +141,19 @@ fn copy_tower(from: &Params, from_prefix: &str, to: &Params, to_prefix: &str) ->
 /// A pretrained model from a directory or the Hub; two towers both load its weights.
 fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
-    if let Some(head) = crate::hub::read_sentence_transformers_config(&files.dir)? {
-        if let Some(dense) = head.dense.first() {
-            return Err(Error::UnsupportedConfig {
-                field: "modules",
-                value: format!("a Dense module after the pooling ({})", dense.dir.display()),
-                supported: "training through Transformer, Pooling and Normalize modules \
-                            (a model with Dense modules can be used by encode and eval)",
-                path: files.dir.join(files::MODULES),
-            });
-        }
-    }
     let tokenizer = read_model_tokenizer(&files)?;
-    let options = bert_options(cfg);
+    let mut options = bert_options(cfg);
+    // The model's Dense modules after the pooling train with it.
+    if let Some(head) = crate::hub::read_sentence_transformers_config(&files.dir)? {
+        options.dense = head.dense.iter().map(|d| d.spec()).collect();
+    }
     if cfg.model.shared {
         let (query, bert, store) = load_pretrained(&files, "", &options, store)?;
         Ok(Model {
             query,
             passage: None,
             bert,
+            options: options.clone(),
             tokenizer,
             store,
         })
@@ -162,6 +164,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             query,
             passage: Some(passage),
             bert,
+            options: options.clone(),
             tokenizer,
             store,
         })

@@ -27,7 +27,7 @@ use crate::encoder::Encoder;
 use crate::hub::tokenizer::read_tokenizer_file;
 use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Tokenizer};
 use crate::loss::InfoNce;
-use crate::models::bert::{BertConfig, BertEncoder, BertOptions};
+use crate::models::bert::{BertConfig, BertEncoder, BertOptions, DenseSpec};
 use crate::params::{ParamStore, WeightFile};
 use crate::precision::Precision;
 use crate::train::budget::plan_memory;
@@ -39,7 +39,7 @@ use crate::train::model::{bert_options, build_model, read_model_tokenizer, Model
 use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
 use crate::{Error, Result, Side};
 
-pub use super::model::{MODEL_CONFIG_FILE, TOKENIZER_FILE};
+pub use super::model::{DENSE_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE};
 pub use super::report::{Event, LossScaling, Observer, PhasePeaks, PhaseTimes, Quiet, StepReport};
 
 /// What may change between a text-pair run and its resume (see [`Config::fingerprint`]).
@@ -305,7 +305,7 @@ impl Run<TextPairs> {
         };
         let task = TextPairs {
             device: device.clone(),
-            options: bert_options(&cfg),
+            options: model.options,
             bert: model.bert,
             tokenizer: model.tokenizer,
             query_tokenizer,
@@ -323,7 +323,7 @@ impl Run<TextPairs> {
     fn write_run_files(&self) -> Result<()> {
         let written = if self.rank() == 0 {
             let t = &self.task;
-            write_run_files(&t.cfg.output_dir, &t.tokenizer, &t.bert)
+            write_run_files(&t.cfg.output_dir, &t.tokenizer, &t.bert, &t.options.dense)
         } else {
             Ok(())
         };
@@ -459,9 +459,14 @@ fn load_pairs(cfg: &Config) -> Result<(Vec<Pair>, Vec<Pair>)> {
     }
 }
 
-/// Writes `tokenizer.json` (unless the same one is there) and `model_config.json` into
-/// `dir`, creating it.
-fn write_run_files(dir: &Path, tokenizer: &tokenizers::Tokenizer, bert: &BertConfig) -> Result<()> {
+/// Writes `tokenizer.json` (unless the same one is there), `model_config.json` and, for a
+/// model with Dense modules, `dense_modules.json` into `dir`, creating it.
+fn write_run_files(
+    dir: &Path,
+    tokenizer: &tokenizers::Tokenizer,
+    bert: &BertConfig,
+    dense: &[DenseSpec],
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
     let path = dir.join(TOKENIZER_FILE);
     let json = tokenizer
@@ -470,9 +475,48 @@ fn write_run_files(dir: &Path, tokenizer: &tokenizers::Tokenizer, bert: &BertCon
     if std::fs::read_to_string(&path).ok().as_deref() != Some(json.as_str()) {
         std::fs::write(&path, &json).map_err(|e| Error::io("write", &path, e))?;
     }
+    if !dense.is_empty() {
+        let path = dir.join(DENSE_FILE);
+        let modules: Vec<serde_json::Value> = dense
+            .iter()
+            .map(|d| serde_json::json!({"path": d.path, "config": d.config()}))
+            .collect();
+        let json =
+            serde_json::to_string_pretty(&modules).map_err(|e| Error::io("write", &path, e))?;
+        std::fs::write(&path, json).map_err(|e| Error::io("write", &path, e))?;
+    }
     let path = dir.join(MODEL_CONFIG_FILE);
     let json = serde_json::to_string_pretty(bert).map_err(|e| Error::io("write", &path, e))?;
     std::fs::write(&path, json).map_err(|e| Error::io("write", &path, e))
+}
+
+/// The run's Dense modules (`dense_modules.json` in the run directory; none without it).
+fn read_dense_modules(dir: &Path) -> Result<Vec<DenseSpec>> {
+    let path = dir.join(DENSE_FILE);
+    if !path.is_file() {
+        return Ok(Vec::new());
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io("read", &path, e))?;
+    let bad = |reason: String| Error::ModelFile {
+        path: path.clone(),
+        reason,
+    };
+    let modules: Vec<serde_json::Value> =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not a list of modules: {e}")))?;
+    modules
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            m["path"]
+                .as_str()
+                .and_then(|p| DenseSpec::from_config(p, &m["config"]))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "module {i} is not a Dense module's path and config"
+                    ))
+                })
+        })
+        .collect()
 }
 
 /// Checks that every rank runs the same configuration on the same data. Data paths may
@@ -617,7 +661,15 @@ pub fn export_run(
     let weights = WeightFile::open(&checkpoint::model_file(&dir), &file_prefix)?;
     let store =
         ParamStore::new(cfg.seed, DType::F32, &Device::Cpu).with_weights(prefix, Arc::new(weights));
-    let options = bert_options(cfg);
+    let mut options = bert_options(cfg);
+    options.dense = read_dense_modules(&cfg.output_dir)?;
+    if options.dense.is_empty() {
+        if let Some(files) = &pretrained {
+            if let Some(head) = crate::hub::read_sentence_transformers_config(&files.dir)? {
+                options.dense = head.dense.iter().map(|d| d.spec()).collect();
+            }
+        }
+    }
     let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;
     export_bert(
         output,
