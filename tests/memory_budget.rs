@@ -119,3 +119,92 @@ fn an_impossible_budget_is_refused_before_any_step_or_file() {
     let err = try_config(&out, "2 GiBs").expect_err("not a size");
     assert!(err.to_string().contains("train.memory_budget"), "{err}");
 }
+
+/// ModernBERT takes inputs up to `max_position_embeddings` (8,192 for the published
+/// models) and has no position table to bound them: long inputs are fitted to the budget
+/// like any other. The tiny ModernBERT fixture with its limit raised to 4,096 trains on
+/// texts of 512 tokens (longer than any position table of the BERT family here); the plan the budget picks keeps every step within it.
+#[test]
+fn long_modernbert_inputs_fit_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/modernbert");
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    for entry in std::fs::read_dir(&fixture).unwrap() {
+        let path = entry.unwrap().path();
+        let to = model.join(path.file_name().unwrap());
+        if path.is_file() {
+            std::fs::copy(&path, &to).unwrap();
+        } else {
+            // The pooling module's directory.
+            std::fs::create_dir_all(&to).unwrap();
+            for inner in std::fs::read_dir(&path).unwrap() {
+                let inner = inner.unwrap().path();
+                std::fs::copy(&inner, to.join(inner.file_name().unwrap())).unwrap();
+            }
+        }
+    }
+    let cfg_path = model.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = 4096.into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    // Long texts: quickstart lines run together.
+    let lines: Vec<String> = std::fs::read_to_string("data/quickstart/train.jsonl")
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["positive"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    let long = |i: usize| lines[i * 40..(i + 1) * 40].join(" ");
+    let data = dir.path().join("long.jsonl");
+    let rows: Vec<String> = (0..12)
+        .map(|i| serde_json::json!({"query": long(2 * i), "positive": long(2 * i + 1)}).to_string())
+        .collect();
+    std::fs::write(&data, rows.join("\n")).unwrap();
+    let run = |name: &str, budget: &str| {
+        let sets = [
+            format!("output_dir={}", dir.path().join(name).display()),
+            format!("data.train_file=\"{}\"", data.display()),
+            format!("data.eval_file=\"{}\"", data.display()),
+            format!("model.pretrained=\"{}\"", model.display()),
+            "train.steps=1".into(),
+            "train.batch_size=8".into(),
+            "train.eval_every=0".into(),
+            "model.query_max_len=512".into(),
+            "model.passage_max_len=512".into(),
+            format!("train.memory_budget=\"{budget}\""),
+        ];
+        Trainer::new(
+            Config::load(Path::new("configs/quickstart.toml"), &sets).unwrap(),
+            None,
+        )
+        .unwrap()
+    };
+    let roomy = run("roomy", "8GiB");
+    let full = roomy.predicted_peak().unwrap();
+    assert_eq!(roomy.config().train.query_chunk, 8);
+    let base = memory::current_bytes() as u64;
+    drop(roomy);
+    let budget = base + (full - base) / 2;
+    let mut trainer = run("tight", &format!("{budget}B"));
+    let t = &trainer.config().train;
+    assert!(
+        t.query_chunk < 8 || trainer.config().model.recompute != gradcache::Recompute::Off,
+        "half the room needs smaller chunks or recompute"
+    );
+    let predicted = trainer.predicted_peak().unwrap();
+    assert!(
+        predicted <= budget,
+        "budget {budget}: predicted {predicted}"
+    );
+    let measured = measured_peak(&mut trainer, 1);
+    assert!(
+        measured as f64 <= budget as f64 * 1.15,
+        "budget {budget}: a step used {measured}"
+    );
+}
