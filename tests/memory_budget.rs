@@ -12,6 +12,14 @@ use gradcache::Error;
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
+/// The counting allocator counts the whole process: the tests of this binary measure the
+/// heap one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The quickstart model and data at a test's size.
 fn config(dir: &Path, budget: &str) -> Config {
     try_config(dir, budget).unwrap()
@@ -52,6 +60,7 @@ fn measured_peak(trainer: &mut Trainer, steps: usize) -> u64 {
 
 #[test]
 fn steps_fit_the_budget_and_the_prediction_is_within_15_percent() {
+    let _alone = alone();
     let dir = tempfile::tempdir().unwrap();
     // A budget larger than any setting needs: the whole batch in one chunk, no recompute.
     let roomy = Trainer::new(config(&dir.path().join("roomy"), "8GiB"), None).unwrap();
@@ -104,6 +113,7 @@ fn steps_fit_the_budget_and_the_prediction_is_within_15_percent() {
 
 #[test]
 fn an_impossible_budget_is_refused_before_any_step_or_file() {
+    let _alone = alone();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
     let err = Trainer::new(config(&out, "4MiB"), None)
@@ -126,6 +136,7 @@ fn an_impossible_budget_is_refused_before_any_step_or_file() {
 /// texts of 512 tokens (longer than any position table of the BERT family here); the plan the budget picks keeps every step within it.
 #[test]
 fn long_modernbert_inputs_fit_the_budget() {
+    let _alone = alone();
     let dir = tempfile::tempdir().unwrap();
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/modernbert");
     let model = dir.path().join("model");
