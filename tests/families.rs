@@ -552,6 +552,34 @@ fn bad_family_configs_and_module_files_are_refused_naming_the_problem() {
         c["out_features"] = 8.into()
     });
     assert!(load_err(&dir).contains("linear.weight"));
+    // A Dense module whose input is not the pooled width (its files agree with each
+    // other, not with the model).
+    let dir = edited(t, "bert-dense", "2_Dense/config.json", |c| {
+        c["in_features"] = 31.into()
+    });
+    let weights = HashMap::from([
+        (
+            "linear.weight".to_string(),
+            Tensor::zeros((16, 31), DType::F32, &Device::Cpu).unwrap(),
+        ),
+        (
+            "linear.bias".to_string(),
+            Tensor::zeros(16, DType::F32, &Device::Cpu).unwrap(),
+        ),
+    ]);
+    candle_core::safetensors::save(&weights, dir.join("2_Dense/model.safetensors")).unwrap();
+    let err = load_err(&dir);
+    assert!(err.contains("Dense module") && err.contains("31"), "{err}");
+    // A Dense directory whose name cannot name parameters.
+    let dir = edited(t, "bert-dense", "modules.json", |m| {
+        m[2]["path"] = "2.Dense".into()
+    });
+    std::fs::rename(dir.join("2_Dense"), dir.join("2.Dense")).unwrap();
+    let err = load_err(&dir);
+    assert!(
+        err.contains("Dense module") && err.contains("2.Dense"),
+        "{err}"
+    );
     // Modules out of order, and no pooling at all.
     let dir = edited(t, "bert-dense", "modules.json", |m| {
         let list = m.as_array_mut().unwrap();
