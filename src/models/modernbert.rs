@@ -228,22 +228,10 @@ impl ModernBert {
                 .contiguous()?)
         };
         let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-        let (cos, sin) = if layer.sliding {
-            &aux.local
-        } else {
-            &aux.global
-        };
+        let (cos, sin) = self.rotary_tables(i, aux);
         let rotary = crate::nn::rotary;
         let (q, k) = (rotary(&q, cos, sin)?, rotary(&k, cos, sin)?);
-        let dropout = self.attention_dropout.mask(ctx, id, site::ATTENTION_PROBS);
-        let scale = 1.0 / (d as f64).sqrt();
-        let spec = AttentionSpec {
-            bias: key_bias.clone(),
-            scale,
-            dropout,
-            recompute: recompute_probs,
-            window: layer.sliding.then_some(self.half_window),
-        };
+        let spec = self.attention_spec(i, d, key_bias, recompute_probs, ctx);
         let attended = crate::nn::attention(&q, &k, &v, &spec)?;
         let attended = attended.transpose(1, 2)?.reshape((n, s, h))?;
         let out = layer.wo.forward(&attended)?;
@@ -257,6 +245,35 @@ impl ModernBert {
             .mlp_dropout
             .forward(&gated, ctx, id, site::FEED_FORWARD)?;
         Ok((x + layer.mlp_wo.forward(&hidden)?)?)
+    }
+
+    /// The rotary tables of layer `i`'s type.
+    fn rotary_tables<'a>(&self, i: usize, aux: &'a ModernAux) -> &'a (Tensor, Tensor) {
+        if self.layers[i].sliding {
+            &aux.local
+        } else {
+            &aux.global
+        }
+    }
+
+    /// Layer `i`'s attention over heads of `d` dimensions: the key mask, dropout on the
+    /// probabilities, and the window of a local layer.
+    fn attention_spec(
+        &self,
+        i: usize,
+        d: usize,
+        key_bias: &Tensor,
+        recompute_probs: bool,
+        ctx: &Ctx,
+    ) -> AttentionSpec {
+        let id = i as u32 + 1;
+        AttentionSpec {
+            bias: key_bias.clone(),
+            scale: 1.0 / (d as f64).sqrt(),
+            dropout: self.attention_dropout.mask(ctx, id, site::ATTENTION_PROBS),
+            recompute: recompute_probs,
+            window: self.layers[i].sliding.then_some(self.half_window),
+        }
     }
 
     /// Layer `i` as one node with its backward written out
@@ -282,22 +299,12 @@ impl ModernBert {
             up: affine(&layer.wi),
             down: affine(&layer.mlp_wo),
         };
-        let (cos, sin) = if layer.sliding {
-            &aux.local
-        } else {
-            &aux.global
-        };
+        let (cos, sin) = self.rotary_tables(i, aux);
         let spec = PreNormSpec {
             heads: self.heads,
             act: self.activation.fused(),
             eps: layer.mlp_norm.eps(),
-            attention: AttentionSpec {
-                bias: key_bias.clone(),
-                scale: 1.0 / (d as f64).sqrt(),
-                dropout: self.attention_dropout.mask(ctx, id, site::ATTENTION_PROBS),
-                recompute: recompute_probs,
-                window: layer.sliding.then_some(self.half_window),
-            },
+            attention: self.attention_spec(i, d, key_bias, recompute_probs, ctx),
             rotary: (cos.clone(), sin.clone()),
             attention_output_dropout: self.attention_dropout.mask(ctx, id, site::ATTENTION_OUTPUT),
             mlp_dropout: self.mlp_dropout.mask(ctx, id, site::FEED_FORWARD),

@@ -42,21 +42,10 @@ pub fn glu(x: &Tensor, act: Act) -> candle_core::Result<Tensor> {
 fn glu_node<T: Float>(x: &Tensor, act: Act, out_dims: Vec<usize>) -> candle_core::Result<Tensor> {
     let w = *out_dims.last().unwrap_or(&0);
     let detached = x.detach().contiguous()?;
-    let mut y = vec![T::zero(); x.elem_count() / 2];
-    {
+    let y = {
         let view = View::new(&detached)?;
-        let xs = view.values::<T>()?;
-        for_blocks(&mut y, w, |blk, chunk| {
-            let first = blk * BLOCK_ROWS;
-            for (r, out) in chunk.chunks_exact_mut(w).enumerate() {
-                let row = &xs[(first + r) * 2 * w..(first + r + 1) * 2 * w];
-                let (a, g) = row.split_at(w);
-                for ((o, &a), &g) in out.iter_mut().zip(a).zip(g) {
-                    *o = act.value(a) * g;
-                }
-            }
-        });
-    }
+        glu_rows(view.values::<T>()?, act, w)
+    };
     node_n_owned(
         "gradcache-glu",
         &[x],
@@ -67,22 +56,7 @@ fn glu_node<T: Float>(x: &Tensor, act: Act, out_dims: Vec<usize>) -> candle_core
             let dview = View::new(&dy)?;
             let dys = dview.values::<T>()?;
             let view = View::new(&detached)?;
-            let xs = view.values::<T>()?;
-            let mut dx = vec![T::zero(); xs.len()];
-            for_blocks(&mut dx, 2 * w, |blk, chunk| {
-                let first = blk * BLOCK_ROWS;
-                for (r, d) in chunk.chunks_exact_mut(2 * w).enumerate() {
-                    let row = first + r;
-                    let (a, g) = xs[row * 2 * w..(row + 1) * 2 * w].split_at(w);
-                    let gy = &dys[row * w..(row + 1) * w];
-                    let (da, dg) = d.split_at_mut(w);
-                    for i in 0..w {
-                        let (value, slope) = act.value_and_derivative(a[i]);
-                        da[i] = gy[i] * g[i] * slope;
-                        dg[i] = gy[i] * value;
-                    }
-                }
-            });
+            let dx = glu_rows_backward(view.values::<T>()?, dys, act, w);
             Ok(vec![Some(Tensor::from_vec(
                 dx,
                 detached.shape(),
@@ -90,6 +64,61 @@ fn glu_node<T: Float>(x: &Tensor, act: Act, out_dims: Vec<usize>) -> candle_core
             )?)])
         }),
     )
+}
+
+/// `act(a) g` of the rows `[a, g]` of `x` (`[rows, 2w]` into `[rows, w]`).
+pub(super) fn glu_rows<T: Float>(x: &[T], act: Act, w: usize) -> Vec<T> {
+    let mut y = vec![T::zero(); x.len() / 2];
+    for_blocks(&mut y, w, |blk, chunk| {
+        let first = blk * BLOCK_ROWS;
+        for (r, out) in chunk.chunks_exact_mut(w).enumerate() {
+            let row = &x[(first + r) * 2 * w..(first + r + 1) * 2 * w];
+            let (a, g) = row.split_at(w);
+            for ((o, &a), &g) in out.iter_mut().zip(a).zip(g) {
+                *o = act.value(a) * g;
+            }
+        }
+    });
+    y
+}
+
+/// The gradient `[rows, 2w]` of the rows of `x` from that of [`glu_rows`]'s output `dy`.
+pub(super) fn glu_rows_backward<T: Float>(x: &[T], dy: &[T], act: Act, w: usize) -> Vec<T> {
+    let mut dx = vec![T::zero(); x.len()];
+    for_blocks(&mut dx, 2 * w, |blk, chunk| {
+        let first = blk * BLOCK_ROWS;
+        for (r, d) in chunk.chunks_exact_mut(2 * w).enumerate() {
+            let row = first + r;
+            let (a, g) = x[row * 2 * w..(row + 1) * 2 * w].split_at(w);
+            let gy = &dy[row * w..(row + 1) * w];
+            let (da, dg) = d.split_at_mut(w);
+            for i in 0..w {
+                let (value, slope) = act.value_and_derivative(a[i]);
+                da[i] = gy[i] * g[i] * slope;
+                dg[i] = gy[i] * value;
+            }
+        }
+    });
+    dx
+}
+
+/// One head's `d` values rotated in place with its place's tables `c`, `sn` (`transpose`:
+/// `R^T`, the backward).
+#[inline(always)]
+pub(super) fn rotate_head<T: Float>(x: &mut [T], c: &[T], sn: &[T], transpose: bool) {
+    let half = x.len() / 2;
+    for i in 0..half {
+        let (u, v) = (x[i], x[i + half]);
+        if transpose {
+            // R^T([u s1, v s2]) = [v s2, -u s1].
+            x[i] = u * c[i] + v * sn[i + half];
+            x[i + half] = v * c[i + half] - u * sn[i];
+        } else {
+            // R([u, v]) = [-v, u].
+            x[i] = u * c[i] - v * sn[i];
+            x[i + half] = v * c[i + half] + u * sn[i + half];
+        }
+    }
 }
 
 /// Rotary position embedding of `x` `[.., s, d]` with tables `cos`, `sin` `[s, d]` (each
@@ -123,27 +152,13 @@ fn rotate<T: Float>(
     (s, d): (usize, usize),
     transpose: bool,
 ) -> Vec<T> {
-    let half = d / 2;
-    let mut out = vec![T::zero(); xs.len()];
+    let mut out = xs.to_vec();
     for_blocks(&mut out, d, |blk, chunk| {
         let first = blk * BLOCK_ROWS;
         for (r, o) in chunk.chunks_exact_mut(d).enumerate() {
-            let row = first + r;
-            let t = row % s;
-            let x = &xs[row * d..(row + 1) * d];
+            let t = (first + r) % s;
             let (c, sn) = (&c[t * d..(t + 1) * d], &sn[t * d..(t + 1) * d]);
-            for i in 0..half {
-                let (u, v) = (x[i], x[i + half]);
-                if transpose {
-                    // R^T([u s1, v s2]) = [v s2, -u s1].
-                    o[i] = u * c[i] + v * sn[i + half];
-                    o[i + half] = v * c[i + half] - u * sn[i];
-                } else {
-                    // R([u, v]) = [-v, u].
-                    o[i] = u * c[i] - v * sn[i];
-                    o[i + half] = v * c[i + half] + u * sn[i + half];
-                }
-            }
+            rotate_head(o, c, sn, transpose);
         }
     });
     out

@@ -16,8 +16,8 @@
 //! gets no gradient). The forward keeps the input, the rotated `qkv`, the probabilities
 //! (unless `attention.probs` is recomputed), `ctx`, `x1` and `up`; the norms' outputs and
 //! the gated activations are recomputed in the backward with the forward's arithmetic.
-//! The rotation and the gated unit are those of the per-op nodes ([`super::gated`]),
-//! element for element.
+//! The rotation and the gated unit are the per-op nodes' own row functions
+//! ([`super::gated`]).
 
 use candle_core::{DType, Tensor};
 
@@ -25,6 +25,7 @@ use super::attention::{self as kernel, KeyMask};
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::encoder_layer::{attend, attention_backward};
 use super::fused::AttentionSpec;
+use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{column_sums, linear, product, product_new};
 use super::math::Act;
 use super::node::node_n_owned;
@@ -361,7 +362,6 @@ fn layer<T: Float>(
 /// at its row's place (`transpose`: the backward's `R^T`), as [`super::gated`]'s rotary.
 fn rotate_qk<T: Float>(qkv: &mut [T], rotary: &Rotary<T>, dims: Shape, transpose: bool) {
     let (h, d) = (dims.h, dims.d);
-    let half = d / 2;
     for_blocks(qkv, 3 * h, |blk, chunk| {
         let first = blk * BLOCK_ROWS;
         for (r, row) in chunk.chunks_exact_mut(3 * h).enumerate() {
@@ -369,55 +369,10 @@ fn rotate_qk<T: Float>(qkv: &mut [T], rotary: &Rotary<T>, dims: Shape, transpose
             let c = &rotary.cos[t * d..(t + 1) * d];
             let sn = &rotary.sin[t * d..(t + 1) * d];
             for x in row[..2 * h].chunks_exact_mut(d) {
-                for i in 0..half {
-                    let (u, v) = (x[i], x[i + half]);
-                    if transpose {
-                        x[i] = u * c[i] + v * sn[i + half];
-                        x[i + half] = v * c[i + half] - u * sn[i];
-                    } else {
-                        x[i] = u * c[i] - v * sn[i];
-                        x[i + half] = v * c[i + half] + u * sn[i + half];
-                    }
-                }
+                rotate_head(x, c, sn, transpose);
             }
         }
     });
-}
-
-/// `act(a) g` of the rows `[a, g]` of `up` (`[rows, 2I]` into `[rows, I]`).
-fn gated<T: Float>(up: &[T], act: Act, i: usize) -> Vec<T> {
-    let mut out = vec![T::zero(); up.len() / 2];
-    for_blocks(&mut out, i, |blk, chunk| {
-        let first = blk * BLOCK_ROWS;
-        for (r, o) in chunk.chunks_exact_mut(i).enumerate() {
-            let row = &up[(first + r) * 2 * i..(first + r + 1) * 2 * i];
-            let (a, g) = row.split_at(i);
-            for ((o, &a), &g) in o.iter_mut().zip(a).zip(g) {
-                *o = act.value(a) * g;
-            }
-        }
-    });
-    out
-}
-
-/// The gradient `[rows, 2I]` of `up` from that of the gated output `dg` `[rows, I]`.
-fn gated_backward<T: Float>(up: &[T], dg: &[T], act: Act, i: usize) -> Vec<T> {
-    let mut dup = vec![T::zero(); up.len()];
-    for_blocks(&mut dup, 2 * i, |blk, chunk| {
-        let first = blk * BLOCK_ROWS;
-        for (r, d) in chunk.chunks_exact_mut(2 * i).enumerate() {
-            let row = first + r;
-            let (a, g) = up[row * 2 * i..(row + 1) * 2 * i].split_at(i);
-            let gy = &dg[row * i..(row + 1) * i];
-            let (da, dgate) = d.split_at_mut(i);
-            for j in 0..i {
-                let (value, slope) = act.value_and_derivative(a[j]);
-                da[j] = gy[j] * g[j] * slope;
-                dgate[j] = gy[j] * value;
-            }
-        }
-    });
-    dup
 }
 
 /// The first norm's output (`x` itself in a layer without one).
@@ -466,7 +421,7 @@ fn forward<T: Float>(
     });
     drop(a);
     let up = linear(&norm(&x1, w.n2, spec.eps), w.wi, w.bi, rows, h);
-    let g = gated(&up, spec.act, i);
+    let g = glu_rows(&up, spec.act, i);
     let g = dropped(&g, spec.mlp_dropout, i, Some(places));
     let mut y = x1.clone();
     for (yrow, brow) in y.chunks_exact_mut(h).zip(std::iter::repeat(w.bd)) {
@@ -505,13 +460,13 @@ fn backward<T: Float>(
     let places = &packing.padded;
     // The feed-forward: y = x1 + dropout(glu(up)) W_d^T + b_d.
     let dbd = column_sums(dy, h);
-    let g = gated(&kept.up, spec.act, i);
+    let g = glu_rows(&kept.up, spec.act, i);
     let g = dropped(&g, spec.mlp_dropout, i, Some(places));
     let dwd = product_new((h, i, rows), (dy, 1, h), (&g, i, 1));
     drop(g);
     let dg = product_new((rows, i, h), (dy, h, 1), (w.wd, i, 1));
     let dg = dropped(&dg, spec.mlp_dropout, i, Some(places));
-    let dup = gated_backward(&kept.up, &dg, spec.act, i);
+    let dup = glu_rows_backward(&kept.up, &dg, spec.act, i);
     drop(dg);
     let dbi = column_sums(&dup, 2 * i);
     let n2 = norm(&kept.x1, w.n2, spec.eps);
