@@ -768,3 +768,101 @@ fn recomputed_feed_forward_gives_the_gradients_of_its_three_nodes_bit_for_bit() 
         }
     }
 }
+
+/// The layer nodes refuse weights, tables and score biases that do not fit the input,
+/// naming what does not fit.
+#[test]
+fn layer_nodes_refuse_what_does_not_fit() {
+    use gradcache::nn::prenorm_layer::{prenorm_layer, PreNormSpec, PreNormWeights};
+    use gradcache::nn::{Act, AttentionSpec};
+    let z = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &Device::Cpu).unwrap();
+    let (n, s, h, inter, heads) = (2, 5, 8, 12, 2);
+    let x = z(&[n, s, h]);
+    let attention = AttentionSpec {
+        bias: z(&[n, 1, 1, s]),
+        scale: 0.5,
+        dropout: None,
+        recompute: false,
+        window: None,
+    };
+    let (g, wqkv, wo, wi, wd) = (
+        z(&[h]),
+        z(&[3 * h, h]),
+        z(&[h, h]),
+        z(&[2 * inter, h]),
+        z(&[h, inter]),
+    );
+    let weights = PreNormWeights {
+        attention_norm: None,
+        qkv: (&wqkv, None),
+        attention_output: (&wo, None),
+        mlp_norm: (&g, None),
+        up: (&wi, None),
+        down: (&wd, None),
+    };
+    let spec = PreNormSpec {
+        heads,
+        act: Act::GeluErf,
+        eps: 1e-5,
+        attention: attention.clone(),
+        // Tables for 4 places, not 5.
+        rotary: (z(&[s - 1, h / heads]), z(&[s - 1, h / heads])),
+        attention_output_dropout: None,
+        mlp_dropout: None,
+    };
+    let err = prenorm_layer(&x, &weights, &spec).unwrap_err().to_string();
+    assert!(
+        err.contains("pre-norm layer") && err.contains("rotary"),
+        "{err}"
+    );
+    let spec = PreNormSpec {
+        rotary: (z(&[s, h / heads]), z(&[s, h / heads])),
+        ..spec
+    };
+    assert!(prenorm_layer(&x, &weights, &spec).is_ok());
+    let short_down = z(&[h, inter - 1]);
+    let bad = PreNormWeights {
+        down: (&short_down, None),
+        ..weights.clone()
+    };
+    let err = prenorm_layer(&x, &bad, &spec).unwrap_err().to_string();
+    assert!(err.contains("do not fit"), "{err}");
+
+    // BERT's layer node with a score bias for 4 tokens on 5.
+    use gradcache::nn::encoder_layer::{encoder_layer, LayerSpec, LayerWeights};
+    let (wq, b, wi4, bi4, wd4) = (
+        z(&[h, h]),
+        z(&[h]),
+        z(&[4 * h, h]),
+        z(&[4 * h]),
+        z(&[h, 4 * h]),
+    );
+    let w = LayerWeights {
+        qkv: [&wq, &wq, &wq],
+        qkv_bias: [&b, &b, &b],
+        attention_output: (&wq, &b),
+        attention_norm: (&g, &b),
+        intermediate: (&wi4, &bi4),
+        output: (&wd4, &b),
+        output_norm: (&g, &b),
+    };
+    let spec = LayerSpec {
+        heads,
+        act: Act::GeluErf,
+        eps: 1e-12,
+        attention,
+        attention_output_dropout: None,
+        output_dropout: None,
+        recompute_attention_norm: false,
+        recompute_intermediate: false,
+        recompute_output_norm: false,
+        score_bias: Some(z(&[1, heads, s - 1, s - 1])),
+    };
+    let err = encoder_layer(&x, &w, &spec).unwrap_err().to_string();
+    assert!(err.contains("score bias"), "{err}");
+    let spec = LayerSpec {
+        score_bias: Some(z(&[1, heads, s, s])),
+        ..spec
+    };
+    assert!(encoder_layer(&x, &w, &spec).is_ok());
+}
