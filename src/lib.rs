@@ -82,6 +82,7 @@ pub mod pool;
 pub mod precision;
 pub mod recompute;
 pub mod replay;
+pub mod retrieval;
 pub mod rng;
 pub mod selfcheck;
 mod sink;

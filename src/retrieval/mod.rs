@@ -1,0 +1,72 @@
+//! The retrieval workflow around training: datasets as they are published ([`files`],
+//! [`beir`]), exact top-k search over a corpus in bounded memory ([`search`]), the
+//! standard measures with trec_eval's definitions ([`metrics`]), and hard-negative mining
+//! ([`mine`]).
+//!
+//! Nothing here knows about a model: the caller hands in a closure that embeds texts
+//! (with whatever prompts and tower it uses), so `gradcache eval`, `gradcache mine` and
+//! the trainer's evaluation run the same code.
+
+pub mod beir;
+pub mod files;
+pub mod metrics;
+pub mod mine;
+pub mod search;
+
+use std::collections::BTreeMap;
+
+use candle_core::Tensor;
+
+pub use beir::{BeirSet, Document, Qrels, Query};
+pub use metrics::{corpus_metrics, trec_order, trec_run, CorpusMetrics, Ranking};
+pub use mine::{mine, MineOptions, Mined, Sampling};
+pub use search::{search, Hit, SearchOptions};
+
+use crate::loss::Similarity;
+use crate::Result;
+
+/// A corpus evaluation: the measures and the run they were computed from.
+#[derive(Debug, Clone)]
+pub struct Evaluation {
+    /// Means over the judged queries.
+    pub metrics: CorpusMetrics,
+    /// Query id -> its top-k, in trec_eval's order.
+    pub run: BTreeMap<String, Ranking>,
+}
+
+/// Evaluates retrieval on `set`: every query against the whole corpus (exact top-k,
+/// blocked), then the measures of [`metrics`]. `embed_queries` embeds the query texts,
+/// `embed_documents` a block of document texts (title and text joined by
+/// `title_separator`).
+pub fn evaluate_corpus(
+    set: &BeirSet,
+    similarity: Similarity,
+    options: SearchOptions,
+    title_separator: &str,
+    embed_queries: impl FnOnce(&[&str]) -> Result<Tensor>,
+    mut embed_documents: impl FnMut(&[&str]) -> Result<Tensor>,
+) -> Result<Evaluation> {
+    let texts: Vec<&str> = set.queries.iter().map(|q| q.text.as_str()).collect();
+    let queries = embed_queries(&texts)?;
+    let hits = search(&queries, set.corpus.len(), similarity, options, |range| {
+        let docs: Vec<String> = set.corpus[range]
+            .iter()
+            .map(|d| d.joined(title_separator))
+            .collect();
+        let refs: Vec<&str> = docs.iter().map(String::as_str).collect();
+        embed_documents(&refs)
+    })?;
+    let mut run = BTreeMap::new();
+    for (query, hits) in set.queries.iter().zip(hits) {
+        let mut ranking: Ranking = hits
+            .iter()
+            .map(|h| (set.corpus[h.doc].id.clone(), h.score))
+            .collect();
+        trec_order(&mut ranking);
+        run.insert(query.id.clone(), ranking);
+    }
+    Ok(Evaluation {
+        metrics: corpus_metrics(&run, &set.qrels),
+        run,
+    })
+}
