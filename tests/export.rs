@@ -53,6 +53,7 @@ fn exported_models_load_back_with_equal_embeddings() {
             query.params(),
             "query",
             &tokenizer,
+            &gradcache::hub::Prompts::default(),
         )
         .unwrap();
 
@@ -140,6 +141,7 @@ fn never_overwrites_an_existing_directory() {
         enc.params(),
         "",
         &tokenizer,
+        &gradcache::hub::Prompts::default(),
     )
     .unwrap_err();
     assert!(
@@ -160,6 +162,7 @@ fn never_overwrites_an_existing_directory() {
         enc.params(),
         "query",
         &tokenizer,
+        &gradcache::hub::Prompts::default(),
     )
     .unwrap_err();
     assert!(
@@ -167,4 +170,112 @@ fn never_overwrites_an_existing_directory() {
         "{err}"
     );
     assert!(!work.path().join("x").exists());
+}
+
+/// Prompts go into `config_sentence_transformers.json` as sentence-transformers reads them,
+/// come back as the same two prompts, and are put before the texts: a model's query
+/// embedding of `t` is its plain embedding of `prompt + t`. Another model's prompts
+/// (`default_prompt_name`, `document`) are read the way `encode_query` /
+/// `encode_document` use them, and bad ones are refused naming the file.
+#[test]
+fn prompts_round_trip_and_are_put_before_the_texts() {
+    use gradcache::hub::{EmbeddingModel, LoadOptions, Prompts};
+    let work = tempfile::tempdir().unwrap();
+    let tok_path = work.path().join("tokenizer.json");
+    write_tokenizer(&tok_path);
+    let tokenizer = Tokenizer::from_file(&tok_path, 8).unwrap();
+    let cfg: BertConfig = serde_json::from_str(CONFIG).unwrap();
+    let store = ParamStore::new(3, DType::F32, &Device::Cpu);
+    let enc = BertEncoder::build(&store, "", &cfg, &BertOptions::default()).unwrap();
+    let prompts = Prompts {
+        query: "lord ".into(),
+        passage: "light ".into(),
+    };
+    let dir = work.path().join("prompted");
+    export_bert(
+        &dir,
+        &cfg,
+        &BertOptions::default(),
+        Similarity::Cosine,
+        enc.params(),
+        "",
+        &tokenizer,
+        &prompts,
+    )
+    .unwrap();
+    let st: serde_json::Value = serde_json::from_str(
+        &fs::read_to_string(dir.join("config_sentence_transformers.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(st["prompts"]["query"], "lord ");
+    assert_eq!(st["prompts"]["passage"], "light ");
+    assert!(st["default_prompt_name"].is_null());
+    let head = read_sentence_transformers_config(&dir).unwrap().unwrap();
+    assert_eq!(head.prompts, prompts);
+
+    let model = EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default()).unwrap();
+    assert_eq!(model.prompts(), &prompts);
+    let q = model.embed_queries(&["the light"], 4).unwrap();
+    let plain = model.embed(&["lord the light"], 4).unwrap();
+    assert_eq!(q.to_vec2::<f32>().unwrap(), plain.to_vec2::<f32>().unwrap());
+    let p = model.embed_passages(&["my lord"], 4).unwrap();
+    let plain = model.embed(&["light my lord"], 4).unwrap();
+    assert_eq!(p.to_vec2::<f32>().unwrap(), plain.to_vec2::<f32>().unwrap());
+    assert_ne!(
+        model
+            .embed(&["the light"], 4)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap(),
+        q.to_vec2::<f32>().unwrap(),
+        "the prompt changes the embedding"
+    );
+    // Given prompts win over the model's.
+    let given = LoadOptions {
+        query_prompt: Some(String::new()),
+        ..LoadOptions::default()
+    };
+    let model = EmbeddingModel::load(dir.to_str().unwrap(), &given).unwrap();
+    assert_eq!(model.prompts().query, "");
+    assert_eq!(model.prompts().passage, "light ");
+
+    // Another model's layout: a default prompt, and `document` for passages.
+    let st_path = dir.join("config_sentence_transformers.json");
+    let write = |v: serde_json::Value| fs::write(&st_path, v.to_string()).unwrap();
+    write(serde_json::json!({
+        "prompts": {"retrieval": "Represent this: ", "document": "doc: "},
+        "default_prompt_name": "retrieval"
+    }));
+    let head = read_sentence_transformers_config(&dir).unwrap().unwrap();
+    assert_eq!(head.prompts.query, "Represent this: ");
+    assert_eq!(head.prompts.passage, "doc: ");
+    for bad in [
+        serde_json::json!({"prompts": {"query": 3}}),
+        serde_json::json!({"prompts": {}, "default_prompt_name": "nope"}),
+        serde_json::json!({"prompts": ["query: "]}),
+    ] {
+        write(bad.clone());
+        match read_sentence_transformers_config(&dir).unwrap_err() {
+            Error::ModelFile { path, .. } => {
+                assert!(path.ends_with("config_sentence_transformers.json"), "{bad}")
+            }
+            other => panic!("{bad}: expected a model file error, got {other}"),
+        }
+    }
+    // A pooling that leaves prompt tokens out is refused while a prompt is in use.
+    write(serde_json::json!({"prompts": {"query": "q: "}}));
+    let pooling = dir.join("1_Pooling/config.json");
+    let mut cfg_json: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&pooling).unwrap()).unwrap();
+    cfg_json["include_prompt"] = serde_json::json!(false);
+    fs::write(&pooling, cfg_json.to_string()).unwrap();
+    let err = EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default())
+        .err()
+        .expect("include_prompt = false with a prompt must be refused");
+    assert!(err.to_string().contains("include_prompt"), "{err}");
+    let none = LoadOptions {
+        query_prompt: Some(String::new()),
+        ..LoadOptions::default()
+    };
+    EmbeddingModel::load(dir.to_str().unwrap(), &none).unwrap();
 }

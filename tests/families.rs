@@ -226,6 +226,7 @@ fn an_export_loads_back_to_the_same_embeddings_and_family() {
             model.encoder().params(),
             "",
             model.tokenizer(),
+            model.prompts(),
         )
         .unwrap();
         // The tokenizer config names the family's own special tokens (sentence-transformers

@@ -25,7 +25,7 @@ use serde_json::json;
 
 pub use crate::hub::files::{MODULES, POOLING, SENTENCE_TRANSFORMERS_CONFIG};
 pub use crate::hub::sentence_transformers::{
-    read_sentence_transformers_config, SentenceTransformersConfig,
+    read_sentence_transformers_config, Prompts, SentenceTransformersConfig,
 };
 use crate::hub::tokenizer::Tokenizer;
 use crate::loss::Similarity;
@@ -40,6 +40,7 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
 
 /// Exports the tower whose parameters are `params` under `prefix` (`""` for a shared
 /// tower, e.g. `"query"` for one of two) to `dir`.
+#[allow(clippy::too_many_arguments)]
 pub fn export_bert(
     dir: &Path,
     cfg: &BertConfig,
@@ -48,6 +49,7 @@ pub fn export_bert(
     params: &Params,
     prefix: &str,
     tokenizer: &Tokenizer,
+    prompts: &Prompts,
 ) -> Result<()> {
     if dir.exists()
         && fs::read_dir(dir)
@@ -200,7 +202,11 @@ pub fn export_bert(
     )?;
     write_json(
         &tmp.join(SENTENCE_TRANSFORMERS_CONFIG),
-        &json!({"similarity_fn_name": similarity.sentence_transformers_name()}),
+        &json!({
+            "similarity_fn_name": similarity.sentence_transformers_name(),
+            "prompts": prompts.to_sentence_transformers(),
+            "default_prompt_name": null,
+        }),
     )?;
     write_json(
         &tmp.join(POOLING),

@@ -23,7 +23,7 @@ pub use crate::models::bert::DenseActivation;
 pub use export::export_bert;
 pub use files::{HubSettings, ModelFiles};
 pub use sentence_transformers::{
-    read_sentence_transformers_config, DenseLayer, SentenceTransformersConfig,
+    read_sentence_transformers_config, DenseLayer, Prompts, SentenceTransformersConfig,
 };
 pub use tokenizer::Tokenizer;
 
@@ -114,6 +114,11 @@ pub struct LoadOptions {
     pub max_len: usize,
     /// Where to run.
     pub device: Device,
+    /// Put before queries (default: the model's `query` prompt, else its default prompt).
+    pub query_prompt: Option<String>,
+    /// Put before passages (default: the model's `document`/`passage`/`corpus` prompt,
+    /// else its default prompt).
+    pub passage_prompt: Option<String>,
 }
 
 impl Default for LoadOptions {
@@ -124,6 +129,8 @@ impl Default for LoadOptions {
             similarity: None,
             max_len: 128,
             device: Device::Cpu,
+            query_prompt: None,
+            passage_prompt: None,
         }
     }
 }
@@ -134,6 +141,7 @@ pub struct EmbeddingModel {
     /// The sentence-transformers `Dense` modules after the pooling.
     dense: Vec<DenseLayer>,
     tokenizer: Tokenizer,
+    prompts: Prompts,
     config: BertConfig,
     options: BertOptions,
     similarity: Similarity,
@@ -205,12 +213,31 @@ impl EmbeddingModel {
                 files.dir.display()
             )
         };
-        let settings = format!(
+        let from_files = head.as_ref().map(|h| h.prompts.clone()).unwrap_or_default();
+        let prompts = Prompts {
+            query: options.query_prompt.clone().unwrap_or(from_files.query),
+            passage: options.passage_prompt.clone().unwrap_or(from_files.passage),
+        };
+        if !prompts.is_empty() && head.as_ref().is_some_and(|h| !h.include_prompt) {
+            return Err(Error::UnsupportedConfig {
+                field: "include_prompt",
+                value: "false".into(),
+                supported: "true (prompt tokens pooled with the text); pooling that leaves the \
+                            prompt out is not implemented: give empty prompts to encode without",
+                path: files.dir.join(export::POOLING),
+            });
+        }
+        let mut settings = format!(
             "pooling {} ({pooling_src}), normalize {normalize} ({normalize_src}), similarity \
              {} ({similarity_src}); {head_note}",
             pooling.name(),
             similarity.sentence_transformers_name(),
         );
+        for (side, prompt) in [("query", &prompts.query), ("passage", &prompts.passage)] {
+            if !prompt.is_empty() {
+                settings += &format!("; {side} prompt {prompt:?}");
+            }
+        }
         let bert_options = BertOptions {
             pooling,
             normalize,
@@ -229,6 +256,7 @@ impl EmbeddingModel {
             encoder,
             dense,
             tokenizer,
+            prompts,
             config,
             options: bert_options,
             similarity,
@@ -238,9 +266,26 @@ impl EmbeddingModel {
         })
     }
 
-    /// Embeddings `[texts, width]`, encoding `chunk` texts at a time.
+    /// Embeddings `[texts, width]`, encoding `chunk` texts at a time, without a prompt.
     pub fn embed(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
         embed(&self.encoder, &self.tokenizer, texts, chunk, &self.device)
+    }
+
+    /// Query embeddings: [`EmbeddingModel::embed`] with the query prompt.
+    pub fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+        let tokenizer = self.tokenizer.clone().with_prompt(&self.prompts.query);
+        embed(&self.encoder, &tokenizer, texts, chunk, &self.device)
+    }
+
+    /// Passage embeddings: [`EmbeddingModel::embed`] with the passage prompt.
+    pub fn embed_passages(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+        let tokenizer = self.tokenizer.clone().with_prompt(&self.prompts.passage);
+        embed(&self.encoder, &tokenizer, texts, chunk, &self.device)
+    }
+
+    /// The query and passage prompts in use.
+    pub fn prompts(&self) -> &Prompts {
+        &self.prompts
     }
 
     /// The sentence-transformers `Dense` modules after the pooling, in order.

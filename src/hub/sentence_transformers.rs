@@ -32,6 +32,82 @@ pub struct SentenceTransformersConfig {
     pub normalize: bool,
     /// `similarity_fn_name` of `config_sentence_transformers.json`, when the file names one.
     pub similarity: Option<Similarity>,
+    /// The query and passage prompts of `config_sentence_transformers.json`.
+    pub prompts: Prompts,
+}
+
+/// The texts put before queries and passages (e5's `query: ` / `passage: `, an
+/// instruction). Empty: none.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Prompts {
+    /// Before every query.
+    pub query: String,
+    /// Before every passage (corpus document).
+    pub passage: String,
+}
+
+/// The prompt names sentence-transformers' `encode_document` looks for, in its order.
+const PASSAGE_PROMPT_NAMES: [&str; 3] = ["document", "passage", "corpus"];
+
+impl Prompts {
+    /// Reads `prompts` and `default_prompt_name` of a `config_sentence_transformers.json`
+    /// as `encode_query` / `encode_document` use them: the prompt named `query` (else the
+    /// default prompt) for queries, the first of `document`, `passage`, `corpus` (else the
+    /// default) for passages.
+    pub fn from_sentence_transformers(config: &Value, path: &Path) -> Result<Self> {
+        let prompts = match &config["prompts"] {
+            Value::Null => serde_json::Map::new(),
+            Value::Object(m) => m.clone(),
+            _ => return Err(model_file(path, "`prompts` must map names to prompt texts")),
+        };
+        let text = |name: &str| -> Result<Option<String>> {
+            match prompts.get(name) {
+                None => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(_) => Err(model_file(path, format!("prompt `{name}` is not a string"))),
+            }
+        };
+        let default = match &config["default_prompt_name"] {
+            Value::Null => None,
+            Value::String(name) => Some(text(name)?.ok_or_else(|| {
+                model_file(
+                    path,
+                    format!("`default_prompt_name` names `{name}`, which `prompts` does not hold"),
+                )
+            })?),
+            _ => return Err(model_file(path, "`default_prompt_name` must be a string")),
+        };
+        let mut passage = None;
+        for name in PASSAGE_PROMPT_NAMES {
+            if let Some(p) = text(name)? {
+                passage = Some(p);
+                break;
+            }
+        }
+        Ok(Self {
+            query: text("query")?
+                .or_else(|| default.clone())
+                .unwrap_or_default(),
+            passage: passage.or(default).unwrap_or_default(),
+        })
+    }
+
+    /// The `prompts` object sentence-transformers reads back as the same two prompts.
+    pub fn to_sentence_transformers(&self) -> Value {
+        let mut m = serde_json::Map::new();
+        if !self.query.is_empty() {
+            m.insert("query".into(), json!(self.query));
+        }
+        if !self.passage.is_empty() {
+            m.insert("passage".into(), json!(self.passage));
+        }
+        Value::Object(m)
+    }
+
+    /// Whether neither side has a prompt.
+    pub fn is_empty(&self) -> bool {
+        self.query.is_empty() && self.passage.is_empty()
+    }
 }
 
 /// A `Dense` module: `activation(x W^T + b)` on the sentence embedding.
@@ -296,8 +372,14 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
         });
     };
     let st_path = dir.join(SENTENCE_TRANSFORMERS_CONFIG);
+    let st_config = if st_path.is_file() {
+        read_json(&st_path)?
+    } else {
+        Value::Null
+    };
+    let prompts = Prompts::from_sentence_transformers(&st_config, &st_path)?;
     let similarity = if st_path.is_file() {
-        match read_json(&st_path)?["similarity_fn_name"].as_str() {
+        match st_config["similarity_fn_name"].as_str() {
             None => None,
             Some(name) => Some(
                 Similarity::from_sentence_transformers_name(name).ok_or_else(|| {
@@ -319,5 +401,6 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
         dense,
         normalize,
         similarity,
+        prompts,
     }))
 }

@@ -19,6 +19,8 @@ use crate::{Error, Result};
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     max_len: usize,
+    /// Put before every text (a sentence-transformers prompt such as e5's `query: `).
+    prompt: String,
 }
 
 impl Tokenizer {
@@ -56,7 +58,23 @@ impl Tokenizer {
             pad_token,
             ..Default::default()
         }));
-        Ok(Self { inner, max_len })
+        Ok(Self {
+            inner,
+            max_len,
+            prompt: String::new(),
+        })
+    }
+
+    /// The same tokenizer putting `prompt` before every text (as sentence-transformers
+    /// does with a prompt: the prompt is part of the text, inside the special tokens).
+    pub fn with_prompt(mut self, prompt: &str) -> Self {
+        self.prompt = prompt.to_string();
+        self
+    }
+
+    /// The prompt put before every text (empty: none).
+    pub fn prompt(&self) -> &str {
+        &self.prompt
     }
 
     /// The maximum sequence length.
@@ -76,10 +94,16 @@ impl Tokenizer {
                 side: crate::Side::Query,
             });
         }
-        let encodings = self
-            .inner
-            .encode_batch(texts.to_vec(), true)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let encodings = if self.prompt.is_empty() {
+            self.inner.encode_batch(texts.to_vec(), true)
+        } else {
+            let prompted: Vec<String> = texts
+                .iter()
+                .map(|t| format!("{}{t}", self.prompt))
+                .collect();
+            self.inner.encode_batch(prompted, true)
+        }
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let rows = encodings.len();
         let len = encodings.first().map_or(0, |e| e.len());
         let field = |f: fn(&tokenizers::Encoding) -> &[u32]| -> Result<Tensor> {

@@ -6,7 +6,7 @@
 //!   first, and equal scores by document id in *decreasing* byte order;
 //! - nDCG@k: gain = grade, discount `log2(rank + 1)`, over the ideal ordering of the
 //!   query's judged grades (`ndcg_cut_k`);
-//! - recall@k: relevant documents in the top k over all relevant documents (`recall_k`);
+//! - recall@k (1, 5, 10, 100): relevant documents in the top k over all relevant documents (`recall_k`);
 //! - MAP@k: the precision at each relevant document's rank within the top k, summed and
 //!   divided by the number of relevant documents (`map_cut_k`);
 //! - MRR@k: the reciprocal rank of the first relevant document within the top k, else 0
@@ -29,6 +29,8 @@ pub struct CorpusMetrics {
     pub mrr_at_10: f64,
     /// Recall@1 (`recall_1`).
     pub recall_at_1: f64,
+    /// Recall@5 (`recall_5`).
+    pub recall_at_5: f64,
     /// Recall@10 (`recall_10`).
     pub recall_at_10: f64,
     /// Recall@100 (`recall_100`).
@@ -50,11 +52,11 @@ pub fn trec_order(ranking: &mut Ranking) {
 }
 
 /// The measures of one query: `ranking` in trec_eval's order, `judged` its grades.
-fn query_measures(ranking: &Ranking, judged: &BTreeMap<String, i64>) -> [f64; 6] {
+fn query_measures(ranking: &Ranking, judged: &BTreeMap<String, i64>) -> [f64; 7] {
     let grade = |doc: &str| judged.get(doc).copied().unwrap_or(0);
     let relevant = judged.values().filter(|&&g| g >= 1).count();
     if relevant == 0 {
-        return [0.0; 6];
+        return [0.0; 7];
     }
     let discount = |rank: usize| 1.0 / ((rank + 1) as f64).log2();
     let dcg: f64 = ranking
@@ -94,14 +96,22 @@ fn query_measures(ranking: &Ranking, judged: &BTreeMap<String, i64>) -> [f64; 6]
         }
     }
     let map = precision_sum / relevant as f64;
-    [ndcg, mrr, recall(1), recall(10), recall(100), map]
+    [
+        ndcg,
+        mrr,
+        recall(1),
+        recall(5),
+        recall(10),
+        recall(100),
+        map,
+    ]
 }
 
 /// The measures of `run` (query id -> ranking, each in trec_eval's order, see
 /// [`trec_order`]) against `qrels`, averaged over the judged queries. A judged query
 /// missing from the run scores 0.
 pub fn corpus_metrics(run: &BTreeMap<String, Ranking>, qrels: &Qrels) -> CorpusMetrics {
-    let mut sums = [0f64; 6];
+    let mut sums = [0f64; 7];
     let empty = Ranking::new();
     for (query, judged) in qrels {
         let ranking = run.get(query).unwrap_or(&empty);
@@ -115,9 +125,10 @@ pub fn corpus_metrics(run: &BTreeMap<String, Ranking>, qrels: &Qrels) -> CorpusM
         ndcg_at_10: sums[0] / n,
         mrr_at_10: sums[1] / n,
         recall_at_1: sums[2] / n,
-        recall_at_10: sums[3] / n,
-        recall_at_100: sums[4] / n,
-        map_at_100: sums[5] / n,
+        recall_at_5: sums[3] / n,
+        recall_at_10: sums[4] / n,
+        recall_at_100: sums[5] / n,
+        map_at_100: sums[6] / n,
     }
 }
 

@@ -270,3 +270,110 @@ pub fn mine(
         dropped,
     })
 }
+
+/// What mining runs over: queries, the corpus they retrieve from, and each query's
+/// positives in it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct MiningSet {
+    /// Distinct query texts.
+    pub queries: Vec<String>,
+    /// Corpus indices of each query's positives.
+    pub positives: Vec<Vec<usize>>,
+    /// Distinct corpus texts.
+    pub corpus: Vec<String>,
+}
+
+/// One mined training example: a query, one of its positives, its negatives.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct MinedRow {
+    /// The query.
+    pub query: String,
+    /// A positive.
+    pub positive: String,
+    /// The mined negatives, best first.
+    pub negatives: Vec<String>,
+}
+
+impl MiningSet {
+    /// From `(query, positive)` pairs, as sentence-transformers mines a pair dataset: the
+    /// corpus is the distinct positives plus `extra_corpus`; a query's positives are
+    /// those of every pair with the same query text.
+    pub fn from_pairs<'a>(
+        pairs: impl IntoIterator<Item = (&'a str, &'a str)>,
+        extra_corpus: impl IntoIterator<Item = String>,
+    ) -> Self {
+        use std::collections::HashMap;
+        let mut set = Self::default();
+        let mut doc_index: HashMap<String, usize> = HashMap::new();
+        let mut query_index: HashMap<String, usize> = HashMap::new();
+        let mut add_doc = |set: &mut Self, text: String| -> usize {
+            *doc_index.entry(text).or_insert_with_key(|t| {
+                set.corpus.push(t.clone());
+                set.corpus.len() - 1
+            })
+        };
+        for (query, positive) in pairs {
+            let doc = add_doc(&mut set, positive.to_string());
+            let q = *query_index.entry(query.to_string()).or_insert_with(|| {
+                set.queries.push(query.to_string());
+                set.positives.push(Vec::new());
+                set.queries.len() - 1
+            });
+            if !set.positives[q].contains(&doc) {
+                set.positives[q].push(doc);
+            }
+        }
+        for text in extra_corpus {
+            add_doc(&mut set, text);
+        }
+        set
+    }
+
+    /// From a BEIR split: its queries with at least one relevant document (grade >= 1),
+    /// the whole corpus (title and text joined by `title_separator`).
+    pub fn from_beir(set: &crate::retrieval::BeirSet, title_separator: &str) -> Self {
+        let index: std::collections::HashMap<&str, usize> = set
+            .corpus
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d.id.as_str(), i))
+            .collect();
+        let mut out = Self {
+            corpus: set
+                .corpus
+                .iter()
+                .map(|d| d.joined(title_separator))
+                .collect(),
+            ..Self::default()
+        };
+        for q in &set.queries {
+            let relevant: Vec<usize> = set.qrels[&q.id]
+                .iter()
+                .filter(|(_, &g)| g >= 1)
+                .filter_map(|(d, _)| index.get(d.as_str()).copied())
+                .collect();
+            if !relevant.is_empty() {
+                out.queries.push(q.text.clone());
+                out.positives.push(relevant);
+            }
+        }
+        out
+    }
+
+    /// The training rows of a mining result: one per query and positive, with the query's
+    /// negatives; queries left without enough negatives are left out.
+    pub fn rows(&self, mined: &Mined) -> Vec<MinedRow> {
+        let mut rows = Vec::new();
+        for (q, negatives) in mined.negatives.iter().enumerate() {
+            let Some(negatives) = negatives else { continue };
+            for &p in &self.positives[q] {
+                rows.push(MinedRow {
+                    query: self.queries[q].clone(),
+                    positive: self.corpus[p].clone(),
+                    negatives: negatives.iter().map(|&n| self.corpus[n].clone()).collect(),
+                });
+            }
+        }
+        rows
+    }
+}

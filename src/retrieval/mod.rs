@@ -19,7 +19,7 @@ use candle_core::Tensor;
 
 pub use beir::{BeirSet, Document, Qrels, Query};
 pub use metrics::{corpus_metrics, trec_order, trec_run, CorpusMetrics, Ranking};
-pub use mine::{mine, MineOptions, Mined, Sampling};
+pub use mine::{mine, MineOptions, Mined, MinedRow, MiningSet, Sampling};
 pub use search::{search, Hit, SearchOptions};
 
 use crate::loss::Similarity;

@@ -122,7 +122,7 @@ fn merge(kept: &mut Vec<Hit>, row: &[f32], offset: usize, k: usize) {
         f32::NEG_INFINITY
     };
     for (j, &score) in row.iter().enumerate() {
-        if kept.len() >= k && !(score >= floor) {
+        if kept.len() >= k && score.partial_cmp(&floor).is_none_or(|o| o.is_lt()) {
             continue;
         }
         kept.push(Hit {

@@ -107,18 +107,61 @@ fn default_seed() -> u64 {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// JSONL training pairs.
+    /// Training pairs: JSONL (ours or Tevatron's), TSV/CSV with named columns, or a BEIR
+    /// folder (its `train_split`); files may be gzip or zstd (see
+    /// [`crate::train::formats`]).
     pub train_file: PathBuf,
-    /// JSONL evaluation pairs; when absent, `eval_pairs` pairs are held out of the training
-    /// file instead.
+    /// Evaluation data: pairs in any layout of `train_file` (each query against all
+    /// held-out positives), or a BEIR folder (its `eval_split`: each judged query against
+    /// the whole corpus, exact top-k). When absent, `eval_pairs` pairs are held out of the
+    /// training file instead.
     #[serde(default)]
     pub eval_file: Option<PathBuf>,
     /// Pairs held out of `train_file` for evaluation when there is no `eval_file`.
     #[serde(default)]
     pub eval_pairs: usize,
-    /// JSON field names.
+    /// JSON field / column names.
     #[serde(default)]
     pub fields: Fields,
+    /// The qrels split a BEIR `train_file` trains on.
+    #[serde(
+        default = "default_train_split",
+        skip_serializing_if = "is_train_split"
+    )]
+    pub train_split: String,
+    /// The qrels split a BEIR `eval_file` evaluates on.
+    #[serde(default = "default_eval_split", skip_serializing_if = "is_eval_split")]
+    pub eval_split: String,
+    /// Joins a passage's title and text (BEIR and Tevatron passages).
+    #[serde(
+        default = "default_title_separator",
+        skip_serializing_if = "is_title_separator"
+    )]
+    pub title_separator: String,
+}
+
+fn default_train_split() -> String {
+    "train".into()
+}
+
+fn is_train_split(s: &str) -> bool {
+    s == "train"
+}
+
+fn default_eval_split() -> String {
+    "test".into()
+}
+
+fn is_eval_split(s: &str) -> bool {
+    s == "test"
+}
+
+fn default_title_separator() -> String {
+    " ".into()
+}
+
+fn is_title_separator(s: &str) -> bool {
+    s == " "
 }
 
 /// The encoder: pretrained or trained from scratch, one tower or two.
@@ -138,6 +181,14 @@ pub struct ModelConfig {
     pub query_max_len: usize,
     /// Token limit for passages (truncation).
     pub passage_max_len: usize,
+    /// Put before every query in training and evaluation, and written to the export's
+    /// `config_sentence_transformers.json` (e.g. e5's `"query: "`, or an instruction).
+    /// Unset: the pretrained model's own query prompt, if it has one; `""`: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub query_prompt: Option<String>,
+    /// Put before every passage (e.g. `"passage: "`); unset: the pretrained model's own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passage_prompt: Option<String>,
     /// Activation checkpointing: `"off"`, `"every_layer"`, `"sqrt"`, `{ every = k }`,
     /// `{ layers = [..] }`.
     pub recompute: Recompute,
@@ -157,6 +208,8 @@ impl Default for ModelConfig {
             normalize: true,
             query_max_len: 64,
             passage_max_len: 64,
+            query_prompt: None,
+            passage_prompt: None,
             recompute: Recompute::Off,
             dropout: true,
             fresh: FreshModel::default(),

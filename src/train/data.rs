@@ -50,81 +50,18 @@ impl Default for Fields {
     }
 }
 
-fn data_error(path: &Path, line: usize, reason: impl Into<String>) -> Error {
-    Error::Data {
-        path: path.to_path_buf(),
-        line,
-        reason: reason.into(),
-    }
-}
-
-/// Reads a JSONL file of pairs. Blank lines are skipped; any other line must be an object
-/// with string `query` and `positive` fields and, optionally, a list of strings `negatives`.
+/// Reads a JSONL file of pairs (plain, gzip or zstd). Blank lines are skipped; any other
+/// line must be an object with string `query` and `positive` fields and, optionally, a list
+/// of strings `negatives` (or a Tevatron line: see [`crate::train::formats`], which reads
+/// every other layout too).
 pub fn read_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Pair>> {
-    let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::MissingFile {
-            path: path.to_path_buf(),
-            what: "data file",
-        },
-        _ => data_error(path, 0, e.to_string()),
-    })?;
-    let mut pairs = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        let number = i + 1;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let value: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| data_error(path, number, format!("not valid JSON ({e})")))?;
-        let object = value
-            .as_object()
-            .ok_or_else(|| data_error(path, number, "expected a JSON object"))?;
-        let text_field = |name: &str| -> Result<String> {
-            match object.get(name) {
-                Some(serde_json::Value::String(s)) if !s.trim().is_empty() => Ok(s.clone()),
-                Some(serde_json::Value::String(_)) => {
-                    Err(data_error(path, number, format!("field `{name}` is empty")))
-                }
-                Some(_) => Err(data_error(
-                    path,
-                    number,
-                    format!("field `{name}` is not a string"),
-                )),
-                None => Err(data_error(path, number, format!("missing field `{name}`"))),
-            }
-        };
-        let negatives = match object.get(&fields.negatives) {
-            None | Some(serde_json::Value::Null) => Vec::new(),
-            Some(serde_json::Value::Array(items)) => items
-                .iter()
-                .map(|v| {
-                    v.as_str().map(str::to_string).ok_or_else(|| {
-                        data_error(
-                            path,
-                            number,
-                            format!("field `{}` must be a list of strings", fields.negatives),
-                        )
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?,
-            Some(_) => {
-                return Err(data_error(
-                    path,
-                    number,
-                    format!("field `{}` must be a list of strings", fields.negatives),
-                ))
-            }
-        };
-        pairs.push(Pair {
-            query: text_field(&fields.query)?,
-            positive: text_field(&fields.positive)?,
-            negatives,
-        });
-    }
-    if pairs.is_empty() {
-        return Err(data_error(path, 0, "the file holds no pairs"));
-    }
-    Ok(pairs)
+    crate::train::formats::read_pairs_as(
+        path,
+        crate::train::formats::Layout::JsonLines,
+        fields,
+        "",
+        " ",
+    )
 }
 
 /// Splits off `held_out` pairs (chosen by a seeded shuffle) for evaluation.

@@ -22,6 +22,29 @@ pub struct RetrievalMetrics {
     pub mrr_at_10: f64,
     /// nDCG@10 with one relevant passage: `1 / log2(rank + 1)` within the top 10.
     pub ndcg_at_10: f64,
+    /// Recall@100, in a corpus evaluation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recall_at_100: Option<f64>,
+    /// MAP@100, in a corpus evaluation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub map_at_100: Option<f64>,
+}
+
+impl From<&crate::retrieval::CorpusMetrics> for RetrievalMetrics {
+    /// A corpus evaluation's measures (graded, several relevant documents per query) in
+    /// the trainer's record.
+    fn from(m: &crate::retrieval::CorpusMetrics) -> Self {
+        Self {
+            queries: m.queries,
+            recall_at_1: m.recall_at_1,
+            recall_at_5: m.recall_at_5,
+            recall_at_10: m.recall_at_10,
+            mrr_at_10: m.mrr_at_10,
+            ndcg_at_10: m.ndcg_at_10,
+            recall_at_100: Some(m.recall_at_100),
+            map_at_100: Some(m.map_at_100),
+        }
+    }
 }
 
 impl RetrievalMetrics {
@@ -43,6 +66,8 @@ impl RetrievalMetrics {
                     0.0
                 }
             }),
+            recall_at_100: None,
+            map_at_100: None,
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The trainer behind `gradcache train`: [`config`] (TOML with documented defaults),
-//! [`data`] (JSONL pairs, held-out split, seeded resumable loader), [`optim`] (AdamW,
+//! [`data`] (pairs, held-out split, seeded resumable loader), [`formats`] (pairs from
+//! JSONL, Tevatron, TSV/CSV and BEIR folders, plain or compressed), [`optim`] (AdamW,
 //! SGD, the warmup schedule, clipping), [`metrics`] (retrieval quality), [`checkpoint`]
 //! (training checkpoints written atomically, exact resume), [`run`] (the one training
 //! loop and the [`Task`] trait every kind of training implements), [`trainer`] (text
@@ -15,6 +16,7 @@ pub mod budget;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod formats;
 pub mod image_text;
 mod image_text_config;
 pub mod metrics;

@@ -6,7 +6,7 @@ use candle_core::{DType, Device};
 use crate::dist::{self, Collective};
 use crate::encoder::Encoder;
 use crate::hub::tokenizer::{read_tokenizer_file, train_wordpiece};
-use crate::hub::{files, HubSettings, ModelFiles};
+use crate::hub::{files, HubSettings, ModelFiles, Prompts, SentenceTransformersConfig};
 use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
 use crate::params::{ParamStore, Params};
 use crate::train::config::Config;
@@ -30,7 +30,33 @@ pub(super) struct Model {
     /// The encoders' options (with the pretrained model's Dense modules).
     pub(super) options: BertOptions,
     pub(super) tokenizer: tokenizers::Tokenizer,
+    /// The prompts put before queries and passages.
+    pub(super) prompts: Prompts,
     pub(super) store: ParamStore,
+}
+
+/// The prompts of a run: the configured ones, else the pretrained model's (`head`). A
+/// model whose pooling leaves prompt tokens out (`include_prompt = false`) is refused with
+/// a prompt in use: that pooling is not implemented.
+pub(super) fn run_prompts(
+    cfg: &Config,
+    head: Option<&SentenceTransformersConfig>,
+) -> Result<Prompts> {
+    let own = head.map(|h| h.prompts.clone()).unwrap_or_default();
+    let prompts = Prompts {
+        query: cfg.model.query_prompt.clone().unwrap_or(own.query),
+        passage: cfg.model.passage_prompt.clone().unwrap_or(own.passage),
+    };
+    if !prompts.is_empty() && head.is_some_and(|h| !h.include_prompt) {
+        return Err(Error::InvalidConfig {
+            field: "model.query_prompt",
+            value: format!("{:?} / {:?}", prompts.query, prompts.passage),
+            reason: "the pretrained model's pooling leaves prompt tokens out \
+                     (include_prompt = false), which is not implemented; set both prompts \
+                     to \"\" to train without",
+        });
+    }
+    Ok(prompts)
 }
 
 /// The encoder options a configuration asks for.
@@ -119,6 +145,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         bert,
         options,
         tokenizer,
+        prompts: run_prompts(cfg, None)?,
         store,
     })
 }
@@ -143,10 +170,12 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
     let tokenizer = read_model_tokenizer(&files)?;
     let mut options = bert_options(cfg);
+    let head = crate::hub::read_sentence_transformers_config(&files.dir)?;
     // The model's Dense modules after the pooling train with it.
-    if let Some(head) = crate::hub::read_sentence_transformers_config(&files.dir)? {
+    if let Some(head) = &head {
         options.dense = head.dense.iter().map(|d| d.spec()).collect();
     }
+    let prompts = run_prompts(cfg, head.as_ref())?;
     if cfg.model.shared {
         let (query, bert, store) = load_pretrained(&files, "", &options, store)?;
         Ok(Model {
@@ -155,6 +184,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             bert,
             options: options.clone(),
             tokenizer,
+            prompts: prompts.clone(),
             store,
         })
     } else {
@@ -166,6 +196,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             bert,
             options: options.clone(),
             tokenizer,
+            prompts: prompts.clone(),
             store,
         })
     }

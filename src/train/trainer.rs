@@ -25,17 +25,19 @@ use crate::cache::GradCache;
 use crate::dist::{self, Backend, Collective};
 use crate::encoder::Encoder;
 use crate::hub::tokenizer::read_tokenizer_file;
-use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Tokenizer};
+use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Prompts, Tokenizer};
 use crate::loss::InfoNce;
 use crate::models::bert::{BertConfig, BertEncoder, BertOptions, DenseSpec};
 use crate::params::{ParamStore, WeightFile};
 use crate::precision::Precision;
+use crate::retrieval::{evaluate_corpus, BeirSet, SearchOptions};
 use crate::train::budget::plan_memory;
 use crate::train::checkpoint;
 use crate::train::config::Config;
-use crate::train::data::{read_jsonl, split, Loader, Pair, Position, TextBatch};
+use crate::train::data::{split, Loader, Pair, Position, TextBatch};
+use crate::train::formats::{read_pairs, Layout};
 use crate::train::metrics::{evaluate, RetrievalMetrics};
-use crate::train::model::{bert_options, build_model, read_model_tokenizer, Model};
+use crate::train::model::{bert_options, build_model, read_model_tokenizer, run_prompts, Model};
 use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
 use crate::{Error, Result, Side};
 
@@ -49,10 +51,52 @@ const MAY_CHANGE: &str =
 /// A text-pair training run: [`TextPairs`] through the one loop.
 pub type Trainer = Run<TextPairs>;
 
+/// What a run evaluates on.
+enum EvalData {
+    /// Held-out pairs: each query against every held-out positive.
+    Pairs(Vec<Pair>),
+    /// A BEIR split: each judged query against the whole corpus (exact top-100).
+    Corpus(BeirSet),
+}
+
+impl EvalData {
+    /// Queries evaluated.
+    fn len(&self) -> usize {
+        match self {
+            EvalData::Pairs(p) => p.len(),
+            EvalData::Corpus(set) => set.queries.len(),
+        }
+    }
+
+    /// Every text, for comparing ranks' data.
+    fn texts(&self) -> Vec<&str> {
+        match self {
+            EvalData::Pairs(pairs) => pairs
+                .iter()
+                .flat_map(|p| {
+                    [p.query.as_str(), p.positive.as_str()]
+                        .into_iter()
+                        .chain(p.negatives.iter().map(String::as_str))
+                })
+                .collect(),
+            EvalData::Corpus(set) => set
+                .queries
+                .iter()
+                .map(|q| q.text.as_str())
+                .chain(
+                    set.corpus
+                        .iter()
+                        .flat_map(|d| [d.title.as_str(), d.text.as_str()]),
+                )
+                .collect(),
+        }
+    }
+}
+
 /// The training data of a run.
 struct RunData {
     loader: Loader,
-    eval: Vec<Pair>,
+    eval: EvalData,
     /// The training split's texts, query then positive of each pair (what a fresh
     /// tokenizer learns from and the memory budget samples lengths from; empty when
     /// neither needs them).
@@ -67,10 +111,11 @@ pub struct TextPairs {
     bert: BertConfig,
     options: BertOptions,
     tokenizer: tokenizers::Tokenizer,
+    prompts: Prompts,
     query_tokenizer: Tokenizer,
     passage_tokenizer: Tokenizer,
     loader: Loader,
-    eval: Vec<Pair>,
+    eval: EvalData,
     /// With `train.memory_budget`: the predicted heap peak of a step (bytes).
     predicted_peak: Option<u64>,
 }
@@ -146,26 +191,49 @@ impl Task for TextPairs {
         self.loader.seek(position)
     }
 
-    /// Every held-out query against every held-out positive (dropout off).
+    /// Every held-out query against every held-out positive, or every judged query of a
+    /// BEIR split against its whole corpus (dropout off).
     fn evaluate(&self, gc: &TaskCache<Self>) -> Result<RetrievalMetrics> {
-        let queries: Vec<&str> = self.eval.iter().map(|p| p.query.as_str()).collect();
-        let passages: Vec<&str> = self.eval.iter().map(|p| p.positive.as_str()).collect();
-        let q = embed(
-            gc.query_encoder(),
-            &self.query_tokenizer,
-            &queries,
-            self.cfg.train.query_chunk,
-            &self.device,
-        )?;
-        let p = embed(
-            gc.passage_encoder(),
-            &self.passage_tokenizer,
-            &passages,
-            self.cfg.train.passage_chunk,
-            &self.device,
-        )?;
-        let targets: Vec<usize> = (0..queries.len()).collect();
-        evaluate(&q, &p, &targets, self.cfg.loss.similarity, 256)
+        let t = &self.cfg.train;
+        let embed_queries = |texts: &[&str]| {
+            embed(
+                gc.query_encoder(),
+                &self.query_tokenizer,
+                texts,
+                t.query_chunk,
+                &self.device,
+            )
+        };
+        let embed_passages = |texts: &[&str]| {
+            embed(
+                gc.passage_encoder(),
+                &self.passage_tokenizer,
+                texts,
+                t.passage_chunk,
+                &self.device,
+            )
+        };
+        match &self.eval {
+            EvalData::Pairs(pairs) => {
+                let queries: Vec<&str> = pairs.iter().map(|p| p.query.as_str()).collect();
+                let passages: Vec<&str> = pairs.iter().map(|p| p.positive.as_str()).collect();
+                let q = embed_queries(&queries)?;
+                let p = embed_passages(&passages)?;
+                let targets: Vec<usize> = (0..queries.len()).collect();
+                evaluate(&q, &p, &targets, self.cfg.loss.similarity, 256)
+            }
+            EvalData::Corpus(set) => {
+                let evaluation = evaluate_corpus(
+                    set,
+                    self.cfg.loss.similarity,
+                    SearchOptions::default(),
+                    &self.cfg.data.title_separator,
+                    embed_queries,
+                    embed_passages,
+                )?;
+                Ok(RetrievalMetrics::from(&evaluation.metrics))
+            }
+        }
     }
 }
 
@@ -269,8 +337,10 @@ impl Run<TextPairs> {
         device: Device,
     ) -> Result<Self> {
         let m = &cfg.model;
-        let query_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.query_max_len)?;
-        let passage_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.passage_max_len)?;
+        let query_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.query_max_len)?
+            .with_prompt(&model.prompts.query);
+        let passage_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.passage_max_len)?
+            .with_prompt(&model.prompts.passage);
         let block = cfg
             .loss
             .effective_block_rows(cfg.train.batch_size, cfg.train.hard_negatives);
@@ -308,6 +378,7 @@ impl Run<TextPairs> {
             options: model.options,
             bert: model.bert,
             tokenizer: model.tokenizer,
+            prompts: model.prompts,
             query_tokenizer,
             passage_tokenizer,
             loader: data.loader,
@@ -373,6 +444,7 @@ impl Run<TextPairs> {
             params,
             prefix,
             tokenizer,
+            &t.prompts,
         )
     }
 }
@@ -451,11 +523,26 @@ fn load_data(cfg: &Config, comm: &dyn Collective, notes: &mut Vec<String>) -> Re
 }
 
 /// The training and held-out pairs of a run.
-fn load_pairs(cfg: &Config) -> Result<(Vec<Pair>, Vec<Pair>)> {
-    let pairs = read_jsonl(&cfg.data.train_file, &cfg.data.fields)?;
-    match &cfg.data.eval_file {
-        Some(path) => Ok((pairs, read_jsonl(path, &cfg.data.fields)?)),
-        None => split(pairs, cfg.data.eval_pairs, cfg.seed),
+fn load_pairs(cfg: &Config) -> Result<(Vec<Pair>, EvalData)> {
+    let d = &cfg.data;
+    let pairs = read_pairs(&d.train_file, &d.fields, &d.train_split, &d.title_separator)?;
+    match &d.eval_file {
+        Some(path) if Layout::of(path) == Layout::Beir => {
+            Ok((pairs, EvalData::Corpus(BeirSet::load(path, &d.eval_split)?)))
+        }
+        Some(path) => Ok((
+            pairs,
+            EvalData::Pairs(read_pairs(
+                path,
+                &d.fields,
+                &d.eval_split,
+                &d.title_separator,
+            )?),
+        )),
+        None => {
+            let (train, eval) = split(pairs, d.eval_pairs, cfg.seed)?;
+            Ok((train, EvalData::Pairs(eval)))
+        }
     }
 }
 
@@ -525,7 +612,7 @@ fn check_same_run(
     comm: &dyn Collective,
     cfg: &Config,
     train: &[Pair],
-    eval: &[Pair],
+    eval: &EvalData,
 ) -> Result<()> {
     if comm.world_size() == 1 {
         return Ok(());
@@ -549,10 +636,13 @@ fn check_same_run(
         });
     }
     let mut hash = crate::rng::hash_str("");
-    for p in train.iter().chain(eval) {
+    for p in train {
         for text in [&p.query, &p.positive].into_iter().chain(&p.negatives) {
             hash = hash.rotate_left(5) ^ crate::rng::hash_str(text);
         }
+    }
+    for text in eval.texts() {
+        hash = hash.rotate_left(5) ^ crate::rng::hash_str(text);
     }
     let print = format!(
         "{} training pairs, {} held out, hash {hash:016x}",
@@ -663,13 +753,16 @@ pub fn export_run(
         ParamStore::new(cfg.seed, DType::F32, &Device::Cpu).with_weights(prefix, Arc::new(weights));
     let mut options = bert_options(cfg);
     options.dense = read_dense_modules(&cfg.output_dir)?;
+    let head = match &pretrained {
+        Some(files) => crate::hub::read_sentence_transformers_config(&files.dir)?,
+        None => None,
+    };
     if options.dense.is_empty() {
-        if let Some(files) = &pretrained {
-            if let Some(head) = crate::hub::read_sentence_transformers_config(&files.dir)? {
-                options.dense = head.dense.iter().map(|d| d.spec()).collect();
-            }
+        if let Some(head) = &head {
+            options.dense = head.dense.iter().map(|d| d.spec()).collect();
         }
     }
+    let prompts = run_prompts(cfg, head.as_ref())?;
     let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;
     export_bert(
         output,
@@ -679,6 +772,7 @@ pub fn export_run(
         encoder.params(),
         prefix,
         &tokenizer,
+        &prompts,
     )?;
     Ok(state.step)
 }

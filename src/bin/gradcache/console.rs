@@ -24,10 +24,14 @@ impl Console {
 }
 
 pub fn describe(m: &RetrievalMetrics) -> String {
-    format!(
-        "recall@1 {:.3}  recall@5 {:.3}  recall@10 {:.3}  mrr@10 {:.3}  ndcg@10 {:.3}  ({} queries)",
-        m.recall_at_1, m.recall_at_5, m.recall_at_10, m.mrr_at_10, m.ndcg_at_10, m.queries
-    )
+    let mut line = format!(
+        "recall@1 {:.3}  recall@5 {:.3}  recall@10 {:.3}  mrr@10 {:.3}  ndcg@10 {:.3}",
+        m.recall_at_1, m.recall_at_5, m.recall_at_10, m.mrr_at_10, m.ndcg_at_10
+    );
+    if let (Some(r), Some(map)) = (m.recall_at_100, m.map_at_100) {
+        line += &format!("  recall@100 {r:.3}  map@100 {map:.3}");
+    }
+    line + &format!("  ({} queries)", m.queries)
 }
 
 impl Observer for Console {

@@ -3,6 +3,7 @@
 
 mod console;
 mod plot;
+mod retrieval;
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
@@ -16,7 +17,8 @@ use gradcache::bert::Pooling;
 use gradcache::dist::{self, Backend, Collective};
 use gradcache::hub::{EmbeddingModel, LoadOptions};
 use gradcache::memory::CountingAllocator;
-use gradcache::train::data::{read_jsonl, Fields};
+use gradcache::train::data::Fields;
+use gradcache::train::formats::read_pairs;
 use gradcache::train::image_text::{export_image_text, ImageTextConfig, ImageTextTrainer};
 use gradcache::train::metrics::evaluate;
 use gradcache::train::{export_run, Config, Quiet, Trainer};
@@ -60,6 +62,26 @@ struct HeadArgs {
     /// Where to run: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: gradcache::DeviceSpec,
+    /// Put before every query, e.g. "query: " (default: the model's `query` prompt from
+    /// config_sentence_transformers.json, else its default prompt; "" for none).
+    #[arg(long)]
+    query_prompt: Option<String>,
+    /// Put before every passage, e.g. "passage: " (default: the model's `document`,
+    /// `passage` or `corpus` prompt, else its default prompt; "" for none).
+    #[arg(long)]
+    passage_prompt: Option<String>,
+}
+
+/// How a corpus is searched.
+#[derive(clap::Args)]
+struct SearchArgs {
+    /// Documents embedded and scored at once (memory is bounded by this block, not by
+    /// the corpus).
+    #[arg(long, default_value_t = 4096)]
+    corpus_block: usize,
+    /// Joins a document's title and text (BEIR's convention: a space).
+    #[arg(long, default_value = " ")]
+    title_separator: String,
 }
 
 #[derive(Subcommand)]
@@ -83,20 +105,104 @@ enum Command {
         #[arg(long)]
         resume: Option<PathBuf>,
     },
-    /// Retrieval metrics of a model on JSONL pairs (each query against all positives).
+    /// Retrieval metrics of a model: on a BEIR folder (`--beir`: every judged query of a
+    /// split against the whole corpus, exact top-k; nDCG@10, MRR@10, recall@1/10/100,
+    /// MAP@100 as trec_eval computes them), or on JSONL pairs (`--data`: each query against
+    /// all positives of the file).
     Eval {
         /// A model directory (e.g. one written by `export`) or a Hugging Face Hub id.
         #[arg(long)]
         model: String,
-        /// JSONL pairs with `query` and `positive`.
+        /// Pairs with `query` and `positive`: JSONL (ours or Tevatron's), TSV or CSV with
+        /// named columns, plain, .gz or .zst.
+        #[arg(long, required_unless_present = "beir", conflicts_with = "beir")]
+        data: Option<PathBuf>,
+        /// A BEIR folder: corpus.jsonl, queries.jsonl, qrels/<split>.tsv (each may be
+        /// .gz or .zst).
         #[arg(long)]
-        data: PathBuf,
+        beir: Option<PathBuf>,
+        /// The qrels split of `--beir`.
+        #[arg(long, default_value = "test")]
+        split: String,
+        /// Documents retrieved per query (the run file's depth; recall@100 needs 100).
+        #[arg(long, default_value_t = 100)]
+        top_k: usize,
+        /// Write the run in TREC format (`qid Q0 docid rank score tag`) here.
+        #[arg(long)]
+        run_file: Option<PathBuf>,
+        /// Write a JSON summary (data, split, settings, metrics) here.
+        #[arg(long)]
+        output: Option<PathBuf>,
         /// Token limit.
         #[arg(long, default_value_t = 128)]
         max_len: usize,
         /// Texts encoded at once.
         #[arg(long, default_value_t = 32)]
         chunk: usize,
+        #[command(flatten)]
+        search: SearchArgs,
+        #[command(flatten)]
+        head: HeadArgs,
+    },
+    /// Mine hard negatives with a model, as sentence-transformers' mine_hard_negatives:
+    /// retrieve each query's best candidates from the corpus, drop its positives and the
+    /// candidates the filters name, keep `--num-negatives` per query. Writes JSONL pairs
+    /// (`query`, `positive`, `negatives`) that `gradcache train` reads.
+    Mine {
+        /// A model directory or a Hugging Face Hub id.
+        #[arg(long)]
+        model: String,
+        /// Pairs (`query`, `positive`; JSONL, Tevatron, TSV or CSV, plain, .gz or .zst):
+        /// the corpus is their positives (and `--corpus`).
+        #[arg(long, required_unless_present = "beir", conflicts_with = "beir")]
+        data: Option<PathBuf>,
+        /// More corpus documents for `--data` (a BEIR corpus.jsonl, may be compressed).
+        #[arg(long, requires = "data")]
+        corpus: Option<PathBuf>,
+        /// A BEIR folder: mine for the queries of `--split` over its corpus.
+        #[arg(long)]
+        beir: Option<PathBuf>,
+        /// The qrels split of `--beir`.
+        #[arg(long, default_value = "train")]
+        split: String,
+        /// The JSONL file to write (not an input).
+        #[arg(long)]
+        output: PathBuf,
+        /// Negatives per query; queries left with fewer are dropped.
+        #[arg(long, default_value_t = 3)]
+        num_negatives: usize,
+        /// Skip the best `range_min` candidates (after the positives are removed).
+        #[arg(long, default_value_t = 0)]
+        range_min: usize,
+        /// Consider the best `range_max` candidates only.
+        #[arg(long, default_value_t = 100)]
+        range_max: usize,
+        /// Drop candidates scoring above this.
+        #[arg(long)]
+        max_score: Option<f32>,
+        /// Drop candidates scoring below this.
+        #[arg(long)]
+        min_score: Option<f32>,
+        /// Drop candidates scoring above `positive - margin`.
+        #[arg(long)]
+        absolute_margin: Option<f32>,
+        /// Drop candidates scoring above `positive * (1 - margin)`.
+        #[arg(long)]
+        relative_margin: Option<f32>,
+        /// `top`: the best candidates left; `random`: a seeded sample of them.
+        #[arg(long, value_enum, default_value_t = SamplingArg::Top)]
+        sampling: SamplingArg,
+        /// Seed of `--sampling random`.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Token limit.
+        #[arg(long, default_value_t = 128)]
+        max_len: usize,
+        /// Texts encoded at once.
+        #[arg(long, default_value_t = 32)]
+        chunk: usize,
+        #[command(flatten)]
+        search: SearchArgs,
         #[command(flatten)]
         head: HeadArgs,
     },
@@ -115,6 +221,10 @@ enum Command {
         /// Where to write the JSONL (default: standard output).
         #[arg(long)]
         output: Option<PathBuf>,
+        /// Embed the texts as queries or passages (with that side's prompt); default:
+        /// plain, no prompt.
+        #[arg(long, value_enum)]
+        side: Option<TowerArg>,
         /// Token limit.
         #[arg(long, default_value_t = 128)]
         max_len: usize,
@@ -172,6 +282,12 @@ enum PoolingArg {
 }
 
 #[derive(Clone, Copy, ValueEnum)]
+enum SamplingArg {
+    Top,
+    Random,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
 enum TowerArg {
     Query,
     Passage,
@@ -195,6 +311,8 @@ impl HeadArgs {
             }),
             max_len,
             device: self.device.open()?,
+            query_prompt: self.query_prompt.clone(),
+            passage_prompt: self.passage_prompt.clone(),
         })
     }
 }
@@ -242,15 +360,107 @@ fn run(command: Command) -> Result<()> {
         Command::Eval {
             model,
             data,
+            beir,
+            split,
+            top_k,
+            run_file,
+            output,
             max_len,
             chunk,
+            search,
             head,
-        } => eval(&model, &data, chunk, &head.load_options(max_len)?),
+        } => {
+            let options = head.load_options(max_len)?;
+            match (data, beir) {
+                (_, Some(dir)) => {
+                    let search_options = gradcache::retrieval::SearchOptions {
+                        top_k,
+                        corpus_block: search.corpus_block,
+                        ..Default::default()
+                    };
+                    if top_k == 0 || search.corpus_block == 0 || chunk == 0 {
+                        bail!("--top-k, --corpus-block and --chunk must be at least 1");
+                    }
+                    let outputs = retrieval::EvalOutputs {
+                        run_file,
+                        summary: output,
+                    };
+                    let model = load_model(&model, &options)?;
+                    retrieval::eval_beir(
+                        &model,
+                        &dir,
+                        &split,
+                        search_options,
+                        chunk,
+                        &search.title_separator,
+                        &outputs,
+                    )
+                }
+                (Some(data), None) => eval(&model, &data, chunk, &options),
+                (None, None) => bail!("give --data or --beir"),
+            }
+        }
+        Command::Mine {
+            model,
+            data,
+            corpus,
+            beir,
+            split,
+            output,
+            num_negatives,
+            range_min,
+            range_max,
+            max_score,
+            min_score,
+            absolute_margin,
+            relative_margin,
+            sampling,
+            seed,
+            max_len,
+            chunk,
+            search,
+            head,
+        } => {
+            let mine_options = gradcache::retrieval::MineOptions {
+                num_negatives,
+                range_min,
+                range_max,
+                max_score,
+                min_score,
+                absolute_margin,
+                relative_margin,
+                sampling: match sampling {
+                    SamplingArg::Top => gradcache::retrieval::Sampling::Top,
+                    SamplingArg::Random => gradcache::retrieval::Sampling::Random,
+                },
+                seed,
+            };
+            mine_options.validate()?;
+            if search.corpus_block == 0 || chunk == 0 {
+                bail!("--corpus-block and --chunk must be at least 1");
+            }
+            let source = match (data, beir) {
+                (_, Some(dir)) => retrieval::MineSource::Beir { dir, split },
+                (Some(data), None) => retrieval::MineSource::Pairs { data, corpus },
+                (None, None) => bail!("give --data or --beir"),
+            };
+            let model = load_model(&model, &head.load_options(max_len)?)?;
+            retrieval::mine_negatives(
+                &model,
+                &source,
+                &mine_options,
+                chunk,
+                search.corpus_block,
+                &search.title_separator,
+                &output,
+            )
+        }
         Command::Encode {
             model,
             text,
             input,
             output,
+            side,
             max_len,
             head,
         } => encode(
@@ -258,6 +468,7 @@ fn run(command: Command) -> Result<()> {
             text,
             input.as_deref(),
             output.as_deref(),
+            side,
             &head.load_options(max_len)?,
         ),
         Command::Export {
@@ -448,11 +659,11 @@ fn load_model(model: &str, options: &LoadOptions) -> Result<EmbeddingModel> {
 
 fn eval(model: &str, data: &Path, chunk: usize, options: &LoadOptions) -> Result<()> {
     let model = load_model(model, options)?;
-    let pairs = read_jsonl(data, &Fields::default())?;
+    let pairs = read_pairs(data, &Fields::default(), "train", " ")?;
     let queries: Vec<&str> = pairs.iter().map(|p| p.query.as_str()).collect();
     let passages: Vec<&str> = pairs.iter().map(|p| p.positive.as_str()).collect();
-    let q = model.embed(&queries, chunk)?;
-    let p = model.embed(&passages, chunk)?;
+    let q = model.embed_queries(&queries, chunk)?;
+    let p = model.embed_passages(&passages, chunk)?;
     let targets: Vec<usize> = (0..pairs.len()).collect();
     let m = evaluate(&q, &p, &targets, model.similarity(), 256)?;
     println!("{}", serde_json::to_string(&m)?);
@@ -465,6 +676,7 @@ fn encode(
     mut texts: Vec<String>,
     input: Option<&Path>,
     output: Option<&Path>,
+    side: Option<TowerArg>,
     options: &LoadOptions,
 ) -> Result<()> {
     if let Some(path) = input {
@@ -492,7 +704,12 @@ fn encode(
     let model = load_model(model, options)?;
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     let start = std::time::Instant::now();
-    let embeddings = model.embed(&refs, 32)?.to_vec2::<f32>()?;
+    let embeddings = match side {
+        None => model.embed(&refs, 32)?,
+        Some(TowerArg::Query) => model.embed_queries(&refs, 32)?,
+        Some(TowerArg::Passage) => model.embed_passages(&refs, 32)?,
+    }
+    .to_vec2::<f32>()?;
     let secs = start.elapsed().as_secs_f64();
     tracing::info!(
         "encoded {} texts in {secs:.2} s ({:.1} texts/s)",

@@ -1,0 +1,226 @@
+//! `gradcache eval --beir` and `gradcache mine`: corpus evaluation and hard-negative
+//! mining with a model directory or Hub id, through the library's retrieval module.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use gradcache::hub::EmbeddingModel;
+use gradcache::retrieval::beir::read_corpus;
+use gradcache::retrieval::{
+    evaluate_corpus, mine, trec_run, BeirSet, CorpusMetrics, MineOptions, MiningSet, SearchOptions,
+};
+use gradcache::train::data::Fields;
+use gradcache::train::formats::read_pairs;
+
+/// Where a corpus evaluation writes.
+pub struct EvalOutputs {
+    /// The TREC run file.
+    pub run_file: Option<PathBuf>,
+    /// The JSON summary (the metrics are printed to standard output too).
+    pub summary: Option<PathBuf>,
+}
+
+/// Writes `text` to `path` through a temporary file in the same directory, renamed when
+/// complete (a failed write leaves no partial file).
+pub fn write_file(path: &Path, text: &str) -> Result<()> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !dir.is_dir() {
+        bail!(
+            "cannot write {}: {} is not a directory",
+            path.display(),
+            dir.display()
+        );
+    }
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} names no file", path.display()))?;
+    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    std::fs::write(&tmp, text).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// A line for the log.
+pub fn describe_corpus(m: &CorpusMetrics) -> String {
+    format!(
+        "ndcg@10 {:.4}  mrr@10 {:.4}  recall@1 {:.4}  recall@10 {:.4}  recall@100 {:.4}  map@100 {:.4}  ({} queries)",
+        m.ndcg_at_10, m.mrr_at_10, m.recall_at_1, m.recall_at_10, m.recall_at_100, m.map_at_100, m.queries
+    )
+}
+
+/// `gradcache eval --beir DIR`: every judged query of `split` against the whole corpus.
+pub fn eval_beir(
+    model: &EmbeddingModel,
+    dir: &Path,
+    split: &str,
+    search: SearchOptions,
+    chunk: usize,
+    title_separator: &str,
+    outputs: &EvalOutputs,
+) -> Result<()> {
+    let set = BeirSet::load(dir, split)?;
+    tracing::info!(
+        "{}: {} queries judged in `{split}`, {} documents",
+        dir.display(),
+        set.queries.len(),
+        set.corpus.len()
+    );
+    let start = std::time::Instant::now();
+    let evaluation = evaluate_corpus(
+        &set,
+        model.similarity(),
+        search,
+        title_separator,
+        |texts| model.embed_queries(texts, chunk),
+        |texts| model.embed_passages(texts, chunk),
+    )?;
+    let seconds = start.elapsed().as_secs_f64();
+    tracing::info!(
+        "encoded and searched in {seconds:.1} s ({:.0} documents/s)",
+        set.corpus.len() as f64 / seconds.max(1e-9)
+    );
+    let m = &evaluation.metrics;
+    let summary = serde_json::json!({
+        "data": dir.display().to_string(),
+        "split": split,
+        "documents": set.corpus.len(),
+        "top_k": search.top_k,
+        "similarity": model.similarity().sentence_transformers_name(),
+        "prompts": model.prompts(),
+        "metrics": m,
+    });
+    if let Some(path) = &outputs.run_file {
+        write_file(path, &trec_run(&evaluation.run, "gradcache"))?;
+        tracing::info!("run file: {}", path.display());
+    }
+    if let Some(path) = &outputs.summary {
+        write_file(path, &(serde_json::to_string_pretty(&summary)? + "\n"))?;
+        tracing::info!("summary: {}", path.display());
+    }
+    println!("{}", serde_json::to_string(m)?);
+    tracing::info!("{}", describe_corpus(m));
+    Ok(())
+}
+
+/// What `gradcache mine` reads.
+pub enum MineSource {
+    /// JSONL pairs (`query`, `positive`), optionally with more corpus documents.
+    Pairs {
+        data: PathBuf,
+        corpus: Option<PathBuf>,
+    },
+    /// A BEIR folder's split.
+    Beir { dir: PathBuf, split: String },
+}
+
+/// `gradcache mine`: writes JSONL training pairs with mined negatives to `output`.
+pub fn mine_negatives(
+    model: &EmbeddingModel,
+    source: &MineSource,
+    options: &MineOptions,
+    chunk: usize,
+    corpus_block: usize,
+    title_separator: &str,
+    output: &Path,
+) -> Result<()> {
+    options.validate()?;
+    let inputs: Vec<&Path> = match source {
+        MineSource::Pairs { data, corpus } => std::iter::once(data.as_path())
+            .chain(corpus.as_deref())
+            .collect(),
+        MineSource::Beir { dir, .. } => vec![dir.as_path()],
+    };
+    if inputs.iter().any(|i| same_file(i, output)) {
+        bail!(
+            "--output {} is an input; choose another file",
+            output.display()
+        );
+    }
+    let set = match source {
+        MineSource::Pairs { data, corpus } => {
+            let pairs = read_pairs(data, &Fields::default(), "train", " ")?;
+            let extra = match corpus {
+                Some(path) => read_corpus(path)?
+                    .iter()
+                    .map(|d| d.joined(title_separator))
+                    .collect(),
+                None => Vec::new(),
+            };
+            MiningSet::from_pairs(
+                pairs
+                    .iter()
+                    .map(|p| (p.query.as_str(), p.positive.as_str())),
+                extra,
+            )
+        }
+        MineSource::Beir { dir, split } => {
+            MiningSet::from_beir(&BeirSet::load(dir, split)?, title_separator)
+        }
+    };
+    if set.queries.is_empty() {
+        bail!("no query with a positive to mine for");
+    }
+    tracing::info!(
+        "mining {} negatives for {} queries over {} documents",
+        options.num_negatives,
+        set.queries.len(),
+        set.corpus.len()
+    );
+    let start = std::time::Instant::now();
+    let query_refs: Vec<&str> = set.queries.iter().map(String::as_str).collect();
+    let queries = model.embed_queries(&query_refs, chunk)?;
+    let mined = mine(
+        &queries,
+        &set.positives,
+        set.corpus.len(),
+        model.similarity(),
+        options,
+        corpus_block,
+        |range| {
+            let texts: Vec<&str> = set.corpus[range].iter().map(String::as_str).collect();
+            model.embed_passages(&texts, chunk)
+        },
+    )?;
+    let rows = set.rows(&mined);
+    if rows.is_empty() {
+        bail!(
+            "no query kept {} negatives after the filters; loosen range_max, the margins or \
+             the score limits (nothing written)",
+            options.num_negatives
+        );
+    }
+    let mut text = String::new();
+    for row in &rows {
+        text += &serde_json::to_string(row)?;
+        text.push('\n');
+    }
+    write_file(output, &text)?;
+    let kept = mined.negatives.iter().filter(|n| n.is_some()).count();
+    let d = mined.dropped;
+    tracing::info!(
+        "{} rows for {kept} of {} queries in {:.1} s to {} ({} queries had fewer than {} \
+         negatives left; candidates dropped: {} positives, {} outside the rank range, {} \
+         above max_score, {} below min_score, {} within the margin)",
+        rows.len(),
+        set.queries.len(),
+        start.elapsed().as_secs_f64(),
+        output.display(),
+        set.queries.len() - kept,
+        options.num_negatives,
+        d.positives,
+        d.rank,
+        d.max_score,
+        d.min_score,
+        d.margin
+    );
+    Ok(())
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}

@@ -1,0 +1,325 @@
+//! Training pairs from datasets as they are published, each file plain, gzip or zstd:
+//!
+//! - **JSONL pairs** (`.jsonl`, `.json`): `{"query", "positive", "negatives": [..]}`, the
+//!   field names set by [`Fields`];
+//! - **Tevatron / DPR JSONL**: `{"query", "positive_passages": [{docid, title, text}],
+//!   "negative_passages": [..]}` (recognised by `positive_passages`); the first positive
+//!   passage is the pair's positive, the negative passages its hard negatives, each
+//!   passage's title and text joined by `title_separator`;
+//! - **TSV / CSV with named columns** (`.tsv`, `.csv`, a header line): the query and
+//!   positive columns named by [`Fields`], negatives in a column named as
+//!   `fields.negatives`, `negative`, or `negative_1`, `negative_2`, ... (the
+//!   sentence-transformers layout), in that order;
+//! - **a BEIR folder** (a directory): every judged query of `split` with each relevant
+//!   document (grade >= 1), title and text joined.
+//!
+//! A bad row is an error naming the file, the line and the field.
+
+use std::path::Path;
+
+use crate::retrieval::beir::BeirSet;
+use crate::retrieval::files::{for_each_line, open_text};
+use crate::train::data::{Fields, Pair};
+use crate::{Error, Result};
+
+fn data_error(path: &Path, line: usize, reason: impl Into<String>) -> Error {
+    Error::Data {
+        path: path.to_path_buf(),
+        line,
+        reason: reason.into(),
+    }
+}
+
+/// How a data file is laid out, from its name (a `.gz` / `.zst` suffix aside) or, for a
+/// directory, the BEIR layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// JSON lines: pairs or Tevatron (told apart line by line).
+    JsonLines,
+    /// Tab-separated with a header.
+    Tsv,
+    /// Comma-separated with a header.
+    Csv,
+    /// A BEIR folder.
+    Beir,
+}
+
+impl Layout {
+    /// The layout of `path`.
+    pub fn of(path: &Path) -> Self {
+        if path.is_dir() {
+            return Layout::Beir;
+        }
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_lowercase())
+            .unwrap_or_default();
+        let name = name
+            .strip_suffix(".gz")
+            .or_else(|| name.strip_suffix(".zst"))
+            .unwrap_or(&name);
+        if name.ends_with(".tsv") {
+            Layout::Tsv
+        } else if name.ends_with(".csv") {
+            Layout::Csv
+        } else {
+            Layout::JsonLines
+        }
+    }
+}
+
+/// Reads training pairs from `path` in its layout (see the module docs). `split` names the
+/// qrels of a BEIR folder; `title_separator` joins titles and texts.
+pub fn read_pairs(
+    path: &Path,
+    fields: &Fields,
+    split: &str,
+    title_separator: &str,
+) -> Result<Vec<Pair>> {
+    read_pairs_as(path, Layout::of(path), fields, split, title_separator)
+}
+
+/// [`read_pairs`] in a given layout.
+pub fn read_pairs_as(
+    path: &Path,
+    layout: Layout,
+    fields: &Fields,
+    split: &str,
+    title_separator: &str,
+) -> Result<Vec<Pair>> {
+    let pairs = match layout {
+        Layout::Beir => beir_pairs(path, split, title_separator)?,
+        Layout::Tsv => table_pairs(path, fields, b'\t')?,
+        Layout::Csv => table_pairs(path, fields, b',')?,
+        Layout::JsonLines => json_pairs(path, fields, title_separator)?,
+    };
+    if pairs.is_empty() {
+        return Err(data_error(path, 0, "the file holds no pairs"));
+    }
+    Ok(pairs)
+}
+
+fn beir_pairs(dir: &Path, split: &str, title_separator: &str) -> Result<Vec<Pair>> {
+    let set = BeirSet::load(dir, split)?;
+    let index: std::collections::HashMap<&str, usize> = set
+        .corpus
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (d.id.as_str(), i))
+        .collect();
+    let mut pairs = Vec::new();
+    for q in &set.queries {
+        for (doc, &grade) in &set.qrels[&q.id] {
+            if grade >= 1 {
+                pairs.push(Pair {
+                    query: q.text.clone(),
+                    positive: set.corpus[index[doc.as_str()]].joined(title_separator),
+                    negatives: Vec::new(),
+                });
+            }
+        }
+    }
+    Ok(pairs)
+}
+
+/// A non-empty string field.
+fn text_field(
+    object: &serde_json::Map<String, serde_json::Value>,
+    name: &str,
+    path: &Path,
+    line: usize,
+) -> Result<String> {
+    match object.get(name) {
+        Some(serde_json::Value::String(s)) if !s.trim().is_empty() => Ok(s.clone()),
+        Some(serde_json::Value::String(_)) => {
+            Err(data_error(path, line, format!("field `{name}` is empty")))
+        }
+        Some(_) => Err(data_error(
+            path,
+            line,
+            format!("field `{name}` is not a string"),
+        )),
+        None => Err(data_error(path, line, format!("missing field `{name}`"))),
+    }
+}
+
+/// Tevatron's passages: a list of objects with `text` and an optional `title`.
+fn passages(
+    value: Option<&serde_json::Value>,
+    name: &str,
+    path: &Path,
+    line: usize,
+    separator: &str,
+) -> Result<Vec<String>> {
+    let items = match value {
+        None | Some(serde_json::Value::Null) => return Ok(Vec::new()),
+        Some(serde_json::Value::Array(items)) => items,
+        Some(_) => {
+            return Err(data_error(
+                path,
+                line,
+                format!("field `{name}` must be a list of passages"),
+            ))
+        }
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let bad = |what: &str| data_error(path, line, format!("`{name}[{i}]` {what}"));
+            let o = item.as_object().ok_or_else(|| bad("is not an object"))?;
+            let text = o
+                .get("text")
+                .and_then(|t| t.as_str())
+                .ok_or_else(|| bad("has no string `text`"))?;
+            let title = match o.get("title") {
+                None | Some(serde_json::Value::Null) => "",
+                Some(serde_json::Value::String(t)) => t.as_str(),
+                Some(_) => return Err(bad("has a `title` that is not a string")),
+            };
+            let doc = crate::retrieval::Document {
+                id: String::new(),
+                title: title.to_string(),
+                text: text.to_string(),
+            };
+            Ok(doc.joined(separator))
+        })
+        .collect()
+}
+
+fn json_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pair>> {
+    let mut pairs = Vec::new();
+    for_each_line(path, |number, line| {
+        if line.trim().is_empty() {
+            return Ok(());
+        }
+        let value: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| data_error(path, number, format!("not valid JSON ({e})")))?;
+        let object = value
+            .as_object()
+            .ok_or_else(|| data_error(path, number, "expected a JSON object"))?;
+        if object.contains_key("positive_passages") {
+            let positives = passages(
+                object.get("positive_passages"),
+                "positive_passages",
+                path,
+                number,
+                separator,
+            )?;
+            let positive = positives
+                .into_iter()
+                .next()
+                .ok_or_else(|| data_error(path, number, "field `positive_passages` is empty"))?;
+            pairs.push(Pair {
+                query: text_field(object, &fields.query, path, number)?,
+                positive,
+                negatives: passages(
+                    object.get("negative_passages"),
+                    "negative_passages",
+                    path,
+                    number,
+                    separator,
+                )?,
+            });
+            return Ok(());
+        }
+        let negatives = match object.get(&fields.negatives) {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(serde_json::Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_str().map(str::to_string).ok_or_else(|| {
+                        data_error(
+                            path,
+                            number,
+                            format!("field `{}` must be a list of strings", fields.negatives),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?,
+            Some(_) => {
+                return Err(data_error(
+                    path,
+                    number,
+                    format!("field `{}` must be a list of strings", fields.negatives),
+                ))
+            }
+        };
+        pairs.push(Pair {
+            query: text_field(object, &fields.query, path, number)?,
+            positive: text_field(object, &fields.positive, path, number)?,
+            negatives,
+        });
+        Ok(())
+    })?;
+    Ok(pairs)
+}
+
+/// Whether a column holds a hard negative, and its place among them.
+fn negative_column(name: &str, fields: &Fields) -> Option<u32> {
+    if name == fields.negatives || name == "negative" {
+        return Some(0);
+    }
+    let rest = name.strip_prefix("negative")?;
+    let rest = rest.strip_prefix('_').unwrap_or(rest);
+    rest.parse::<u32>().ok()
+}
+
+fn table_pairs(path: &Path, fields: &Fields, delimiter: u8) -> Result<Vec<Pair>> {
+    let reader = open_text(path)?;
+    let mut table = csv::ReaderBuilder::new()
+        .delimiter(delimiter)
+        .has_headers(true)
+        .flexible(false)
+        .from_reader(reader);
+    let headers = table
+        .headers()
+        .map_err(|e| data_error(path, 1, format!("cannot read the header line ({e})")))?
+        .clone();
+    let column = |name: &str| -> Result<usize> {
+        headers.iter().position(|h| h == name).ok_or_else(|| {
+            data_error(
+                path,
+                1,
+                format!(
+                    "no column `{name}` in the header (columns: {})",
+                    headers.iter().collect::<Vec<_>>().join(", ")
+                ),
+            )
+        })
+    };
+    let (query, positive) = (column(&fields.query)?, column(&fields.positive)?);
+    let mut negatives: Vec<(u32, usize)> = headers
+        .iter()
+        .enumerate()
+        .filter_map(|(i, h)| negative_column(h, fields).map(|order| (order, i)))
+        .collect();
+    negatives.sort_unstable();
+    let mut pairs = Vec::new();
+    for record in table.records() {
+        let record = record.map_err(|e| {
+            let line = e.position().map_or(0, |p| p.line() as usize);
+            data_error(path, line, format!("malformed row ({e})"))
+        })?;
+        let line = record.position().map_or(0, |p| p.line() as usize);
+        let cell = |i: usize, name: &str| -> Result<String> {
+            let text = record.get(i).unwrap_or("");
+            if text.trim().is_empty() {
+                Err(data_error(path, line, format!("column `{name}` is empty")))
+            } else {
+                Ok(text.to_string())
+            }
+        };
+        pairs.push(Pair {
+            query: cell(query, &fields.query)?,
+            positive: cell(positive, &fields.positive)?,
+            negatives: negatives
+                .iter()
+                .filter_map(|&(_, i)| record.get(i))
+                .filter(|t| !t.trim().is_empty())
+                .map(str::to_string)
+                .collect(),
+        });
+    }
+    Ok(pairs)
+}

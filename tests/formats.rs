@@ -1,0 +1,168 @@
+//! Training pairs from every published layout: our JSONL, Tevatron's, TSV and CSV with
+//! named columns, BEIR folders; plain, gzip and zstd alike; bad rows named by file, line
+//! and field.
+
+use std::io::Write;
+use std::path::Path;
+
+use gradcache::train::data::{Fields, Pair};
+use gradcache::train::formats::{read_pairs, Layout};
+use gradcache::Error;
+
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(bytes).unwrap();
+    e.finish().unwrap()
+}
+
+fn zstd(bytes: &[u8]) -> Vec<u8> {
+    ruzstd::encoding::compress_to_vec(bytes, ruzstd::encoding::CompressionLevel::Fastest)
+}
+
+fn pair(q: &str, p: &str, n: &[&str]) -> Pair {
+    Pair {
+        query: q.into(),
+        positive: p.into(),
+        negatives: n.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
+fn read(path: &Path) -> Vec<Pair> {
+    read_pairs(path, &Fields::default(), "train", " ").unwrap()
+}
+
+fn data_error(path: &Path, fields: &Fields) -> (usize, String) {
+    match read_pairs(path, fields, "train", " ").unwrap_err() {
+        Error::Data { line, reason, .. } => (line, reason),
+        other => panic!("expected a data error, got {other}"),
+    }
+}
+
+#[test]
+fn every_layout_reads_the_same_pairs_plain_or_compressed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = vec![
+        pair("who made light", "God made light", &["the sea", "the land"]),
+        pair("a, \"quoted\" query", "its passage", &[]),
+    ];
+    let jsonl = "{\"query\": \"who made light\", \"positive\": \"God made light\", \"negatives\": [\"the sea\", \"the land\"]}\n\
+                 {\"query\": \"a, \\\"quoted\\\" query\", \"positive\": \"its passage\"}\n";
+    let tevatron = "{\"query_id\": \"1\", \"query\": \"who made light\", \"positive_passages\": [{\"docid\": \"7\", \"title\": \"God\", \"text\": \"made light\"}, {\"docid\": \"8\", \"text\": \"ignored\"}], \"negative_passages\": [{\"docid\": \"9\", \"title\": \"\", \"text\": \"the sea\"}, {\"docid\": \"10\", \"text\": \"the land\"}]}\n\
+                    {\"query_id\": \"2\", \"query\": \"a, \\\"quoted\\\" query\", \"positive_passages\": [{\"docid\": \"3\", \"title\": null, \"text\": \"its passage\"}], \"negative_passages\": []}\n";
+    let tsv = "query\tpositive\tnegative_1\tnegative_2\nwho made light\tGod made light\tthe sea\tthe land\na, \"quoted\" query\tits passage\t\t\n";
+    let csv = "positive,query,negative_2,negative_1\nGod made light,who made light,the land,the sea\nits passage,\"a, \"\"quoted\"\" query\",,\n";
+    for (name, text) in [
+        ("pairs.jsonl", jsonl),
+        ("tevatron.jsonl", tevatron),
+        ("pairs.tsv", tsv),
+        ("pairs.csv", csv),
+    ] {
+        for (suffix, bytes) in [
+            ("", text.as_bytes().to_vec()),
+            (".gz", gzip(text.as_bytes())),
+            (".zst", zstd(text.as_bytes())),
+        ] {
+            let path = tmp.path().join(format!("{name}{suffix}"));
+            std::fs::write(&path, bytes).unwrap();
+            assert_eq!(read(&path), want, "{name}{suffix}");
+        }
+    }
+    assert_eq!(Layout::of(&tmp.path().join("x.TSV.gz")), Layout::Tsv);
+    assert_eq!(Layout::of(tmp.path()), Layout::Beir);
+}
+
+#[test]
+fn beir_folders_train_on_every_relevant_document_of_a_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::write(
+        dir.join("corpus.jsonl"),
+        "{\"_id\": \"d1\", \"title\": \"Genesis\", \"text\": \"In the beginning.\"}\n\
+         {\"_id\": \"d2\", \"text\": \"Void.\"}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("queries.jsonl"),
+        "{\"_id\": \"q1\", \"text\": \"first\"}\n{\"_id\": \"q2\", \"text\": \"second\"}\n",
+    )
+    .unwrap();
+    std::fs::create_dir(dir.join("qrels")).unwrap();
+    std::fs::write(
+        dir.join("qrels/train.tsv"),
+        "query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td2\t2\nq2\td1\t0\n",
+    )
+    .unwrap();
+    assert_eq!(
+        read(dir),
+        vec![
+            pair("first", "Genesis In the beginning.", &[]),
+            pair("first", "Void.", &[]),
+        ],
+        "grade 0 is not a positive; every relevant document is"
+    );
+}
+
+#[test]
+fn bad_rows_name_the_line_and_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fields = Fields::default();
+    let path = tmp.path().join("t.tsv");
+    std::fs::write(&path, "query\tanswer\nq\tp\n").unwrap();
+    let (line, reason) = data_error(&path, &fields);
+    assert_eq!(line, 1);
+    assert!(
+        reason.contains("no column `positive`") && reason.contains("answer"),
+        "{reason}"
+    );
+
+    std::fs::write(&path, "query\tpositive\nq\tp\n\tp2\n").unwrap();
+    let (line, reason) = data_error(&path, &fields);
+    assert_eq!(line, 3);
+    assert!(reason.contains("column `query` is empty"), "{reason}");
+
+    let path = tmp.path().join("t.csv");
+    std::fs::write(&path, "query,positive\nq,p\nq2,p2,extra\n").unwrap();
+    let (line, reason) = data_error(&path, &fields);
+    assert_eq!(line, 3);
+    assert!(reason.contains("malformed row"), "{reason}");
+
+    // Named columns of one's own.
+    let own = Fields {
+        query: "anchor".into(),
+        positive: "answer".into(),
+        negatives: "hard".into(),
+    };
+    std::fs::write(&path, "anchor,answer,hard\nq,p,n\n").unwrap();
+    assert_eq!(
+        read_pairs(&path, &own, "train", " ").unwrap(),
+        vec![pair("q", "p", &["n"])]
+    );
+
+    let path = tmp.path().join("t.jsonl.gz");
+    std::fs::write(
+        &path,
+        gzip(b"{\"query\": \"q\", \"positive_passages\": [{\"docid\": \"1\", \"text\": \"p\"}]}\n{\"query\": \"q\", \"positive_passages\": [{\"docid\": \"1\"}]}\n"),
+    )
+    .unwrap();
+    let (line, reason) = data_error(&path, &fields);
+    assert_eq!(line, 2);
+    assert!(
+        reason.contains("`positive_passages[0]` has no string `text`"),
+        "{reason}"
+    );
+
+    std::fs::write(
+        &path,
+        gzip(b"{\"query\": \"q\", \"positive_passages\": []}\n"),
+    )
+    .unwrap();
+    let (line, reason) = data_error(&path, &fields);
+    assert_eq!(line, 1);
+    assert!(reason.contains("`positive_passages` is empty"), "{reason}");
+
+    let path = tmp.path().join("empty.csv");
+    std::fs::write(&path, "query,positive\n").unwrap();
+    let (line, reason) = data_error(&path, &fields);
+    assert_eq!(line, 0);
+    assert!(reason.contains("no pairs"), "{reason}");
+}
