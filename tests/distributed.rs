@@ -27,6 +27,7 @@ use std::rc::Rc;
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::dist::{self, Backend, Collective, ReduceOp, StepVolume};
+use gradcache::loss::Matryoshka;
 use gradcache::toy::{Mlp, MlpConfig};
 use gradcache::{Error, GradCache, InfoNce, ParamStore, Similarity, StepOutput, Tower};
 
@@ -42,7 +43,7 @@ type Check = fn(&Rc<dyn Collective>) -> Result<(), String>;
 
 fn main() {
     let comm = dist::init(Backend::Mpi).expect("MPI starts");
-    let checks: [(&str, Check); 10] = [
+    let checks: [(&str, Check); 11] = [
         ("collectives", collectives),
         ("shape mismatch is reported on every rank", shape_mismatch),
         ("shared tower, in-batch negatives, chunk 4", shared_in_batch),
@@ -57,6 +58,10 @@ fn main() {
         (
             "two towers, cosine, row blocks, chunk 1",
             two_towers_cosine_blocks,
+        ),
+        (
+            "two towers, Matryoshka, false-negative mask, symmetric, chunks 5/3",
+            two_towers_matryoshka,
         ),
         ("gradient scale is the union batch's", scale),
         ("one rank's failure fails every rank", failure),
@@ -168,10 +173,10 @@ struct Case {
     hard: usize,
     query_chunk: usize,
     passage_chunk: usize,
-    loss: fn() -> InfoNce,
+    loss: fn() -> Matryoshka<InfoNce>,
 }
 
-type Gc = GradCache<Tower<Mlp>>;
+type Gc = GradCache<Tower<Mlp>, Tower<Mlp>, Matryoshka<InfoNce>>;
 
 fn build(case: Case, comm: Option<&Rc<dyn Collective>>) -> Gc {
     // Same seed on every rank and for the reference: identical initial weights.
@@ -247,19 +252,54 @@ fn equivalent(case: Case, comm: &Rc<dyn Collective>) -> Result<(), String> {
     Ok(())
 }
 
-fn plain() -> InfoNce {
+/// The loss alone (no Matryoshka widths).
+fn alone(l: InfoNce) -> Matryoshka<InfoNce> {
+    Matryoshka::new(l, Vec::new(), Vec::new()).unwrap()
+}
+
+fn infonce() -> InfoNce {
     InfoNce::new(0.1).unwrap()
 }
 
-fn symmetric() -> InfoNce {
-    plain().with_symmetric(true)
+fn plain() -> Matryoshka<InfoNce> {
+    alone(infonce())
 }
 
-fn cosine_blocks() -> InfoNce {
-    plain()
+fn symmetric() -> Matryoshka<InfoNce> {
+    alone(infonce().with_symmetric(true))
+}
+
+fn cosine_blocks() -> Matryoshka<InfoNce> {
+    alone(
+        infonce()
+            .with_similarity(Similarity::Cosine)
+            .with_block_rows(Some(3))
+            .unwrap(),
+    )
+}
+
+/// Matryoshka widths over a symmetric cosine loss with row blocks that masks likely false
+/// negatives: every piece of issue 25's losses at once.
+fn matryoshka_false_negatives() -> Matryoshka<InfoNce> {
+    let inner = infonce()
         .with_similarity(Similarity::Cosine)
-        .with_block_rows(Some(3))
+        .with_symmetric(true)
+        .with_block_rows(Some(4))
         .unwrap()
+        .with_false_negative_margin(Some(0.1))
+        .unwrap();
+    Matryoshka::new(inner, vec![WIDTH, 4, 2], vec![1.0, 0.5, 0.25]).unwrap()
+}
+
+fn two_towers_matryoshka(comm: &Rc<dyn Collective>) -> Result<(), String> {
+    let case = Case {
+        two_towers: true,
+        hard: 1,
+        query_chunk: 5,
+        passage_chunk: 3,
+        loss: matryoshka_false_negatives,
+    };
+    equivalent(case, comm)
 }
 
 fn shared_in_batch(comm: &Rc<dyn Collective>) -> Result<(), String> {

@@ -53,7 +53,7 @@ fn exported_models_load_back_with_equal_embeddings() {
             query.params(),
             "query",
             &tokenizer,
-            &gradcache::hub::Prompts::default(),
+            &gradcache::hub::export::ExportNotes::default(),
         )
         .unwrap();
 
@@ -141,7 +141,7 @@ fn never_overwrites_an_existing_directory() {
         enc.params(),
         "",
         &tokenizer,
-        &gradcache::hub::Prompts::default(),
+        &gradcache::hub::export::ExportNotes::default(),
     )
     .unwrap_err();
     assert!(
@@ -162,7 +162,7 @@ fn never_overwrites_an_existing_directory() {
         enc.params(),
         "query",
         &tokenizer,
-        &gradcache::hub::Prompts::default(),
+        &gradcache::hub::export::ExportNotes::default(),
     )
     .unwrap_err();
     assert!(
@@ -200,7 +200,10 @@ fn prompts_round_trip_and_are_put_before_the_texts() {
         enc.params(),
         "",
         &tokenizer,
-        &prompts,
+        &gradcache::hub::export::ExportNotes {
+            prompts: prompts.clone(),
+            matryoshka_dims: vec![8, 4],
+        },
     )
     .unwrap();
     let st: serde_json::Value = serde_json::from_str(
@@ -210,6 +213,7 @@ fn prompts_round_trip_and_are_put_before_the_texts() {
     assert_eq!(st["prompts"]["query"], "lord ");
     assert_eq!(st["prompts"]["passage"], "light ");
     assert!(st["default_prompt_name"].is_null());
+    assert_eq!(st["matryoshka_dims"], serde_json::json!([8, 4]));
     let head = read_sentence_transformers_config(&dir).unwrap().unwrap();
     assert_eq!(head.prompts, prompts);
 

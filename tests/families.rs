@@ -226,7 +226,10 @@ fn an_export_loads_back_to_the_same_embeddings_and_family() {
             model.encoder().params(),
             "",
             model.tokenizer(),
-            model.prompts(),
+            &gradcache::hub::export::ExportNotes {
+                prompts: model.prompts().clone(),
+                matryoshka_dims: Vec::new(),
+            },
         )
         .unwrap();
         // The tokenizer config names the family's own special tokens (sentence-transformers

@@ -33,6 +33,16 @@ use crate::models::bert::{BertConfig, BertOptions, Pooling};
 use crate::params::Params;
 use crate::{Error, Result};
 
+/// What an export records in `config_sentence_transformers.json` besides the similarity.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExportNotes {
+    /// The query and passage prompts the model was trained with (`prompts`).
+    pub prompts: Prompts,
+    /// The Matryoshka widths it was trained at (`matryoshka_dims`; empty: none), so that
+    /// a user knows which prefixes of the embedding are usable (`truncate_dim`).
+    pub matryoshka_dims: Vec<usize>,
+}
+
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(value).map_err(|e| Error::io("write", path, e))?;
     fs::write(path, text + "\n").map_err(|e| Error::io("write", path, e))
@@ -49,7 +59,7 @@ pub fn export_bert(
     params: &Params,
     prefix: &str,
     tokenizer: &Tokenizer,
-    prompts: &Prompts,
+    notes: &ExportNotes,
 ) -> Result<()> {
     if dir.exists()
         && fs::read_dir(dir)
@@ -204,8 +214,9 @@ pub fn export_bert(
         &tmp.join(SENTENCE_TRANSFORMERS_CONFIG),
         &json!({
             "similarity_fn_name": similarity.sentence_transformers_name(),
-            "prompts": prompts.to_sentence_transformers(),
+            "prompts": notes.prompts.to_sentence_transformers(),
             "default_prompt_name": null,
+            "matryoshka_dims": notes.matryoshka_dims,
         }),
     )?;
     write_json(

@@ -265,6 +265,18 @@ pub struct LossConfig {
     /// logits fit in [`AUTO_BLOCK_LOGITS`], else blocks that do (see
     /// [`LossConfig::effective_block_rows`]).
     pub block_rows: usize,
+    /// Matryoshka widths: the loss is summed over these prefixes of the embedding (e.g.
+    /// `[384, 256, 128, 64]`); empty: the whole embedding only. The export records them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub matryoshka_dims: Vec<usize>,
+    /// One weight per Matryoshka width; empty: 1 each.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub matryoshka_weights: Vec<f64>,
+    /// Mask in-batch candidates whose similarity to the query is above the positive's
+    /// minus this margin (likely false negatives, judged by the model itself as GISTEmbed's
+    /// filter); `0.0` masks candidates scoring above the positive. Unset: no mask.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub false_negative_margin: Option<f64>,
 }
 
 /// The most logits (2^22, 16 MiB of f32) one block of the loss holds when
@@ -300,6 +312,9 @@ impl Default for LossConfig {
             similarity: Similarity::Cosine,
             symmetric: false,
             block_rows: 0,
+            matryoshka_dims: Vec::new(),
+            matryoshka_weights: Vec::new(),
+            false_negative_margin: None,
         }
     }
 }
@@ -320,6 +335,10 @@ pub struct TrainConfig {
     pub passage_chunk: usize,
     /// Hard negatives per query (missing ones are filled from other pairs' positives).
     pub hard_negatives: usize,
+    /// Batches with no text twice (sentence-transformers' no-duplicates sampler): a
+    /// repeated text is a false negative for the other pair that holds it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub no_duplicates: bool,
     /// Evaluate every N steps (0: only before the first and after the last step).
     pub eval_every: u64,
     /// Write a checkpoint every N steps (0: only at the end).
@@ -342,6 +361,7 @@ impl Default for TrainConfig {
             query_chunk: 16,
             passage_chunk: 16,
             hard_negatives: 0,
+            no_duplicates: false,
             eval_every: 0,
             checkpoint_every: 0,
             keep_checkpoints: 2,

@@ -121,6 +121,7 @@ pub struct Loader {
     seed: u64,
     position: Position,
     order: Vec<usize>,
+    no_duplicates: bool,
 }
 
 impl Loader {
@@ -152,14 +153,41 @@ impl Loader {
             seed,
             position: Position::default(),
             order: Vec::new(),
+            no_duplicates: false,
         };
         loader.seek(Position::default())?;
         Ok(loader)
     }
 
-    /// Batches per epoch.
+    /// Batches with no text twice (sentence-transformers' no-duplicates batch sampler): a
+    /// pair whose query, positive or a hard negative is already in the batch being filled
+    /// waits for the next batch; an epoch ends when no full batch can be formed. A
+    /// repeated text in a batch is a false negative for the other pair that holds it.
+    /// The arrangement is a pure function of the seed and the epoch, so resume stays exact.
+    pub fn with_no_duplicates(mut self, no_duplicates: bool) -> Result<Self> {
+        self.no_duplicates = no_duplicates;
+        self.seek(Position::default())?;
+        self.check_full_batch()?;
+        Ok(self)
+    }
+
+    /// An epoch must hold at least one batch.
+    fn check_full_batch(&self) -> Result<()> {
+        if self.order.len() < self.batch_size {
+            return Err(Error::InvalidConfig {
+                field: "train.no_duplicates",
+                value: "true".into(),
+                reason: "the training pairs repeat texts so much that no batch of \
+                         train.batch_size pairs without a repeated text can be formed; \
+                         lower the batch size or turn no_duplicates off",
+            });
+        }
+        Ok(())
+    }
+
+    /// Batches per epoch (of the current epoch, with [`Loader::with_no_duplicates`]).
     pub fn batches_per_epoch(&self) -> usize {
-        self.pairs.len() / self.batch_size
+        self.order.len() / self.batch_size
     }
 
     /// The current position (what a checkpoint stores).
@@ -169,30 +197,74 @@ impl Loader {
 
     /// Jumps to a position (what a resume does).
     pub fn seek(&mut self, position: Position) -> Result<()> {
-        if position.offset > self.pairs.len() {
+        let mut order: Vec<usize> = (0..self.pairs.len()).collect();
+        order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[
+            self.seed,
+            position.epoch,
+        ])));
+        if self.no_duplicates {
+            order = self.without_duplicates(order);
+        }
+        if position.offset > order.len() {
             return Err(Error::InvalidArgument {
                 what: "data position",
                 value: position.offset.to_string(),
                 reason: "is beyond the training data; was the data file changed?",
             });
         }
-        let mut order: Vec<usize> = (0..self.pairs.len()).collect();
-        order.shuffle(&mut ChaCha8Rng::seed_from_u64(derive_seed(&[
-            self.seed,
-            position.epoch,
-        ])));
         self.order = order;
         self.position = position;
         Ok(())
     }
 
+    /// `order` rearranged into consecutive batches without a repeated text (pairs that
+    /// cannot complete a batch are left out of the epoch).
+    fn without_duplicates(&self, order: Vec<usize>) -> Vec<usize> {
+        use std::collections::{HashSet, VecDeque};
+        let texts = |i: usize| {
+            let p = &self.pairs[i];
+            [&p.query, &p.positive]
+                .into_iter()
+                .chain(p.negatives.iter().take(self.hard_negatives))
+                .map(|t| crate::rng::hash_str(t))
+                .collect::<Vec<u64>>()
+        };
+        let mut pending: VecDeque<usize> = order.into();
+        let mut arranged = Vec::with_capacity(pending.len());
+        while pending.len() >= self.batch_size {
+            let mut seen = HashSet::new();
+            let mut batch = Vec::with_capacity(self.batch_size);
+            let mut deferred = Vec::new();
+            while batch.len() < self.batch_size {
+                let Some(i) = pending.pop_front() else { break };
+                let own = texts(i);
+                if own.iter().any(|h| seen.contains(h)) {
+                    deferred.push(i);
+                } else {
+                    seen.extend(own);
+                    batch.push(i);
+                }
+            }
+            if batch.len() < self.batch_size {
+                break;
+            }
+            arranged.extend(batch);
+            // The pairs that waited go first into the next batch.
+            for i in deferred.into_iter().rev() {
+                pending.push_front(i);
+            }
+        }
+        arranged
+    }
+
     /// The next batch, moving to the next epoch when this one has no full batch left.
     pub fn next_batch(&mut self) -> Result<TextBatch> {
-        if self.position.offset + self.batch_size > self.pairs.len() {
+        if self.position.offset + self.batch_size > self.order.len() {
             self.seek(Position {
                 epoch: self.position.epoch + 1,
                 offset: 0,
             })?;
+            self.check_full_batch()?;
         }
         let Position { epoch, offset } = self.position;
         let ids = &self.order[offset..offset + self.batch_size];

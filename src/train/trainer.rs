@@ -24,9 +24,10 @@ use crate::batch::{Batch, TokenBatch};
 use crate::cache::GradCache;
 use crate::dist::{self, Backend, Collective};
 use crate::encoder::Encoder;
+use crate::hub::export::ExportNotes;
 use crate::hub::tokenizer::read_tokenizer_file;
 use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Prompts, Tokenizer};
-use crate::loss::InfoNce;
+use crate::loss::{InfoNce, Matryoshka};
 use crate::models::bert::{BertConfig, BertEncoder, BertOptions, DenseSpec};
 use crate::params::{ParamStore, WeightFile};
 use crate::precision::Precision;
@@ -123,7 +124,7 @@ pub struct TextPairs {
 impl Task for TextPairs {
     type Query = BertEncoder;
     type Passage = BertEncoder;
-    type Loss = InfoNce;
+    type Loss = Matryoshka<InfoNce>;
     type Batch = TextBatch;
     type Config = Config;
 
@@ -347,7 +348,25 @@ impl Run<TextPairs> {
         let loss = InfoNce::new(cfg.loss.temperature)?
             .with_similarity(cfg.loss.similarity)
             .with_symmetric(cfg.loss.symmetric)
-            .with_block_rows(block)?;
+            .with_block_rows(block)?
+            .with_false_negative_margin(cfg.loss.false_negative_margin)?;
+        let loss = Matryoshka::new(
+            loss,
+            cfg.loss.matryoshka_dims.clone(),
+            cfg.loss.matryoshka_weights.clone(),
+        )?;
+        let width = model
+            .options
+            .dense
+            .last()
+            .map_or(model.bert.hidden_size, |d| d.out_features);
+        if cfg.loss.matryoshka_dims.iter().any(|&d| d > width) {
+            return Err(Error::InvalidConfig {
+                field: "loss.matryoshka_dims",
+                value: format!("{:?} (embedding width {width})", cfg.loss.matryoshka_dims),
+                reason: "every width must fit the embedding",
+            });
+        }
         let (qc, pc) = (cfg.train.query_chunk, cfg.train.passage_chunk);
         let gc = match model.passage {
             None => GradCache::shared(model.query, qc, loss)?.with_chunk_sizes(qc, pc)?,
@@ -444,7 +463,10 @@ impl Run<TextPairs> {
             params,
             prefix,
             tokenizer,
-            &t.prompts,
+            &ExportNotes {
+                prompts: t.prompts.clone(),
+                matryoshka_dims: t.cfg.loss.matryoshka_dims.clone(),
+            },
         )
     }
 }
@@ -514,7 +536,8 @@ fn load_data(cfg: &Config, comm: &dyn Collective, notes: &mut Vec<String>) -> Re
     } else {
         Vec::new()
     };
-    let loader = Loader::new(train, batch, cfg.train.hard_negatives, cfg.seed)?;
+    let loader = Loader::new(train, batch, cfg.train.hard_negatives, cfg.seed)?
+        .with_no_duplicates(cfg.train.no_duplicates)?;
     Ok(RunData {
         loader,
         eval,
@@ -772,7 +795,10 @@ pub fn export_run(
         encoder.params(),
         prefix,
         &tokenizer,
-        &prompts,
+        &ExportNotes {
+            prompts,
+            matryoshka_dims: cfg.loss.matryoshka_dims.clone(),
+        },
     )?;
     Ok(state.step)
 }

@@ -8,6 +8,8 @@
 //! sentence-transformers' cached losses). [`FnLoss`] turns any differentiable closure into a
 //! loss, like the `loss_fn` of the reference GradCache.
 
+pub mod matryoshka;
+
 use std::ops::Range;
 
 use candle_core::{DType, Tensor, Var, D};
@@ -15,6 +17,8 @@ use candle_core::{DType, Tensor, Var, D};
 use crate::batch::Batch;
 use crate::params::{Gradients, ParamStore, Params};
 use crate::{Error, Result};
+
+pub use matryoshka::Matryoshka;
 
 /// A loss's value and its gradients with respect to the representations, detached.
 #[derive(Debug, Clone)]
@@ -110,6 +114,7 @@ pub struct InfoNce {
     similarity: Similarity,
     symmetric: bool,
     block_rows: Option<usize>,
+    false_negative_margin: Option<f64>,
 }
 
 impl InfoNce {
@@ -127,7 +132,28 @@ impl InfoNce {
             similarity: Similarity::Dot,
             symmetric: false,
             block_rows: None,
+            false_negative_margin: None,
         })
+    }
+
+    /// Masks likely false negatives, judged by the model itself (as GISTEmbed's filter with
+    /// the model as its own guide): for each anchor, every candidate other than its target
+    /// whose similarity exceeds the target's minus `margin` is left out of the softmax
+    /// (`margin = 0`: candidates scoring above the positive). The mask is a function of
+    /// the representations alone, so the cached step still equals the full batch. `None`
+    /// (the default) masks nothing.
+    pub fn with_false_negative_margin(mut self, margin: Option<f64>) -> Result<Self> {
+        if let Some(m) = margin {
+            if !m.is_finite() {
+                return Err(Error::InvalidConfig {
+                    field: "false_negative_margin",
+                    value: m.to_string(),
+                    reason: "must be a finite number",
+                });
+            }
+        }
+        self.false_negative_margin = margin;
+        Ok(self)
     }
 
     /// Sets the similarity.
@@ -205,10 +231,27 @@ impl InfoNce {
         rows: Range<usize>,
         term: &Term,
     ) -> Result<Tensor> {
-        let logits = (anchors.matmul(&candidates.t()?)? / self.temperature)?;
+        let sims = anchors.matmul(&candidates.t()?)?;
         let targets: Vec<u32> = rows.map(|r| (r * term.target_stride) as u32).collect();
         let n = targets.len();
-        let targets = Tensor::from_vec(targets, (n, 1), logits.device())?;
+        let targets = Tensor::from_vec(targets, (n, 1), sims.device())?;
+        let logits = match self.false_negative_margin {
+            None => (sims / self.temperature)?,
+            Some(margin) => {
+                // Judged on detached similarities: the mask is a constant of the step.
+                let s = sims.detach();
+                let threshold = (s.gather(&targets, D::Minus1)? - margin)?;
+                let above = s.broadcast_gt(&threshold)?;
+                let columns = Tensor::arange(0u32, s.dim(1)? as u32, s.device())?
+                    .unsqueeze(0)?
+                    .broadcast_as(s.shape())?;
+                let other = columns.broadcast_ne(&targets)?;
+                let masked = (above * other)?;
+                let floor =
+                    Tensor::full(f32::NEG_INFINITY, s.shape(), s.device())?.to_dtype(s.dtype())?;
+                masked.where_cond(&floor, &(sims / self.temperature)?)?
+            }
+        };
         let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
         let picked = log_probs.gather(&targets, D::Minus1)?;
         Ok((picked.sum_all()? * (-term.weight))?)
