@@ -178,16 +178,16 @@ enum Command {
         #[arg(long, default_value_t = 100)]
         range_max: usize,
         /// Drop candidates scoring above this.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         max_score: Option<f32>,
         /// Drop candidates scoring below this.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         min_score: Option<f32>,
         /// Drop candidates scoring above `positive - margin`.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         absolute_margin: Option<f32>,
         /// Drop candidates scoring above `positive * (1 - margin)`.
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         relative_margin: Option<f32>,
         /// `top`: the best candidates left; `random`: a seeded sample of them.
         #[arg(long, value_enum, default_value_t = SamplingArg::Top)]

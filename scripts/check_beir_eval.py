@@ -1,0 +1,72 @@
+"""Checks `gradcache eval --beir` against the standard tools on the same model and data
+(manual; needs the peer venv with sentence-transformers and pytrec-eval-terrier):
+
+1. pytrec_eval on gradcache's own TREC run file: the same ndcg_cut_10, recall_1/10/100 and
+   map_cut_100 (the run is the same, so these must agree to rounding);
+2. sentence-transformers' InformationRetrievalEvaluator encoding with the model itself
+   (its own embeddings and ranking, with the model's prompts): close, not bit-equal.
+
+    python scripts/check_beir_eval.py MODEL_DIR data/bible-beir test RUN.trec SUMMARY.json
+"""
+import gzip
+import json
+import sys
+
+import pytrec_eval
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
+
+model_dir, beir, split, run_file, summary = sys.argv[1:6]
+ours = json.load(open(summary))["metrics"]
+
+
+def lines(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return [json.loads(l) for l in f if l.strip()]
+
+
+corpus = {d["_id"]: (d.get("title") or "") + " " + d["text"] for d in lines(f"{beir}/corpus.jsonl.gz")}
+corpus = {k: v.strip() for k, v in corpus.items()}
+queries = {q["_id"]: q["text"] for q in lines(f"{beir}/queries.jsonl")}
+qrels = {}
+for i, line in enumerate(open(f"{beir}/qrels/{split}.tsv")):
+    if i == 0:
+        continue
+    q, d, g = line.split()
+    qrels.setdefault(q, {})[d] = int(g)
+queries = {q: queries[q] for q in qrels}
+
+run = {}
+for line in open(run_file):
+    q, _, d, _, s, _ = line.split()
+    run.setdefault(q, {})[d] = float(s)
+scores = pytrec_eval.RelevanceEvaluator(qrels, {"ndcg_cut.10", "recall.1,10,100", "map_cut.100"}).evaluate(run)
+mean = lambda m: sum(s[m] for s in scores.values()) / len(qrels)
+print("measure          gradcache   pytrec_eval(run)   sentence-transformers")
+model = SentenceTransformer(model_dir, device="cpu")
+prompts = model.prompts
+ev = InformationRetrievalEvaluator(
+    queries, corpus, {q: {d for d, g in ds.items() if g > 0} for q, ds in qrels.items()},
+    mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1], precision_recall_at_k=[1, 10, 100], map_at_k=[100],
+    query_prompt=prompts.get("query"), corpus_prompt=prompts.get("passage"),
+    batch_size=64, show_progress_bar=False, name="x",
+)
+st = ev(model)
+sim = model.similarity_fn_name
+rows = [
+    ("ndcg_at_10", mean("ndcg_cut_10"), st[f"x_{sim}_ndcg@10"]),
+    ("mrr_at_10", None, st[f"x_{sim}_mrr@10"]),
+    ("recall_at_1", mean("recall_1"), st[f"x_{sim}_recall@1"]),
+    ("recall_at_10", mean("recall_10"), st[f"x_{sim}_recall@10"]),
+    ("recall_at_100", mean("recall_100"), st[f"x_{sim}_recall@100"]),
+    ("map_at_100", mean("map_cut_100"), st[f"x_{sim}_map@100"]),
+]
+worst_run, worst_st = 0.0, 0.0
+for name, trec, s in rows:
+    g = ours[name]
+    if trec is not None:
+        worst_run = max(worst_run, abs(g - trec))
+    worst_st = max(worst_st, abs(g - s))
+    print(f"{name:15} {g:10.6f}   {'' if trec is None else f'{trec:10.6f}':>16}   {s:10.6f}")
+print(f"largest difference: against pytrec_eval on the run {worst_run:.2e}, against sentence-transformers {worst_st:.2e}")
