@@ -166,3 +166,48 @@ fn bad_rows_name_the_line_and_the_field() {
     assert_eq!(line, 0);
     assert!(reason.contains("no pairs"), "{reason}");
 }
+
+const PARQUET: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/parquet");
+
+/// Parquet as the Hub stores datasets (scripts/make_parquet_fixtures.py wrote them with
+/// pyarrow): our layout (snappy, two row groups), Tevatron's (zstd, lists of passage
+/// records), sentence-transformers' columns (gzip).
+#[test]
+fn parquet_files_read_in_every_layout_and_codec() {
+    let dir = Path::new(PARQUET);
+    assert_eq!(Layout::of(&dir.join("pairs.parquet")), Layout::Parquet);
+    assert_eq!(
+        read(&dir.join("pairs.parquet")),
+        vec![
+            pair("who made light", "God made light", &["the sea", "the land"]),
+            pair("a, \"quoted\" query", "its passage", &[]),
+            pair("third", "third passage", &[]),
+        ]
+    );
+    let want = vec![
+        pair("who made light", "God made light", &["the sea", "the land"]),
+        pair("a, \"quoted\" query", "its passage", &[]),
+    ];
+    assert_eq!(read(&dir.join("tevatron.parquet")), want);
+    let st = Fields {
+        query: "anchor".into(),
+        ..Fields::default()
+    };
+    assert_eq!(
+        read_pairs(&dir.join("st-columns.parquet"), &st, "train", " ").unwrap(),
+        want
+    );
+    // The bad row is named with its row group.
+    let (line, reason) = data_error(&dir.join("bad.parquet"), &Fields::default());
+    assert_eq!(line, 3);
+    assert!(
+        reason.contains("row 3 (row group 1)") && reason.contains("`query` is empty"),
+        "{reason}"
+    );
+    // A file that is not Parquet.
+    let tmp = tempfile::tempdir().unwrap();
+    let fake = tmp.path().join("x.parquet");
+    std::fs::write(&fake, b"not parquet at all").unwrap();
+    let (_, reason) = data_error(&fake, &Fields::default());
+    assert!(reason.contains("not a readable Parquet file"), "{reason}");
+}

@@ -17,7 +17,10 @@ fn run(args: &[&str]) -> (bool, String, String) {
         .output()
         .expect("run the gradcache binary");
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!stderr.contains("panicked"), "the binary panicked:\n{stderr}");
+    assert!(
+        !stderr.contains("panicked"),
+        "the binary panicked:\n{stderr}"
+    );
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     (out.status.success(), stderr, stdout)
 }
@@ -45,7 +48,8 @@ fn slice(dir: &Path, train: usize, test: usize, neighbours: usize) {
     let queries: std::collections::HashSet<&str> =
         train.iter().chain(&test).map(|(q, _)| q.as_str()).collect();
     fs::create_dir_all(dir.join("qrels")).unwrap();
-    let corpus = flate2::read::GzDecoder::new(fs::File::open(shipped.join("corpus.jsonl.gz")).unwrap());
+    let corpus =
+        flate2::read::GzDecoder::new(fs::File::open(shipped.join("corpus.jsonl.gz")).unwrap());
     let lines: Vec<String> = BufReader::new(corpus).lines().map(|l| l.unwrap()).collect();
     let ids: Vec<String> = lines
         .iter()
@@ -59,7 +63,10 @@ fn slice(dir: &Path, train: usize, test: usize, neighbours: usize) {
     let mut keep = vec![false; lines.len()];
     for (i, id) in ids.iter().enumerate() {
         if wanted.contains(id.as_str()) {
-            let (lo, hi) = (i.saturating_sub(neighbours), (i + neighbours + 1).min(lines.len()));
+            let (lo, hi) = (
+                i.saturating_sub(neighbours),
+                (i + neighbours + 1).min(lines.len()),
+            );
             keep[lo..hi].iter_mut().for_each(|k| *k = true);
         }
     }
@@ -127,17 +134,29 @@ fn the_worked_example_learns_mines_and_evaluates() {
     }
     let (ok, stderr, _) = run(&args);
     assert!(ok, "{stderr}");
-    let (before, after) = (metrics_line(&stderr, "before:"), metrics_line(&stderr, "after:"));
+    let (before, after) = (
+        metrics_line(&stderr, "before:"),
+        metrics_line(&stderr, "after:"),
+    );
     assert!(
         after > before + 0.02,
         "the worked example's config must learn: nDCG@10 {before} -> {after}"
     );
-    assert!(stderr.contains("recall@100"), "a corpus evaluation: {stderr}");
+    assert!(
+        stderr.contains("recall@100"),
+        "a corpus evaluation: {stderr}"
+    );
     println!("nDCG@10 on the slice's test split: {before} before, {after} after training");
 
     let model = tmp.path().join("model");
     let model_arg = model.display().to_string();
-    let mut export = vec!["export", "--config", "configs/bible-beir.toml", "--output", &model_arg];
+    let mut export = vec![
+        "export",
+        "--config",
+        "configs/bible-beir.toml",
+        "--output",
+        &model_arg,
+    ];
     for s in &sets {
         export.extend(["--set", s.as_str()]);
     }
@@ -155,33 +174,64 @@ fn the_worked_example_learns_mines_and_evaluates() {
     let run_file = tmp.path().join("test.trec");
     let summary = tmp.path().join("test.json");
     let (ok, stderr, stdout) = run(&[
-        "eval", "--model", &model_arg, "--beir", &beir_arg, "--split", "test",
-        "--run-file", run_file.to_str().unwrap(), "--output", summary.to_str().unwrap(),
-        "--corpus-block", "100",
+        "eval",
+        "--model",
+        &model_arg,
+        "--beir",
+        &beir_arg,
+        "--split",
+        "test",
+        "--run-file",
+        run_file.to_str().unwrap(),
+        "--output",
+        summary.to_str().unwrap(),
+        "--corpus-block",
+        "100",
     ]);
     assert!(ok, "{stderr}");
-    assert!(stderr.contains("query prompt \"query: \""), "prompts from the export: {stderr}");
+    assert!(
+        stderr.contains("query prompt \"query: \""),
+        "prompts from the export: {stderr}"
+    );
     let printed: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     let written: serde_json::Value =
         serde_json::from_str(&fs::read_to_string(&summary).unwrap()).unwrap();
     assert_eq!(written["metrics"], printed);
     assert_eq!(printed["queries"], 60);
     let ndcg = printed["ndcg_at_10"].as_f64().unwrap();
-    assert!((ndcg - after).abs() < 1e-3, "eval {ndcg} vs the trainer's last {after}");
+    assert!(
+        (ndcg - after).abs() < 1e-3,
+        "eval {ndcg} vs the trainer's last {after}"
+    );
     let run_text = fs::read_to_string(&run_file).unwrap();
     assert_eq!(run_text.lines().count(), 60 * 100, "top 100 per query");
     let measured = gradcache::retrieval::metrics::corpus_metrics(
         &gradcache::retrieval::metrics::parse_trec_run(&run_text).unwrap(),
         &gradcache::retrieval::beir::read_qrels(&beir.join("qrels/test.tsv")).unwrap(),
     );
-    assert!((measured.ndcg_at_10 - ndcg).abs() < 1e-12, "the run file is what was measured");
+    assert!(
+        (measured.ndcg_at_10 - ndcg).abs() < 1e-12,
+        "the run file is what was measured"
+    );
 
     // mine: three negatives per query, never a positive, from the corpus.
     let mined = tmp.path().join("mined.jsonl");
     let (ok, stderr, _) = run(&[
-        "mine", "--model", &model_arg, "--beir", &beir_arg, "--split", "train",
-        "--num-negatives", "3", "--range-max", "30", "--relative-margin", "0.05",
-        "--output", mined.to_str().unwrap(),
+        "mine",
+        "--model",
+        &model_arg,
+        "--beir",
+        &beir_arg,
+        "--split",
+        "train",
+        "--num-negatives",
+        "3",
+        "--range-max",
+        "30",
+        "--relative-margin",
+        "0.05",
+        "--output",
+        mined.to_str().unwrap(),
     ]);
     assert!(ok, "{stderr}");
     let rows: Vec<serde_json::Value> = fs::read_to_string(&mined)
@@ -208,35 +258,71 @@ fn the_worked_example_learns_mines_and_evaluates() {
         "train.batch_size=16".into(),
         "train.eval_every=0".into(),
     ];
-    let mut args = vec!["train", "--config", "configs/bible-beir-hard-negatives.toml"];
+    let mut args = vec![
+        "train",
+        "--config",
+        "configs/bible-beir-hard-negatives.toml",
+    ];
     for s in &hn_sets {
         args.extend(["--set", s.as_str()]);
     }
     let (ok, stderr, _) = run(&args);
     assert!(ok, "{stderr}");
-    assert!(!stderr.contains("filled"), "every query has its mined negatives: {stderr}");
+    assert!(
+        !stderr.contains("filled"),
+        "every query has its mined negatives: {stderr}"
+    );
 
     // Bad input: refused, nothing written.
     let nothing = tmp.path().join("nothing.jsonl");
     let (ok, stderr, _) = run(&[
-        "mine", "--model", &model_arg, "--beir", &beir_arg, "--max-score", "-2",
-        "--output", nothing.to_str().unwrap(),
+        "mine",
+        "--model",
+        &model_arg,
+        "--beir",
+        &beir_arg,
+        "--max-score",
+        "-2",
+        "--output",
+        nothing.to_str().unwrap(),
     ]);
-    assert!(!ok && stderr.contains("no query kept 3 negatives"), "{stderr}");
+    assert!(
+        !ok && stderr.contains("no query kept 3 negatives"),
+        "{stderr}"
+    );
     assert!(!nothing.exists());
     let (ok, stderr, _) = run(&[
-        "mine", "--model", &model_arg, "--data", mined.to_str().unwrap(),
-        "--output", mined.to_str().unwrap(),
+        "mine",
+        "--model",
+        &model_arg,
+        "--data",
+        mined.to_str().unwrap(),
+        "--output",
+        mined.to_str().unwrap(),
     ]);
     assert!(!ok && stderr.contains("is an input"), "{stderr}");
     let (ok, stderr, _) = run(&[
-        "mine", "--model", &model_arg, "--beir", &beir_arg, "--range-min", "50",
-        "--range-max", "20", "--output", nothing.to_str().unwrap(),
+        "mine",
+        "--model",
+        &model_arg,
+        "--beir",
+        &beir_arg,
+        "--range-min",
+        "50",
+        "--range-max",
+        "20",
+        "--output",
+        nothing.to_str().unwrap(),
     ]);
     assert!(!ok && stderr.contains("range_max"), "{stderr}");
     let (ok, stderr, _) = run(&[
-        "eval", "--model", &model_arg, "--beir", tmp.path().join("nope").to_str().unwrap(),
-        "--run-file", nothing.to_str().unwrap(),
+        "eval",
+        "--model",
+        &model_arg,
+        "--beir",
+        tmp.path().join("nope").to_str().unwrap(),
+        "--run-file",
+        nothing.to_str().unwrap(),
     ]);
     assert!(!ok && stderr.contains("missing BEIR corpus"), "{stderr}");
     assert!(!nothing.exists());

@@ -10,6 +10,8 @@
 //!   positive columns named by [`Fields`], negatives in a column named as
 //!   `fields.negatives`, `negative`, or `negative_1`, `negative_2`, ... (the
 //!   sentence-transformers layout), in that order;
+//! - **Parquet** (`.parquet`, as the Hugging Face Hub stores datasets; snappy, zstd or
+//!   gzip pages): each row read as a JSON object, so any of the JSON layouts above;
 //! - **a BEIR folder** (a directory): every judged query of `split` with each relevant
 //!   document (grade >= 1), title and text joined.
 //!
@@ -40,6 +42,8 @@ pub enum Layout {
     Tsv,
     /// Comma-separated with a header.
     Csv,
+    /// Apache Parquet.
+    Parquet,
     /// A BEIR folder.
     Beir,
 }
@@ -62,6 +66,8 @@ impl Layout {
             Layout::Tsv
         } else if name.ends_with(".csv") {
             Layout::Csv
+        } else if name.ends_with(".parquet") {
+            Layout::Parquet
         } else {
             Layout::JsonLines
         }
@@ -91,6 +97,7 @@ pub fn read_pairs_as(
         Layout::Beir => beir_pairs(path, split, title_separator)?,
         Layout::Tsv => table_pairs(path, fields, b'\t')?,
         Layout::Csv => table_pairs(path, fields, b',')?,
+        Layout::Parquet => parquet_pairs(path, fields, title_separator)?,
         Layout::JsonLines => json_pairs(path, fields, title_separator)?,
     };
     if pairs.is_empty() {
@@ -122,51 +129,23 @@ fn beir_pairs(dir: &Path, split: &str, title_separator: &str) -> Result<Vec<Pair
     Ok(pairs)
 }
 
-/// A non-empty string field.
-fn text_field(
-    object: &serde_json::Map<String, serde_json::Value>,
-    name: &str,
-    path: &Path,
-    line: usize,
-) -> Result<String> {
-    match object.get(name) {
-        Some(serde_json::Value::String(s)) if !s.trim().is_empty() => Ok(s.clone()),
-        Some(serde_json::Value::String(_)) => {
-            Err(data_error(path, line, format!("field `{name}` is empty")))
-        }
-        Some(_) => Err(data_error(
-            path,
-            line,
-            format!("field `{name}` is not a string"),
-        )),
-        None => Err(data_error(path, line, format!("missing field `{name}`"))),
-    }
-}
-
 /// Tevatron's passages: a list of objects with `text` and an optional `title`.
 fn passages(
     value: Option<&serde_json::Value>,
     name: &str,
-    path: &Path,
-    line: usize,
     separator: &str,
+    error: &dyn Fn(String) -> Error,
 ) -> Result<Vec<String>> {
     let items = match value {
         None | Some(serde_json::Value::Null) => return Ok(Vec::new()),
         Some(serde_json::Value::Array(items)) => items,
-        Some(_) => {
-            return Err(data_error(
-                path,
-                line,
-                format!("field `{name}` must be a list of passages"),
-            ))
-        }
+        Some(_) => return Err(error(format!("field `{name}` must be a list of passages"))),
     };
     items
         .iter()
         .enumerate()
         .map(|(i, item)| {
-            let bad = |what: &str| data_error(path, line, format!("`{name}[{i}]` {what}"));
+            let bad = |what: &str| error(format!("`{name}[{i}]` {what}"));
             let o = item.as_object().ok_or_else(|| bad("is not an object"))?;
             let text = o
                 .get("text")
@@ -198,60 +177,131 @@ fn json_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pair>
         let object = value
             .as_object()
             .ok_or_else(|| data_error(path, number, "expected a JSON object"))?;
-        if object.contains_key("positive_passages") {
-            let positives = passages(
-                object.get("positive_passages"),
-                "positive_passages",
-                path,
-                number,
-                separator,
-            )?;
-            let positive = positives
-                .into_iter()
-                .next()
-                .ok_or_else(|| data_error(path, number, "field `positive_passages` is empty"))?;
-            pairs.push(Pair {
-                query: text_field(object, &fields.query, path, number)?,
-                positive,
-                negatives: passages(
-                    object.get("negative_passages"),
-                    "negative_passages",
-                    path,
-                    number,
-                    separator,
-                )?,
-            });
-            return Ok(());
-        }
-        let negatives = match object.get(&fields.negatives) {
-            None | Some(serde_json::Value::Null) => Vec::new(),
-            Some(serde_json::Value::Array(items)) => items
-                .iter()
-                .map(|v| {
-                    v.as_str().map(str::to_string).ok_or_else(|| {
-                        data_error(
-                            path,
-                            number,
-                            format!("field `{}` must be a list of strings", fields.negatives),
-                        )
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?,
-            Some(_) => {
-                return Err(data_error(
-                    path,
-                    number,
-                    format!("field `{}` must be a list of strings", fields.negatives),
-                ))
-            }
-        };
-        pairs.push(Pair {
-            query: text_field(object, &fields.query, path, number)?,
-            positive: text_field(object, &fields.positive, path, number)?,
-            negatives,
-        });
+        pairs.push(pair_from_object(object, fields, separator, &|reason| {
+            data_error(path, number, reason)
+        })?);
         Ok(())
     })?;
+    Ok(pairs)
+}
+
+/// One pair from a JSON object (a JSONL line or a Parquet row): Tevatron's layout when it
+/// has `positive_passages`, else the fields of `fields`, with negatives in
+/// `fields.negatives` (a list) or in `negative`, `negative_1`, ... columns.
+fn pair_from_object(
+    object: &serde_json::Map<String, serde_json::Value>,
+    fields: &Fields,
+    separator: &str,
+    error: &dyn Fn(String) -> Error,
+) -> Result<Pair> {
+    let text = |name: &str| -> Result<String> {
+        match object.get(name) {
+            Some(serde_json::Value::String(s)) if !s.trim().is_empty() => Ok(s.clone()),
+            Some(serde_json::Value::String(_)) => Err(error(format!("field `{name}` is empty"))),
+            Some(_) => Err(error(format!("field `{name}` is not a string"))),
+            None => Err(error(format!("missing field `{name}`"))),
+        }
+    };
+    if object.contains_key("positive_passages") {
+        let positives = passages(
+            object.get("positive_passages"),
+            "positive_passages",
+            separator,
+            error,
+        )?;
+        let positive = positives
+            .into_iter()
+            .next()
+            .ok_or_else(|| error("field `positive_passages` is empty".into()))?;
+        return Ok(Pair {
+            query: text(&fields.query)?,
+            positive,
+            negatives: passages(
+                object.get("negative_passages"),
+                "negative_passages",
+                separator,
+                error,
+            )?,
+        });
+    }
+    let list_error = || {
+        error(format!(
+            "field `{}` must be a list of strings",
+            fields.negatives
+        ))
+    };
+    let negatives = match object.get(&fields.negatives) {
+        Some(serde_json::Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(list_error))
+            .collect::<Result<Vec<_>>>()?,
+        Some(serde_json::Value::Null) => Vec::new(),
+        Some(_) => return Err(list_error()),
+        None => {
+            // sentence-transformers' columns: `negative`, `negative_1`, `negative_2`, ...
+            let mut columns: Vec<(u32, &String)> = object
+                .iter()
+                .filter_map(|(k, v)| match (negative_column(k, fields), v) {
+                    (Some(order), serde_json::Value::String(s)) => Some((order, s)),
+                    _ => None,
+                })
+                .collect();
+            columns.sort_by_key(|&(order, _)| order);
+            columns
+                .into_iter()
+                .filter(|(_, s)| !s.trim().is_empty())
+                .map(|(_, s)| s.clone())
+                .collect()
+        }
+    };
+    Ok(Pair {
+        query: text(&fields.query)?,
+        positive: text(&fields.positive)?,
+        negatives,
+    })
+}
+
+/// Pairs from a Parquet file (the Hugging Face Hub's dataset storage), each row read as a
+/// JSON object ([`pair_from_object`]): string columns, list columns, Tevatron's lists of
+/// passages. An error names the row (1-based) and its row group.
+fn parquet_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pair>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let file = std::fs::File::open(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::MissingFile {
+            path: path.to_path_buf(),
+            what: "data file",
+        },
+        _ => Error::io("open", path, e),
+    })?;
+    let reader = SerializedFileReader::new(file)
+        .map_err(|e| data_error(path, 0, format!("not a readable Parquet file ({e})")))?;
+    // Where each row group starts, to name the group of a bad row.
+    let mut starts = Vec::new();
+    let mut total = 0usize;
+    for g in reader.metadata().row_groups() {
+        starts.push(total);
+        total += g.num_rows().max(0) as usize;
+    }
+    let group_of = |row: usize| starts.partition_point(|&s| s <= row).saturating_sub(1);
+    let rows = reader
+        .get_row_iter(None)
+        .map_err(|e| data_error(path, 0, format!("cannot read rows ({e})")))?;
+    let mut pairs = Vec::with_capacity(total);
+    for (i, row) in rows.enumerate() {
+        let at = |reason: String| {
+            data_error(
+                path,
+                i + 1,
+                format!("row {} (row group {}): {reason}", i + 1, group_of(i)),
+            )
+        };
+        let row = row.map_err(|e| at(format!("cannot decode ({e})")))?;
+        let value = row.to_json_value();
+        let object = value
+            .as_object()
+            .ok_or_else(|| at("a row is not a record".into()))?;
+        pairs.push(pair_from_object(object, fields, separator, &at)?);
+    }
     Ok(pairs)
 }
 
