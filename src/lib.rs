@@ -131,4 +131,6 @@ pub mod docs_doctests {
     pub struct Benchmarks;
     #[doc = include_str!("../docs/design.md")]
     pub struct Design;
+    #[doc = include_str!("../docs/retrieval.md")]
+    pub struct Retrieval;
 }
