@@ -132,6 +132,11 @@ pub struct DataConfig {
     /// The qrels split a BEIR `eval_file` evaluates on.
     #[serde(default = "default_eval_split", skip_serializing_if = "is_eval_split")]
     pub eval_split: String,
+    /// Read the training pairs from disk as batches need them (an index of line offsets
+    /// in memory, not the texts), for files larger than memory: uncompressed JSON lines
+    /// only, with an `eval_file`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stream: bool,
     /// Joins a passage's title and text (BEIR and Tevatron passages).
     #[serde(
         default = "default_title_separator",
@@ -639,6 +644,9 @@ impl Config {
         // How many processes share the work does not change what is trained: a run may
         // resume (or be exported) with another backend or world size.
         shaping.dist = DistConfig::default();
+        // Nor whether the pairs are held in memory or read from disk: the batches are the
+        // same.
+        shaping.data.stream = false;
         // Nor where the run's files go: a run directory may be moved or copied.
         shaping.output_dir = PathBuf::new();
         // Nor where it runs: a run may move between the CPU and a GPU (the dtype stays).

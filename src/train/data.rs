@@ -91,6 +91,30 @@ pub fn split(pairs: Vec<Pair>, held_out: usize, seed: u64) -> Result<(Vec<Pair>,
     Ok((train, eval))
 }
 
+/// Training pairs by index: in memory (`Vec<Pair>`) or read from disk when served.
+pub trait PairSource {
+    /// Number of pairs.
+    fn len(&self) -> usize;
+
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Pair `i` (`i < len()`).
+    fn pair(&self, i: usize) -> Result<Pair>;
+}
+
+impl PairSource for Vec<Pair> {
+    fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    fn pair(&self, i: usize) -> Result<Pair> {
+        Ok(self[i].clone())
+    }
+}
+
 /// Where a loader is: the epoch and the number of pairs of that epoch already served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Position {
@@ -115,7 +139,7 @@ pub struct TextBatch {
 /// Serves fixed-size batches in a seeded order per epoch; a last incomplete batch of an
 /// epoch is dropped (every step sees the same batch size).
 pub struct Loader {
-    pairs: Vec<Pair>,
+    pairs: Box<dyn PairSource>,
     batch_size: usize,
     hard_negatives: usize,
     seed: u64,
@@ -128,6 +152,18 @@ impl Loader {
     /// A loader over `pairs`, starting at the beginning of epoch 0.
     pub fn new(
         pairs: Vec<Pair>,
+        batch_size: usize,
+        hard_negatives: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        Self::from_source(Box::new(pairs), batch_size, hard_negatives, seed)
+    }
+
+    /// A loader over any [`PairSource`] (e.g. a [`crate::train::stream::JsonlIndex`]
+    /// that reads each pair from disk when it is served): the same batches as over the
+    /// same pairs in memory.
+    pub fn from_source(
+        pairs: Box<dyn PairSource>,
         batch_size: usize,
         hard_negatives: usize,
         seed: u64,
@@ -203,7 +239,7 @@ impl Loader {
             position.epoch,
         ])));
         if self.no_duplicates {
-            order = self.without_duplicates(order);
+            order = self.without_duplicates(order)?;
         }
         if position.offset > order.len() {
             return Err(Error::InvalidArgument {
@@ -219,15 +255,15 @@ impl Loader {
 
     /// `order` rearranged into consecutive batches without a repeated text (pairs that
     /// cannot complete a batch are left out of the epoch).
-    fn without_duplicates(&self, order: Vec<usize>) -> Vec<usize> {
+    fn without_duplicates(&self, order: Vec<usize>) -> Result<Vec<usize>> {
         use std::collections::{HashSet, VecDeque};
-        let texts = |i: usize| {
-            let p = &self.pairs[i];
-            [&p.query, &p.positive]
+        let texts = |i: usize| -> Result<Vec<u64>> {
+            let p = self.pairs.pair(i)?;
+            Ok([&p.query, &p.positive]
                 .into_iter()
                 .chain(p.negatives.iter().take(self.hard_negatives))
                 .map(|t| crate::rng::hash_str(t))
-                .collect::<Vec<u64>>()
+                .collect())
         };
         let mut pending: VecDeque<usize> = order.into();
         let mut arranged = Vec::with_capacity(pending.len());
@@ -237,7 +273,7 @@ impl Loader {
             let mut deferred = Vec::new();
             while batch.len() < self.batch_size {
                 let Some(i) = pending.pop_front() else { break };
-                let own = texts(i);
+                let own = texts(i)?;
                 if own.iter().any(|h| seen.contains(h)) {
                     deferred.push(i);
                 } else {
@@ -254,7 +290,7 @@ impl Loader {
                 pending.push_front(i);
             }
         }
-        arranged
+        Ok(arranged)
     }
 
     /// The next batch, moving to the next epoch when this one has no full batch left.
@@ -275,7 +311,7 @@ impl Loader {
             filled: 0,
         };
         for &i in ids {
-            let pair = &self.pairs[i];
+            let pair = self.pairs.pair(i)?;
             batch.queries.push(pair.query.clone());
             batch.passages.push(pair.positive.clone());
             for j in 0..self.hard_negatives {
@@ -286,7 +322,7 @@ impl Loader {
                         if other >= i {
                             other += 1;
                         }
-                        batch.passages.push(self.pairs[other].positive.clone());
+                        batch.passages.push(self.pairs.pair(other)?.positive);
                         batch.filled += 1;
                     }
                 }

@@ -188,7 +188,7 @@ fn json_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pair>
 /// One pair from a JSON object (a JSONL line or a Parquet row): Tevatron's layout when it
 /// has `positive_passages`, else the fields of `fields`, with negatives in
 /// `fields.negatives` (a list) or in `negative`, `negative_1`, ... columns.
-fn pair_from_object(
+pub(crate) fn pair_from_object(
     object: &serde_json::Map<String, serde_json::Value>,
     fields: &Fields,
     separator: &str,

@@ -25,6 +25,7 @@ pub mod optim;
 pub mod report;
 pub mod run;
 pub mod shapes;
+pub mod stream;
 pub mod trainer;
 
 pub use config::Config;

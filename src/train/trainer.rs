@@ -35,11 +35,12 @@ use crate::retrieval::{evaluate_corpus, BeirSet, SearchOptions};
 use crate::train::budget::plan_memory;
 use crate::train::checkpoint;
 use crate::train::config::Config;
-use crate::train::data::{split, Loader, Pair, Position, TextBatch};
+use crate::train::data::{split, Loader, Pair, PairSource, Position, TextBatch};
 use crate::train::formats::{read_pairs, Layout};
 use crate::train::metrics::{evaluate, RetrievalMetrics};
 use crate::train::model::{bert_options, build_model, read_model_tokenizer, run_prompts, Model};
 use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
+use crate::train::stream::JsonlIndex;
 use crate::{Error, Result, Side};
 
 pub use super::model::{DENSE_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE};
@@ -506,15 +507,28 @@ fn check_batch_splits(cfg: &Config, comm: &dyn Collective) -> Result<()> {
 /// loader.
 fn load_data(cfg: &Config, comm: &dyn Collective, notes: &mut Vec<String>) -> Result<RunData> {
     let (train, eval) = dist::agree(comm, load_pairs(cfg))?;
-    check_same_run(comm, cfg, &train, &eval)?;
+    let source: Box<dyn PairSource> = match train {
+        Training::InMemory(pairs) => Box::new(pairs),
+        Training::Streamed(index) => {
+            notes.push(format!(
+                "streaming {} training pairs from {} (an index of {} MiB; pairs are read when \
+                 served)",
+                index.len(),
+                cfg.data.train_file.display(),
+                (index.len() * 12) >> 20
+            ));
+            Box::new(index)
+        }
+    };
+    check_same_run(comm, cfg, source.as_ref(), &eval)?;
     let batch = cfg.train.batch_size;
-    if train.len() % batch != 0 {
+    let n = source.len();
+    if n % batch != 0 {
         notes.push(format!(
-            "{} training pairs make {} batches of {batch} per epoch; the last {} pairs of each \
+            "{n} training pairs make {} batches of {batch} per epoch; the last {} pairs of each \
              (shuffled) epoch are dropped",
-            train.len(),
-            train.len() / batch,
-            train.len() % batch
+            n / batch,
+            n % batch
         ));
     }
     let world = comm.world_size();
@@ -526,17 +540,26 @@ fn load_data(cfg: &Config, comm: &dyn Collective, notes: &mut Vec<String>) -> Re
         ));
     }
     // A fresh tokenizer learns from the training split only (never the held-out pairs);
-    // the memory budget samples text lengths from it.
+    // the memory budget samples text lengths from it. A streamed file lends an even sample
+    // of at most TEXT_SAMPLE pairs.
     let texts: Vec<String> = if cfg.model.pretrained.is_empty() || cfg.train.memory_budget.is_some()
     {
-        train
-            .iter()
-            .flat_map(|p| [p.query.clone(), p.positive.clone()])
-            .collect()
+        let every = if cfg.data.stream {
+            n.div_ceil(TEXT_SAMPLE).max(1)
+        } else {
+            1
+        };
+        let mut texts = Vec::new();
+        for i in (0..n).step_by(every) {
+            let p = source.pair(i)?;
+            texts.push(p.query);
+            texts.push(p.positive);
+        }
+        texts
     } else {
         Vec::new()
     };
-    let loader = Loader::new(train, batch, cfg.train.hard_negatives, cfg.seed)?
+    let loader = Loader::from_source(source, batch, cfg.train.hard_negatives, cfg.seed)?
         .with_no_duplicates(cfg.train.no_duplicates)?;
     Ok(RunData {
         loader,
@@ -545,26 +568,55 @@ fn load_data(cfg: &Config, comm: &dyn Collective, notes: &mut Vec<String>) -> Re
     })
 }
 
+/// With `data.stream`: the pairs a fresh tokenizer and the memory budget sample at most.
+const TEXT_SAMPLE: usize = 200_000;
+
+/// The training pairs of a run: in memory, or indexed on disk (`data.stream`).
+enum Training {
+    InMemory(Vec<Pair>),
+    Streamed(JsonlIndex),
+}
+
 /// The training and held-out pairs of a run.
-fn load_pairs(cfg: &Config) -> Result<(Vec<Pair>, EvalData)> {
+fn load_pairs(cfg: &Config) -> Result<(Training, EvalData)> {
     let d = &cfg.data;
-    let pairs = read_pairs(&d.train_file, &d.fields, &d.train_split, &d.title_separator)?;
-    match &d.eval_file {
-        Some(path) if Layout::of(path) == Layout::Beir => {
-            Ok((pairs, EvalData::Corpus(BeirSet::load(path, &d.eval_split)?)))
-        }
-        Some(path) => Ok((
-            pairs,
+    let eval = |path: &Path| -> Result<EvalData> {
+        Ok(if Layout::of(path) == Layout::Beir {
+            EvalData::Corpus(BeirSet::load(path, &d.eval_split)?)
+        } else {
             EvalData::Pairs(read_pairs(
                 path,
                 &d.fields,
                 &d.eval_split,
                 &d.title_separator,
-            )?),
-        )),
+            )?)
+        })
+    };
+    if d.stream {
+        let Some(path) = &d.eval_file else {
+            return Err(Error::InvalidConfig {
+                field: "data.stream",
+                value: "true".into(),
+                reason: "a streamed training file is not held out of: set data.eval_file",
+            });
+        };
+        if Layout::of(&d.train_file) != Layout::JsonLines {
+            return Err(Error::InvalidConfig {
+                field: "data.stream",
+                value: d.train_file.display().to_string(),
+                reason: "streams JSON lines only (ours, Tevatron's); read other layouts into \
+                         memory (data.stream = false)",
+            });
+        }
+        let index = JsonlIndex::build(&d.train_file, &d.fields, &d.title_separator)?;
+        return Ok((Training::Streamed(index), eval(path)?));
+    }
+    let pairs = read_pairs(&d.train_file, &d.fields, &d.train_split, &d.title_separator)?;
+    match &d.eval_file {
+        Some(path) => Ok((Training::InMemory(pairs), eval(path)?)),
         None => {
-            let (train, eval) = split(pairs, d.eval_pairs, cfg.seed)?;
-            Ok((train, EvalData::Pairs(eval)))
+            let (train, held) = split(pairs, d.eval_pairs, cfg.seed)?;
+            Ok((Training::InMemory(train), EvalData::Pairs(held)))
         }
     }
 }
@@ -634,7 +686,7 @@ fn read_dense_modules(dir: &Path) -> Result<Vec<DenseSpec>> {
 fn check_same_run(
     comm: &dyn Collective,
     cfg: &Config,
-    train: &[Pair],
+    train: &dyn PairSource,
     eval: &EvalData,
 ) -> Result<()> {
     if comm.world_size() == 1 {
@@ -659,7 +711,8 @@ fn check_same_run(
         });
     }
     let mut hash = crate::rng::hash_str("");
-    for p in train {
+    for i in 0..train.len() {
+        let p = train.pair(i)?;
         for text in [&p.query, &p.positive].into_iter().chain(&p.negatives) {
             hash = hash.rotate_left(5) ^ crate::rng::hash_str(text);
         }
