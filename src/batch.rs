@@ -57,6 +57,10 @@ pub struct TokenBatch {
     pub attention_mask: Tensor,
     /// Segment ids, `[rows, seq_len]`, u32.
     pub token_type_ids: Tensor,
+    /// Positions before this one are left out of the pooling (they still attend and are
+    /// attended to): the special token and prompt of a model whose pooling has
+    /// `include_prompt = false`, as sentence-transformers does. 0: pool every real token.
+    pub pool_from: usize,
 }
 
 impl TokenBatch {
@@ -78,7 +82,14 @@ impl TokenBatch {
             input_ids,
             attention_mask,
             token_type_ids,
+            pool_from: 0,
         })
+    }
+
+    /// The same batch with the first `positions` left out of the pooling.
+    pub fn with_pool_from(mut self, positions: usize) -> Self {
+        self.pool_from = positions;
+        self
     }
 
     /// Sequence length (columns).
@@ -102,6 +113,7 @@ impl TokenBatch {
             input_ids: self.input_ids.narrow(1, 0, len)?,
             attention_mask: self.attention_mask.narrow(1, 0, len)?,
             token_type_ids: self.token_type_ids.narrow(1, 0, len)?,
+            pool_from: self.pool_from,
         })
     }
 
@@ -118,6 +130,7 @@ impl TokenBatch {
             input_ids: right(&self.input_ids)?,
             attention_mask: right(&self.attention_mask)?,
             token_type_ids: right(&self.token_type_ids)?,
+            pool_from: self.pool_from,
         })
     }
 }
@@ -133,6 +146,7 @@ impl Batch for TokenBatch {
             input_ids: self.input_ids.narrow(0, start, len)?,
             attention_mask: self.attention_mask.narrow(0, start, len)?,
             token_type_ids: self.token_type_ids.narrow(0, start, len)?,
+            pool_from: self.pool_from,
         }
         .trim_padding()
     }
@@ -151,10 +165,16 @@ impl Batch for TokenBatch {
             let ts: Vec<Tensor> = padded.iter().map(|p| f(p).clone()).collect();
             Ok(Tensor::cat(&ts, 0)?)
         };
+        if padded.iter().any(|p| p.pool_from != padded[0].pool_from) {
+            return Err(Error::Concat(
+                "token batches that pool from different positions (different prompts)".into(),
+            ));
+        }
         Ok(Self {
             input_ids: field(|b| &b.input_ids)?,
             attention_mask: field(|b| &b.attention_mask)?,
             token_type_ids: field(|b| &b.token_type_ids)?,
+            pool_from: padded[0].pool_from,
         })
     }
 }

@@ -203,6 +203,7 @@ fn prompts_round_trip_and_are_put_before_the_texts() {
         &gradcache::hub::export::ExportNotes {
             prompts: prompts.clone(),
             matryoshka_dims: vec![8, 4],
+            prompt_left_out: false,
         },
     )
     .unwrap();
@@ -266,20 +267,103 @@ fn prompts_round_trip_and_are_put_before_the_texts() {
             other => panic!("{bad}: expected a model file error, got {other}"),
         }
     }
-    // A pooling that leaves prompt tokens out is refused while a prompt is in use.
-    write(serde_json::json!({"prompts": {"query": "q: "}}));
+    // A pooling that leaves prompt tokens out (`include_prompt = false`): the prompt and
+    // the [CLS] before it still attend, but the mean is over the text's tokens (and the
+    // final [SEP]) only, as sentence-transformers computes it.
+    write(serde_json::json!({"prompts": {"query": "lord "}}));
     let pooling = dir.join("1_Pooling/config.json");
     let mut cfg_json: serde_json::Value =
         serde_json::from_str(&fs::read_to_string(&pooling).unwrap()).unwrap();
     cfg_json["include_prompt"] = serde_json::json!(false);
     fs::write(&pooling, cfg_json.to_string()).unwrap();
-    let err = EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default())
-        .err()
-        .expect("include_prompt = false with a prompt must be refused");
-    assert!(err.to_string().contains("include_prompt"), "{err}");
-    let none = LoadOptions {
-        query_prompt: Some(String::new()),
-        ..LoadOptions::default()
-    };
-    EmbeddingModel::load(dir.to_str().unwrap(), &none).unwrap();
+    let model = EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default()).unwrap();
+    assert!(
+        model.settings().contains("left out of the pooling"),
+        "{}",
+        model.settings()
+    );
+    let got = model.embed_queries(&["the light", "my lord"], 4).unwrap();
+    let tok = model.tokenizer();
+    for (row, text) in ["the light", "my lord"].iter().enumerate() {
+        let batch = tok
+            .encode(&[&format!("lord {text}")], &Device::Cpu)
+            .unwrap();
+        // "[CLS] lord" is the prompt's own tokenization less its [SEP]: 2 positions.
+        let states = model
+            .encoder()
+            .tower()
+            .detached_model()
+            .hidden_states(&batch, &Ctx::eval())
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
+        let len = states.dim(0).unwrap();
+        let mean = states
+            .narrow(0, 2, len - 2)
+            .unwrap()
+            .mean(0)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let want = mean;
+        let got_row = got.get(row).unwrap().to_vec1::<f32>().unwrap();
+        let err = got_row
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(err < 1e-5, "row {row}: {got_row:?} vs {want:?}");
+        let all = states.mean(0).unwrap().to_vec1::<f32>().unwrap();
+        assert!(
+            all.iter().zip(&want).any(|(a, b)| (a - b).abs() > 1e-4),
+            "leaving the prompt out changes the embedding"
+        );
+    }
+}
+
+/// A run with prompts left out of the pooling trains, and its export says so: the pooling
+/// config's `include_prompt` is false and `config_sentence_transformers.json` holds the
+/// prompts; the exported model embeds as the trained one.
+#[test]
+fn a_run_with_prompts_left_out_of_the_pooling_exports_them() {
+    use gradcache::hub::{EmbeddingModel, LoadOptions};
+    use gradcache::train::{Config, Trainer};
+    let tmp = tempfile::tempdir().unwrap();
+    let config = common::write_tiny_run(tmp.path());
+    let sets: Vec<String> = [
+        "model.query_prompt=\"query: \"",
+        "model.passage_prompt=\"passage: \"",
+        "model.include_prompt=false",
+        "train.steps=2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let cfg = Config::load(&config, &sets).unwrap();
+    let mut trainer = Trainer::new(cfg, None).unwrap();
+    for _ in 0..2 {
+        assert!(trainer.train_step().unwrap().loss.is_finite());
+    }
+    let out = tmp.path().join("export");
+    trainer.export(&out, gradcache::Side::Query).unwrap();
+    let head = read_sentence_transformers_config(&out).unwrap().unwrap();
+    assert!(!head.include_prompt);
+    assert_eq!(head.prompts.query, "query: ");
+    assert_eq!(head.prompts.passage, "passage: ");
+    let model = EmbeddingModel::load(out.to_str().unwrap(), &LoadOptions::default()).unwrap();
+    let left_out = model
+        .embed_queries(&["the lord is my shepherd"], 2)
+        .unwrap();
+    // The same model pooling the prompt too embeds differently.
+    fs::write(
+        out.join("1_Pooling/config.json"),
+        gradcache::hub::export::pooling_config(16, gradcache::bert::Pooling::Mean, true)
+            .to_string(),
+    )
+    .unwrap();
+    let with = EmbeddingModel::load(out.to_str().unwrap(), &LoadOptions::default())
+        .unwrap()
+        .embed_queries(&["the lord is my shepherd"], 2)
+        .unwrap();
+    assert!(common::max_diff(&left_out, &with) > 1e-4);
 }

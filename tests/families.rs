@@ -229,6 +229,7 @@ fn an_export_loads_back_to_the_same_embeddings_and_family() {
             &gradcache::hub::export::ExportNotes {
                 prompts: model.prompts().clone(),
                 matryoshka_dims: Vec::new(),
+                prompt_left_out: false,
             },
         )
         .unwrap();

@@ -41,6 +41,9 @@ pub struct ExportNotes {
     /// The Matryoshka widths it was trained at (`matryoshka_dims`; empty: none), so that
     /// a user knows which prefixes of the embedding are usable (`truncate_dim`).
     pub matryoshka_dims: Vec<usize>,
+    /// The prompts' tokens are left out of the pooling (`include_prompt = false` in the
+    /// pooling config); false, the default: pooled with the text.
+    pub prompt_left_out: bool,
 }
 
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
@@ -221,7 +224,7 @@ pub fn export_bert(
     )?;
     write_json(
         &tmp.join(POOLING),
-        &pooling_config(cfg.hidden_size, options.pooling),
+        &pooling_config(cfg.hidden_size, options.pooling, !notes.prompt_left_out),
     )?;
     if dir.exists() {
         fs::remove_dir(dir).map_err(|e| Error::io("remove", dir, e))?;
@@ -233,12 +236,12 @@ pub fn export_bert(
 /// reads: the width as `word_embedding_dimension` and one `pooling_mode_*` boolean per
 /// mode (the current package converts both to its `embedding_dimension` and
 /// `pooling_mode`; older ones refuse keys they do not know).
-pub fn pooling_config(width: usize, pooling: Pooling) -> serde_json::Value {
+pub fn pooling_config(width: usize, pooling: Pooling, include_prompt: bool) -> serde_json::Value {
     let mut cfg = serde_json::Map::new();
     cfg.insert("word_embedding_dimension".into(), json!(width));
     for mode in Pooling::ALL {
         cfg.insert(mode.legacy_key().into(), json!(mode == pooling));
     }
-    cfg.insert("include_prompt".into(), json!(true));
+    cfg.insert("include_prompt".into(), json!(include_prompt));
     serde_json::Value::Object(cfg)
 }

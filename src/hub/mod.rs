@@ -75,7 +75,8 @@ pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
             pick(&batch.input_ids)?,
             pick(&batch.attention_mask)?,
             pick(&batch.token_type_ids)?,
-        )?;
+        )?
+        .with_pool_from(batch.pool_from);
         let pieces = crate::batch::Batch::chunks(&sorted, chunk)?;
         let reps = if device.is_cpu() {
             use rayon::prelude::*;
@@ -142,6 +143,8 @@ pub struct EmbeddingModel {
     dense: Vec<DenseLayer>,
     tokenizer: Tokenizer,
     prompts: Prompts,
+    /// Whether prompt tokens are pooled (`include_prompt`).
+    prompt_pooled: bool,
     config: BertConfig,
     options: BertOptions,
     similarity: Similarity,
@@ -218,15 +221,7 @@ impl EmbeddingModel {
             query: options.query_prompt.clone().unwrap_or(from_files.query),
             passage: options.passage_prompt.clone().unwrap_or(from_files.passage),
         };
-        if !prompts.is_empty() && head.as_ref().is_some_and(|h| !h.include_prompt) {
-            return Err(Error::UnsupportedConfig {
-                field: "include_prompt",
-                value: "false".into(),
-                supported: "true (prompt tokens pooled with the text); pooling that leaves the \
-                            prompt out is not implemented: give empty prompts to encode without",
-                path: files.dir.join(export::POOLING),
-            });
-        }
+        let prompt_pooled = head.as_ref().is_none_or(|h| h.include_prompt);
         let mut settings = format!(
             "pooling {} ({pooling_src}), normalize {normalize} ({normalize_src}), similarity \
              {} ({similarity_src}); {head_note}",
@@ -237,6 +232,9 @@ impl EmbeddingModel {
             if !prompt.is_empty() {
                 settings += &format!("; {side} prompt {prompt:?}");
             }
+        }
+        if !prompts.is_empty() && !prompt_pooled {
+            settings += " (left out of the pooling: include_prompt false)";
         }
         let bert_options = BertOptions {
             pooling,
@@ -257,6 +255,7 @@ impl EmbeddingModel {
             dense,
             tokenizer,
             prompts,
+            prompt_pooled,
             config,
             options: bert_options,
             similarity,
@@ -273,13 +272,21 @@ impl EmbeddingModel {
 
     /// Query embeddings: [`EmbeddingModel::embed`] with the query prompt.
     pub fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
-        let tokenizer = self.tokenizer.clone().with_prompt(&self.prompts.query);
+        let tokenizer = self
+            .tokenizer
+            .clone()
+            .with_prompt(&self.prompts.query)
+            .with_prompt_pooled(self.prompt_pooled);
         embed(&self.encoder, &tokenizer, texts, chunk, &self.device)
     }
 
     /// Passage embeddings: [`EmbeddingModel::embed`] with the passage prompt.
     pub fn embed_passages(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
-        let tokenizer = self.tokenizer.clone().with_prompt(&self.prompts.passage);
+        let tokenizer = self
+            .tokenizer
+            .clone()
+            .with_prompt(&self.prompts.passage)
+            .with_prompt_pooled(self.prompt_pooled);
         embed(&self.encoder, &tokenizer, texts, chunk, &self.device)
     }
 

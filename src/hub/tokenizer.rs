@@ -21,6 +21,9 @@ pub struct Tokenizer {
     max_len: usize,
     /// Put before every text (a sentence-transformers prompt such as e5's `query: `).
     prompt: String,
+    /// Leave the prompt (and the special token before it) out of the pooling
+    /// (`include_prompt = false`).
+    exclude_prompt: bool,
 }
 
 impl Tokenizer {
@@ -62,6 +65,7 @@ impl Tokenizer {
             inner,
             max_len,
             prompt: String::new(),
+            exclude_prompt: false,
         })
     }
 
@@ -75,6 +79,33 @@ impl Tokenizer {
     /// The prompt put before every text (empty: none).
     pub fn prompt(&self) -> &str {
         &self.prompt
+    }
+
+    /// Whether the prompt's tokens are pooled (`include_prompt` of the pooling config,
+    /// true by default). Without them, a batch pools from the position after the prompt:
+    /// as sentence-transformers, the prompt's length is its own tokenization less its last
+    /// special token, so the first special token is left out too.
+    pub fn with_prompt_pooled(mut self, include: bool) -> Self {
+        self.exclude_prompt = !include;
+        self
+    }
+
+    /// The positions the pooling skips: 0, or with the prompt left out of the pooling the
+    /// prompt's tokens with the special token before them.
+    fn pool_from(&self) -> Result<usize> {
+        if !self.exclude_prompt || self.prompt.is_empty() {
+            return Ok(0);
+        }
+        let alone = self
+            .inner
+            .encode(self.prompt.as_str(), true)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let ids = alone
+            .get_attention_mask()
+            .iter()
+            .filter(|&&m| m != 0)
+            .count();
+        Ok(ids.saturating_sub(1))
     }
 
     /// The maximum sequence length.
@@ -113,11 +144,12 @@ impl Tokenizer {
                 .collect();
             Ok(Tensor::from_vec(flat, (rows, len), device)?)
         };
-        TokenBatch::new(
+        Ok(TokenBatch::new(
             field(|e| e.get_ids())?,
             field(|e| e.get_attention_mask())?,
             field(|e| e.get_type_ids())?,
-        )
+        )?
+        .with_pool_from(self.pool_from()?))
     }
 }
 

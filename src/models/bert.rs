@@ -128,7 +128,8 @@ pub struct Bert {
 }
 
 /// Per-chunk data every layer reads: the additive attention bias `[n, 1, 1, s]` and the
-/// token mask `[n, s]` as floats (for mean pooling).
+/// pooling's token mask `[n, s]` as floats (the real tokens, less a prompt left out of the
+/// pooling).
 pub struct BertAux {
     bias: Tensor,
     mask: Tensor,
@@ -476,6 +477,18 @@ impl LayerStack for Bert {
         let modern = match &self.modern {
             Some(m) => Some(m.aux(&bias)?),
             None => None,
+        };
+        // The pooling's mask: the prompt (with the special token before it) left out when
+        // the batch says so; the attention still sees every real token.
+        let mask = if input.pool_from > 0 {
+            let s = mask.dim(1)?;
+            let keep: Vec<f32> = (0..s)
+                .map(|t| f32::from(u8::from(t >= input.pool_from)))
+                .collect();
+            let keep = Tensor::from_vec(keep, (1, s), mask.device())?.to_dtype(dtype)?;
+            mask.broadcast_mul(&keep)?
+        } else {
+            mask
         };
         let buckets = match &self.relative_bias {
             Some(relative) => Some(relative.buckets(mask.dim(1)?)?),

@@ -73,8 +73,9 @@ impl Pooling {
         }
     }
 
-    /// Pools token states `x` `[n, s, h]` over the real tokens of `mask` `[n, s]` (1 for a
-    /// real token, 0 for padding; padding on the right), as sentence-transformers does.
+    /// Pools token states `x` `[n, s, h]` over the tokens `mask` `[n, s]` keeps (1 for a
+    /// real token, 0 for padding on the right and for a prompt left out of the pooling
+    /// on the left), as sentence-transformers does.
     /// Mean pooling runs as one node (see [`crate::nn::mean_pool`]); the others are
     /// composed of differentiable ops. Normalises the result with `normalize`.
     pub fn pool(self, x: &Tensor, mask: &Tensor, normalize: bool) -> Result<Tensor> {
@@ -103,11 +104,12 @@ impl Pooling {
                 sum.broadcast_div(&total)?
             }
             Pooling::LastToken => {
-                let counts: Vec<f32> = mask.to_dtype(candle_core::DType::F32)?.sum(1)?.to_vec1()?;
-                let rows: Vec<u32> = counts
+                // The last position the mask keeps (position 0 for a row it keeps none of).
+                let rows_mask: Vec<Vec<f32>> = mask.to_dtype(candle_core::DType::F32)?.to_vec2()?;
+                let rows: Vec<u32> = rows_mask
                     .iter()
                     .enumerate()
-                    .map(|(i, &c)| (i * s + (c as usize).max(1).min(s) - 1) as u32)
+                    .map(|(i, m)| (i * s + m.iter().rposition(|&v| v != 0.0).unwrap_or(0)) as u32)
                     .collect();
                 let rows = Tensor::new(rows.as_slice(), x.device())?;
                 let masked = x.broadcast_mul(&mask.unsqueeze(2)?)?;

@@ -194,6 +194,11 @@ pub struct ModelConfig {
     /// Put before every passage (e.g. `"passage: "`); unset: the pretrained model's own.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub passage_prompt: Option<String>,
+    /// Pool the prompts' tokens with the text (sentence-transformers' `include_prompt`);
+    /// `false` leaves the prompt and the special token before it out of the pooling (they
+    /// still attend). Unset: the pretrained model's pooling config, else true.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub include_prompt: Option<bool>,
     /// Activation checkpointing: `"off"`, `"every_layer"`, `"sqrt"`, `{ every = k }`,
     /// `{ layers = [..] }`.
     pub recompute: Recompute,
@@ -215,6 +220,7 @@ impl Default for ModelConfig {
             passage_max_len: 64,
             query_prompt: None,
             passage_prompt: None,
+            include_prompt: None,
             recompute: Recompute::Off,
             dropout: true,
             fresh: FreshModel::default(),

@@ -32,31 +32,28 @@ pub(super) struct Model {
     pub(super) tokenizer: tokenizers::Tokenizer,
     /// The prompts put before queries and passages.
     pub(super) prompts: Prompts,
+    /// Whether the prompts' tokens are pooled.
+    pub(super) prompt_pooled: bool,
     pub(super) store: ParamStore,
 }
 
-/// The prompts of a run: the configured ones, else the pretrained model's (`head`). A
-/// model whose pooling leaves prompt tokens out (`include_prompt = false`) is refused with
-/// a prompt in use: that pooling is not implemented.
+/// The prompts of a run (the configured ones, else the pretrained model's `head`) and
+/// whether their tokens are pooled (`model.include_prompt`, else the model's pooling
+/// config, else true).
 pub(super) fn run_prompts(
     cfg: &Config,
     head: Option<&SentenceTransformersConfig>,
-) -> Result<Prompts> {
+) -> Result<(Prompts, bool)> {
     let own = head.map(|h| h.prompts.clone()).unwrap_or_default();
     let prompts = Prompts {
         query: cfg.model.query_prompt.clone().unwrap_or(own.query),
         passage: cfg.model.passage_prompt.clone().unwrap_or(own.passage),
     };
-    if !prompts.is_empty() && head.is_some_and(|h| !h.include_prompt) {
-        return Err(Error::InvalidConfig {
-            field: "model.query_prompt",
-            value: format!("{:?} / {:?}", prompts.query, prompts.passage),
-            reason: "the pretrained model's pooling leaves prompt tokens out \
-                     (include_prompt = false), which is not implemented; set both prompts \
-                     to \"\" to train without",
-        });
-    }
-    Ok(prompts)
+    let pooled = cfg
+        .model
+        .include_prompt
+        .unwrap_or_else(|| head.is_none_or(|h| h.include_prompt));
+    Ok((prompts, pooled))
 }
 
 /// The encoder options a configuration asks for.
@@ -131,6 +128,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         )
     };
     let options = bert_options(cfg);
+    let prompts = run_prompts(cfg, None)?;
     let (query, passage) = if cfg.model.shared {
         (BertEncoder::build(&store, "", &bert, &options)?, None)
     } else {
@@ -145,7 +143,8 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         bert,
         options,
         tokenizer,
-        prompts: run_prompts(cfg, None)?,
+        prompts: prompts.0,
+        prompt_pooled: prompts.1,
         store,
     })
 }
@@ -175,7 +174,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     if let Some(head) = &head {
         options.dense = head.dense.iter().map(|d| d.spec()).collect();
     }
-    let prompts = run_prompts(cfg, head.as_ref())?;
+    let (prompts, prompt_pooled) = run_prompts(cfg, head.as_ref())?;
     if cfg.model.shared {
         let (query, bert, store) = load_pretrained(&files, "", &options, store)?;
         Ok(Model {
@@ -185,6 +184,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             options: options.clone(),
             tokenizer,
             prompts: prompts.clone(),
+            prompt_pooled,
             store,
         })
     } else {
@@ -197,6 +197,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             options: options.clone(),
             tokenizer,
             prompts: prompts.clone(),
+            prompt_pooled,
             store,
         })
     }

@@ -114,6 +114,8 @@ pub struct TextPairs {
     options: BertOptions,
     tokenizer: tokenizers::Tokenizer,
     prompts: Prompts,
+    /// Whether the prompts' tokens are pooled.
+    prompt_pooled: bool,
     query_tokenizer: Tokenizer,
     passage_tokenizer: Tokenizer,
     loader: Loader,
@@ -340,9 +342,11 @@ impl Run<TextPairs> {
     ) -> Result<Self> {
         let m = &cfg.model;
         let query_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.query_max_len)?
-            .with_prompt(&model.prompts.query);
+            .with_prompt(&model.prompts.query)
+            .with_prompt_pooled(model.prompt_pooled);
         let passage_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.passage_max_len)?
-            .with_prompt(&model.prompts.passage);
+            .with_prompt(&model.prompts.passage)
+            .with_prompt_pooled(model.prompt_pooled);
         let block = cfg
             .loss
             .effective_block_rows(cfg.train.batch_size, cfg.train.hard_negatives);
@@ -399,6 +403,7 @@ impl Run<TextPairs> {
             bert: model.bert,
             tokenizer: model.tokenizer,
             prompts: model.prompts,
+            prompt_pooled: model.prompt_pooled,
             query_tokenizer,
             passage_tokenizer,
             loader: data.loader,
@@ -467,6 +472,7 @@ impl Run<TextPairs> {
             &ExportNotes {
                 prompts: t.prompts.clone(),
                 matryoshka_dims: t.cfg.loss.matryoshka_dims.clone(),
+                prompt_left_out: !t.prompt_pooled,
             },
         )
     }
@@ -753,11 +759,12 @@ fn in_length_order(q: &TokenBatch, p: &TokenBatch) -> Result<(TokenBatch, TokenB
     order.sort_by_key(|&i| key(i));
     let pick = |b: &TokenBatch, rows: Vec<u32>| -> Result<TokenBatch> {
         let idx = Tensor::new(rows.as_slice(), &device)?;
-        TokenBatch::new(
+        Ok(TokenBatch::new(
             b.input_ids.index_select(&idx, 0)?,
             b.attention_mask.index_select(&idx, 0)?,
             b.token_type_ids.index_select(&idx, 0)?,
-        )
+        )?
+        .with_pool_from(b.pool_from))
     };
     let q_rows = order.iter().map(|&i| i as u32).collect();
     let p_rows = order
@@ -838,7 +845,7 @@ pub fn export_run(
             options.dense = head.dense.iter().map(|d| d.spec()).collect();
         }
     }
-    let prompts = run_prompts(cfg, head.as_ref())?;
+    let (prompts, prompt_pooled) = run_prompts(cfg, head.as_ref())?;
     let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;
     export_bert(
         output,
@@ -851,6 +858,7 @@ pub fn export_run(
         &ExportNotes {
             prompts,
             matryoshka_dims: cfg.loss.matryoshka_dims.clone(),
+            prompt_left_out: !prompt_pooled,
         },
     )?;
     Ok(state.step)
