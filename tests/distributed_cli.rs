@@ -264,3 +264,77 @@ fn a_global_batch_that_does_not_split_over_the_ranks_is_refused() {
     assert!(text.contains(expected), "missing `{expected}` in:\n{text}");
     assert!(!out.join("metrics.jsonl").exists());
 }
+
+/// Issue 25's losses over 2 ranks: prompts, Matryoshka widths, no-duplicate batches and a
+/// frozen guide model judging the false-negative mask (each rank embeds its share with the
+/// guide; the guide's embeddings are all-gathered like the representations). The 2-rank
+/// run follows the 1-rank loss curve.
+#[test]
+fn two_ranks_with_a_guide_and_matryoshka_follow_the_one_rank_loss_curve() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let extra = |out: &Path, guide: Option<&Path>| -> Vec<String> {
+        let mut v = args(&train, &eval, out);
+        let mut sets = vec![
+            "model.query_prompt=\"query: \"".to_string(),
+            "model.passage_prompt=\"passage: \"".into(),
+            "loss.matryoshka_dims=[128, 32]".into(),
+            "train.no_duplicates=true".into(),
+        ];
+        if let Some(g) = guide {
+            sets.push(format!("loss.false_negative_guide=\"{}\"", g.display()));
+            sets.push("loss.false_negative_margin=0.05".into());
+        }
+        for s in sets {
+            v.push("--set".into());
+            v.push(s);
+        }
+        v
+    };
+    // The guide: the 1-rank run without one, exported.
+    let base = dir.path().join("base");
+    let mut first = extra(&base, None);
+    first.extend(["--set".into(), "dist.backend=none".into()]);
+    let out = Command::new(bin()).args(&first).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let guide = dir.path().join("guide");
+    let mut export = first.clone();
+    export[0] = "export".into();
+    export.extend(["--output".into(), guide.display().to_string()]);
+    let out = Command::new(bin()).args(&export).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let one = dir.path().join("one");
+    let mut single = extra(&one, Some(&guide));
+    single.extend(["--set".into(), "dist.backend=none".into()]);
+    let out = Command::new(bin()).args(&single).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let two = dir.path().join("two");
+    let a = extra(&two, Some(&guide));
+    let (ok, text, _) = mpirun(&[a.clone(), a], Duration::from_secs(300));
+    assert!(ok, "2-rank run failed:\n{text}");
+    let (l1, l2) = (losses(&one), losses(&two));
+    assert_eq!(l1.len(), 4);
+    assert_eq!(l2.len(), 4);
+    assert_ne!(l1, losses(&base), "the guide's mask changes the curve");
+    for (step, (a, b)) in l1.iter().zip(&l2).enumerate() {
+        let rel = ((a - b) / a).abs();
+        assert!(
+            rel <= TOL,
+            "step {}: loss {a} vs {b} (rel {rel:e})",
+            step + 1
+        );
+    }
+}

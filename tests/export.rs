@@ -367,3 +367,37 @@ fn a_run_with_prompts_left_out_of_the_pooling_exports_them() {
         .unwrap();
     assert!(common::max_diff(&left_out, &with) > 1e-4);
 }
+
+/// GISTEmbed through the trainer: a frozen guide model (here an export of the tiny run's
+/// initial weights) judges the false-negative mask; the run trains, and its losses differ
+/// from the unmasked run's.
+#[test]
+fn a_run_with_a_guide_model_masks_false_negatives() {
+    use gradcache::train::{Config, Trainer};
+    let tmp = tempfile::tempdir().unwrap();
+    let config = common::write_tiny_run(tmp.path());
+    let cfg = Config::load(&config, &[]).unwrap();
+    let mut plain = Trainer::new(cfg.clone(), None).unwrap();
+    let guide_dir = tmp.path().join("guide");
+    plain.export(&guide_dir, gradcache::Side::Query).unwrap();
+    let want: Vec<f32> = (0..2).map(|_| plain.train_step().unwrap().loss).collect();
+    let sets = vec![
+        format!("loss.false_negative_guide=\"{}\"", guide_dir.display()),
+        "loss.false_negative_margin=0.0".to_string(),
+        format!("output_dir=\"{}\"", tmp.path().join("guided").display()),
+    ];
+    let guided_cfg = Config::load(&config, &sets).unwrap();
+    let mut guided = Trainer::new(guided_cfg, None).unwrap();
+    let got: Vec<f32> = (0..2).map(|_| guided.train_step().unwrap().loss).collect();
+    assert!(got.iter().all(|l| l.is_finite()));
+    assert_ne!(got, want, "the guide masks candidates");
+    assert!(
+        got[0] < want[0],
+        "masking candidates can only lower the first loss"
+    );
+    let missing = vec![
+        "loss.false_negative_guide=\"/no/such/guide\"".to_string(),
+        format!("output_dir=\"{}\"", tmp.path().join("missing").display()),
+    ];
+    assert!(Trainer::new(Config::load(&config, &missing).unwrap(), None).is_err());
+}

@@ -288,3 +288,84 @@ fn no_duplicates_batches_hold_every_text_once_and_resume_exactly() {
         Ok(_) => panic!("no batch of 2 distinct queries exists"),
     }
 }
+
+#[test]
+fn a_guide_judges_the_mask_and_keeps_cached_equal_to_full() {
+    use gradcache::loss::Guide;
+    let hard = 1;
+    // A guide that is the model's own normalised representations masks exactly what the
+    // model itself would.
+    let (q, p) = (
+        common::random(5, &[B, WIDTH]),
+        common::random(6, &[B * 2, WIDTH]),
+    );
+    let own = infonce(true, Some(3), Similarity::Cosine)
+        .with_false_negative_margin(Some(0.3))
+        .unwrap();
+    let guide = Guide::new();
+    let guided = own.clone().with_guide(Some(guide.clone()));
+    guide.set(&q, &p).unwrap();
+    let (a, b) = (loss_of(&own, &q, &p), loss_of(&guided, &q, &p));
+    assert!((a - b).abs() <= 1e-6 * a, "{a} vs {b}");
+    // Another guide masks other candidates.
+    guide
+        .set(&common::random(7, &[B, 5]), &common::random(8, &[B * 2, 5]))
+        .unwrap();
+    assert!((loss_of(&guided, &q, &p) - a).abs() > 1e-4);
+    // Cached == full with a guide, every chunking, two towers and one.
+    for two in [false, true] {
+        for chunk in [1, 3, B] {
+            let store = ParamStore::new(1, DType::F32, &Device::Cpu);
+            let guide = Guide::new();
+            guide
+                .set(
+                    &common::random(9, &[B, 6]),
+                    &common::random(10, &[B * (hard + 1), 6]),
+                )
+                .unwrap();
+            let make = || {
+                let inner = infonce(true, Some(3), Similarity::Cosine)
+                    .with_false_negative_margin(Some(0.1))
+                    .unwrap()
+                    .with_guide(Some(guide.clone()));
+                Matryoshka::new(inner, vec![WIDTH, 8], Vec::new()).unwrap()
+            };
+            let gc = if two {
+                GradCache::two_towers(tower(&store, "q"), tower(&store, "p"), chunk, 3, make())
+                    .unwrap()
+            } else {
+                GradCache::shared(tower(&store, ""), chunk, make()).unwrap()
+            }
+            .with_dropout(false);
+            let q = common::features(10, B, FEATURES);
+            let p = common::features(11, B * (hard + 1), FEATURES);
+            let reference = gc.full_batch_step(0, &q, &p).unwrap();
+            let cached = gc.cache_step(0, &q, &p).unwrap();
+            let loss_err = ((cached.loss - reference.loss) / reference.loss).abs() as f64;
+            assert!(
+                loss_err <= TOL,
+                "guide two={two} chunk={chunk}: loss {loss_err:e}"
+            );
+            let err = cached.grads.max_rel_err(&reference.grads, 0.0).unwrap();
+            assert!(
+                err <= TOL,
+                "guide two={two} chunk={chunk}: gradients {err:e}"
+            );
+        }
+    }
+    // A guide without embeddings of the batch, or of another batch, is an error.
+    let unset = infonce(false, None, Similarity::Cosine).with_guide(Some(Guide::new()));
+    assert!(unset.value_and_grads(&q, &p).is_err());
+    let wrong = Guide::new();
+    wrong
+        .set(
+            &common::random(1, &[B + 1, 4]),
+            &common::random(2, &[B * 2, 4]),
+        )
+        .unwrap();
+    let l = infonce(false, None, Similarity::Cosine).with_guide(Some(wrong));
+    assert!(matches!(
+        l.value_and_grads(&q, &p).unwrap_err(),
+        Error::InvalidArgument { .. }
+    ));
+}

@@ -115,6 +115,47 @@ pub struct InfoNce {
     symmetric: bool,
     block_rows: Option<usize>,
     false_negative_margin: Option<f64>,
+    guide: Option<Guide>,
+}
+
+/// A frozen guide model's embeddings of the current batch (GISTEmbed, Solatorio 2024):
+/// with a guide, [`InfoNce`]'s false-negative mask is judged on the guide's cosine
+/// similarities instead of the model's own. The task that builds each batch sets the
+/// guide's embeddings of it (every query and passage of the global batch, in the order the
+/// loss sees them) before the step; the loss reads them. Clones share the embeddings.
+#[derive(Clone, Default)]
+pub struct Guide(std::sync::Arc<std::sync::Mutex<Option<(Tensor, Tensor)>>>);
+
+impl Guide {
+    /// A guide without embeddings yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the guide's embeddings of the batch the next loss is computed on: `[Q, d]`
+    /// queries and `[P, d]` passages (normalised here).
+    pub fn set(&self, queries: &Tensor, passages: &Tensor) -> Result<()> {
+        let q = l2_normalize(&queries.detach().to_dtype(DType::F32)?)?;
+        let p = l2_normalize(&passages.detach().to_dtype(DType::F32)?)?;
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some((q, p));
+        Ok(())
+    }
+
+    fn get(&self) -> Option<(Tensor, Tensor)> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl std::fmt::Debug for Guide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Guide")
+    }
+}
+
+impl PartialEq for Guide {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 impl InfoNce {
@@ -133,7 +174,18 @@ impl InfoNce {
             symmetric: false,
             block_rows: None,
             false_negative_margin: None,
+            guide: None,
         })
+    }
+
+    /// Judges the false-negative mask on a frozen guide's similarities (GISTEmbed): a
+    /// candidate is masked when the guide scores it above the guide's score of the
+    /// positive minus the margin (`false_negative_margin`, 0 when unset). The guide's
+    /// embeddings of each batch are set on `guide` before its step; a step without them is
+    /// an error.
+    pub fn with_guide(mut self, guide: Option<Guide>) -> Self {
+        self.guide = guide;
+        self
     }
 
     /// Masks likely false negatives, judged by the model itself (as GISTEmbed's filter with
@@ -203,12 +255,31 @@ impl InfoNce {
         let queries = q.rows();
         let group = group_size(queries, p.rows())?;
         let weight = if self.symmetric { 0.5 } else { 1.0 } / queries as f64;
+        let guide = match &self.guide {
+            None => None,
+            Some(g) => {
+                let (gq, gp) = g.get().ok_or_else(|| Error::InvalidArgument {
+                    what: "guide",
+                    value: "none".into(),
+                    reason: "the guide's embeddings of this batch were not set before its step",
+                })?;
+                if gq.rows() != queries || gp.rows() != p.rows() {
+                    return Err(Error::InvalidArgument {
+                        what: "guide embeddings",
+                        value: format!("{} queries, {} passages", gq.rows(), gp.rows()),
+                        reason: "the guide's embeddings must cover the batch the loss sees",
+                    });
+                }
+                Some((gq, gp))
+            }
+        };
         let mut terms = vec![Term {
             direction: Direction::QueryToPassage,
             anchors: q.clone(),
             candidates: p.clone(),
             target_stride: group,
             weight,
+            guide: guide.clone(),
         }];
         if self.symmetric {
             terms.push(Term {
@@ -217,6 +288,10 @@ impl InfoNce {
                 candidates: q.clone(),
                 target_stride: 1,
                 weight,
+                guide: match &guide {
+                    Some((gq, gp)) => Some((positives(gp, queries, group)?, gq.clone())),
+                    None => None,
+                },
             });
         }
         Ok(terms)
@@ -232,14 +307,20 @@ impl InfoNce {
         term: &Term,
     ) -> Result<Tensor> {
         let sims = anchors.matmul(&candidates.t()?)?;
+        let start = rows.start;
         let targets: Vec<u32> = rows.map(|r| (r * term.target_stride) as u32).collect();
         let n = targets.len();
         let targets = Tensor::from_vec(targets, (n, 1), sims.device())?;
-        let logits = match self.false_negative_margin {
+        let judge = match &term.guide {
+            // The guide's similarities of these anchor rows.
+            Some((ga, gc)) => Some(ga.narrow(0, start, n)?.matmul(&gc.t()?)?),
+            None => self.false_negative_margin.map(|_| sims.detach()),
+        };
+        let logits = match judge {
             None => (sims / self.temperature)?,
-            Some(margin) => {
+            Some(s) => {
                 // Judged on detached similarities: the mask is a constant of the step.
-                let s = sims.detach();
+                let margin = self.false_negative_margin.unwrap_or(0.0);
                 let threshold = (s.gather(&targets, D::Minus1)? - margin)?;
                 let above = s.broadcast_gt(&threshold)?;
                 let columns = Tensor::arange(0u32, s.dim(1)? as u32, s.device())?
@@ -247,8 +328,8 @@ impl InfoNce {
                     .broadcast_as(s.shape())?;
                 let other = columns.broadcast_ne(&targets)?;
                 let masked = (above * other)?;
-                let floor =
-                    Tensor::full(f32::NEG_INFINITY, s.shape(), s.device())?.to_dtype(s.dtype())?;
+                let floor = Tensor::full(f32::NEG_INFINITY, s.shape(), s.device())?
+                    .to_dtype(sims.dtype())?;
                 masked.where_cond(&floor, &(sims / self.temperature)?)?
             }
         };
@@ -332,6 +413,9 @@ struct Term {
     candidates: Tensor,
     target_stride: usize,
     weight: f64,
+    /// The guide's (normalised) embeddings of the anchors and candidates, when a guide
+    /// judges the false-negative mask.
+    guide: Option<(Tensor, Tensor)>,
 }
 
 /// The positive passage of each of `queries` queries: rows `0, group, 2 group, ...` of `p`.

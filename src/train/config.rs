@@ -288,6 +288,11 @@ pub struct LossConfig {
     /// filter); `0.0` masks candidates scoring above the positive. Unset: no mask.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub false_negative_margin: Option<f64>,
+    /// A frozen guide model (directory or Hub id) that judges the false-negative mask
+    /// instead of the model itself (GISTEmbed): candidates the guide scores above the
+    /// positive minus `false_negative_margin` (0 when unset) are masked.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub false_negative_guide: Option<String>,
 }
 
 /// The most logits (2^22, 16 MiB of f32) one block of the loss holds when
@@ -326,6 +331,7 @@ impl Default for LossConfig {
             matryoshka_dims: Vec::new(),
             matryoshka_weights: Vec::new(),
             false_negative_margin: None,
+            false_negative_guide: None,
         }
     }
 }

@@ -27,7 +27,8 @@ use crate::encoder::Encoder;
 use crate::hub::export::ExportNotes;
 use crate::hub::tokenizer::read_tokenizer_file;
 use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Prompts, Tokenizer};
-use crate::loss::{InfoNce, Matryoshka};
+use crate::hub::{EmbeddingModel, LoadOptions};
+use crate::loss::{Guide, InfoNce, Matryoshka};
 use crate::models::bert::{BertConfig, BertEncoder, BertOptions, DenseSpec};
 use crate::params::{ParamStore, WeightFile};
 use crate::precision::Precision;
@@ -122,6 +123,9 @@ pub struct TextPairs {
     eval: EvalData,
     /// With `train.memory_budget`: the predicted heap peak of a step (bytes).
     predicted_peak: Option<u64>,
+    /// With `loss.false_negative_guide`: the frozen guide model and the cell the loss
+    /// reads its embeddings of each batch from.
+    guide: Option<(EmbeddingModel, Guide)>,
 }
 
 impl Task for TextPairs {
@@ -152,7 +156,27 @@ impl Task for TextPairs {
         let (queries, passages) = self.share(batch, comm)?;
         let q = self.query_tokenizer.encode(&queries, &self.device)?;
         let p = self.passage_tokenizer.encode(&passages, &self.device)?;
-        in_length_order(&q, &p)
+        let (q, p, order) = in_length_order(&q, &p)?;
+        if let Some((guide, cell)) = &self.guide {
+            // The guide's embeddings of the global batch, in the order the loss sees the
+            // representations: this rank's rows in length order, ranks in rank order.
+            let group = passages.len() / queries.len().max(1);
+            let sorted_q: Vec<&str> = order.iter().map(|&i| queries[i]).collect();
+            let sorted_p: Vec<&str> = order
+                .iter()
+                .flat_map(|&i| (0..group).map(move |j| i * group + j))
+                .map(|j| passages[j])
+                .collect();
+            let t = &self.cfg.train;
+            let mut gq = guide.embed_queries(&sorted_q, t.query_chunk)?;
+            let mut gp = guide.embed_passages(&sorted_p, t.passage_chunk)?;
+            if comm.world_size() > 1 {
+                gq = comm.all_gather(&gq)?;
+                gp = comm.all_gather(&gp)?;
+            }
+            cell.set(&gq, &gp)?;
+        }
+        Ok((q, p))
     }
 
     fn step_flops(&self, queries: &TokenBatch, passages: &TokenBatch) -> Result<f64> {
@@ -355,6 +379,18 @@ impl Run<TextPairs> {
             .with_symmetric(cfg.loss.symmetric)
             .with_block_rows(block)?
             .with_false_negative_margin(cfg.loss.false_negative_margin)?;
+        let guide = match &cfg.loss.false_negative_guide {
+            None => None,
+            Some(name) => {
+                let options = LoadOptions {
+                    max_len: m.query_max_len.max(m.passage_max_len),
+                    device: device.clone(),
+                    ..LoadOptions::default()
+                };
+                Some((EmbeddingModel::load(name, &options)?, Guide::new()))
+            }
+        };
+        let loss = loss.with_guide(guide.as_ref().map(|(_, cell)| cell.clone()));
         let loss = Matryoshka::new(
             loss,
             cfg.loss.matryoshka_dims.clone(),
@@ -409,6 +445,7 @@ impl Run<TextPairs> {
             loader: data.loader,
             eval: data.eval,
             predicted_peak: None,
+            guide,
             cfg,
         };
         Run::from_parts(task, gc, model.store, device, comm, settings, notes)
@@ -744,7 +781,7 @@ fn json_of(bytes: &[u8]) -> serde_json::Value {
 /// chunk is padded only to the longest of pairs of similar length. The loss is a sum over
 /// pairs, so the order changes nothing but the padding the chunks compute on (and which
 /// chunk, hence which dropout masks, a pair falls in; still a pure function of the seed).
-fn in_length_order(q: &TokenBatch, p: &TokenBatch) -> Result<(TokenBatch, TokenBatch)> {
+fn in_length_order(q: &TokenBatch, p: &TokenBatch) -> Result<(TokenBatch, TokenBatch, Vec<usize>)> {
     let (rows, device) = (q.rows(), q.input_ids.device().clone());
     let group = p.rows() / rows.max(1);
     let lengths = |b: &TokenBatch| -> Result<Vec<u32>> {
@@ -771,7 +808,7 @@ fn in_length_order(q: &TokenBatch, p: &TokenBatch) -> Result<(TokenBatch, TokenB
         .iter()
         .flat_map(|&i| (0..group).map(move |j| (i * group + j) as u32))
         .collect();
-    Ok((pick(q, q_rows)?, pick(p, p_rows)?))
+    Ok((pick(q, q_rows)?, pick(p, p_rows)?, order))
 }
 
 fn to_refs(v: &[String]) -> Vec<&str> {
