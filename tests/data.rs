@@ -3,7 +3,8 @@
 
 use std::fs;
 
-use gradcache::train::data::{read_jsonl, split, Fields, Loader, Pair, Position};
+use gradcache::train::data::{split, Fields, Loader, Pair, Position};
+use gradcache::train::formats::read_jsonl;
 use gradcache::Error;
 
 fn pair(i: usize, negatives: usize) -> Pair {

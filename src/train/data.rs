@@ -1,13 +1,12 @@
-//! Training data: JSONL query/positive pairs with optional hard negatives, seeded
-//! shuffling, a held-out split, and batches that can be resumed at an exact position.
+//! Training data: query/positive pairs with optional hard negatives, seeded shuffling, a
+//! held-out split, and batches that can be resumed at an exact position.
 //!
-//! One JSON object a line, e.g. `{"query": "...", "positive": "...", "negatives": ["..."]}`;
-//! the field names are configurable ([`Fields`]). A malformed line is an error that names
-//! the file and the line number. When a pair has fewer hard negatives than a step asks for,
+//! Pairs are read by [`crate::train::formats`] (`read_jsonl`, `read_pairs`: JSONL,
+//! Tevatron, TSV/CSV, Parquet, BEIR folders) or served from disk by
+//! [`crate::train::stream`]; the field names are configurable ([`Fields`]). When a pair
+//! has fewer hard negatives than a step asks for,
 //! the missing ones are filled with positives of other pairs drawn by a seeded generator
 //! (never the pair's own positive); [`TextBatch::filled`] counts them so the trainer can log it.
-
-use std::path::Path;
 
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -48,20 +47,6 @@ impl Default for Fields {
             negatives: "negatives".into(),
         }
     }
-}
-
-/// Reads a JSONL file of pairs (plain, gzip or zstd). Blank lines are skipped; any other
-/// line must be an object with string `query` and `positive` fields and, optionally, a list
-/// of strings `negatives` (or a Tevatron line: see [`crate::train::formats`], which reads
-/// every other layout too).
-pub fn read_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Pair>> {
-    crate::train::formats::read_pairs_as(
-        path,
-        crate::train::formats::Layout::JsonLines,
-        fields,
-        "",
-        " ",
-    )
 }
 
 /// Splits off `held_out` pairs (chosen by a seeded shuffle) for evaluation.

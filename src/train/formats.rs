@@ -85,6 +85,13 @@ pub fn read_pairs(
     read_pairs_as(path, Layout::of(path), fields, split, title_separator)
 }
 
+/// Reads a JSONL file of pairs (plain, gzip or zstd). Blank lines are skipped; any other
+/// line must be an object with string `query` and `positive` fields and, optionally, a list
+/// of strings `negatives` (or a Tevatron line; [`read_pairs`] reads every other layout too).
+pub fn read_jsonl(path: &Path, fields: &Fields) -> Result<Vec<Pair>> {
+    read_pairs_as(path, Layout::JsonLines, fields, "", " ")
+}
+
 /// [`read_pairs`] in a given layout.
 pub fn read_pairs_as(
     path: &Path,

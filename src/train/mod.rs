@@ -26,6 +26,7 @@ pub mod report;
 pub mod run;
 pub mod shapes;
 pub mod stream;
+mod text_data;
 pub mod trainer;
 
 pub use config::Config;

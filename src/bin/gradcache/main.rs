@@ -114,7 +114,7 @@ enum Command {
         #[arg(long)]
         model: String,
         /// Pairs with `query` and `positive`: JSONL (ours or Tevatron's), TSV or CSV with
-        /// named columns, plain, .gz or .zst.
+        /// named columns, Parquet; plain, .gz or .zst.
         #[arg(long, required_unless_present = "beir", conflicts_with = "beir")]
         data: Option<PathBuf>,
         /// A BEIR folder: corpus.jsonl, queries.jsonl, qrels/<split>.tsv (each may be
@@ -148,64 +148,7 @@ enum Command {
     /// retrieve each query's best candidates from the corpus, drop its positives and the
     /// candidates the filters name, keep `--num-negatives` per query. Writes JSONL pairs
     /// (`query`, `positive`, `negatives`) that `gradcache train` reads.
-    Mine {
-        /// A model directory or a Hugging Face Hub id.
-        #[arg(long)]
-        model: String,
-        /// Pairs (`query`, `positive`; JSONL, Tevatron, TSV or CSV, plain, .gz or .zst):
-        /// the corpus is their positives (and `--corpus`).
-        #[arg(long, required_unless_present = "beir", conflicts_with = "beir")]
-        data: Option<PathBuf>,
-        /// More corpus documents for `--data` (a BEIR corpus.jsonl, may be compressed).
-        #[arg(long, requires = "data")]
-        corpus: Option<PathBuf>,
-        /// A BEIR folder: mine for the queries of `--split` over its corpus.
-        #[arg(long)]
-        beir: Option<PathBuf>,
-        /// The qrels split of `--beir`.
-        #[arg(long, default_value = "train")]
-        split: String,
-        /// The JSONL file to write (not an input).
-        #[arg(long)]
-        output: PathBuf,
-        /// Negatives per query; queries left with fewer are dropped.
-        #[arg(long, default_value_t = 3)]
-        num_negatives: usize,
-        /// Skip the best `range_min` candidates (after the positives are removed).
-        #[arg(long, default_value_t = 0)]
-        range_min: usize,
-        /// Consider the best `range_max` candidates only.
-        #[arg(long, default_value_t = 100)]
-        range_max: usize,
-        /// Drop candidates scoring above this.
-        #[arg(long, allow_negative_numbers = true)]
-        max_score: Option<f32>,
-        /// Drop candidates scoring below this.
-        #[arg(long, allow_negative_numbers = true)]
-        min_score: Option<f32>,
-        /// Drop candidates scoring above `positive - margin`.
-        #[arg(long, allow_negative_numbers = true)]
-        absolute_margin: Option<f32>,
-        /// Drop candidates scoring above `positive * (1 - margin)`.
-        #[arg(long, allow_negative_numbers = true)]
-        relative_margin: Option<f32>,
-        /// `top`: the best candidates left; `random`: a seeded sample of them.
-        #[arg(long, value_enum, default_value_t = SamplingArg::Top)]
-        sampling: SamplingArg,
-        /// Seed of `--sampling random`.
-        #[arg(long, default_value_t = 42)]
-        seed: u64,
-        /// Token limit.
-        #[arg(long, default_value_t = 128)]
-        max_len: usize,
-        /// Texts encoded at once.
-        #[arg(long, default_value_t = 32)]
-        chunk: usize,
-        #[command(flatten)]
-        search: SearchArgs,
-        #[command(flatten)]
-        head: HeadArgs,
-    },
+    Mine(retrieval::MineArgs),
     /// Embed texts: `--text` arguments, or a file with one text per line or JSONL with a
     /// `text` field. Writes JSONL `{"text", "embedding"}`.
     Encode {
@@ -279,12 +222,6 @@ enum PoolingArg {
     WeightedMean,
     #[value(name = "lasttoken")]
     LastToken,
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum SamplingArg {
-    Top,
-    Random,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -400,61 +337,7 @@ fn run(command: Command) -> Result<()> {
                 (None, None) => bail!("give --data or --beir"),
             }
         }
-        Command::Mine {
-            model,
-            data,
-            corpus,
-            beir,
-            split,
-            output,
-            num_negatives,
-            range_min,
-            range_max,
-            max_score,
-            min_score,
-            absolute_margin,
-            relative_margin,
-            sampling,
-            seed,
-            max_len,
-            chunk,
-            search,
-            head,
-        } => {
-            let mine_options = gradcache::retrieval::MineOptions {
-                num_negatives,
-                range_min,
-                range_max,
-                max_score,
-                min_score,
-                absolute_margin,
-                relative_margin,
-                sampling: match sampling {
-                    SamplingArg::Top => gradcache::retrieval::Sampling::Top,
-                    SamplingArg::Random => gradcache::retrieval::Sampling::Random,
-                },
-                seed,
-            };
-            mine_options.validate()?;
-            if search.corpus_block == 0 || chunk == 0 {
-                bail!("--corpus-block and --chunk must be at least 1");
-            }
-            let source = match (data, beir) {
-                (_, Some(dir)) => retrieval::MineSource::Beir { dir, split },
-                (Some(data), None) => retrieval::MineSource::Pairs { data, corpus },
-                (None, None) => bail!("give --data or --beir"),
-            };
-            let model = load_model(&model, &head.load_options(max_len)?)?;
-            retrieval::mine_negatives(
-                &model,
-                &source,
-                &mine_options,
-                chunk,
-                search.corpus_block,
-                &search.title_separator,
-                &output,
-            )
-        }
+        Command::Mine(args) => retrieval::mine_command(args),
         Command::Encode {
             model,
             text,

@@ -4,6 +4,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use clap::ValueEnum;
+
+use crate::{load_model, HeadArgs, SearchArgs};
 use gradcache::hub::EmbeddingModel;
 use gradcache::retrieval::beir::read_corpus;
 use gradcache::retrieval::{
@@ -11,6 +14,131 @@ use gradcache::retrieval::{
 };
 use gradcache::train::data::Fields;
 use gradcache::train::formats::read_pairs;
+
+/// `gradcache mine`'s arguments.
+#[derive(clap::Args)]
+pub struct MineArgs {
+    /// A model directory or a Hugging Face Hub id.
+    #[arg(long)]
+    pub model: String,
+    /// Pairs (`query`, `positive`; JSONL, Tevatron, TSV, CSV or Parquet; .gz or .zst):
+    /// the corpus is their positives (and `--corpus`).
+    #[arg(long, required_unless_present = "beir", conflicts_with = "beir")]
+    pub data: Option<PathBuf>,
+    /// More corpus documents for `--data` (a BEIR corpus.jsonl, may be compressed).
+    #[arg(long, requires = "data")]
+    pub corpus: Option<PathBuf>,
+    /// A BEIR folder: mine for the queries of `--split` over its corpus.
+    #[arg(long)]
+    pub beir: Option<PathBuf>,
+    /// The qrels split of `--beir`.
+    #[arg(long, default_value = "train")]
+    pub split: String,
+    /// The JSONL file to write (not an input).
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Negatives per query; queries left with fewer are dropped.
+    #[arg(long, default_value_t = 3)]
+    pub num_negatives: usize,
+    /// Skip the best `range_min` candidates (after the positives are removed).
+    #[arg(long, default_value_t = 0)]
+    pub range_min: usize,
+    /// Consider the best `range_max` candidates only.
+    #[arg(long, default_value_t = 100)]
+    pub range_max: usize,
+    /// Drop candidates scoring above this.
+    #[arg(long, allow_negative_numbers = true)]
+    pub max_score: Option<f32>,
+    /// Drop candidates scoring below this.
+    #[arg(long, allow_negative_numbers = true)]
+    pub min_score: Option<f32>,
+    /// Drop candidates scoring above `positive - margin`.
+    #[arg(long, allow_negative_numbers = true)]
+    pub absolute_margin: Option<f32>,
+    /// Drop candidates scoring above `positive * (1 - margin)`.
+    #[arg(long, allow_negative_numbers = true)]
+    pub relative_margin: Option<f32>,
+    /// `top`: the best candidates left; `random`: a seeded sample of them.
+    #[arg(long, value_enum, default_value_t = SamplingArg::Top)]
+    pub sampling: SamplingArg,
+    /// Seed of `--sampling random`.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Token limit.
+    #[arg(long, default_value_t = 128)]
+    pub max_len: usize,
+    /// Texts encoded at once.
+    #[arg(long, default_value_t = 32)]
+    pub chunk: usize,
+    #[command(flatten)]
+    pub search: SearchArgs,
+    #[command(flatten)]
+    pub head: HeadArgs,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum SamplingArg {
+    Top,
+    Random,
+}
+
+/// `gradcache mine`: the options checked before the model loads, then [`mine_negatives`].
+pub fn mine_command(args: MineArgs) -> Result<()> {
+    let MineArgs {
+        model,
+        data,
+        corpus,
+        beir,
+        split,
+        output,
+        num_negatives,
+        range_min,
+        range_max,
+        max_score,
+        min_score,
+        absolute_margin,
+        relative_margin,
+        sampling,
+        seed,
+        max_len,
+        chunk,
+        search,
+        head,
+    } = args;
+    let mine_options = gradcache::retrieval::MineOptions {
+        num_negatives,
+        range_min,
+        range_max,
+        max_score,
+        min_score,
+        absolute_margin,
+        relative_margin,
+        sampling: match sampling {
+            SamplingArg::Top => gradcache::retrieval::Sampling::Top,
+            SamplingArg::Random => gradcache::retrieval::Sampling::Random,
+        },
+        seed,
+    };
+    mine_options.validate()?;
+    if search.corpus_block == 0 || chunk == 0 {
+        bail!("--corpus-block and --chunk must be at least 1");
+    }
+    let source = match (data, beir) {
+        (_, Some(dir)) => MineSource::Beir { dir, split },
+        (Some(data), None) => MineSource::Pairs { data, corpus },
+        (None, None) => bail!("give --data or --beir"),
+    };
+    let model = load_model(&model, &head.load_options(max_len)?)?;
+    mine_negatives(
+        &model,
+        &source,
+        &mine_options,
+        chunk,
+        search.corpus_block,
+        &search.title_separator,
+        &output,
+    )
+}
 
 /// Where a corpus evaluation writes.
 pub struct EvalOutputs {
