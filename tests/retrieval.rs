@@ -386,3 +386,57 @@ fn bad_mining_options_are_refused() {
         }
     }
 }
+
+/// `evaluate_corpus` over a set whose query `d1` is also a document: by default (as
+/// pytrec_eval and sentence-transformers) the document counts; with BEIR's
+/// `ignore_identical_ids` it is left out of the run and the top-k is still full.
+#[test]
+fn corpus_evaluation_can_ignore_identical_ids() {
+    use gradcache::retrieval::{evaluate_corpus, CorpusEvalOptions, Document, Query};
+    let doc = |id: &str| Document {
+        id: id.into(),
+        title: String::new(),
+        text: id.into(),
+    };
+    let set = gradcache::retrieval::BeirSet {
+        corpus: vec![doc("d1"), doc("d2"), doc("d3")],
+        queries: vec![Query {
+            id: "d1".into(),
+            text: "d1".into(),
+        }],
+        qrels: [(
+            "d1".to_string(),
+            [("d2".to_string(), 1i64)].into_iter().collect(),
+        )]
+        .into_iter()
+        .collect(),
+    };
+    // The query embeds like d1, then d2, then d3.
+    let embed = |texts: &[&str]| -> gradcache::Result<Tensor> {
+        let rows: Vec<f32> = texts
+            .iter()
+            .flat_map(|t| match *t {
+                "d1" => [1.0f32, 0.0],
+                "d2" => [0.8, 0.6],
+                _ => [0.0, 1.0],
+            })
+            .collect();
+        Ok(Tensor::from_vec(rows, (texts.len(), 2), &Device::Cpu)?)
+    };
+    let mut options = CorpusEvalOptions {
+        search: SearchOptions {
+            top_k: 2,
+            ..SearchOptions::default()
+        },
+        ..CorpusEvalOptions::default()
+    };
+    let counted = evaluate_corpus(&set, Similarity::Cosine, &options, embed, embed).unwrap();
+    let ids: Vec<&str> = counted.run["d1"].iter().map(|(d, _)| d.as_str()).collect();
+    assert_eq!(ids, ["d1", "d2"]);
+    assert_eq!(counted.metrics.recall_at_1, 0.0);
+    options.ignore_identical_ids = true;
+    let ignored = evaluate_corpus(&set, Similarity::Cosine, &options, embed, embed).unwrap();
+    let ids: Vec<&str> = ignored.run["d1"].iter().map(|(d, _)| d.as_str()).collect();
+    assert_eq!(ids, ["d2", "d3"]);
+    assert_eq!(ignored.metrics.recall_at_1, 1.0);
+}

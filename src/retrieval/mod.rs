@@ -34,34 +34,69 @@ pub struct Evaluation {
     pub run: BTreeMap<String, Ranking>,
 }
 
+/// How [`evaluate_corpus`] reads the corpus and what it counts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CorpusEvalOptions {
+    /// The exact search's depth and blocks.
+    pub search: SearchOptions,
+    /// Joins a document's title and text.
+    pub title_separator: String,
+    /// Leave out a retrieved document whose id is the query's id (BEIR's
+    /// `ignore_identical_ids`, for sets such as Quora whose queries are also documents);
+    /// off, as pytrec_eval and sentence-transformers count.
+    pub ignore_identical_ids: bool,
+}
+
+impl Default for CorpusEvalOptions {
+    fn default() -> Self {
+        Self {
+            search: SearchOptions::default(),
+            title_separator: " ".into(),
+            ignore_identical_ids: false,
+        }
+    }
+}
+
 /// Evaluates retrieval on `set`: every query against the whole corpus (exact top-k,
 /// blocked), then the measures of [`metrics`]. `embed_queries` embeds the query texts,
 /// `embed_documents` a block of document texts (title and text joined by
-/// `title_separator`).
+/// `options.title_separator`).
 pub fn evaluate_corpus(
     set: &BeirSet,
     similarity: Similarity,
-    options: SearchOptions,
-    title_separator: &str,
+    options: &CorpusEvalOptions,
     embed_queries: impl FnOnce(&[&str]) -> Result<Tensor>,
     mut embed_documents: impl FnMut(&[&str]) -> Result<Tensor>,
 ) -> Result<Evaluation> {
     let texts: Vec<&str> = set.queries.iter().map(|q| q.text.as_str()).collect();
     let queries = embed_queries(&texts)?;
-    let hits = search(&queries, set.corpus.len(), similarity, options, |range| {
-        let docs: Vec<String> = set.corpus[range]
-            .iter()
-            .map(|d| d.joined(title_separator))
-            .collect();
-        let refs: Vec<&str> = docs.iter().map(String::as_str).collect();
-        embed_documents(&refs)
-    })?;
+    let mut search_options = options.search;
+    if options.ignore_identical_ids {
+        // One more, in case the query itself is among its best.
+        search_options.top_k += 1;
+    }
+    let hits = search(
+        &queries,
+        set.corpus.len(),
+        similarity,
+        search_options,
+        |range| {
+            let docs: Vec<String> = set.corpus[range]
+                .iter()
+                .map(|d| d.joined(&options.title_separator))
+                .collect();
+            let refs: Vec<&str> = docs.iter().map(String::as_str).collect();
+            embed_documents(&refs)
+        },
+    )?;
     let mut run = BTreeMap::new();
     for (query, hits) in set.queries.iter().zip(hits) {
         let mut ranking: Ranking = hits
             .iter()
             .map(|h| (set.corpus[h.doc].id.clone(), h.score))
+            .filter(|(id, _)| !(options.ignore_identical_ids && *id == query.id))
             .collect();
+        ranking.truncate(options.search.top_k);
         trec_order(&mut ranking);
         run.insert(query.id.clone(), ranking);
     }

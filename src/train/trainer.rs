@@ -32,7 +32,7 @@ use crate::loss::{Guide, InfoNce, Matryoshka};
 use crate::models::bert::{BertConfig, BertEncoder, BertOptions, DenseSpec};
 use crate::params::{ParamStore, WeightFile};
 use crate::precision::Precision;
-use crate::retrieval::{evaluate_corpus, SearchOptions};
+use crate::retrieval::{evaluate_corpus, CorpusEvalOptions};
 use crate::train::budget::plan_memory;
 use crate::train::checkpoint;
 use crate::train::config::Config;
@@ -198,11 +198,14 @@ impl Task for TextPairs {
                 evaluate(&q, &p, &targets, self.cfg.loss.similarity, 256)
             }
             EvalData::Corpus(set) => {
+                let options = CorpusEvalOptions {
+                    title_separator: self.cfg.data.title_separator.clone(),
+                    ..CorpusEvalOptions::default()
+                };
                 let evaluation = evaluate_corpus(
                     set,
                     self.cfg.loss.similarity,
-                    SearchOptions::default(),
-                    &self.cfg.data.title_separator,
+                    &options,
                     embed_queries,
                     embed_passages,
                 )?;

@@ -133,6 +133,10 @@ enum Command {
         /// Write a JSON summary (data, split, settings, metrics) here.
         #[arg(long)]
         output: Option<PathBuf>,
+        /// Leave out a retrieved document whose id is the query's (BEIR's default, for
+        /// sets whose queries are also documents, e.g. Quora); off as pytrec_eval counts.
+        #[arg(long)]
+        ignore_identical_ids: bool,
         /// Token limit.
         #[arg(long, default_value_t = 128)]
         max_len: usize,
@@ -302,6 +306,7 @@ fn run(command: Command) -> Result<()> {
             top_k,
             run_file,
             output,
+            ignore_identical_ids,
             max_len,
             chunk,
             search,
@@ -322,16 +327,13 @@ fn run(command: Command) -> Result<()> {
                         run_file,
                         summary: output,
                     };
+                    let eval_options = gradcache::retrieval::CorpusEvalOptions {
+                        search: search_options,
+                        title_separator: search.title_separator,
+                        ignore_identical_ids,
+                    };
                     let model = load_model(&model, &options)?;
-                    retrieval::eval_beir(
-                        &model,
-                        &dir,
-                        &split,
-                        search_options,
-                        chunk,
-                        &search.title_separator,
-                        &outputs,
-                    )
+                    retrieval::eval_beir(&model, &dir, &split, &eval_options, chunk, &outputs)
                 }
                 (Some(data), None) => eval(&model, &data, chunk, &options),
                 (None, None) => bail!("give --data or --beir"),

@@ -10,7 +10,8 @@ use crate::{load_model, HeadArgs, SearchArgs};
 use gradcache::hub::EmbeddingModel;
 use gradcache::retrieval::beir::read_corpus;
 use gradcache::retrieval::{
-    evaluate_corpus, mine, trec_run, BeirSet, CorpusMetrics, MineOptions, MiningSet, SearchOptions,
+    evaluate_corpus, mine, trec_run, BeirSet, CorpusEvalOptions, CorpusMetrics, MineOptions,
+    MiningSet,
 };
 use gradcache::train::data::Fields;
 use gradcache::train::formats::read_pairs;
@@ -183,9 +184,8 @@ pub fn eval_beir(
     model: &EmbeddingModel,
     dir: &Path,
     split: &str,
-    search: SearchOptions,
+    options: &CorpusEvalOptions,
     chunk: usize,
-    title_separator: &str,
     outputs: &EvalOutputs,
 ) -> Result<()> {
     let set = BeirSet::load(dir, split)?;
@@ -199,8 +199,7 @@ pub fn eval_beir(
     let evaluation = evaluate_corpus(
         &set,
         model.similarity(),
-        search,
-        title_separator,
+        options,
         |texts| model.embed_queries(texts, chunk),
         |texts| model.embed_passages(texts, chunk),
     )?;
@@ -214,7 +213,8 @@ pub fn eval_beir(
         "data": dir.display().to_string(),
         "split": split,
         "documents": set.corpus.len(),
-        "top_k": search.top_k,
+        "top_k": options.search.top_k,
+        "ignore_identical_ids": options.ignore_identical_ids,
         "similarity": model.similarity().sentence_transformers_name(),
         "prompts": model.prompts(),
         "metrics": m,
