@@ -142,9 +142,10 @@ pub struct EmbeddingModel {
     /// The sentence-transformers `Dense` modules after the pooling.
     dense: Vec<DenseLayer>,
     tokenizer: Tokenizer,
+    /// The tokenizer with the query prompt, and with the passage prompt.
+    query_tokenizer: Tokenizer,
+    passage_tokenizer: Tokenizer,
     prompts: Prompts,
-    /// Whether prompt tokens are pooled (`include_prompt`).
-    prompt_pooled: bool,
     config: BertConfig,
     options: BertOptions,
     similarity: Similarity,
@@ -253,9 +254,16 @@ impl EmbeddingModel {
         Ok(Self {
             encoder,
             dense,
+            query_tokenizer: tokenizer
+                .clone()
+                .with_prompt(&prompts.query)
+                .with_prompt_pooled(prompt_pooled),
+            passage_tokenizer: tokenizer
+                .clone()
+                .with_prompt(&prompts.passage)
+                .with_prompt_pooled(prompt_pooled),
             tokenizer,
             prompts,
-            prompt_pooled,
             config,
             options: bert_options,
             similarity,
@@ -272,22 +280,24 @@ impl EmbeddingModel {
 
     /// Query embeddings: [`EmbeddingModel::embed`] with the query prompt.
     pub fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
-        let tokenizer = self
-            .tokenizer
-            .clone()
-            .with_prompt(&self.prompts.query)
-            .with_prompt_pooled(self.prompt_pooled);
-        embed(&self.encoder, &tokenizer, texts, chunk, &self.device)
+        embed(
+            &self.encoder,
+            &self.query_tokenizer,
+            texts,
+            chunk,
+            &self.device,
+        )
     }
 
     /// Passage embeddings: [`EmbeddingModel::embed`] with the passage prompt.
     pub fn embed_passages(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
-        let tokenizer = self
-            .tokenizer
-            .clone()
-            .with_prompt(&self.prompts.passage)
-            .with_prompt_pooled(self.prompt_pooled);
-        embed(&self.encoder, &tokenizer, texts, chunk, &self.device)
+        embed(
+            &self.encoder,
+            &self.passage_tokenizer,
+            texts,
+            chunk,
+            &self.device,
+        )
     }
 
     /// The query and passage prompts in use.

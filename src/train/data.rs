@@ -297,8 +297,8 @@ impl Loader {
         };
         for &i in ids {
             let pair = self.pairs.pair(i)?;
-            batch.queries.push(pair.query.clone());
-            batch.passages.push(pair.positive.clone());
+            batch.queries.push(pair.query);
+            batch.passages.push(pair.positive);
             for j in 0..self.hard_negatives {
                 match pair.negatives.get(j) {
                     Some(n) => batch.passages.push(n.clone()),
