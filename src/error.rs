@@ -249,6 +249,15 @@ pub enum Error {
 impl Error {
     /// A failed file system operation: `action` is what was tried (read, create, write,
     /// rename, remove, open), `path` where.
+    /// A malformed data file: `line` 0 names the file as a whole.
+    pub(crate) fn data(path: &std::path::Path, line: usize, reason: impl Into<String>) -> Self {
+        Error::Data {
+            path: path.to_path_buf(),
+            line,
+            reason: reason.into(),
+        }
+    }
+
     pub(crate) fn io(action: &'static str, path: &std::path::Path, e: impl fmt::Display) -> Self {
         Error::Io {
             action,

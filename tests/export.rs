@@ -401,3 +401,17 @@ fn a_run_with_a_guide_model_masks_false_negatives() {
     ];
     assert!(Trainer::new(Config::load(&config, &missing).unwrap(), None).is_err());
 }
+
+/// Batches tokenized with different prompts left out of the pooling cannot be joined.
+#[test]
+fn batches_pooling_from_different_positions_do_not_concatenate() {
+    use gradcache::{Batch, TokenBatch};
+    let t = |v: Vec<u32>| candle_core::Tensor::from_vec(v, (1, 3), &Device::Cpu).unwrap();
+    let a = TokenBatch::new(t(vec![1, 2, 3]), t(vec![1, 1, 1]), t(vec![0, 0, 0])).unwrap();
+    let b = a.clone().with_pool_from(2);
+    assert!(matches!(
+        TokenBatch::cat(&[a.clone(), b]),
+        Err(Error::Concat(_))
+    ));
+    assert_eq!(TokenBatch::cat(&[a.clone(), a]).unwrap().pool_from, 0);
+}

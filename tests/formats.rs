@@ -211,3 +211,27 @@ fn parquet_files_read_in_every_layout_and_codec() {
     let (_, reason) = data_error(&fake, &Fields::default());
     assert!(reason.contains("not a readable Parquet file"), "{reason}");
 }
+
+#[test]
+fn malformed_json_layouts_are_refused_naming_the_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("t.jsonl");
+    for (line, want) in [
+        ("[1, 2]", "expected a JSON object"),
+        (
+            "{\"query\": \"q\", \"positive_passages\": [{\"text\": \"p\"}], \"negative_passages\": 3}",
+            "`negative_passages` must be a list of passages",
+        ),
+        (
+            "{\"query\": \"q\", \"positive_passages\": [{\"text\": \"p\", \"title\": 5}]}",
+            "`positive_passages[0]` has a `title` that is not a string",
+        ),
+        ("{\"query\": \"q\", \"positive\": \"p\", \"negatives\": \"n\"}", "list of strings"),
+        ("{\"query\": 4, \"positive\": \"p\"}", "`query` is not a string"),
+    ] {
+        std::fs::write(&path, format!("{line}\n")).unwrap();
+        let (number, reason) = data_error(&path, &Fields::default());
+        assert_eq!(number, 1, "{line}");
+        assert!(reason.contains(want), "{line}: {reason}");
+    }
+}

@@ -440,3 +440,83 @@ fn corpus_evaluation_can_ignore_identical_ids() {
     assert_eq!(ids, ["d2", "d3"]);
     assert_eq!(ignored.metrics.recall_at_1, 1.0);
 }
+
+/// The remaining refusals of the BEIR reader, the search and the miner, each fed its bad
+/// input.
+#[test]
+fn more_bad_input_is_refused_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A file that starts like zstd but is not.
+    let path = tmp.path().join("corpus.jsonl.zst");
+    write(&path, &[0x28, 0xb5, 0x2f, 0xfd, 1, 2, 3, 4, 5, 6, 7, 8]);
+    let (file, _, reason) = data_error(read_corpus(&path).unwrap_err());
+    assert!(file.ends_with("corpus.jsonl.zst"), "{file}");
+    assert!(
+        reason.contains("zstd") || reason.contains("cannot read"),
+        "{reason}"
+    );
+    // An empty corpus, an empty id.
+    let path = tmp.path().join("c.jsonl");
+    write(&path, b"\n\n");
+    assert!(data_error(read_corpus(&path).unwrap_err())
+        .2
+        .contains("no documents"));
+    write(&path, b"{\"_id\": \"\", \"text\": \"x\"}\n");
+    assert!(data_error(read_corpus(&path).unwrap_err())
+        .2
+        .contains("`_id` is empty"));
+    // Qrels of the wrong width, and none at all.
+    let qrels = tmp.path().join("q.tsv");
+    write(&qrels, b"q1\td1\n");
+    let (_, line, reason) = data_error(read_qrels(&qrels).unwrap_err());
+    assert_eq!(line, 1);
+    assert!(reason.contains("3 columns"), "{reason}");
+    write(&qrels, b"query-id\tcorpus-id\tscore\n");
+    assert!(data_error(read_qrels(&qrels).unwrap_err())
+        .2
+        .contains("no judgements"));
+    // A judged query that queries.jsonl does not hold.
+    let dir = tmp.path().join("set");
+    beir_dir(&dir, |b| b.to_vec(), "");
+    write(&dir.join("qrels/dev.tsv"), b"q9\td1\t1\n");
+    let (_, _, reason) = data_error(BeirSet::load(&dir, "dev").unwrap_err());
+    assert!(
+        reason.contains("`q9`") && reason.contains("queries.jsonl"),
+        "{reason}"
+    );
+
+    // Search: no room, and a block of the wrong shape.
+    let q = random_matrix(2, 3, 1);
+    let c = random_matrix(5, 3, 2);
+    let zero = SearchOptions {
+        top_k: 0,
+        ..SearchOptions::default()
+    };
+    assert!(matches!(
+        search(&q, 5, Similarity::Dot, zero, |_| Ok(c.clone())).unwrap_err(),
+        Error::InvalidArgument { .. }
+    ));
+    let wide = random_matrix(5, 4, 3);
+    assert!(matches!(
+        search(&q, 5, Similarity::Dot, SearchOptions::default(), |_| Ok(
+            wide.clone()
+        ))
+        .unwrap_err(),
+        Error::InvalidArgument { .. }
+    ));
+    // Mining: a query without a positive, a positive beyond the corpus.
+    let options = MineOptions {
+        num_negatives: 1,
+        ..MineOptions::default()
+    };
+    for positives in [vec![vec![0], vec![]], vec![vec![0], vec![7]]] {
+        let err = mine(&q, &positives, 5, Similarity::Dot, &options, 2, |r| {
+            Ok(c.narrow(0, r.start, r.len())?)
+        })
+        .unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { .. }),
+            "{positives:?}: {err}"
+        );
+    }
+}

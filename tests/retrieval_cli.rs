@@ -327,6 +327,22 @@ fn the_worked_example_learns_mines_and_evaluates() {
     assert!(!ok && stderr.contains("missing BEIR corpus"), "{stderr}");
     assert!(!nothing.exists());
     let (ok, stderr, _) = run(&[
+        "eval", "--model", &model_arg, "--beir", &beir_arg, "--top-k", "0",
+    ]);
+    assert!(!ok && stderr.contains("--top-k"), "{stderr}");
+    let (ok, stderr, _) = run(&[
+        "eval",
+        "--model",
+        &model_arg,
+        "--beir",
+        &beir_arg,
+        "--split",
+        "test",
+        "--run-file",
+        tmp.path().join("no/such/dir/run.trec").to_str().unwrap(),
+    ]);
+    assert!(!ok && stderr.contains("is not a directory"), "{stderr}");
+    let (ok, stderr, _) = run(&[
         "eval", "--model", &model_arg, "--beir", &beir_arg, "--split", "dev",
     ]);
     assert!(!ok && stderr.contains("qrels/dev.tsv"), "{stderr}");

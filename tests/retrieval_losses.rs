@@ -313,46 +313,21 @@ fn a_guide_judges_the_mask_and_keeps_cached_equal_to_full() {
         .unwrap();
     assert!((loss_of(&guided, &q, &p) - a).abs() > 1e-4);
     // Cached == full with a guide, every chunking, two towers and one.
-    for two in [false, true] {
-        for chunk in [1, 3, B] {
-            let store = ParamStore::new(1, DType::F32, &Device::Cpu);
-            let guide = Guide::new();
-            guide
-                .set(
-                    &common::random(9, &[B, 6]),
-                    &common::random(10, &[B * (hard + 1), 6]),
-                )
-                .unwrap();
-            let make = || {
-                let inner = infonce(true, Some(3), Similarity::Cosine)
-                    .with_false_negative_margin(Some(0.1))
-                    .unwrap()
-                    .with_guide(Some(guide.clone()));
-                Matryoshka::new(inner, vec![WIDTH, 8], Vec::new()).unwrap()
-            };
-            let gc = if two {
-                GradCache::two_towers(tower(&store, "q"), tower(&store, "p"), chunk, 3, make())
-                    .unwrap()
-            } else {
-                GradCache::shared(tower(&store, ""), chunk, make()).unwrap()
-            }
-            .with_dropout(false);
-            let q = common::features(10, B, FEATURES);
-            let p = common::features(11, B * (hard + 1), FEATURES);
-            let reference = gc.full_batch_step(0, &q, &p).unwrap();
-            let cached = gc.cache_step(0, &q, &p).unwrap();
-            let loss_err = ((cached.loss - reference.loss) / reference.loss).abs() as f64;
-            assert!(
-                loss_err <= TOL,
-                "guide two={two} chunk={chunk}: loss {loss_err:e}"
-            );
-            let err = cached.grads.max_rel_err(&reference.grads, 0.0).unwrap();
-            assert!(
-                err <= TOL,
-                "guide two={two} chunk={chunk}: gradients {err:e}"
-            );
-        }
-    }
+    let guide = Guide::new();
+    guide
+        .set(
+            &common::random(9, &[B, 6]),
+            &common::random(10, &[B * (hard + 1), 6]),
+        )
+        .unwrap();
+    let make = || {
+        let inner = infonce(true, Some(3), Similarity::Cosine)
+            .with_false_negative_margin(Some(0.1))
+            .unwrap()
+            .with_guide(Some(guide.clone()));
+        Matryoshka::new(inner, vec![WIDTH, 8], Vec::new()).unwrap()
+    };
+    check_equivalent("guide", &make, hard);
     // A guide without embeddings of the batch, or of another batch, is an error.
     let unset = infonce(false, None, Similarity::Cosine).with_guide(Some(Guide::new()));
     assert!(unset.value_and_grads(&q, &p).is_err());
@@ -368,4 +343,21 @@ fn a_guide_judges_the_mask_and_keeps_cached_equal_to_full() {
         l.value_and_grads(&q, &p).unwrap_err(),
         Error::InvalidArgument { .. }
     ));
+}
+
+/// The trainer refuses Matryoshka widths wider than its embedding before any step.
+#[test]
+fn the_trainer_refuses_widths_beyond_the_embedding() {
+    use gradcache::train::{Config, Trainer};
+    let tmp = tempfile::tempdir().unwrap();
+    let config = common::write_tiny_run(tmp.path());
+    // The tiny run's embedding is 16 wide.
+    let cfg = Config::load(&config, &["loss.matryoshka_dims=[16, 17]".to_string()]).unwrap();
+    match Trainer::new(cfg, None).err().unwrap() {
+        Error::InvalidConfig { field, value, .. } => {
+            assert_eq!(field, "loss.matryoshka_dims");
+            assert!(value.contains("width 16"), "{value}");
+        }
+        other => panic!("{other}"),
+    }
 }

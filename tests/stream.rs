@@ -184,3 +184,34 @@ fn a_streamed_run_trains_the_in_memory_losses() {
         other => panic!("{other}"),
     }
 }
+
+#[test]
+fn a_file_changed_after_indexing_and_a_layout_that_cannot_stream_are_refused() {
+    let _alone = alone();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("pairs.jsonl");
+    write_pairs(&path, 50);
+    let index = JsonlIndex::build(&path, &Fields::default(), " ").unwrap();
+    // The file shrinks under the index: the last lines cannot be read any more.
+    let text = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &text[..text.len() / 2]).unwrap();
+    match index.pair(index.len() - 1).unwrap_err() {
+        Error::Data { reason, .. } => assert!(reason.contains("was the file changed"), "{reason}"),
+        other => panic!("{other}"),
+    }
+    // data.stream with a TSV training file.
+    let config = common::write_tiny_run(tmp.path());
+    let tsv = tmp.path().join("train.tsv");
+    std::fs::write(&tsv, "query\tpositive\nq\tp\n").unwrap();
+    let sets = vec![
+        "data.stream=true".to_string(),
+        format!("data.train_file=\"{}\"", tsv.display()),
+    ];
+    match Trainer::new(Config::load(&config, &sets).unwrap(), None)
+        .err()
+        .unwrap()
+    {
+        Error::InvalidConfig { field, .. } => assert_eq!(field, "data.stream"),
+        other => panic!("{other}"),
+    }
+}

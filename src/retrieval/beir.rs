@@ -58,14 +58,6 @@ pub struct BeirSet {
     pub qrels: Qrels,
 }
 
-fn data_error(path: &Path, line: usize, reason: impl Into<String>) -> Error {
-    Error::Data {
-        path: path.to_path_buf(),
-        line,
-        reason: reason.into(),
-    }
-}
-
 /// `dir/name` or, when that does not exist, `dir/name.gz` or `dir/name.zst`.
 pub fn find_file(dir: &Path, name: &str, what: &'static str) -> Result<PathBuf> {
     for suffix in ["", ".gz", ".zst"] {
@@ -93,8 +85,8 @@ fn field(
         Some(serde_json::Value::String(s)) => Ok(s.clone()),
         Some(serde_json::Value::Number(n)) if name == "_id" => Ok(n.to_string()),
         None | Some(serde_json::Value::Null) if !required => Ok(String::new()),
-        None => Err(data_error(path, line, format!("missing field `{name}`"))),
-        Some(_) => Err(data_error(
+        None => Err(Error::data(path, line, format!("missing field `{name}`"))),
+        Some(_) => Err(Error::data(
             path,
             line,
             format!("field `{name}` is not a string"),
@@ -109,8 +101,8 @@ fn json_object(
 ) -> Result<serde_json::Map<String, serde_json::Value>> {
     match serde_json::from_str(text) {
         Ok(serde_json::Value::Object(o)) => Ok(o),
-        Ok(_) => Err(data_error(path, line, "expected a JSON object")),
-        Err(e) => Err(data_error(path, line, format!("not valid JSON ({e})"))),
+        Ok(_) => Err(Error::data(path, line, "expected a JSON object")),
+        Err(e) => Err(Error::data(path, line, format!("not valid JSON ({e})"))),
     }
 }
 
@@ -129,10 +121,10 @@ pub fn read_corpus(path: &Path) -> Result<Vec<Document>> {
             text: field(&o, "text", path, line, true)?,
         };
         if doc.id.is_empty() {
-            return Err(data_error(path, line, "field `_id` is empty"));
+            return Err(Error::data(path, line, "field `_id` is empty"));
         }
         if let Some(first) = seen.insert(doc.id.clone(), line) {
-            return Err(data_error(
+            return Err(Error::data(
                 path,
                 line,
                 format!("document id `{}` already appears on line {first}", doc.id),
@@ -142,7 +134,7 @@ pub fn read_corpus(path: &Path) -> Result<Vec<Document>> {
         Ok(())
     })?;
     if docs.is_empty() {
-        return Err(data_error(path, 0, "the corpus holds no documents"));
+        return Err(Error::data(path, 0, "the corpus holds no documents"));
     }
     Ok(docs)
 }
@@ -160,7 +152,7 @@ pub fn read_queries(path: &Path) -> Result<Vec<Query>> {
             text: field(&o, "text", path, line, true)?,
         };
         if query.text.trim().is_empty() {
-            return Err(data_error(path, line, "field `text` is empty"));
+            return Err(Error::data(path, line, "field `text` is empty"));
         }
         queries.push(query);
         Ok(())
@@ -181,7 +173,7 @@ pub fn read_qrels(path: &Path) -> Result<Qrels> {
             [q, d, g] => (*q, *d, *g),
             [q, _, d, g] => (*q, *d, *g),
             _ => {
-                return Err(data_error(
+                return Err(Error::data(
                     path,
                     line,
                     format!(
@@ -196,7 +188,7 @@ pub fn read_qrels(path: &Path) -> Result<Qrels> {
             // BEIR's header line.
             Err(_) if line == 1 => return Ok(()),
             Err(_) => {
-                return Err(data_error(
+                return Err(Error::data(
                     path,
                     line,
                     format!("the score `{grade}` is not an integer"),
@@ -210,12 +202,38 @@ pub fn read_qrels(path: &Path) -> Result<Qrels> {
         Ok(())
     })?;
     if qrels.is_empty() {
-        return Err(data_error(path, 0, "the qrels hold no judgements"));
+        return Err(Error::data(path, 0, "the qrels hold no judgements"));
     }
     Ok(qrels)
 }
 
 impl BeirSet {
+    /// Each query (by index) with the corpus indices of its relevant documents (grade >=
+    /// 1), in the order of the queries and of the judgements; queries without one are
+    /// left out.
+    pub fn relevant(&self) -> Vec<(usize, Vec<usize>)> {
+        let index: HashMap<&str, usize> = self
+            .corpus
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d.id.as_str(), i))
+            .collect();
+        self.queries
+            .iter()
+            .enumerate()
+            .filter_map(|(q, query)| {
+                let docs: Vec<usize> = self
+                    .qrels
+                    .get(&query.id)?
+                    .iter()
+                    .filter(|(_, &g)| g >= 1)
+                    .filter_map(|(d, _)| index.get(d.as_str()).copied())
+                    .collect();
+                (!docs.is_empty()).then_some((q, docs))
+            })
+            .collect()
+    }
+
     /// Reads `dir/corpus.jsonl`, `dir/queries.jsonl` and `dir/qrels/<split>.tsv` (each
     /// optionally `.gz` or `.zst`). Keeps the queries that have judgements in the split;
     /// a judged query or document missing from the files is an error naming it.
@@ -229,7 +247,7 @@ impl BeirSet {
         let ids: std::collections::HashSet<&str> = corpus.iter().map(|d| d.id.as_str()).collect();
         for (q, docs) in &qrels {
             if let Some(d) = docs.keys().find(|d| !ids.contains(d.as_str())) {
-                return Err(data_error(
+                return Err(Error::data(
                     &qrels_path,
                     0,
                     format!(
@@ -247,7 +265,7 @@ impl BeirSet {
             let known: std::collections::HashSet<&str> =
                 queries.iter().map(|q| q.id.as_str()).collect();
             let missing = qrels.keys().find(|q| !known.contains(q.as_str()));
-            return Err(data_error(
+            return Err(Error::data(
                 &qrels_path,
                 0,
                 format!(

@@ -40,7 +40,8 @@ pub fn compression(path: &Path) -> Result<Compression> {
     })
 }
 
-fn open_file(path: &Path) -> Result<File> {
+/// Opens `path`, a missing file named as a missing data file.
+pub(crate) fn open_file(path: &Path) -> Result<File> {
     File::open(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => Error::MissingFile {
             path: path.to_path_buf(),

@@ -332,32 +332,20 @@ impl MiningSet {
     /// From a BEIR split: its queries with at least one relevant document (grade >= 1),
     /// the whole corpus (title and text joined by `title_separator`).
     pub fn from_beir(set: &crate::retrieval::BeirSet, title_separator: &str) -> Self {
-        let index: std::collections::HashMap<&str, usize> = set
-            .corpus
-            .iter()
-            .enumerate()
-            .map(|(i, d)| (d.id.as_str(), i))
-            .collect();
-        let mut out = Self {
+        let (queries, positives) = set
+            .relevant()
+            .into_iter()
+            .map(|(q, docs)| (set.queries[q].text.clone(), docs))
+            .unzip();
+        Self {
+            queries,
+            positives,
             corpus: set
                 .corpus
                 .iter()
                 .map(|d| d.joined(title_separator))
                 .collect(),
-            ..Self::default()
-        };
-        for q in &set.queries {
-            let relevant: Vec<usize> = set.qrels[&q.id]
-                .iter()
-                .filter(|(_, &g)| g >= 1)
-                .filter_map(|(d, _)| index.get(d.as_str()).copied())
-                .collect();
-            if !relevant.is_empty() {
-                out.queries.push(q.text.clone());
-                out.positives.push(relevant);
-            }
         }
-        out
     }
 
     /// The training rows of a mining result: one per query and positive, with the query's

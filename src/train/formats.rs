@@ -20,17 +20,9 @@
 use std::path::Path;
 
 use crate::retrieval::beir::BeirSet;
-use crate::retrieval::files::{for_each_line, open_text};
+use crate::retrieval::files::{for_each_line, open_file, open_text};
 use crate::train::data::{Fields, Pair};
 use crate::{Error, Result};
-
-fn data_error(path: &Path, line: usize, reason: impl Into<String>) -> Error {
-    Error::Data {
-        path: path.to_path_buf(),
-        line,
-        reason: reason.into(),
-    }
-}
 
 /// How a data file is laid out, from its name (a `.gz` / `.zst` suffix aside) or, for a
 /// directory, the BEIR layout.
@@ -108,32 +100,25 @@ pub fn read_pairs_as(
         Layout::JsonLines => json_pairs(path, fields, title_separator)?,
     };
     if pairs.is_empty() {
-        return Err(data_error(path, 0, "the file holds no pairs"));
+        return Err(Error::data(path, 0, "the file holds no pairs"));
     }
     Ok(pairs)
 }
 
 fn beir_pairs(dir: &Path, split: &str, title_separator: &str) -> Result<Vec<Pair>> {
     let set = BeirSet::load(dir, split)?;
-    let index: std::collections::HashMap<&str, usize> = set
-        .corpus
-        .iter()
-        .enumerate()
-        .map(|(i, d)| (d.id.as_str(), i))
-        .collect();
-    let mut pairs = Vec::new();
-    for q in &set.queries {
-        for (doc, &grade) in &set.qrels[&q.id] {
-            if grade >= 1 {
-                pairs.push(Pair {
-                    query: q.text.clone(),
-                    positive: set.corpus[index[doc.as_str()]].joined(title_separator),
-                    negatives: Vec::new(),
-                });
-            }
-        }
-    }
-    Ok(pairs)
+    Ok(set
+        .relevant()
+        .into_iter()
+        .flat_map(|(q, docs)| {
+            let set = &set;
+            docs.into_iter().map(move |d| Pair {
+                query: set.queries[q].text.clone(),
+                positive: set.corpus[d].joined(title_separator),
+                negatives: Vec::new(),
+            })
+        })
+        .collect())
 }
 
 /// Tevatron's passages: a list of objects with `text` and an optional `title`.
@@ -180,12 +165,12 @@ fn json_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pair>
             return Ok(());
         }
         let value: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| data_error(path, number, format!("not valid JSON ({e})")))?;
+            .map_err(|e| Error::data(path, number, format!("not valid JSON ({e})")))?;
         let object = value
             .as_object()
-            .ok_or_else(|| data_error(path, number, "expected a JSON object"))?;
+            .ok_or_else(|| Error::data(path, number, "expected a JSON object"))?;
         pairs.push(pair_from_object(object, fields, separator, &|reason| {
-            data_error(path, number, reason)
+            Error::data(path, number, reason)
         })?);
         Ok(())
     })?;
@@ -273,15 +258,9 @@ pub(crate) fn pair_from_object(
 /// passages. An error names the row (1-based) and its row group.
 fn parquet_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pair>> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
-    let file = std::fs::File::open(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::MissingFile {
-            path: path.to_path_buf(),
-            what: "data file",
-        },
-        _ => Error::io("open", path, e),
-    })?;
+    let file = open_file(path)?;
     let reader = SerializedFileReader::new(file)
-        .map_err(|e| data_error(path, 0, format!("not a readable Parquet file ({e})")))?;
+        .map_err(|e| Error::data(path, 0, format!("not a readable Parquet file ({e})")))?;
     // Where each row group starts, to name the group of a bad row.
     let mut starts = Vec::new();
     let mut total = 0usize;
@@ -292,11 +271,11 @@ fn parquet_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pa
     let group_of = |row: usize| starts.partition_point(|&s| s <= row).saturating_sub(1);
     let rows = reader
         .get_row_iter(None)
-        .map_err(|e| data_error(path, 0, format!("cannot read rows ({e})")))?;
+        .map_err(|e| Error::data(path, 0, format!("cannot read rows ({e})")))?;
     let mut pairs = Vec::with_capacity(total);
     for (i, row) in rows.enumerate() {
         let at = |reason: String| {
-            data_error(
+            Error::data(
                 path,
                 i + 1,
                 format!("row {} (row group {}): {reason}", i + 1, group_of(i)),
@@ -331,11 +310,11 @@ fn table_pairs(path: &Path, fields: &Fields, delimiter: u8) -> Result<Vec<Pair>>
         .from_reader(reader);
     let headers = table
         .headers()
-        .map_err(|e| data_error(path, 1, format!("cannot read the header line ({e})")))?
+        .map_err(|e| Error::data(path, 1, format!("cannot read the header line ({e})")))?
         .clone();
     let column = |name: &str| -> Result<usize> {
         headers.iter().position(|h| h == name).ok_or_else(|| {
-            data_error(
+            Error::data(
                 path,
                 1,
                 format!(
@@ -356,13 +335,13 @@ fn table_pairs(path: &Path, fields: &Fields, delimiter: u8) -> Result<Vec<Pair>>
     for record in table.records() {
         let record = record.map_err(|e| {
             let line = e.position().map_or(0, |p| p.line() as usize);
-            data_error(path, line, format!("malformed row ({e})"))
+            Error::data(path, line, format!("malformed row ({e})"))
         })?;
         let line = record.position().map_or(0, |p| p.line() as usize);
         let cell = |i: usize, name: &str| -> Result<String> {
             let text = record.get(i).unwrap_or("");
             if text.trim().is_empty() {
-                Err(data_error(path, line, format!("column `{name}` is empty")))
+                Err(Error::data(path, line, format!("column `{name}` is empty")))
             } else {
                 Ok(text.to_string())
             }

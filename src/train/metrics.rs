@@ -2,7 +2,7 @@
 //! passage per query (the held-out positive). Recall@1/5/10, MRR@10 and nDCG@10, as the
 //! BEIR / MTEB retrieval evaluations report them for a single relevant document.
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use crate::loss::Similarity;
 use crate::{Error, Result};
@@ -109,13 +109,7 @@ pub fn evaluate(
             reason: "a target passage index is beyond the passages",
         });
     }
-    let prepare = |x: &Tensor| -> Result<Tensor> {
-        let x = x.detach().to_dtype(DType::F32)?;
-        Ok(match similarity {
-            Similarity::Dot => x,
-            Similarity::Cosine => crate::nn::l2_normalize(&x)?,
-        })
-    };
+    let prepare = |x: &Tensor| crate::retrieval::search::prepare(x, similarity);
     let (q, p) = (prepare(queries)?, prepare(passages)?);
     let pt = p.t()?.contiguous()?;
     let mut ranks = Vec::with_capacity(q_rows);

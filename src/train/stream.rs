@@ -14,7 +14,7 @@ use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::retrieval::files::{compression, Compression};
+use crate::retrieval::files::{compression, open_file, Compression};
 use crate::train::data::{Fields, Pair, PairSource};
 use crate::train::formats::pair_from_object;
 use crate::{Error, Result};
@@ -33,26 +33,18 @@ pub struct JsonlIndex {
     length: u64,
 }
 
-fn data_error(path: &Path, line: usize, reason: impl Into<String>) -> Error {
-    Error::Data {
-        path: path.to_path_buf(),
-        line,
-        reason: reason.into(),
-    }
-}
-
 impl JsonlIndex {
     /// Indexes `path` (one sequential pass; the lines are not parsed until served).
     pub fn build(path: &Path, fields: &Fields, title_separator: &str) -> Result<Self> {
         if compression(path)? != Compression::None {
-            return Err(data_error(
+            return Err(Error::data(
                 path,
                 0,
                 "data.stream reads uncompressed JSONL only (a compressed stream cannot be \
                  entered in the middle): decompress it once, or turn data.stream off",
             ));
         }
-        let mut file = File::open(path).map_err(|e| Error::io("open", path, e))?;
+        let mut file = open_file(path)?;
         let mut offsets = Vec::new();
         let mut lines = Vec::new();
         let mut buf = vec![0u8; 1 << 20];
@@ -72,7 +64,7 @@ impl JsonlIndex {
                     }
                     line = line
                         .checked_add(1)
-                        .ok_or_else(|| data_error(path, 0, "more than 4 billion lines"))?;
+                        .ok_or_else(|| Error::data(path, 0, "more than 4 billion lines"))?;
                     start = at + 1;
                     blank = true;
                 } else if !b.is_ascii_whitespace() {
@@ -86,7 +78,7 @@ impl JsonlIndex {
             lines.push(line);
         }
         if offsets.is_empty() {
-            return Err(data_error(path, 0, "the file holds no pairs"));
+            return Err(Error::data(path, 0, "the file holds no pairs"));
         }
         offsets.shrink_to_fit();
         lines.shrink_to_fit();
@@ -107,7 +99,7 @@ impl JsonlIndex {
         let end = self.offsets.get(i + 1).copied().unwrap_or(self.length);
         let mut bytes = vec![0u8; (end - start) as usize];
         self.file.read_exact_at(&mut bytes, start).map_err(|e| {
-            data_error(
+            Error::data(
                 &self.path,
                 self.lines[i] as usize,
                 format!("cannot read the line ({e}); was the file changed after it was indexed?"),
@@ -143,12 +135,12 @@ impl PairSource for JsonlIndex {
         let line = self.lines[i] as usize;
         let bytes = self.line_bytes(i)?;
         let value: serde_json::Value = serde_json::from_slice(&bytes)
-            .map_err(|e| data_error(&self.path, line, format!("not valid JSON ({e})")))?;
+            .map_err(|e| Error::data(&self.path, line, format!("not valid JSON ({e})")))?;
         let object = value
             .as_object()
-            .ok_or_else(|| data_error(&self.path, line, "expected a JSON object"))?;
+            .ok_or_else(|| Error::data(&self.path, line, "expected a JSON object"))?;
         pair_from_object(object, &self.fields, &self.title_separator, &|reason| {
-            data_error(&self.path, line, reason)
+            Error::data(&self.path, line, reason)
         })
     }
 }
