@@ -86,6 +86,12 @@ impl<L: Loss> Matryoshka<L> {
     }
 }
 
+/// The first `d` columns of `x`, contiguous (CUDA's matrix products take no row stride
+/// other than the width).
+fn prefix(x: &Tensor, d: usize) -> Result<Tensor> {
+    Ok(x.narrow(1, 0, d)?.contiguous()?)
+}
+
 /// `g` `[rows, d]` placed in the first `d` columns of a `[rows, width]` zero matrix.
 fn pad_columns(g: &Tensor, width: usize) -> Result<Tensor> {
     let (rows, d) = g.dims2()?;
@@ -106,7 +112,7 @@ impl<L: Loss> Loss for Matryoshka<L> {
         for (&d, &w) in self.dims.iter().zip(&self.weights) {
             let l = (self
                 .inner
-                .forward(&queries.narrow(1, 0, d)?, &passages.narrow(1, 0, d)?)?
+                .forward(&prefix(queries, d)?, &prefix(passages, d)?)?
                 * w)?;
             total = Some(match total {
                 Some(t) => (t + l)?,
@@ -137,7 +143,7 @@ impl<L: Loss> Loss for Matryoshka<L> {
         for (&d, &w) in self.dims.iter().zip(&self.weights) {
             let v = self
                 .inner
-                .value_and_grads(&queries.narrow(1, 0, d)?, &passages.narrow(1, 0, d)?)?;
+                .value_and_grads(&prefix(queries, d)?, &prefix(passages, d)?)?;
             loss += w * f64::from(v.loss);
             grad_q = (grad_q + pad_columns(&(v.grad_queries * w)?, width)?)?;
             grad_p = (grad_p + pad_columns(&(v.grad_passages * w)?, width)?)?;

@@ -424,9 +424,11 @@ fn positives(p: &Tensor, queries: usize, group: usize) -> Result<Tensor> {
         return Ok(p.clone());
     }
     let d = p.dim(1)?;
+    // Contiguous: CUDA's matrix products take no row stride other than the width.
     Ok(p.reshape((queries, group, d))?
         .narrow(1, 0, 1)?
-        .squeeze(1)?)
+        .squeeze(1)?
+        .contiguous()?)
 }
 
 /// The inverse of [`positives`] for gradients: `[queries, d]` rows placed at rows
