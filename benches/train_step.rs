@@ -50,8 +50,10 @@ fn probe_batch(rows: usize) -> anyhow::Result<TextBatch> {
         queries: vec![],
         passages: vec![],
         filled: 0,
+        lines: vec![],
     };
-    for line in text.lines().take(rows) {
+    for (number, line) in text.lines().take(rows).enumerate() {
+        batch.lines.push(number + 1);
         let v: serde_json::Value = serde_json::from_str(line)?;
         let field = |k: &str| v[k].as_str().unwrap_or_default().to_string();
         batch.queries.push(field("query"));

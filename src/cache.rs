@@ -30,6 +30,7 @@ use crate::loss::{group_size, scalar, InfoNce, Loss};
 use crate::memory::PhaseMeter;
 use crate::params::{GradAccumulator, Gradients, Params};
 use crate::sink::Sink;
+use crate::stop::StopSignal;
 use crate::{Error, Result, Side};
 
 /// A deferred replay: cotangent in, parameter gradients out.
@@ -111,6 +112,8 @@ pub fn cat_reps(chunks: &[Cached<'_>]) -> Result<Tensor> {
 pub struct Representations<'a> {
     queries: Vec<Cached<'a>>,
     passages: Vec<Cached<'a>>,
+    /// Looked at between replayed chunks (set by [`GradCache::represent`]).
+    stop: Option<StopSignal>,
 }
 
 impl<'a> Representations<'a> {
@@ -230,6 +233,7 @@ impl<'a> Representations<'a> {
             grad_passages,
             loss_params,
             pending,
+            stop: self.stop,
         })
     }
 
@@ -256,6 +260,7 @@ pub struct GradientCache<'a> {
     grad_passages: Tensor,
     loss_params: Gradients,
     pending: Vec<(Cached<'a>, Tensor)>,
+    stop: Option<StopSignal>,
 }
 
 impl GradientCache<'_> {
@@ -296,7 +301,9 @@ impl GradientCache<'_> {
     }
 
     /// Phase 3: replays every chunk with its slice of the cache and sums the parameter
-    /// gradients across chunks and towers (a shared tower accumulates both sides).
+    /// gradients across chunks and towers (a shared tower accumulates both sides). Built
+    /// by [`GradCache::represent`], it stops with [`Error::Interrupted`] between chunks
+    /// once the cache's [`StopSignal`] is set.
     pub fn replay(self) -> Result<StepOutput> {
         let _flush = crate::denormal::flush();
         // The parameter gradients the crate's nodes write are summed where they are
@@ -306,6 +313,9 @@ impl GradientCache<'_> {
         grads.add(self.loss_params)?;
         let mut params = Params::default();
         for (chunk, cotangent) in self.pending {
+            if let Some(stop) = &self.stop {
+                stop.check()?;
+            }
             params = params.union(&chunk.params)?;
             grads.add(chunk.replay(&cotangent)?)?;
         }
@@ -396,6 +406,7 @@ pub struct GradCache<Q: Encoder, P: Encoder = Q, L: Loss = InfoNce> {
     dropout: bool,
     comm: Rc<dyn Collective>,
     bucket_bytes: usize,
+    stop: StopSignal,
 }
 
 impl<E: Encoder, L: Loss> GradCache<E, E, L> {
@@ -452,6 +463,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
             dropout: true,
             comm: Rc::new(Single),
             bucket_bytes: dist::DEFAULT_BUCKET_BYTES,
+            stop: StopSignal::new(),
         })
     }
 
@@ -488,6 +500,23 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
     pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
         self.bucket_bytes = bytes.max(1);
         self
+    }
+
+    /// Abandons a step between chunks once `stop` is set ([`Error::Interrupted`]; see
+    /// [`crate::stop`]). Unset, only [`Self::stop_signal`]'s own flag stops it.
+    pub fn with_stop_signal(mut self, stop: StopSignal) -> Self {
+        self.stop = stop;
+        self
+    }
+
+    /// [`Self::with_stop_signal`] on a built cache.
+    pub fn set_stop_signal(&mut self, stop: StopSignal) {
+        self.stop = stop;
+    }
+
+    /// The flag that abandons a step between chunks.
+    pub fn stop_signal(&self) -> &StopSignal {
+        &self.stop
     }
 
     /// The collective the steps run across ([`Single`] unless set).
@@ -617,7 +646,9 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         group_size(queries.rows(), passages.rows())?;
         let _flush = crate::denormal::flush();
         let mut reps = Representations::new();
+        reps.stop = Some(self.stop.clone());
         for (i, chunk) in queries.chunks(self.query_chunk)?.into_iter().enumerate() {
+            self.stop.check()?;
             reps.push(
                 &*self.query,
                 Side::Query,
@@ -626,6 +657,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
             )?;
         }
         for (i, chunk) in passages.chunks(self.passage_chunk)?.into_iter().enumerate() {
+            self.stop.check()?;
             let ctx = self.ctx(step, Side::Passage, i);
             reps.push(&*self.passage, Side::Passage, chunk, ctx)?;
         }

@@ -63,6 +63,41 @@ pub enum Error {
     #[error("non-finite loss ({value}); no gradient was computed or returned")]
     NonFiniteLoss { value: f32 },
 
+    /// A training step produced a NaN or infinite loss or gradient norm, and
+    /// `train.on_nonfinite = "stop"`: the step changed no weight.
+    #[error(
+        "step {step}: {what}; no weight was changed. The batch held {batch}. Set \
+         train.on_nonfinite = \"skip\" to skip such steps, lower optim.lr, or resume from the \
+         last checkpoint"
+    )]
+    NonFiniteStep {
+        step: u64,
+        what: String,
+        batch: String,
+    },
+
+    /// A stop was asked for (SIGINT, SIGTERM) before the step reached the optimizer: the
+    /// step was abandoned and changed nothing.
+    #[error("{} arrived before the step reached the optimizer; the step was abandoned", crate::stop::signal_name(*signal))]
+    Interrupted { signal: i32 },
+
+    /// A training run stopped on a signal after writing a checkpoint of its last finished
+    /// step (none when it stopped before its first step).
+    #[error("training stopped by {} {}", crate::stop::signal_name(*signal), stopped_at(*step, checkpoint.as_deref()))]
+    Stopped {
+        signal: i32,
+        step: u64,
+        checkpoint: Option<PathBuf>,
+    },
+
+    /// Another run holds the output directory's lock.
+    #[error("{} is in use by another training run ({owner}): {hint}", dir.display())]
+    RunLocked {
+        dir: PathBuf,
+        owner: String,
+        hint: &'static str,
+    },
+
     /// An encoder returned a representation whose row count differs from its input chunk.
     #[error("the {side} encoder returned {got} rows for a chunk of {expected} inputs")]
     RowMismatch {
@@ -142,6 +177,11 @@ pub enum Error {
     /// A directory that would be written already holds files.
     #[error("{path} exists and is not empty; choose a new directory")]
     OutputExists { path: PathBuf },
+
+    /// A training checkpoint file is missing, truncated or altered (its size or SHA-256
+    /// differs from what the checkpoint recorded), or does not parse.
+    #[error("damaged checkpoint file {path}: {reason}")]
+    CorruptCheckpoint { path: PathBuf, reason: String },
 
     /// A checkpoint or saved state does not fit the run or model that reads it.
     #[error("{what} does not match this run: {detail}")]
@@ -264,6 +304,17 @@ impl Error {
             path: path.to_path_buf(),
             reason: e.to_string(),
         }
+    }
+}
+
+fn stopped_at(step: u64, checkpoint: Option<&std::path::Path>) -> String {
+    match checkpoint {
+        Some(dir) => format!(
+            "after step {step}; checkpoint {}: resume with --resume {}",
+            dir.display(),
+            dir.parent().unwrap_or(dir).display()
+        ),
+        None => "before its first step; nothing to resume".into(),
     }
 }
 

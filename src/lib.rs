@@ -70,6 +70,7 @@ pub mod denormal;
 pub mod device;
 pub mod dist;
 pub mod dropout;
+pub mod durable;
 pub mod encoder;
 mod error;
 pub mod hub;
@@ -86,6 +87,7 @@ pub mod retrieval;
 pub mod rng;
 pub mod selfcheck;
 mod sink;
+pub mod stop;
 pub mod train;
 
 pub use train::budget;

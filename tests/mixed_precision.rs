@@ -107,7 +107,10 @@ fn the_scale_grows_and_a_resumed_f16_run_continues_exactly() {
             "loss_scale.growth_interval=2",
         ],
     );
-    let mut full = Trainer::new(cfg.clone(), None).unwrap();
+    // The uninterrupted run has a directory of its own (one run per directory).
+    let mut uninterrupted = cfg.clone();
+    uninterrupted.output_dir = dir.path().join("uninterrupted");
+    let mut full = Trainer::new(uninterrupted, None).unwrap();
     let reports: Vec<_> = (0..4).map(|_| full.train_step().unwrap()).collect();
     let scales: Vec<f64> = reports
         .iter()

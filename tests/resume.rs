@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor, Var};
-use gradcache::train::checkpoint::{latest, list, load, restore, save, write_files, TrainerState};
+use gradcache::train::checkpoint::{
+    latest, list, load, resolve, restore, save, write_files, FileDigest, TrainerState,
+};
 use gradcache::train::data::Position;
 use gradcache::Params;
 
@@ -24,7 +26,7 @@ fn state(step: u64) -> TrainerState {
             offset: 12,
         },
         config_fingerprint: "abc".into(),
-        loss_scaler: None,
+        ..TrainerState::default()
     }
 }
 
@@ -44,7 +46,20 @@ fn round_trip_restores_weights_optimizer_and_position() {
     assert!(dir.ends_with("step-00000007"));
 
     let ckpt = load(root.path(), &Device::Cpu).unwrap();
-    assert_eq!(ckpt.state, state(7));
+    assert_eq!(
+        TrainerState {
+            files: Default::default(),
+            ..ckpt.state.clone()
+        },
+        state(7)
+    );
+    // Both tensor files are recorded with their size and SHA-256, as `sha256sum` prints it.
+    assert_eq!(ckpt.state.files.len(), 2);
+    for (file, digest) in &ckpt.state.files {
+        let found = FileDigest::of(&dir.join(file)).unwrap();
+        assert_eq!(&found, digest, "{file}");
+        assert_eq!(digest.sha256.len(), 64);
+    }
     assert_eq!(
         ckpt.optimizer["m.a.bias"].to_vec1::<f32>().unwrap(),
         vec![0.5]
@@ -122,4 +137,116 @@ fn a_crash_before_the_rename_leaves_the_previous_checkpoint() {
         err.to_string().contains("no complete step-* directory"),
         "{err}"
     );
+}
+
+/// Two checkpoints (steps 1 and 2) under a fresh root.
+fn two_checkpoints() -> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+    let root = tempfile::tempdir().unwrap();
+    let old = save(root.path(), &params(1.0), &optimizer(), &state(1), 3).unwrap();
+    let new = save(root.path(), &params(2.0), &optimizer(), &state(2), 3).unwrap();
+    (root, old, new)
+}
+
+#[test]
+fn a_truncated_checkpoint_is_refused_and_resume_falls_back() {
+    let (root, old, new) = two_checkpoints();
+    let model = new.join("model.safetensors");
+    let len = std::fs::metadata(&model).unwrap().len();
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&model)
+        .unwrap();
+    file.set_len(len / 2).unwrap();
+
+    // Named directly: refused, naming the file and what is wrong with it.
+    let err = load(&new, &Device::Cpu).err().unwrap().to_string();
+    assert!(
+        err.contains(&model.display().to_string()) && err.contains("truncated"),
+        "{err}"
+    );
+    // From the root: the newest intact checkpoint, and a note of the one passed over.
+    let ckpt = load(root.path(), &Device::Cpu).unwrap();
+    assert_eq!(ckpt.dir, old);
+    assert_eq!(ckpt.state.step, 1);
+    assert_eq!(ckpt.skipped.len(), 1, "{:?}", ckpt.skipped);
+    assert!(
+        ckpt.skipped[0].contains("step-00000002") && ckpt.skipped[0].contains("truncated"),
+        "{:?}",
+        ckpt.skipped
+    );
+    let found = resolve(root.path()).unwrap();
+    assert_eq!((found.dir, found.skipped.len()), (old, 1));
+}
+
+#[test]
+fn an_altered_byte_is_caught_by_the_digest() {
+    let (root, old, new) = two_checkpoints();
+    let optimizer_file = new.join("optimizer.safetensors");
+    let mut bytes = std::fs::read(&optimizer_file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40; // same size, one bit of a tensor value
+    std::fs::write(&optimizer_file, bytes).unwrap();
+    let err = load(&new, &Device::Cpu).err().unwrap().to_string();
+    assert!(
+        err.contains("optimizer.safetensors") && err.contains("SHA-256"),
+        "{err}"
+    );
+    assert_eq!(load(root.path(), &Device::Cpu).unwrap().dir, old);
+}
+
+#[test]
+fn a_damaged_state_file_or_a_missing_tensor_file_is_named() {
+    let (root, old, new) = two_checkpoints();
+    std::fs::write(new.join("trainer_state.json"), "{\"step\": 2, \"da").unwrap();
+    let err = load(&new, &Device::Cpu).err().unwrap().to_string();
+    assert!(
+        err.contains("trainer_state.json") && err.contains("not a trainer state"),
+        "{err}"
+    );
+    assert_eq!(load(root.path(), &Device::Cpu).unwrap().dir, old);
+    std::fs::remove_file(old.join("optimizer.safetensors")).unwrap();
+    // Nothing intact is left: the error lists what is wrong with each.
+    let err = load(root.path(), &Device::Cpu).err().unwrap().to_string();
+    assert!(
+        err.contains("no checkpoint under it is intact")
+            && err.contains("not a trainer state")
+            && err.contains("optimizer.safetensors: the file is missing"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_checkpoint_without_digests_is_read_unverified() {
+    // Written before checksums: the state has no `files`.
+    let (root, _, new) = two_checkpoints();
+    let path = new.join("trainer_state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    state.as_object_mut().unwrap().remove("files");
+    std::fs::write(&path, state.to_string()).unwrap();
+    let ckpt = load(root.path(), &Device::Cpu).unwrap();
+    assert_eq!((ckpt.dir, ckpt.state.step), (new.clone(), 2));
+    // Its tensor file must still parse; one that does not is refused and passed over.
+    std::fs::write(new.join("model.safetensors"), b"not safetensors").unwrap();
+    let ckpt = load(root.path(), &Device::Cpu).unwrap();
+    assert_eq!(ckpt.state.step, 1);
+    assert!(ckpt.skipped[0].contains("not a readable safetensors file"));
+}
+
+#[test]
+fn saving_a_step_again_replaces_it_whole() {
+    let root = tempfile::tempdir().unwrap();
+    save(root.path(), &params(1.0), &optimizer(), &state(3), 3).unwrap();
+    let dir = save(root.path(), &params(5.0), &optimizer(), &state(3), 3).unwrap();
+    let ckpt = load(&dir, &Device::Cpu).unwrap();
+    assert_eq!(
+        ckpt.model["a.bias"].to_vec1::<f32>().unwrap(),
+        vec![15.0],
+        "the second save's values"
+    );
+    let names: Vec<String> = std::fs::read_dir(root.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, vec!["step-00000003".to_string()], "no leftovers");
 }

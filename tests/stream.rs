@@ -8,7 +8,7 @@ use std::path::Path;
 
 use gradcache::memory::{current_bytes, CountingAllocator};
 use gradcache::train::data::{Fields, Loader, PairSource};
-use gradcache::train::formats::read_pairs;
+use gradcache::train::formats::{read_numbered, read_pairs, Layout};
 use gradcache::train::stream::JsonlIndex;
 use gradcache::train::{Config, Trainer};
 use gradcache::Error;
@@ -52,10 +52,17 @@ fn streamed_batches_equal_in_memory_batches_and_resume_exactly() {
     write_pairs(&path, 2_000);
     let fields = Fields::default();
     for no_duplicates in [false, true] {
-        let memory = read_pairs(&path, &fields, "train", " ").unwrap();
+        let memory = read_numbered(&path, Layout::JsonLines, &fields, "train", " ").unwrap();
         let index = JsonlIndex::build(&path, &fields, " ").unwrap();
         assert_eq!(index.len(), memory.len());
-        let mut a = Loader::new(memory, 64, 2, 5)
+        assert_eq!(
+            read_pairs(&path, &fields, "train", " ").unwrap(),
+            memory.pairs
+        );
+        // Both name each pair by its line in the file (blank lines counted).
+        assert_eq!((index.origin(0), index.origin(1)), (1, 3));
+        assert_eq!(memory.lines[..2], [1, 3]);
+        let mut a = Loader::from_source(Box::new(memory), 64, 2, 5)
             .unwrap()
             .with_no_duplicates(no_duplicates)
             .unwrap();

@@ -135,6 +135,7 @@ fn run(dir: &Path, steps: u64, eval_every: u64) -> Run<VectorPairs> {
         loss_scaler: None,
         fingerprint: format!("vector pairs, {steps} steps"),
         may_change: "output_dir",
+        on_nonfinite: Default::default(),
     };
     let task = VectorPairs::new(3);
     Run::from_parts(
@@ -166,8 +167,9 @@ fn state_bits(r: &Run<VectorPairs>) -> Vec<(String, Vec<u32>)> {
 struct Events(Vec<Event>);
 
 impl Observer for Events {
-    fn event(&mut self, e: &Event) {
+    fn event(&mut self, e: &Event) -> gradcache::Result<()> {
         self.0.push(e.clone());
+        Ok(())
     }
 }
 

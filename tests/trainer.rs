@@ -210,7 +210,10 @@ fn resume_continues_with_identical_losses() {
     let dir = tempfile::tempdir().unwrap();
     let path = setup(dir.path());
     let cfg = Config::load(&path, &[]).unwrap();
-    let mut full = Trainer::new(cfg.clone(), None).unwrap();
+    // The uninterrupted run has a directory of its own (one run per directory).
+    let mut uninterrupted = cfg.clone();
+    uninterrupted.output_dir = dir.path().join("uninterrupted");
+    let mut full = Trainer::new(uninterrupted, None).unwrap();
     let losses: Vec<f32> = (0..4).map(|_| full.train_step().unwrap().loss).collect();
     assert!(losses.iter().all(|l| l.is_finite()));
 

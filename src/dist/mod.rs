@@ -181,7 +181,9 @@ pub fn init(backend: Backend) -> Result<Rc<dyn Collective>> {
 
 /// Makes one rank's failure every rank's failure: each rank passes the outcome of its
 /// local work, and all ranks return `Ok` only if every rank succeeded; otherwise all return
-/// [`Error::RankFailed`] naming the lowest failing rank and its message. Call it after
+/// [`Error::RankFailed`] naming the lowest failing rank and its message. A stop request
+/// ([`Error::Interrupted`]) on any rank, and no failure elsewhere, becomes
+/// [`Error::Interrupted`] on every rank, so that all abandon the same step. Call it after
 /// local work that can fail and before the next data-plane collective, so that no rank
 /// waits for a partner that has given up. With one process, `local` is returned as is.
 pub fn agree<T>(comm: &dyn Collective, local: Result<T>) -> Result<T> {
@@ -190,18 +192,37 @@ pub fn agree<T>(comm: &dyn Collective, local: Result<T>) -> Result<T> {
     }
     let status = match &local {
         Ok(_) => Vec::new(),
+        // A stop request: a zero byte (no message starts with one), then the signal.
+        Err(Error::Interrupted { signal }) => vec![0, (*signal).clamp(1, 255) as u8],
         // A failure message is never empty, so empty means success.
         Err(e) => format!("{e}").into_bytes(),
     };
     let all = comm.all_gather_bytes(&status)?;
-    match all.iter().position(|s| !s.is_empty()) {
-        None => local,
-        Some(rank) => Err(Error::RankFailed {
+    if let Some(rank) = all.iter().position(|s| s.first().is_some_and(|&b| b != 0)) {
+        return Err(Error::RankFailed {
             rank,
             world: all.len(),
             message: String::from_utf8_lossy(&all[rank]).into_owned(),
+        });
+    }
+    match all.iter().find(|s| !s.is_empty()) {
+        None => local,
+        Some(stop) => Err(Error::Interrupted {
+            signal: i32::from(stop.get(1).copied().unwrap_or(0)),
         }),
     }
+}
+
+/// Whether any rank was asked to stop (`local`: this rank's [`crate::stop::StopSignal`]),
+/// agreed by all: every rank returns the same answer (the lowest rank's signal). With one
+/// process, `local` itself.
+pub fn any_stop(comm: &dyn Collective, local: Option<i32>) -> Result<Option<i32>> {
+    if comm.world_size() == 1 {
+        return Ok(local);
+    }
+    let mine = local.map_or(Vec::new(), |s| vec![s.clamp(1, 255) as u8]);
+    let all = comm.all_gather_bytes(&mine)?;
+    Ok(all.iter().find_map(|s| s.first().map(|&b| i32::from(b))))
 }
 
 /// Rank 0 computes, every rank receives: runs `compute` on rank 0 only, agrees on its

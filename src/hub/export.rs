@@ -8,8 +8,9 @@
 //! (`2_Dense/config.json` and `model.safetensors`), and `N_Normalize` when the encoder
 //! normalises.
 //!
-//! The directory is written under a temporary name and renamed when complete; an existing
-//! non-empty directory is never overwritten. Every file gets the permissions the process
+//! The directory is written under a temporary name, flushed to disk and renamed when
+//! complete (a failed write removes it); an existing non-empty directory is never
+//! overwritten. Every file gets the permissions the process
 //! gives a new file (a model directory is meant to be shared).
 //!
 //! [`read_sentence_transformers_config`](crate::hub::sentence_transformers) reads the
@@ -124,6 +125,7 @@ pub fn export_bert(
     if tmp.exists() {
         fs::remove_dir_all(&tmp).map_err(|e| Error::io("remove", &tmp, e))?;
     }
+    let written = (|| -> Result<()> {
     let pooling_dir = tmp.join("1_Pooling");
     fs::create_dir_all(&pooling_dir).map_err(|e| Error::io("create", &pooling_dir, e))?;
 
@@ -226,10 +228,14 @@ pub fn export_bert(
         &tmp.join(POOLING),
         &pooling_config(cfg.hidden_size, options.pooling, !notes.prompt_left_out),
     )?;
-    if dir.exists() {
-        fs::remove_dir(dir).map_err(|e| Error::io("remove", dir, e))?;
+    Ok(())
+    })()
+    .and_then(|()| crate::durable::publish_dir(&tmp, dir));
+    if written.is_err() {
+        // A failed write (a full disk) leaves no partial directory behind.
+        let _ = fs::remove_dir_all(&tmp);
     }
-    fs::rename(&tmp, dir).map_err(|e| Error::io("rename into", dir, e))
+    written
 }
 
 /// The pooling module's `config.json` in the layout every version of sentence-transformers

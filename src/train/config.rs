@@ -360,8 +360,16 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Write a checkpoint every N steps (0: only at the end).
     pub checkpoint_every: u64,
-    /// Checkpoints to keep.
+    /// Checkpoints to keep (the newest; at least 1). Keep 2 or more so that a damaged newest
+    /// checkpoint leaves an older one to resume from.
     pub keep_checkpoints: usize,
+    /// f32/bf16: what a step whose loss or gradient norm is NaN or infinite does:
+    /// `"stop"` (the default: the run ends naming the step and the data lines of its
+    /// batch, no weight changed) or `"skip"` (no weight, optimizer state or statistic
+    /// changes, the run goes on with the next batch). f16 always skips such a step and
+    /// halves the loss scale.
+    #[serde(skip_serializing_if = "OnNonFinite::is_stop")]
+    pub on_nonfinite: OnNonFinite,
     /// Heap memory a step may use, e.g. `"2GiB"` (CPU runs). When set, a probe at
     /// start-up measures the encoder's replay per row and picks the chunk sizes and the
     /// recompute policy (`query_chunk`, `passage_chunk` and `model.recompute` are then
@@ -382,8 +390,27 @@ impl Default for TrainConfig {
             eval_every: 0,
             checkpoint_every: 0,
             keep_checkpoints: 2,
+            on_nonfinite: OnNonFinite::Stop,
             memory_budget: None,
         }
+    }
+}
+
+/// What a step with a NaN or infinite loss or gradient norm does (`train.on_nonfinite`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnNonFinite {
+    /// End the run with an error naming the step and its batch (no weight changed).
+    #[default]
+    Stop,
+    /// Skip the step: no weight, optimizer state or statistic changes.
+    Skip,
+}
+
+impl OnNonFinite {
+    /// Whether this is the default, `stop`.
+    pub fn is_stop(&self) -> bool {
+        *self == OnNonFinite::Stop
     }
 }
 
@@ -653,6 +680,9 @@ impl Config {
         shaping.train.eval_every = 0;
         shaping.train.checkpoint_every = 0;
         shaping.train.keep_checkpoints = 1;
+        // What a non-finite step does may change: a run stopped on one resumes with
+        // `skip`.
+        shaping.train.on_nonfinite = OnNonFinite::Stop;
         // How many processes share the work does not change what is trained: a run may
         // resume (or be exported) with another backend or world size.
         shaping.dist = DistConfig::default();

@@ -49,8 +49,9 @@ impl Default for Fields {
     }
 }
 
-/// Splits off `held_out` pairs (chosen by a seeded shuffle) for evaluation.
-pub fn split(pairs: Vec<Pair>, held_out: usize, seed: u64) -> Result<(Vec<Pair>, Vec<Pair>)> {
+/// Splits off `held_out` pairs (chosen by a seeded shuffle) for evaluation; the rest keep
+/// their order. Any item type splits the same way (e.g. pairs with their line numbers).
+pub fn split<T>(pairs: Vec<T>, held_out: usize, seed: u64) -> Result<(Vec<T>, Vec<T>)> {
     if held_out >= pairs.len() {
         return Err(Error::InvalidConfig {
             field: "data.eval_pairs",
@@ -88,6 +89,12 @@ pub trait PairSource {
 
     /// Pair `i` (`i < len()`).
     fn pair(&self, i: usize) -> Result<Pair>;
+
+    /// Where pair `i` is in its file, 1-based: its line (JSONL, TSV/CSV), row (Parquet)
+    /// or place among the pairs read; by default `i + 1`.
+    fn origin(&self, i: usize) -> usize {
+        i + 1
+    }
 }
 
 impl PairSource for Vec<Pair> {
@@ -97,6 +104,29 @@ impl PairSource for Vec<Pair> {
 
     fn pair(&self, i: usize) -> Result<Pair> {
         Ok(self[i].clone())
+    }
+}
+
+/// Pairs in memory with where each was read from ([`PairSource::origin`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NumberedPairs {
+    /// The pairs.
+    pub pairs: Vec<Pair>,
+    /// The 1-based line (or row) of each pair in its file.
+    pub lines: Vec<usize>,
+}
+
+impl PairSource for NumberedPairs {
+    fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    fn pair(&self, i: usize) -> Result<Pair> {
+        Ok(self.pairs[i].clone())
+    }
+
+    fn origin(&self, i: usize) -> usize {
+        self.lines.get(i).copied().unwrap_or(i + 1)
     }
 }
 
@@ -119,6 +149,9 @@ pub struct TextBatch {
     pub passages: Vec<String>,
     /// Hard negatives that were missing and filled from other pairs' positives.
     pub filled: usize,
+    /// Where each query's pair is in the training file ([`PairSource::origin`]: its
+    /// 1-based line or row), in batch order.
+    pub lines: Vec<usize>,
 }
 
 /// Serves fixed-size batches in a seeded order per epoch; a last incomplete batch of an
@@ -294,6 +327,7 @@ impl Loader {
             queries: Vec::with_capacity(ids.len()),
             passages: Vec::with_capacity(ids.len() * (self.hard_negatives + 1)),
             filled: 0,
+            lines: ids.iter().map(|&i| self.pairs.origin(i)).collect(),
         };
         for &i in ids {
             let pair = self.pairs.pair(i)?;

@@ -21,7 +21,7 @@ use std::path::Path;
 
 use crate::retrieval::beir::BeirSet;
 use crate::retrieval::files::{for_each_line, open_file, open_text};
-use crate::train::data::{Fields, Pair};
+use crate::train::data::{Fields, NumberedPairs, Pair};
 use crate::{Error, Result};
 
 /// How a data file is laid out, from its name (a `.gz` / `.zst` suffix aside) or, for a
@@ -92,33 +92,69 @@ pub fn read_pairs_as(
     split: &str,
     title_separator: &str,
 ) -> Result<Vec<Pair>> {
-    let pairs = match layout {
-        Layout::Beir => beir_pairs(path, split, title_separator)?,
-        Layout::Tsv => table_pairs(path, fields, b'\t')?,
-        Layout::Csv => table_pairs(path, fields, b',')?,
-        Layout::Parquet => parquet_pairs(path, fields, title_separator)?,
-        Layout::JsonLines => json_pairs(path, fields, title_separator)?,
-    };
-    if pairs.is_empty() {
-        return Err(Error::data(path, 0, "the file holds no pairs"));
-    }
-    Ok(pairs)
+    Ok(read_numbered(path, layout, fields, split, title_separator)?.pairs)
 }
 
-fn beir_pairs(dir: &Path, split: &str, title_separator: &str) -> Result<Vec<Pair>> {
+/// [`read_pairs_as`] with where each pair was read from: its 1-based line (JSONL, TSV and
+/// CSV), row (Parquet), or place among the pairs (BEIR), for messages that name a
+/// training example.
+pub fn read_numbered(
+    path: &Path,
+    layout: Layout,
+    fields: &Fields,
+    split: &str,
+    title_separator: &str,
+) -> Result<NumberedPairs> {
+    let mut numbered = NumberedPairs {
+        pairs: Vec::new(),
+        lines: Vec::new(),
+    };
+    let mut push = |pair: Pair, line: usize| {
+        numbered.pairs.push(pair);
+        numbered.lines.push(line);
+    };
+    match layout {
+        Layout::Beir => beir_pairs(path, split, title_separator, &mut push)?,
+        Layout::Tsv => table_pairs(path, fields, b'\t', &mut push)?,
+        Layout::Csv => table_pairs(path, fields, b',', &mut push)?,
+        Layout::Parquet => parquet_pairs(path, fields, title_separator, &mut push)?,
+        Layout::JsonLines => json_pairs(path, fields, title_separator, &mut push)?,
+    }
+    if numbered.pairs.is_empty() {
+        return Err(Error::data(path, 0, "the file holds no pairs"));
+    }
+    Ok(numbered)
+}
+
+/// What the numbers of [`read_numbered`] count in a file of `layout`.
+pub fn origin_unit(layout: Layout) -> &'static str {
+    match layout {
+        Layout::JsonLines | Layout::Tsv | Layout::Csv => "lines",
+        Layout::Parquet => "rows",
+        Layout::Beir => "training pairs",
+    }
+}
+
+/// Receives each pair read with its 1-based line (or row, or place).
+type Push<'a> = dyn FnMut(Pair, usize) + 'a;
+
+fn beir_pairs(dir: &Path, split: &str, title_separator: &str, push: &mut Push) -> Result<()> {
     let set = BeirSet::load(dir, split)?;
-    Ok(set
-        .relevant()
-        .into_iter()
-        .flat_map(|(q, docs)| {
-            let set = &set;
-            docs.into_iter().map(move |d| Pair {
-                query: set.queries[q].text.clone(),
-                positive: set.corpus[d].joined(title_separator),
-                negatives: Vec::new(),
-            })
-        })
-        .collect())
+    let mut n = 0;
+    for (q, docs) in set.relevant() {
+        for d in docs {
+            n += 1;
+            push(
+                Pair {
+                    query: set.queries[q].text.clone(),
+                    positive: set.corpus[d].joined(title_separator),
+                    negatives: Vec::new(),
+                },
+                n,
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Tevatron's passages: a list of objects with `text` and an optional `title`.
@@ -158,8 +194,7 @@ fn passages(
         .collect()
 }
 
-fn json_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pair>> {
-    let mut pairs = Vec::new();
+fn json_pairs(path: &Path, fields: &Fields, separator: &str, push: &mut Push) -> Result<()> {
     for_each_line(path, |number, line| {
         if line.trim().is_empty() {
             return Ok(());
@@ -169,12 +204,12 @@ fn json_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pair>
         let object = value
             .as_object()
             .ok_or_else(|| Error::data(path, number, "expected a JSON object"))?;
-        pairs.push(pair_from_object(object, fields, separator, &|reason| {
+        let pair = pair_from_object(object, fields, separator, &|reason| {
             Error::data(path, number, reason)
-        })?);
+        })?;
+        push(pair, number);
         Ok(())
-    })?;
-    Ok(pairs)
+    })
 }
 
 /// One pair from a JSON object (a JSONL line or a Parquet row): Tevatron's layout when it
@@ -256,7 +291,7 @@ pub(crate) fn pair_from_object(
 /// Pairs from a Parquet file (the Hugging Face Hub's dataset storage), each row read as a
 /// JSON object ([`pair_from_object`]): string columns, list columns, Tevatron's lists of
 /// passages. An error names the row (1-based) and its row group.
-fn parquet_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pair>> {
+fn parquet_pairs(path: &Path, fields: &Fields, separator: &str, push: &mut Push) -> Result<()> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let file = open_file(path)?;
     let reader = SerializedFileReader::new(file)
@@ -272,7 +307,6 @@ fn parquet_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pa
     let rows = reader
         .get_row_iter(None)
         .map_err(|e| Error::data(path, 0, format!("cannot read rows ({e})")))?;
-    let mut pairs = Vec::with_capacity(total);
     for (i, row) in rows.enumerate() {
         let at = |reason: String| {
             Error::data(
@@ -286,9 +320,9 @@ fn parquet_pairs(path: &Path, fields: &Fields, separator: &str) -> Result<Vec<Pa
         let object = value
             .as_object()
             .ok_or_else(|| at("a row is not a record".into()))?;
-        pairs.push(pair_from_object(object, fields, separator, &at)?);
+        push(pair_from_object(object, fields, separator, &at)?, i + 1);
     }
-    Ok(pairs)
+    Ok(())
 }
 
 /// Whether a column holds a hard negative, and its place among them.
@@ -301,7 +335,7 @@ fn negative_column(name: &str, fields: &Fields) -> Option<u32> {
     rest.parse::<u32>().ok()
 }
 
-fn table_pairs(path: &Path, fields: &Fields, delimiter: u8) -> Result<Vec<Pair>> {
+fn table_pairs(path: &Path, fields: &Fields, delimiter: u8, push: &mut Push) -> Result<()> {
     let reader = open_text(path)?;
     let mut table = csv::ReaderBuilder::new()
         .delimiter(delimiter)
@@ -331,7 +365,6 @@ fn table_pairs(path: &Path, fields: &Fields, delimiter: u8) -> Result<Vec<Pair>>
         .filter_map(|(i, h)| negative_column(h, fields).map(|order| (order, i)))
         .collect();
     negatives.sort_unstable();
-    let mut pairs = Vec::new();
     for record in table.records() {
         let record = record.map_err(|e| {
             let line = e.position().map_or(0, |p| p.line() as usize);
@@ -346,7 +379,7 @@ fn table_pairs(path: &Path, fields: &Fields, delimiter: u8) -> Result<Vec<Pair>>
                 Ok(text.to_string())
             }
         };
-        pairs.push(Pair {
+        let pair = Pair {
             query: cell(query, &fields.query)?,
             positive: cell(positive, &fields.positive)?,
             negatives: negatives
@@ -355,7 +388,8 @@ fn table_pairs(path: &Path, fields: &Fields, delimiter: u8) -> Result<Vec<Pair>>
                 .filter(|t| !t.trim().is_empty())
                 .map(str::to_string)
                 .collect(),
-        });
+        };
+        push(pair, line);
     }
-    Ok(pairs)
+    Ok(())
 }

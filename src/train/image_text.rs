@@ -24,6 +24,7 @@ use crate::batch::TokenBatch;
 use crate::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
 use crate::dist::{Collective, Single};
 use crate::dropout::Ctx;
+use crate::durable;
 use crate::encoder::{Encoder, Tower};
 use crate::hub::tokenizer::{train_wordpiece, Tokenizer};
 use crate::loss::{ClipLoss, Similarity};
@@ -97,7 +98,8 @@ impl Encoder for TextTower {
 pub type ImageEncoder = Recomputed<ResNet>;
 
 /// What may change between an image-text run and its resume.
-const MAY_CHANGE: &str = "output_dir, train.eval_every, checkpoint_every and keep_checkpoints";
+const MAY_CHANGE: &str =
+    "output_dir, train.eval_every, checkpoint_every, keep_checkpoints and on_nonfinite";
 
 /// A running image-text training: [`ImageText`] through the one loop.
 pub type ImageTextTrainer = Run<ImageText>;
@@ -138,6 +140,24 @@ impl run::Task for ImageText {
 
     fn batch_rows(&self, batch: &Vec<usize>) -> usize {
         batch.len()
+    }
+
+    /// `training scenes 4, 19, ...` (their places in the generated set, from 0).
+    fn describe_batch(&self, batch: &Vec<usize>) -> String {
+        let mut scenes = batch.clone();
+        scenes.sort_unstable();
+        let shown: Vec<String> = scenes.iter().take(64).map(usize::to_string).collect();
+        let more = scenes.len().saturating_sub(64);
+        format!(
+            "training scenes {}{} of the generated data (seed {})",
+            shown.join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            },
+            self.cfg.data.seed
+        )
     }
 
     /// Images `[rows, 3, size, size]` and tokenized captions of the scenes.
@@ -258,25 +278,25 @@ impl ImageText {
                 })
                 .collect();
             let path = dir.join(file);
-            candle_core::safetensors::save(&tensors, &path)
-                .map_err(|e| Error::io("write", &path, e))?;
+            durable::write_with::<Error>(&path, |tmp| {
+                candle_core::safetensors::save(&tensors, tmp)
+                    .map_err(|e| Error::io("write", &path, e))
+            })?;
         }
         let path = dir.join(TOKENIZER_FILE);
-        self.tokenizer
-            .inner()
-            .save(&path, false)
-            .map_err(|e| Error::io("write", &path, e))?;
+        durable::write_with::<Error>(&path, |tmp| {
+            self.tokenizer
+                .inner()
+                .save(tmp, false)
+                .map_err(|e| Error::io("write", &path, e))
+        })?;
         let path = dir.join("image_text_config.json");
         let json = serde_json::json!({
             "config": self.cfg,
             "logit_scale": gc.loss().scale()?,
             "step": step,
         });
-        std::fs::write(
-            &path,
-            serde_json::to_string_pretty(&json).unwrap_or_default(),
-        )
-        .map_err(|e| Error::io("write", &path, e))?;
+        durable::write_json(&path, &json)?;
         Ok(dir.to_path_buf())
     }
 }
@@ -337,6 +357,7 @@ impl Run<ImageText> {
             loss_scaler: None,
             fingerprint: cfg.fingerprint()?,
             may_change: MAY_CHANGE,
+            on_nonfinite: t.on_nonfinite,
         };
         let task = ImageText {
             cfg,

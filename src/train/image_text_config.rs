@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::recompute::Recompute;
 use crate::resnet::ResNetConfig;
-use crate::train::config::{apply_override, OptimConfig};
+use crate::train::config::{apply_override, OnNonFinite, OptimConfig};
 use crate::{Error, Result};
 
 /// The value of `task` that selects image-text training.
@@ -196,6 +196,10 @@ pub struct ImageTextTrain {
     pub checkpoint_every: u64,
     /// Checkpoints kept.
     pub keep_checkpoints: usize,
+    /// What a step with a NaN or infinite loss or gradient norm does: `"stop"` (default)
+    /// or `"skip"` (see the text trainer's `train.on_nonfinite`).
+    #[serde(skip_serializing_if = "OnNonFinite::is_stop")]
+    pub on_nonfinite: OnNonFinite,
 }
 
 impl Default for ImageTextTrain {
@@ -208,6 +212,7 @@ impl Default for ImageTextTrain {
             eval_every: 50,
             checkpoint_every: 100,
             keep_checkpoints: 2,
+            on_nonfinite: OnNonFinite::Stop,
         }
     }
 }
@@ -349,6 +354,7 @@ impl ImageTextConfig {
         shaping.train.eval_every = 0;
         shaping.train.checkpoint_every = 0;
         shaping.train.keep_checkpoints = 1;
+        shaping.train.on_nonfinite = OnNonFinite::Stop;
         shaping.optim.warmup_steps = self.optim.warmup(self.train.steps);
         shaping.optim.warmup_ratio = 0.0;
         let text = serde_json::to_string(&shaping).map_err(|e| Error::InvalidArgument {

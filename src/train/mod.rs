@@ -19,6 +19,7 @@ pub mod data;
 pub mod formats;
 pub mod image_text;
 mod image_text_config;
+pub mod lock;
 pub mod metrics;
 mod model;
 pub mod optim;

@@ -41,6 +41,9 @@ pub struct StepReport {
     pub flops: f64,
     /// f16 training: the loss scale this step used, and whether the step was skipped.
     pub loss_scaling: Option<LossScaling>,
+    /// The step met a NaN or infinite loss or gradient (an f16 overflow, or
+    /// `train.on_nonfinite = "skip"`) and changed no weight, optimizer state or statistic.
+    pub skipped: bool,
 }
 
 /// What the dynamic loss scaler did in a step.
@@ -117,15 +120,19 @@ pub enum Event {
     Note(String),
 }
 
-/// Receives the trainer's events (the binary draws and logs them).
+/// Receives the trainer's events (the binary draws and logs them, and writes
+/// `metrics.jsonl`).
 pub trait Observer {
-    /// Called for every event, in order.
-    fn event(&mut self, event: &Event);
+    /// Called for every event, in order. A failure (the metrics file cannot be written)
+    /// ends the run with it, after the step in progress (every rank stops alike).
+    fn event(&mut self, event: &Event) -> crate::Result<()>;
 }
 
 /// An observer that ignores everything.
 pub struct Quiet;
 
 impl Observer for Quiet {
-    fn event(&mut self, _: &Event) {}
+    fn event(&mut self, _: &Event) -> crate::Result<()> {
+        Ok(())
+    }
 }

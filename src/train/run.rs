@@ -17,12 +17,31 @@
 //! masks derive from (seed, step, ...), and the learning rate from the step. With the same
 //! thread count on CPU, every later step's loss equals that of an uninterrupted run bit
 //! for bit.
+//!
+//! Faults the loop survives:
+//! - **another run on the directory**: the run holds `output_dir/gradcache.lock` (rank 0;
+//!   see [`crate::train::lock`]) from its first write to its end;
+//! - **SIGINT / SIGTERM** ([`Run::set_stop_signal`]): a step that has not reached the
+//!   optimizer is abandoned (its data and BatchNorm statistics put back), one that has is
+//!   finished; then a checkpoint of the last finished step is written and
+//!   [`Error::Stopped`] returned. Every rank takes the same decision at the same point;
+//! - **a failed write** (full disk, file size limit): the error ends the run; checkpoints
+//!   are written atomically and the older ones are kept, so the last good one resumes;
+//! - **a damaged checkpoint**: refused naming the file; resuming from a checkpoints root
+//!   falls back to the newest intact one and says so;
+//! - **non-finite values**: an f16 step whose loss or gradients overflow is skipped and the
+//!   loss scale halves; in f32/bf16 a NaN or infinite loss or gradient norm stops the run
+//!   naming the step and the batch's data lines, or skips the step
+//!   (`train.on_nonfinite`). A skipped step changes no weight, no optimizer state and no
+//!   BatchNorm statistic;
+//! - **another number of ranks**: a checkpoint written by N processes resumes on M (the
+//!   cached step computes the full-batch gradient whatever the world size).
 
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 
 use crate::cache::GradCache;
 use crate::dist::{self, Collective};
@@ -31,9 +50,11 @@ use crate::loss::Loss;
 use crate::memory;
 use crate::params::{ParamStore, Params};
 use crate::precision::LossScaler;
+use crate::stop::StopSignal;
 use crate::train::checkpoint::{self, TrainerState};
-use crate::train::config::OptimConfig;
+use crate::train::config::{OnNonFinite, OptimConfig};
 use crate::train::data::Position;
+use crate::train::lock::RunLock;
 use crate::train::metrics::RetrievalMetrics;
 use crate::train::optim::{clip_grad_norm, Optimizer, Schedule};
 use crate::train::report::{Event, LossScaling, Observer, PhasePeaks, PhaseTimes, StepReport};
@@ -101,6 +122,12 @@ pub trait Task: Sized {
     /// Retrieval metrics on the held-out data (evaluation mode: no dropout).
     fn evaluate(&self, gc: &TaskCache<Self>) -> Result<RetrievalMetrics>;
 
+    /// The batch's examples as a user finds them in the data (e.g. `lines 3, 17, 52 of
+    /// train.jsonl`), for the error of a non-finite step.
+    fn describe_batch(&self, batch: &Self::Batch) -> String {
+        format!("{} pairs", self.batch_rows(batch))
+    }
+
     /// Runs after every optimizer update (a learnable temperature is clamped here).
     fn after_update(&self, _gc: &TaskCache<Self>) -> Result<()> {
         Ok(())
@@ -142,6 +169,8 @@ pub struct LoopConfig {
     pub fingerprint: String,
     /// What may change between a run and its resume, for the refusal's message.
     pub may_change: &'static str,
+    /// f32/bf16: what a step with a NaN or infinite loss or gradient norm does.
+    pub on_nonfinite: OnNonFinite,
 }
 
 /// A training run of task `T`.
@@ -157,6 +186,10 @@ pub struct Run<T: Task> {
     schedule: Schedule,
     scaler: Option<LossScaler>,
     step: u64,
+    /// The output directory's lock, once the run writes there (rank 0).
+    lock: Option<RunLock>,
+    /// The newest checkpoint this run wrote (or resumed from) in its own directory.
+    saved: Option<(u64, PathBuf)>,
 }
 
 /// What the update of a step measured (the rest of its [`StepReport`]).
@@ -168,6 +201,30 @@ struct Update {
     phase_peaks: PhasePeaks,
     flops: f64,
     scaling: Option<LossScaling>,
+    /// Non-finite values: no weight, optimizer state or statistic changed.
+    skipped: bool,
+}
+
+/// The values of the buffers (BatchNorm running statistics) before a step, to put back
+/// when the step is skipped or abandoned: the representation pass moves them.
+struct Buffers(Vec<(Var, Tensor)>);
+
+impl Buffers {
+    fn take(state: &Params) -> Result<Self> {
+        Ok(Self(
+            state
+                .iter()
+                .map(|(_, v)| Ok((v.clone(), v.as_tensor().copy()?)))
+                .collect::<Result<_>>()?,
+        ))
+    }
+
+    fn put_back(&self) -> Result<()> {
+        for (var, value) in &self.0 {
+            var.set(value)?;
+        }
+        Ok(())
+    }
 }
 
 fn ms(d: Duration) -> f64 {
@@ -205,7 +262,39 @@ impl<T: Task> Run<T> {
             optimizer,
             schedule,
             step: 0,
+            lock: None,
+            saved: None,
         })
+    }
+
+    /// Stops the run cleanly when `stop` is set (by [`StopSignal::install`]'s SIGINT and
+    /// SIGTERM handlers, or by hand): see [`Self::run`].
+    pub fn set_stop_signal(&mut self, stop: StopSignal) {
+        self.gc.set_stop_signal(stop);
+    }
+
+    /// The flag that stops the run.
+    pub fn stop_signal(&self) -> &StopSignal {
+        self.gc.stop_signal()
+    }
+
+    /// Takes the output directory's lock (rank 0; every rank learns the outcome): a second
+    /// run on the directory is refused naming the first. Creates the directory. Done by
+    /// the first write of a run and by [`Self::run`]; again is a no-op.
+    pub fn lock_output_dir(&mut self) -> Result<()> {
+        if self.lock.is_some() || self.rank() != 0 {
+            return dist::agree(&*self.comm, Ok(()));
+        }
+        let taken = RunLock::acquire(&self.settings.output_dir);
+        let lock = dist::agree(&*self.comm, taken)?;
+        if let Some(old) = lock.taken_over() {
+            self.notes.push(format!(
+                "took over the lock {} left by {old}, which has ended",
+                lock.path().display()
+            ));
+        }
+        self.lock = Some(lock);
+        Ok(())
     }
 
     /// Restores weights, buffers, optimizer state, data position, step and loss scaler from
@@ -221,6 +310,9 @@ impl<T: Task> Run<T> {
 
     fn restore_local(&mut self, path: &Path) -> Result<()> {
         let ckpt = checkpoint::load(path, &self.device)?;
+        for skipped in &ckpt.skipped {
+            self.notes.push(skipped.clone());
+        }
         check_fingerprint(
             &self.settings.fingerprint,
             self.settings.may_change,
@@ -239,11 +331,28 @@ impl<T: Task> Run<T> {
         if self.scaler.is_some() {
             self.scaler = ckpt.state.loss_scaler.or(self.scaler);
         }
+        let own_root = self.settings.output_dir.join("checkpoints");
+        if ckpt.dir.parent() == Some(own_root.as_path()) {
+            self.saved = Some((self.step, ckpt.dir.clone()));
+        }
         self.notes.push(format!(
             "resumed from {} at step {}",
             ckpt.dir.display(),
             self.step
         ));
+        let world = self.world_size();
+        if let Some(written) = ckpt.state.world_size.filter(|&n| n != world) {
+            self.notes.push(format!(
+                "the checkpoint was written by {written} process(es) and resumes on {world}: \
+                 the step's gradient is the full batch's either way{}",
+                if self.gc.ctx(0, crate::Side::Query, 0).dropout.is_some() {
+                    " (dropout masks are drawn per rank, so the run continues as another \
+                     sample of the same training, not bit for bit)"
+                } else {
+                    ""
+                }
+            ));
+        }
         Ok(())
     }
 
@@ -350,13 +459,32 @@ impl<T: Task> Run<T> {
 
     /// One optimizer step on the next (global) batch; in a distributed run this rank
     /// encodes its share and every rank applies the same reduced gradients.
+    ///
+    /// A step abandoned on a stop request ([`Error::Interrupted`]) puts the data position
+    /// and the BatchNorm statistics back as they were: the run stands where it stood
+    /// before the call. A skipped step ([`StepReport::skipped`]: non-finite values) counts
+    /// and moves the data on, but changes no weight, optimizer state or statistic.
     pub fn train_step(&mut self) -> Result<StepReport> {
         let _flush = crate::denormal::flush();
+        let position = self.task.position(self.step);
+        let buffers = Buffers::take(&self.gc.buffers()?)?;
         let batch = self.task.next_batch(self.step)?;
         let start = Instant::now();
         let heap_at_start = memory::current_bytes();
         let (_, peak, out) = memory::measure(|| self.update(&batch, start));
-        let u = out?;
+        let u = match out {
+            Ok(u) => u,
+            Err(e) => {
+                if let Error::Interrupted { .. } = e {
+                    buffers.put_back()?;
+                    self.task.seek(position, self.step)?;
+                }
+                return Err(e);
+            }
+        };
+        if u.skipped {
+            buffers.put_back()?;
+        }
         self.step += 1;
         let every = self.settings.check_weights_every;
         if self.world_size() > 1
@@ -378,6 +506,7 @@ impl<T: Task> Run<T> {
             phase_peaks: u.phase_peaks,
             flops: u.flops,
             loss_scaling: u.scaling,
+            skipped: u.skipped,
         })
     }
 
@@ -389,37 +518,70 @@ impl<T: Task> Run<T> {
         let flops = self.task.step_flops(&q, &p)?;
         let loss_scale = self.scaler.map(|s| s.scale);
         let mut meter = memory::PhaseMeter::start();
-        let out = self
+        // A NaN or infinite loss is found before any replay, on every rank alike (each
+        // computes it over the same gathered representations): an f16 forward that
+        // overflowed, or a diverged run.
+        let out = match self
             .gc
-            .cache_step_scaled(self.step, &q, &p, loss_scale.unwrap_or(1.0))?;
+            .cache_step_scaled(self.step, &q, &p, loss_scale.unwrap_or(1.0))
+        {
+            Ok(out) => Ok(out),
+            Err(Error::NonFiniteLoss { value }) => Err(value),
+            Err(e) => return Err(e),
+        };
         meter.lap();
         let optimizer_start = Instant::now();
-        let mut grads = out.grads;
-        // f16: unscale before clipping; a step with an inf or NaN gradient changes no
-        // weight and no optimizer state, and the scale backs off.
-        let finite = match &mut self.scaler {
-            Some(scaler) => {
-                let finite = scaler.unscale(&mut grads)?;
-                scaler.update(finite);
-                finite
-            }
-            None => true,
-        };
+        let lr = self.schedule.lr_at(self.step);
         let max_norm = match self.settings.optim.max_grad_norm {
             0.0 => f64::INFINITY,
             n => n,
         };
-        let lr = self.schedule.lr_at(self.step);
-        let grad_norm = if finite {
-            let norm = clip_grad_norm(&mut grads, max_norm)?;
-            self.optimizer.step(self.step, &grads, lr)?;
-            self.task.after_update(&self.gc)?;
-            norm
-        } else {
-            f64::NAN
+        let mut loss = f32::NAN;
+        let (mut times, mut peaks) = Default::default();
+        // Why the step cannot update, if it cannot: f16 unscales before clipping and checks
+        // every gradient; f32/bf16 look at the loss and the gradient norm.
+        let mut grad_norm = f64::NAN;
+        let fault = match out {
+            Err(value) => Some(format!("the loss is {value}")),
+            Ok(out) => {
+                (loss, times, peaks) = (out.loss, out.times, out.peaks);
+                let mut grads = out.grads;
+                let finite = match &self.scaler {
+                    Some(scaler) => scaler.unscale(&mut grads)?,
+                    None => true,
+                };
+                if finite {
+                    grad_norm = clip_grad_norm(&mut grads, max_norm)?;
+                }
+                if finite && grad_norm.is_finite() {
+                    self.optimizer.step(self.step, &grads, lr)?;
+                    self.task.after_update(&self.gc)?;
+                    None
+                } else if !finite {
+                    Some("a gradient holds inf or NaN".to_string())
+                } else {
+                    Some(format!("the gradient norm is {grad_norm}"))
+                }
+            }
         };
+        let skipped = fault.is_some();
+        match (&mut self.scaler, fault) {
+            // f16: an overflow in the forward or the backward skips the step, and the
+            // scale backs off.
+            (Some(scaler), _) => scaler.update(!skipped),
+            (None, None) => {}
+            (None, Some(what)) => {
+                if self.settings.on_nonfinite == OnNonFinite::Stop {
+                    return Err(Error::NonFiniteStep {
+                        step: self.step + 1,
+                        what,
+                        batch: self.task.describe_batch(batch),
+                    });
+                }
+            }
+        }
         let (_, optimizer_peak) = meter.lap();
-        let (t, m) = (out.times, out.peaks);
+        let (t, m): (crate::cache::StepTimes, crate::cache::StepPeaks) = (times, peaks);
         let phase_peaks = PhasePeaks {
             represent: m.represent,
             loss: m.loss,
@@ -435,18 +597,16 @@ impl<T: Task> Run<T> {
             reduce_ms: ms(t.reduce),
             optimizer_ms: ms(optimizer_start.elapsed()),
         };
-        let scaling = loss_scale.map(|used| LossScaling {
-            used,
-            skipped: !finite,
-        });
+        let scaling = loss_scale.map(|used| LossScaling { used, skipped });
         Ok(Update {
-            loss: out.loss,
+            loss,
             lr,
             grad_norm,
             phases,
             phase_peaks,
             flops,
             scaling,
+            skipped,
         })
     }
 
@@ -457,6 +617,8 @@ impl<T: Task> Run<T> {
             data: self.task.position(self.step),
             config_fingerprint: self.settings.fingerprint.clone(),
             loss_scaler: self.scaler,
+            world_size: Some(self.world_size()),
+            files: Default::default(),
         };
         checkpoint::save(
             &self.settings.output_dir.join("checkpoints"),
@@ -467,77 +629,138 @@ impl<T: Task> Run<T> {
         )
     }
 
+    /// Rank 0 writes a checkpoint of the current step (every rank learns the outcome),
+    /// unless this run already wrote or resumed from one of this step; returns its
+    /// directory and whether it is new.
+    fn checkpoint_here(&mut self) -> Result<(PathBuf, bool)> {
+        if let Some((step, dir)) = &self.saved {
+            if *step == self.step && dir.is_dir() {
+                return Ok((dir.clone(), false));
+            }
+        }
+        let saved = if self.rank() == 0 {
+            self.save_checkpoint().map(Some)
+        } else {
+            Ok(None)
+        };
+        // Every rank runs the same configuration, so names the same directory.
+        let root = self.settings.output_dir.join("checkpoints");
+        let dir = dist::agree(&*self.comm, saved)?
+            .unwrap_or_else(|| checkpoint::step_dir(&root, self.step));
+        self.saved = Some((self.step, dir.clone()));
+        Ok((dir, true))
+    }
+
+    /// The end of a run asked to stop by `signal`: a checkpoint of the last finished step
+    /// (unless there is one), then [`Error::Stopped`].
+    fn stop(&mut self, signal: i32, observer: &mut dyn Observer) -> Result<Error> {
+        if self.step == 0 {
+            // Nothing trained: a fresh run starts the same way again.
+            return Ok(Error::Stopped {
+                signal,
+                step: 0,
+                checkpoint: None,
+            });
+        }
+        let (dir, new) = self.checkpoint_here()?;
+        if new {
+            observer.event(&Event::CheckpointSaved(dir.clone()))?;
+        }
+        Ok(Error::Stopped {
+            signal,
+            step: self.step,
+            checkpoint: Some(dir),
+        })
+    }
+
+    /// After a step, on every rank alike: the observer's outcome (rank 0's console and
+    /// metrics file) agreed, then whether any rank was asked to stop.
+    fn step_boundary(&self, observed: Result<()>) -> Result<Option<i32>> {
+        dist::agree(&*self.comm, observed)?;
+        dist::any_stop(&*self.comm, self.stop_signal().requested())
+    }
+
     /// Runs until `steps`, evaluating before the first step (unless resumed), every
     /// `eval_every` steps and at the end, and writing a checkpoint every
     /// `checkpoint_every` steps and at the end. Returns the evaluations (first and last).
+    ///
+    /// Holds the output directory's lock while it runs. When the run's [`StopSignal`] is
+    /// set (see [`Self::set_stop_signal`]), the current step is abandoned if it has not
+    /// reached the optimizer and finished if it has; a checkpoint of the last finished
+    /// step is written and the run returns [`Error::Stopped`] naming it (the evaluation
+    /// in progress, if any, finishes first).
     pub fn run(
         &mut self,
         observer: &mut dyn Observer,
     ) -> Result<(Option<RetrievalMetrics>, RetrievalMetrics)> {
-        if self.rank() == 0 {
-            let dir = &self.settings.output_dir;
-            std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
-        }
+        self.lock_output_dir()?;
         for note in std::mem::take(&mut self.notes) {
-            observer.event(&Event::Note(note));
+            observer.event(&Event::Note(note))?;
         }
         let before = if self.step == 0 {
             let m = self.evaluate_on_root()?;
-            observer.event(&Event::Eval {
+            let observed = observer.event(&Event::Eval {
                 step: 0,
                 metrics: m,
             });
+            dist::agree(&*self.comm, observed)?;
             Some(m)
         } else {
             None
         };
         let mut filled = 0;
         while self.step < self.settings.steps {
-            let report = self.train_step()?;
+            let report = match self.train_step() {
+                Ok(report) => report,
+                Err(Error::Interrupted { signal }) => return Err(self.stop(signal, observer)?),
+                Err(e) => return Err(e),
+            };
             filled += report.filled_negatives;
-            observer.event(&Event::Step(report));
+            let mut observed = observer.event(&Event::Step(report));
             let s = &self.settings;
             let last = self.step == s.steps;
             if s.eval_every > 0 && self.step % s.eval_every == 0 && !last {
                 let m = self.evaluate_on_root()?;
-                observer.event(&Event::Eval {
-                    step: self.step,
-                    metrics: m,
+                observed = observed.and_then(|()| {
+                    observer.event(&Event::Eval {
+                        step: self.step,
+                        metrics: m,
+                    })
                 });
                 if let Some(note) = self.task.eval_note(&self.gc)? {
-                    observer.event(&Event::Note(format!("step {}: {note}", self.step)));
+                    let line = format!("step {}: {note}", self.step);
+                    observed = observed.and_then(|()| observer.event(&Event::Note(line)));
                 }
             }
             if (s.checkpoint_every > 0 && self.step % s.checkpoint_every == 0) || last {
-                let saved = if self.rank() == 0 {
-                    self.save_checkpoint().map(Some)
-                } else {
-                    Ok(None)
-                };
-                if let Some(dir) = dist::agree(&*self.comm, saved)? {
-                    observer.event(&Event::CheckpointSaved(dir));
+                let (dir, new) = self.checkpoint_here()?;
+                if new {
+                    observed = observed.and_then(|()| observer.event(&Event::CheckpointSaved(dir)));
                 }
+            }
+            if let Some(signal) = self.step_boundary(observed)? {
+                return Err(self.stop(signal, observer)?);
             }
         }
         if filled > 0 {
             observer.event(&Event::Note(format!(
                 "{filled} missing hard negatives were filled with positives of other pairs"
-            )));
+            )))?;
         }
         if self.world_size() > 1 {
             let sum = dist::ensure_identical_weights(&*self.comm, self.gc.params())?;
             observer.event(&Event::Note(format!(
                 "all {} ranks hold identical weights (checksum {sum:016x})",
                 self.world_size()
-            )));
+            )))?;
         }
         let after = self.evaluate_on_root()?;
         observer.event(&Event::Eval {
             step: self.step,
             metrics: after,
-        });
+        })?;
         if let Some(note) = self.task.finish(&self.gc, self.step)? {
-            observer.event(&Event::Note(note));
+            observer.event(&Event::Note(note))?;
         }
         Ok((before, after))
     }

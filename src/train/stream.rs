@@ -131,6 +131,10 @@ impl PairSource for JsonlIndex {
         self.offsets.len()
     }
 
+    fn origin(&self, i: usize) -> usize {
+        self.lines[i] as usize
+    }
+
     fn pair(&self, i: usize) -> Result<Pair> {
         let line = self.lines[i] as usize;
         let bytes = self.line_bytes(i)?;

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use crate::dist::{self, Collective};
 use crate::retrieval::BeirSet;
 use crate::train::config::Config;
-use crate::train::data::{split, Loader, Pair, PairSource};
-use crate::train::formats::{read_pairs, Layout};
+use crate::train::data::{split, Loader, NumberedPairs, Pair, PairSource};
+use crate::train::formats::{read_numbered, read_pairs, Layout};
 use crate::train::stream::JsonlIndex;
 use crate::{Error, Result};
 
@@ -139,7 +139,7 @@ const TEXT_SAMPLE: usize = 200_000;
 
 /// The training pairs of a run: in memory, or indexed on disk (`data.stream`).
 enum Training {
-    InMemory(Vec<Pair>),
+    InMemory(NumberedPairs),
     Streamed(JsonlIndex),
 }
 
@@ -177,12 +177,26 @@ fn load_pairs(cfg: &Config) -> Result<(Training, EvalData)> {
         let index = JsonlIndex::build(&d.train_file, &d.fields, &d.title_separator)?;
         return Ok((Training::Streamed(index), eval(path)?));
     }
-    let pairs = read_pairs(&d.train_file, &d.fields, &d.train_split, &d.title_separator)?;
+    let layout = Layout::of(&d.train_file);
+    let numbered = read_numbered(
+        &d.train_file,
+        layout,
+        &d.fields,
+        &d.train_split,
+        &d.title_separator,
+    )?;
     match &d.eval_file {
-        Some(path) => Ok((Training::InMemory(pairs), eval(path)?)),
+        Some(path) => Ok((Training::InMemory(numbered), eval(path)?)),
         None => {
-            let (train, held) = split(pairs, d.eval_pairs, cfg.seed)?;
-            Ok((Training::InMemory(train), EvalData::Pairs(held)))
+            let items: Vec<(Pair, usize)> =
+                numbered.pairs.into_iter().zip(numbered.lines).collect();
+            let (train, held) = split(items, d.eval_pairs, cfg.seed)?;
+            let (pairs, lines) = train.into_iter().unzip();
+            let held = held.into_iter().map(|(p, _)| p).collect();
+            Ok((
+                Training::InMemory(NumberedPairs { pairs, lines }),
+                EvalData::Pairs(held),
+            ))
         }
     }
 }

@@ -23,6 +23,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::batch::{Batch, TokenBatch};
 use crate::cache::GradCache;
 use crate::dist::{self, Backend, Collective};
+use crate::durable;
 use crate::encoder::Encoder;
 use crate::hub::export::ExportNotes;
 use crate::hub::tokenizer::read_tokenizer_file;
@@ -37,6 +38,7 @@ use crate::train::budget::plan_memory;
 use crate::train::checkpoint;
 use crate::train::config::Config;
 use crate::train::data::{Loader, Position, TextBatch};
+use crate::train::formats::Layout;
 use crate::train::metrics::{evaluate, RetrievalMetrics};
 use crate::train::model::{bert_options, build_model, read_model_tokenizer, run_prompts, Model};
 use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
@@ -47,8 +49,8 @@ pub use super::model::{DENSE_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE};
 pub use super::report::{Event, LossScaling, Observer, PhasePeaks, PhaseTimes, Quiet, StepReport};
 
 /// What may change between a text-pair run and its resume (see [`Config::fingerprint`]).
-const MAY_CHANGE: &str =
-    "output_dir, train.eval_every, checkpoint_every, keep_checkpoints and the dist section";
+const MAY_CHANGE: &str = "output_dir, train.eval_every, checkpoint_every, keep_checkpoints, \
+     on_nonfinite, data.stream, device and the dist section";
 
 /// A text-pair training run: [`TextPairs`] through the one loop.
 pub type Trainer = Run<TextPairs>;
@@ -96,6 +98,20 @@ impl Task for TextPairs {
 
     fn filled_negatives(&self, batch: &TextBatch) -> usize {
         batch.filled
+    }
+
+    /// `lines 3, 17, 52 of train.jsonl` (rows of a Parquet file, pairs of a BEIR split).
+    fn describe_batch(&self, batch: &TextBatch) -> String {
+        let d = &self.cfg.data;
+        let unit = crate::train::formats::origin_unit(Layout::of(&d.train_file));
+        let mut lines = batch.lines.clone();
+        lines.sort_unstable();
+        format!(
+            "{} {} of {}",
+            unit,
+            list_numbers(&lines, 64),
+            d.train_file.display()
+        )
     }
 
     /// This rank's share, tokenized and put in length order.
@@ -268,6 +284,9 @@ impl Run<TextPairs> {
     ) -> Result<Self> {
         cfg.validate()?;
         check_batch_splits(&cfg, &*comm)?;
+        // The configuration as written: the chunk sizes and policy a memory budget picks
+        // below depend on a measurement, not on what is trained.
+        let fingerprint = cfg.fingerprint()?;
         let mut notes = Vec::new();
         let data = load_data(&cfg, &*comm, &mut notes)?;
         let device = dist::agree(&*comm, run_device(&cfg, &*comm))?;
@@ -295,17 +314,19 @@ impl Run<TextPairs> {
             predicted_peak = Some(plan.predicted);
             notes.push(plan.note);
         }
-        let mut trainer = Self::assemble(cfg, data, model, comm, notes, device)?;
+        let mut trainer = Self::assemble(cfg, data, model, comm, notes, device, fingerprint)?;
         trainer.task.predicted_peak = predicted_peak;
         if let Some(path) = resume {
             trainer.restore(path)?;
         }
+        trainer.lock_output_dir()?;
         trainer.write_run_files()?;
         trainer.check_identical_start()?;
         Ok(trainer)
     }
 
-    /// Tokenizers, loss, gradient cache, optimiser and schedule around a built model.
+    /// Tokenizers, loss, gradient cache, optimiser and schedule around a built model;
+    /// `fingerprint` is what its checkpoints record.
     fn assemble(
         cfg: Config,
         data: RunData,
@@ -313,6 +334,7 @@ impl Run<TextPairs> {
         comm: Rc<dyn Collective>,
         notes: Vec<String>,
         device: Device,
+        fingerprint: String,
     ) -> Result<Self> {
         let m = &cfg.model;
         let query_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.query_max_len)?
@@ -380,8 +402,9 @@ impl Run<TextPairs> {
                 .precision
                 .needs_loss_scaling()
                 .then(|| cfg.loss_scale.scaler()),
-            fingerprint: cfg.fingerprint()?,
+            fingerprint,
             may_change: MAY_CHANGE,
+            on_nonfinite: t.on_nonfinite,
         };
         let task = TextPairs {
             device: device.clone(),
@@ -509,21 +532,16 @@ fn write_run_files(
         .to_string(false)
         .map_err(|e| Error::io("write", &path, e))?;
     if std::fs::read_to_string(&path).ok().as_deref() != Some(json.as_str()) {
-        std::fs::write(&path, &json).map_err(|e| Error::io("write", &path, e))?;
+        durable::write(&path, &json)?;
     }
     if !dense.is_empty() {
-        let path = dir.join(DENSE_FILE);
         let modules: Vec<serde_json::Value> = dense
             .iter()
             .map(|d| serde_json::json!({"path": d.path, "config": d.config()}))
             .collect();
-        let json =
-            serde_json::to_string_pretty(&modules).map_err(|e| Error::io("write", &path, e))?;
-        std::fs::write(&path, json).map_err(|e| Error::io("write", &path, e))?;
+        durable::write_json(&dir.join(DENSE_FILE), &modules)?;
     }
-    let path = dir.join(MODEL_CONFIG_FILE);
-    let json = serde_json::to_string_pretty(bert).map_err(|e| Error::io("write", &path, e))?;
-    std::fs::write(&path, json).map_err(|e| Error::io("write", &path, e))
+    durable::write_json(&dir.join(MODEL_CONFIG_FILE), bert)
 }
 
 /// The run's Dense modules (`dense_modules.json` in the run directory; none without it).
@@ -589,6 +607,16 @@ fn in_length_order(q: &TokenBatch, p: &TokenBatch) -> Result<(TokenBatch, TokenB
     Ok((pick(q, q_rows)?, pick(p, p_rows)?, order))
 }
 
+/// `3, 17, 52`, the first `at_most` of `numbers` and how many more.
+fn list_numbers(numbers: &[usize], at_most: usize) -> String {
+    let shown: Vec<String> = numbers.iter().take(at_most).map(usize::to_string).collect();
+    let mut text = shown.join(", ");
+    if numbers.len() > at_most {
+        text += &format!(" and {} more", numbers.len() - at_most);
+    }
+    text
+}
+
 fn to_refs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -598,18 +626,19 @@ fn to_refs(v: &[String]) -> Vec<&str> {
 /// `<output_dir>/checkpoints`). Read-only on the run: it reads the checkpoint's weights
 /// and state, the run's `model_config.json` and `tokenizer.json` (for a run from a
 /// pretrained model that has none, the model's own files), and no training data; it
-/// writes only `output`. Returns the step the checkpoint was taken at.
+/// writes only `output`. Returns the checkpoint it read: its step is `state.step`, and
+/// `skipped` names newer checkpoints passed over because they are damaged.
 pub fn export_run(
     cfg: &Config,
     checkpoint: Option<&Path>,
     output: &Path,
     side: Side,
-) -> Result<u64> {
+) -> Result<checkpoint::Resolved> {
     cfg.validate()?;
     let root = cfg.output_dir.join("checkpoints");
-    let dir = checkpoint::resolve(checkpoint.unwrap_or(&root))?;
-    let state = checkpoint::read_state(&dir)?;
-    check_fingerprint(&cfg.fingerprint()?, MAY_CHANGE, &dir, &state)?;
+    let found = checkpoint::resolve(checkpoint.unwrap_or(&root))?;
+    let (dir, state) = (&found.dir, &found.state);
+    check_fingerprint(&cfg.fingerprint()?, MAY_CHANGE, dir, state)?;
 
     let run_config = cfg.output_dir.join(MODEL_CONFIG_FILE);
     let run_tokenizer = cfg.output_dir.join(TOKENIZER_FILE);
@@ -646,7 +675,7 @@ pub fn export_run(
     } else {
         format!("{prefix}.")
     };
-    let weights = WeightFile::open(&checkpoint::model_file(&dir), &file_prefix)?;
+    let weights = WeightFile::open(&checkpoint::model_file(dir), &file_prefix)?;
     let store =
         ParamStore::new(cfg.seed, DType::F32, &Device::Cpu).with_weights(prefix, Arc::new(weights));
     let mut options = bert_options(cfg);
@@ -676,5 +705,5 @@ pub fn export_run(
             prompt_left_out: !prompt_pooled,
         },
     )?;
-    Ok(state.step)
+    Ok(found)
 }

@@ -1,25 +1,108 @@
 //! The console of `gradcache train`: the progress bar (or plain log lines without a
 //! terminal), evaluation and note lines, and `metrics.jsonl`.
 
-use std::fs::File;
-use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use gradcache::train::metrics::RetrievalMetrics;
 use gradcache::train::{Event, Observer};
 use indicatif::ProgressBar;
 
-/// Draws the progress bar, logs evaluations and notes, appends to `metrics.jsonl`.
+/// `metrics.jsonl`: one JSON line per step and per evaluation, kept in memory and written
+/// whole (atomically: a crash never leaves a torn line) after every evaluation and
+/// checkpoint, at the end, and in between at most every couple of seconds.
+pub struct MetricsFile {
+    path: PathBuf,
+    lines: Vec<String>,
+    unwritten: bool,
+    written_at: Instant,
+    /// How long the last write took: writes are spaced to at least 20 times that, so that
+    /// a long run's growing file costs under 5% of its time.
+    cost: Duration,
+}
+
+impl MetricsFile {
+    /// The metrics of a run in `output_dir`. Resuming at `resumed` updates, the lines of
+    /// later steps (which the resumed run does again) are dropped; a fresh run starts
+    /// empty.
+    pub fn open(output_dir: &Path, resumed: Option<u64>) -> anyhow::Result<Self> {
+        let path = output_dir.join("metrics.jsonl");
+        let mut lines = Vec::new();
+        if let Some(step) = resumed {
+            match std::fs::read_to_string(&path) {
+                Ok(text) => lines = lines_up_to(&text, step),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => anyhow::bail!("cannot read {}: {e}", path.display()),
+            }
+        }
+        Ok(Self {
+            path,
+            lines,
+            unwritten: true,
+            written_at: Instant::now(),
+            cost: Duration::ZERO,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn push(&mut self, value: serde_json::Value) {
+        self.lines.push(value.to_string());
+        self.unwritten = true;
+    }
+
+    /// Writes the file now, if anything changed since the last write.
+    pub fn flush(&mut self) -> gradcache::Result<()> {
+        if !self.unwritten {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut text = self.lines.join("\n");
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        gradcache::durable::write(&self.path, text)?;
+        self.unwritten = false;
+        self.written_at = Instant::now();
+        self.cost = start.elapsed();
+        Ok(())
+    }
+
+    /// Writes the file if the last write is long enough ago.
+    fn flush_now_and_then(&mut self) -> gradcache::Result<()> {
+        let spacing = (self.cost * 20).max(Duration::from_secs(2));
+        if self.written_at.elapsed() >= spacing {
+            self.flush()?;
+        }
+        Ok(())
+    }
+}
+
+/// The lines of a metrics file that belong to steps up to `step` (a torn or foreign line
+/// is dropped).
+fn lines_up_to(text: &str, step: u64) -> Vec<String> {
+    text.lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= step)
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// Draws the progress bar, logs evaluations and notes, keeps `metrics.jsonl`.
 pub struct Console {
     pub bar: ProgressBar,
-    pub metrics: File,
+    pub metrics: MetricsFile,
 }
 
 impl Console {
     fn line(&mut self, value: serde_json::Value) {
-        if let Err(e) = writeln!(self.metrics, "{value}") {
-            self.bar
-                .suspend(|| tracing::warn!("cannot write metrics.jsonl: {e}"));
-        }
+        self.metrics.push(value);
     }
 }
 
@@ -35,7 +118,7 @@ pub fn describe(m: &RetrievalMetrics) -> String {
 }
 
 impl Observer for Console {
-    fn event(&mut self, event: &Event) {
+    fn event(&mut self, event: &Event) -> gradcache::Result<()> {
         match event {
             Event::Step(r) => {
                 self.bar.set_position(r.step);
@@ -53,17 +136,28 @@ impl Observer for Console {
                     "phases_ms": r.phases, "phase_peak_bytes": r.phase_peaks, "flops": r.flops,
                     "gflops_per_sec": r.flops / seconds.max(1e-9) / 1e9,
                     "loss_scale": r.loss_scaling.map(|s| s.used),
-                    "skipped": r.loss_scaling.is_some_and(|s| s.skipped)}));
+                    "skipped": r.skipped}));
                 if let Some(s) = r.loss_scaling.filter(|s| s.skipped) {
                     self.bar.suspend(|| {
                         tracing::warn!(
-                            "step {}: inf/NaN gradients at loss scale {}: step skipped (no weight \
-                             or optimizer state changed), the scale backs off",
+                            "step {}: inf/NaN at loss scale {}: step skipped (no weight or \
+                             optimizer state changed), the scale backs off",
                             r.step,
                             s.used
                         )
                     });
+                } else if r.skipped {
+                    self.bar.suspend(|| {
+                        tracing::warn!(
+                            "step {}: non-finite loss ({}) or gradient norm ({}): step skipped \
+                             (train.on_nonfinite = \"skip\"; no weight or optimizer state changed)",
+                            r.step,
+                            r.loss,
+                            r.grad_norm
+                        )
+                    });
                 }
+                self.metrics.flush_now_and_then()?;
                 // Every ~20th of the run, one line of where the step's time and memory went.
                 let every = (self.bar.length().unwrap_or(1) / 20).max(1);
                 if r.step % every == 0 || r.step == 1 {
@@ -72,7 +166,7 @@ impl Observer for Console {
                         .suspend(|| tracing::info!("step {}: {line}", r.step));
                 }
                 if !self.bar.is_hidden() {
-                    return;
+                    return Ok(());
                 }
                 // No terminal (CI, logs to a file): a line now and then instead of the bar.
                 if r.step % every == 0 || r.step == 1 {
@@ -91,15 +185,19 @@ impl Observer for Console {
                 self.bar
                     .suspend(|| tracing::info!("eval at step {step}: {text}"));
                 self.line(serde_json::json!({"type": "eval", "step": step, "metrics": metrics}));
+                self.metrics.flush()?;
             }
             Event::CheckpointSaved(dir) => {
                 self.bar
                     .suspend(|| tracing::info!("checkpoint {}", dir.display()));
+                self.metrics.flush()?;
             }
             Event::Note(note) => self.bar.suspend(|| tracing::info!("{note}")),
         }
+        Ok(())
     }
 }
+
 
 /// `represent 183 ms / 41.2 MiB, loss ..., replay ..., reduce ..., optimizer ..., heap
 /// peak 72.4 MiB`: each phase's wall time and peak memory above the step's start, and the
@@ -119,4 +217,18 @@ fn phase_summary(r: &gradcache::train::trainer::StepReport) -> String {
     .chain((r.heap_peak_bytes > 0).then(|| format!("heap peak {:.1} MiB", mib(r.heap_peak_bytes))))
     .collect::<Vec<_>>()
     .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lines_up_to;
+
+    #[test]
+    fn a_resumed_run_keeps_the_lines_up_to_its_step() {
+        let text = "{\"type\":\"step\",\"step\":1}\n{\"type\":\"eval\",\"step\":2}\n\
+                    {\"type\":\"step\",\"step\":3}\n{\"type\":\"st";
+        let kept = lines_up_to(text, 2);
+        assert_eq!(kept.len(), 2);
+        assert!(kept[1].contains("eval"));
+    }
 }

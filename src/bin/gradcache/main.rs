@@ -5,7 +5,7 @@ mod console;
 mod plot;
 mod retrieval;
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -25,7 +25,7 @@ use gradcache::train::{export_run, Config, Quiet, Trainer};
 use gradcache::{Side, Similarity};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::console::{describe, Console};
+use crate::console::{describe, Console, MetricsFile};
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
@@ -283,10 +283,24 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            if let Some(signal) = stopped_by(&e) {
+                if !other_rank {
+                    let _ = std::io::stderr().write_all(format!("{e:#}\n").as_bytes());
+                }
+                return ExitCode::from(gradcache::stop::exit_code(signal));
+            }
             // One write, so that lines of several ranks sharing a terminal do not interleave.
             let _ = std::io::stderr().write_all(format!("error: {e:#}\n").as_bytes());
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The signal a run stopped on cleanly (checkpoint written), if that is how it ended.
+fn stopped_by(e: &anyhow::Error) -> Option<i32> {
+    match e.downcast_ref::<gradcache::Error>() {
+        Some(gradcache::Error::Stopped { signal, .. }) => Some(*signal),
+        _ => None,
     }
 }
 
@@ -380,8 +394,16 @@ fn run(command: Command) -> Result<()> {
                 TowerArg::Query => Side::Query,
                 TowerArg::Passage => Side::Passage,
             };
-            let step = export_run(&cfg, checkpoint.as_deref(), &output, side)?;
-            tracing::info!("exported step {step} to {}", output.display());
+            let found = export_run(&cfg, checkpoint.as_deref(), &output, side)?;
+            for skipped in &found.skipped {
+                tracing::warn!("{skipped}");
+            }
+            tracing::info!(
+                "exported step {} ({}) to {}",
+                found.state.step,
+                found.dir.display(),
+                output.display()
+            );
             Ok(())
         }
     }
@@ -394,12 +416,22 @@ fn train(config: &Path, set: &[String], resume: Option<&Path>) -> Result<()> {
         return train_image_text(cfg, resume);
     }
     let cfg = Config::load(config, set)?;
+    let stop = gradcache::stop::StopSignal::install()?;
     let comm = dist::init(cfg.dist.backend)?;
     let (rank, world) = (comm.rank(), comm.world_size());
-    match train_on(cfg, resume, Rc::clone(&comm)) {
+    match train_on(cfg, resume, Rc::clone(&comm), stop) {
         Ok(()) => Ok(()),
         Err(e) if world == 1 => Err(e),
         Err(e) => {
+            if let Some(signal) = stopped_by(&e) {
+                // Every rank stopped at the same step; rank 0 wrote the checkpoint.
+                if rank == 0 {
+                    let _ = std::io::stderr().write_all(format!("{e:#}\n").as_bytes());
+                }
+                let _ = comm.barrier();
+                drop(comm);
+                std::process::exit(gradcache::stop::exit_code(signal).into());
+            }
             let agreed = matches!(
                 e.downcast_ref::<gradcache::Error>(),
                 Some(gradcache::Error::RankFailed { .. } | gradcache::Error::RankMismatch { .. })
@@ -420,8 +452,14 @@ fn train(config: &Path, set: &[String], resume: Option<&Path>) -> Result<()> {
     }
 }
 
-fn train_on(cfg: Config, resume: Option<&Path>, comm: Rc<dyn Collective>) -> Result<()> {
+fn train_on(
+    cfg: Config,
+    resume: Option<&Path>,
+    comm: Rc<dyn Collective>,
+    stop: gradcache::stop::StopSignal,
+) -> Result<()> {
     let mut trainer = Trainer::with_collective(cfg.clone(), resume, comm)?;
+    trainer.set_stop_signal(stop);
     if trainer.rank() != 0 {
         // One progress bar, one metrics file and one loss curve: rank 0's.
         trainer.run(&mut Quiet)?;
@@ -434,14 +472,18 @@ fn train_on(cfg: Config, resume: Option<&Path>, comm: Rc<dyn Collective>) -> Res
         cfg.train.query_chunk,
         cfg.train.passage_chunk
     );
-    let (mut console, metrics_path) = open_console(
+    let mut console = open_console(
         &cfg.output_dir,
         cfg.train.steps,
         trainer.step(),
         resume.is_some(),
     )?;
-    let (before, after) = trainer.run(&mut console)?;
+    let ran = trainer.run(&mut console);
     console.bar.finish_and_clear();
+    let written = console.metrics.flush();
+    let (before, after) = ran?;
+    written?;
+    let metrics_path = console.metrics.path().to_path_buf();
     if let Some(before) = before {
         tracing::info!("before: {}", describe(&before));
     }
@@ -459,22 +501,10 @@ fn train_on(cfg: Config, resume: Option<&Path>, comm: Rc<dyn Collective>) -> Res
     Ok(())
 }
 
-/// The console of a training run: `metrics.jsonl` in `output_dir` (appended to on resume)
-/// and a progress bar over `steps` starting at `start`.
-fn open_console(
-    output_dir: &Path,
-    steps: u64,
-    start: u64,
-    resume: bool,
-) -> Result<(Console, PathBuf)> {
-    let metrics_path = output_dir.join("metrics.jsonl");
-    let metrics = OpenOptions::new()
-        .create(true)
-        .append(resume)
-        .write(true)
-        .truncate(!resume)
-        .open(&metrics_path)
-        .with_context(|| format!("cannot open {}", metrics_path.display()))?;
+/// The console of a training run: `metrics.jsonl` in `output_dir` (on resume, its lines
+/// up to the resumed step are kept) and a progress bar over `steps` starting at `start`.
+fn open_console(output_dir: &Path, steps: u64, start: u64, resume: bool) -> Result<Console> {
+    let metrics = MetricsFile::open(output_dir, resume.then_some(start))?;
     let bar = ProgressBar::new(steps);
     bar.set_style(
         ProgressStyle::with_template(
@@ -483,12 +513,14 @@ fn open_console(
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar.set_position(start);
-    Ok((Console { bar, metrics }, metrics_path))
+    Ok(Console { bar, metrics })
 }
 
 /// Image-text training (`task = "image-text"`): one process, the console of `train`.
 fn train_image_text(cfg: ImageTextConfig, resume: Option<&Path>) -> Result<()> {
+    let stop = gradcache::stop::StopSignal::install()?;
     let mut trainer = ImageTextTrainer::new(cfg.clone(), resume)?;
+    trainer.set_stop_signal(stop);
     let t = &cfg.train;
     tracing::info!(
         "image-text training: {} steps, batch {} pairs in chunks of {} images / {} captions",
@@ -497,12 +529,14 @@ fn train_image_text(cfg: ImageTextConfig, resume: Option<&Path>) -> Result<()> {
         t.image_chunk,
         t.text_chunk
     );
-    std::fs::create_dir_all(&cfg.output_dir)
-        .with_context(|| format!("cannot create {}", cfg.output_dir.display()))?;
-    let (mut console, metrics_path) =
-        open_console(&cfg.output_dir, t.steps, trainer.step(), resume.is_some())?;
-    let (before, after) = trainer.run(&mut console)?;
+    trainer.lock_output_dir()?;
+    let mut console = open_console(&cfg.output_dir, t.steps, trainer.step(), resume.is_some())?;
+    let ran = trainer.run(&mut console);
     console.bar.finish_and_clear();
+    let written = console.metrics.flush();
+    let (before, after) = ran?;
+    written?;
+    let metrics_path = console.metrics.path().to_path_buf();
     if let Some(before) = before {
         tracing::info!("held-out image->text before: {}", describe(&before));
     }
@@ -601,14 +635,13 @@ fn encode(
         texts.len(),
         texts.len() as f64 / secs.max(1e-9)
     );
-    let mut out: Box<dyn Write> = match output {
-        Some(p) => {
-            Box::new(File::create(p).with_context(|| format!("cannot create {}", p.display()))?)
-        }
-        None => Box::new(std::io::stdout().lock()),
-    };
+    let mut lines = String::new();
     for (text, e) in texts.iter().zip(embeddings) {
-        writeln!(out, "{}", serde_json::json!({"text": text, "embedding": e}))?;
+        lines += &format!("{}\n", serde_json::json!({"text": text, "embedding": e}));
+    }
+    match output {
+        Some(path) => gradcache::durable::write(path, lines)?,
+        None => std::io::stdout().lock().write_all(lines.as_bytes())?,
     }
     Ok(())
 }

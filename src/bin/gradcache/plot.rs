@@ -1,5 +1,6 @@
 //! `loss.png`: the loss curve of a run with its evaluations below it, and `phases.png`:
-//! the time and peak memory of each phase of its steps, from its `metrics.jsonl`.
+//! the time and peak memory of each phase of its steps, from its `metrics.jsonl`. Each is
+//! drawn under a temporary name and renamed when complete.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -18,6 +19,10 @@ const EVAL_METRICS: [(&str, &str); 3] = [
 /// when the run evaluated, a second panel below it: the retrieval metrics of every
 /// evaluation over the steps.
 pub fn plot_losses(metrics: &Path, png: &Path) -> Result<()> {
+    gradcache::durable::write_with(png, |tmp| draw_losses(metrics, tmp))
+}
+
+fn draw_losses(metrics: &Path, png: &Path) -> Result<()> {
     use plotters::prelude::*;
     let mut points: Vec<(u64, f32)> = Vec::new();
     let mut evals: Vec<(u64, [f32; 3])> = Vec::new();
@@ -129,6 +134,10 @@ const PHASES: [(&str, &str); 5] = [
 
 /// Two panels over the steps: each phase's wall time (ms) and its peak memory (MiB).
 pub fn plot_phases(metrics: &Path, png: &Path) -> Result<()> {
+    gradcache::durable::write_with(png, |tmp| draw_phases(metrics, tmp))
+}
+
+fn draw_phases(metrics: &Path, png: &Path) -> Result<()> {
     use plotters::prelude::*;
     // step -> ([ms; 5], [MiB; 5]); a resumed run's repeated steps keep the last record.
     let mut rows: Vec<(u64, [f64; 5], [f64; 5])> = Vec::new();

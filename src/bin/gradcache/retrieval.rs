@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::ValueEnum;
 
 use crate::{load_model, HeadArgs, SearchArgs};
@@ -149,26 +149,13 @@ pub struct EvalOutputs {
     pub summary: Option<PathBuf>,
 }
 
-/// Writes `text` to `path` through a temporary file in the same directory, renamed when
-/// complete (a failed write leaves no partial file).
+/// Writes `text` to `path` whole or not at all (a temporary file in the same directory,
+/// flushed and renamed when complete; a failed write leaves no partial file).
 pub fn write_file(path: &Path, text: &str) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    if !dir.is_dir() {
-        bail!(
-            "cannot write {}: {} is not a directory",
-            path.display(),
-            dir.display()
-        );
+    if path.file_name().is_none() {
+        bail!("{} names no file", path.display());
     }
-    let name = path
-        .file_name()
-        .with_context(|| format!("{} names no file", path.display()))?;
-    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
-    std::fs::write(&tmp, text).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
+    Ok(gradcache::durable::write(path, text)?)
 }
 
 /// A line for the log.
