@@ -55,6 +55,12 @@ impl StopSignal {
         self.signal.store(signal.max(1) as usize, Ordering::SeqCst);
     }
 
+    /// Forgets a stop request that has been honoured (a library caller that goes on
+    /// training in the same process after [`Error::Interrupted`] or [`Error::Stopped`]).
+    pub fn clear(&self) {
+        self.signal.store(0, Ordering::SeqCst);
+    }
+
     /// The signal that asked to stop, if any.
     pub fn requested(&self) -> Option<i32> {
         match self.signal.load(Ordering::SeqCst) {

@@ -5,7 +5,11 @@
 //!   after every step in debug builds, and at the end);
 //! - one rank fed a malformed data file: every rank exits non-zero within 30 s, naming
 //!   the failing rank and the file's line;
-//! - a checkpoint of the 2-rank run resumes in one process and continues the same curve;
+//! - a checkpoint of the 2-rank run resumes in one process, and one of the 1-rank run on
+//!   two ranks, and both continue the same curve;
+//! - SIGUSR1 sent to `mpirun` (which forwards it to every rank) stops both ranks after the
+//!   same step with one checkpoint; resuming on two ranks ends with the weights of the
+//!   uninterrupted 2-rank run, bit for bit;
 //! - mismatched configs across ranks are refused at start-up, naming the key, and a global
 //!   batch that does not split evenly over the ranks is refused.
 //!
@@ -184,6 +188,28 @@ fn two_ranks_follow_the_one_rank_loss_curve() {
         );
     }
 
+    // And the other way: the 1-rank run's step-2 checkpoint resumed by two ranks.
+    let four = dir.path().join("four");
+    let mut grown = args(&train, &eval, &four);
+    grown.push("--resume".into());
+    grown.push(one.join("checkpoints/step-00000002").display().to_string());
+    let (ok, text, _) = mpirun(&[grown.clone(), grown], Duration::from_secs(300));
+    assert!(ok, "1 -> 2 resume failed:\n{text}");
+    assert!(
+        text.contains("the checkpoint was written by 1 process(es) and resumes on 2"),
+        "{text}"
+    );
+    let l4 = losses(&four);
+    assert_eq!(l4.len(), 2, "steps 3 and 4 after resuming at 2");
+    for (step, (a, b)) in l1[2..].iter().zip(&l4).enumerate() {
+        let rel = ((a - b) / a).abs();
+        assert!(
+            rel <= TOL,
+            "step {} resumed on 2 ranks: loss {a} vs {b} (rel {rel:e})",
+            step + 3
+        );
+    }
+
     let w1 = gradcache::train::checkpoint::load(&one.join("checkpoints"), &Device::Cpu).unwrap();
     let w2 = gradcache::train::checkpoint::load(&two.join("checkpoints"), &Device::Cpu).unwrap();
     assert_eq!(w1.state.step, 4);
@@ -335,6 +361,89 @@ fn two_ranks_with_a_guide_and_matryoshka_follow_the_one_rank_loss_curve() {
             rel <= TOL,
             "step {}: loss {a} vs {b} (rel {rel:e})",
             step + 1
+        );
+    }
+}
+
+#[test]
+fn sigusr1_to_mpirun_stops_every_rank_after_one_step_and_the_resume_is_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let longer = |out: &Path| {
+        let mut a = args(&train, &eval, out);
+        for s in [
+            "train.steps=24",
+            "train.batch_size=16",
+            "train.checkpoint_every=2",
+        ] {
+            a.extend(["--set".into(), s.into()]);
+        }
+        a
+    };
+    let plain = dir.path().join("plain");
+    let a = longer(&plain);
+    let (ok, text, _) = mpirun(&[a.clone(), a], Duration::from_secs(300));
+    assert!(ok, "{text}");
+
+    let out = dir.path().join("stopped");
+    let a = longer(&out);
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--allow-run-as-root", "-n", "2", bin()]).args(&a);
+    let log = dir.path().join("stopped.log");
+    let mut child = cmd
+        .stdout(fs::File::create(&log).unwrap())
+        .stderr(fs::File::create(dir.path().join("stopped.err")).unwrap())
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let first = out.join("checkpoints/step-00000002");
+    let start = Instant::now();
+    while !first.is_dir() {
+        assert!(child.try_wait().unwrap().is_none(), "ended before step 2");
+        assert!(start.elapsed() < Duration::from_secs(120));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: a signal to the mpirun this test started and has not reaped.
+    assert_eq!(
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGUSR1) },
+        0
+    );
+    let status = child.wait().unwrap();
+    let text = fs::read_to_string(&log).unwrap()
+        + &fs::read_to_string(dir.path().join("stopped.err")).unwrap();
+    assert!(!text.contains("panicked"), "{text}");
+    assert_eq!(status.code(), Some(128 + libc::SIGUSR1), "{text}");
+    let c = gradcache::train::checkpoint::load(&out.join("checkpoints"), &Device::Cpu).unwrap();
+    let k = c.state.step;
+    assert!((2..24).contains(&k), "stopped at {k}:\n{text}");
+    assert_eq!(
+        text.matches("training stopped by SIGUSR1 after step")
+            .count(),
+        1,
+        "rank 0 reports the stop once:\n{text}"
+    );
+    assert!(
+        text.contains(&format!("after step {k}; checkpoint")),
+        "{text}"
+    );
+
+    let mut resume = longer(&out);
+    resume.extend([
+        "--resume".into(),
+        out.join("checkpoints").display().to_string(),
+    ]);
+    let (ok, text, _) = mpirun(&[resume.clone(), resume], Duration::from_secs(300));
+    assert!(ok, "{text}");
+    let want =
+        gradcache::train::checkpoint::load(&plain.join("checkpoints"), &Device::Cpu).unwrap();
+    let got = gradcache::train::checkpoint::load(&out.join("checkpoints"), &Device::Cpu).unwrap();
+    assert_eq!((want.state.step, got.state.step), (24, 24));
+    assert_eq!(losses(&out), losses(&plain), "every step's loss");
+    for (name, w) in &want.model {
+        assert_eq!(
+            common::bits(w),
+            common::bits(&got.model[name]),
+            "{name} differs from the uninterrupted run"
         );
     }
 }

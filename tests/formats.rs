@@ -210,6 +210,30 @@ fn parquet_files_read_in_every_layout_and_codec() {
     std::fs::write(&fake, b"not parquet at all").unwrap();
     let (_, reason) = data_error(&fake, &Fields::default());
     assert!(reason.contains("not a readable Parquet file"), "{reason}");
+    // A footer whose column chunk lies outside the file (one bit flipped, as
+    // tests/fuzz_readers.rs found): the Parquet reader would panic on it.
+    let mut bytes = std::fs::read(dir.join("tevatron.parquet")).unwrap();
+    let at = (6674773783959323918u64 % bytes.len() as u64) as usize;
+    bytes[at] ^= 75;
+    let damaged = tmp.path().join("damaged.parquet");
+    std::fs::write(&damaged, bytes).unwrap();
+    let (_, reason) = data_error(&damaged, &Fields::default());
+    assert!(
+        reason.contains("not a readable Parquet file (row group 0, column")
+            && reason.contains("a chunk of -118 bytes at offset 625 in a file of 2907 bytes"),
+        "{reason}"
+    );
+    // A page whose definition levels exceed the schema's (another flipped bit): the
+    // Parquet reader panics inside; the panic becomes an error naming the file.
+    let mut bytes = std::fs::read(dir.join("tevatron.parquet")).unwrap();
+    let at = (12052021883832747829u64 % bytes.len() as u64) as usize;
+    bytes[at] ^= 160;
+    std::fs::write(&damaged, bytes).unwrap();
+    let (_, reason) = data_error(&damaged, &Fields::default());
+    assert!(
+        reason.contains("not a readable Parquet file (damaged data: Cannot extract value"),
+        "{reason}"
+    );
 }
 
 #[test]

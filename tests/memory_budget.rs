@@ -219,3 +219,33 @@ fn long_modernbert_inputs_fit_the_budget() {
         "budget {budget}: a step used {measured}"
     );
 }
+
+/// The chunk sizes a budget picks come from a measurement, not from the configuration: a
+/// checkpoint of a budget run resumes and exports with the configuration as written (its
+/// fingerprint is taken before the budget's choice).
+#[test]
+fn a_budget_run_resumes_and_exports_with_its_config_as_written() {
+    let _alone = alone();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(&dir.path().join("run"), "8GiB");
+    let mut trainer = Trainer::new(cfg.clone(), None).unwrap();
+    assert_ne!(
+        trainer.config().train.query_chunk,
+        cfg.train.query_chunk,
+        "the budget chose another chunk size than the config's"
+    );
+    trainer.train_step().unwrap();
+    let ckpt = trainer.save_checkpoint().unwrap();
+    drop(trainer);
+    let resumed = Trainer::new(cfg.clone(), Some(&ckpt)).unwrap();
+    assert_eq!(resumed.step(), 1);
+    drop(resumed);
+    let found = gradcache::train::export_run(
+        &cfg,
+        None,
+        &dir.path().join("model"),
+        gradcache::Side::Query,
+    )
+    .unwrap();
+    assert_eq!(found.state.step, 1);
+}

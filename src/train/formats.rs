@@ -292,8 +292,54 @@ pub(crate) fn pair_from_object(
 /// JSON object ([`pair_from_object`]): string columns, list columns, Tevatron's lists of
 /// passages. An error names the row (1-based) and its row group.
 fn parquet_pairs(path: &Path, fields: &Fields, separator: &str, push: &mut Push) -> Result<()> {
+    // The Parquet crate panics on some damaged pages instead of returning an error (its
+    // record reader asserts on definition levels; tests/fuzz_readers.rs found it): such a
+    // panic becomes an error naming the file.
+    without_panics(path, || read_parquet(path, fields, separator, push))
+}
+
+/// Runs `read` on this thread, turning a panic inside it into an error naming `path`
+/// (its message kept for the error, not printed; a panic on another thread meanwhile is
+/// reported as usual).
+fn without_panics(path: &Path, read: impl FnOnce() -> Result<()>) -> Result<()> {
+    use std::cell::RefCell;
+    use std::sync::Arc;
+    thread_local! {
+        static MESSAGE: RefCell<Option<String>> = const { RefCell::new(None) };
+    }
+    let reader = std::thread::current().id();
+    let previous: Arc<dyn Fn(&std::panic::PanicHookInfo<'_>) + Send + Sync> =
+        Arc::from(std::panic::take_hook());
+    let others = Arc::clone(&previous);
+    std::panic::set_hook(Box::new(move |info| {
+        if std::thread::current().id() == reader {
+            let text = info
+                .payload()
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown".into());
+            MESSAGE.with(|m| *m.borrow_mut() = Some(text));
+        } else {
+            others(info);
+        }
+    }));
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(read));
+    std::panic::set_hook(Box::new(move |info| previous(info)));
+    outcome.unwrap_or_else(|_| {
+        let message = MESSAGE.with(|m| m.borrow_mut().take()).unwrap_or_default();
+        Err(Error::data(
+            path,
+            0,
+            format!("not a readable Parquet file (damaged data: {message})"),
+        ))
+    })
+}
+
+fn read_parquet(path: &Path, fields: &Fields, separator: &str, push: &mut Push) -> Result<()> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     let file = open_file(path)?;
+    check_parquet_footer(path, &file)?;
     let reader = SerializedFileReader::new(file)
         .map_err(|e| Error::data(path, 0, format!("not a readable Parquet file ({e})")))?;
     // Where each row group starts, to name the group of a bad row.
@@ -321,6 +367,43 @@ fn parquet_pairs(path: &Path, fields: &Fields, separator: &str, push: &mut Push)
             .as_object()
             .ok_or_else(|| at("a row is not a record".into()))?;
         push(pair_from_object(object, fields, separator, &at)?, i + 1);
+    }
+    Ok(())
+}
+
+/// Checks what the Parquet reader takes on trust in a file's footer: every column chunk
+/// must lie inside the file (the reader panics on a negative offset or size, which a
+/// damaged file can hold; `tests/fuzz_readers.rs` found it).
+fn check_parquet_footer(path: &Path, file: &std::fs::File) -> Result<()> {
+    use parquet::file::metadata::ParquetMetaDataReader;
+    let bad =
+        |reason: String| Error::data(path, 0, format!("not a readable Parquet file ({reason})"));
+    let metadata = ParquetMetaDataReader::new()
+        .parse_and_finish(file)
+        .map_err(|e| bad(e.to_string()))?;
+    let len = file
+        .metadata()
+        .map_err(|e| Error::io("read", path, e))?
+        .len();
+    for (g, group) in metadata.row_groups().iter().enumerate() {
+        for column in group.columns() {
+            let start = column
+                .dictionary_page_offset()
+                .unwrap_or(column.data_page_offset());
+            let size = column.compressed_size();
+            let inside = start >= 0
+                && size >= 0
+                && (start as u64)
+                    .checked_add(size as u64)
+                    .is_some_and(|end| end <= len);
+            if !inside {
+                return Err(bad(format!(
+                    "row group {g}, column {}: a chunk of {size} bytes at offset {start} in a \
+                     file of {len} bytes",
+                    column.column_path()
+                )));
+            }
+        }
     }
     Ok(())
 }

@@ -460,9 +460,10 @@ impl<T: Task> Run<T> {
     /// One optimizer step on the next (global) batch; in a distributed run this rank
     /// encodes its share and every rank applies the same reduced gradients.
     ///
-    /// A step abandoned on a stop request ([`Error::Interrupted`]) puts the data position
-    /// and the BatchNorm statistics back as they were: the run stands where it stood
-    /// before the call. A skipped step ([`StepReport::skipped`]: non-finite values) counts
+    /// A step that fails (abandoned on a stop request, [`Error::Interrupted`]; a
+    /// non-finite loss under `on_nonfinite = "stop"`) puts the data position and the
+    /// BatchNorm statistics back as they were: the run stands where it stood before the
+    /// call. A skipped step ([`StepReport::skipped`]: non-finite values) counts
     /// and moves the data on, but changes no weight, optimizer state or statistic.
     pub fn train_step(&mut self) -> Result<StepReport> {
         let _flush = crate::denormal::flush();
@@ -475,10 +476,10 @@ impl<T: Task> Run<T> {
         let u = match out {
             Ok(u) => u,
             Err(e) => {
-                if let Error::Interrupted { .. } = e {
-                    buffers.put_back()?;
-                    self.task.seek(position, self.step)?;
-                }
+                // The step did not count: the data and the statistics stand where they
+                // stood (best effort; the step's own error is the one to report).
+                let _ = buffers.put_back();
+                let _ = self.task.seek(position, self.step);
                 return Err(e);
             }
         };
@@ -687,8 +688,8 @@ impl<T: Task> Run<T> {
     /// Holds the output directory's lock while it runs. When the run's [`StopSignal`] is
     /// set (see [`Self::set_stop_signal`]), the current step is abandoned if it has not
     /// reached the optimizer and finished if it has; a checkpoint of the last finished
-    /// step is written and the run returns [`Error::Stopped`] naming it (the evaluation
-    /// in progress, if any, finishes first).
+    /// step is written (no evaluation first) and the run returns [`Error::Stopped`] naming
+    /// it. An evaluation already in progress finishes first.
     pub fn run(
         &mut self,
         observer: &mut dyn Observer,
@@ -696,6 +697,10 @@ impl<T: Task> Run<T> {
         self.lock_output_dir()?;
         for note in std::mem::take(&mut self.notes) {
             observer.event(&Event::Note(note))?;
+        }
+        // A stop asked for during the set-up: no evaluation first.
+        if let Some(signal) = self.step_boundary(Ok(()))? {
+            return Err(self.stop(signal, observer)?);
         }
         let before = if self.step == 0 {
             let m = self.evaluate_on_root()?;
@@ -709,6 +714,8 @@ impl<T: Task> Run<T> {
             None
         };
         let mut filled = 0;
+        // The observer's outcome since the last agreement (rank 0's metrics file).
+        let mut observed = Ok(());
         while self.step < self.settings.steps {
             let report = match self.train_step() {
                 Ok(report) => report,
@@ -716,16 +723,19 @@ impl<T: Task> Run<T> {
                 Err(e) => return Err(e),
             };
             filled += report.filled_negatives;
-            let mut observed = observer.event(&Event::Step(report));
+            observed = observed.and_then(|()| observer.event(&Event::Step(report)));
+            // A stop asked for during the step: its checkpoint, without the evaluation.
+            let agreed = std::mem::replace(&mut observed, Ok(()));
+            if let Some(signal) = self.step_boundary(agreed)? {
+                return Err(self.stop(signal, observer)?);
+            }
             let s = &self.settings;
             let last = self.step == s.steps;
             if s.eval_every > 0 && self.step % s.eval_every == 0 && !last {
                 let m = self.evaluate_on_root()?;
-                observed = observed.and_then(|()| {
-                    observer.event(&Event::Eval {
-                        step: self.step,
-                        metrics: m,
-                    })
+                observed = observer.event(&Event::Eval {
+                    step: self.step,
+                    metrics: m,
                 });
                 if let Some(note) = self.task.eval_note(&self.gc)? {
                     let line = format!("step {}: {note}", self.step);
@@ -738,10 +748,8 @@ impl<T: Task> Run<T> {
                     observed = observed.and_then(|()| observer.event(&Event::CheckpointSaved(dir)));
                 }
             }
-            if let Some(signal) = self.step_boundary(observed)? {
-                return Err(self.stop(signal, observer)?);
-            }
         }
+        dist::agree(&*self.comm, observed)?;
         if filled > 0 {
             observer.event(&Event::Note(format!(
                 "{filled} missing hard negatives were filled with positives of other pairs"

@@ -198,7 +198,6 @@ impl Observer for Console {
     }
 }
 
-
 /// `represent 183 ms / 41.2 MiB, loss ..., replay ..., reduce ..., optimizer ..., heap
 /// peak 72.4 MiB`: each phase's wall time and peak memory above the step's start, and the
 /// heap's peak (what `train.memory_budget` bounds).
