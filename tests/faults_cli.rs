@@ -141,6 +141,22 @@ fn newest(out: &Path) -> (u64, BTreeMap<String, Vec<u32>>) {
     (c.state.step, all)
 }
 
+#[track_caller]
+fn assert_same_as_uninterrupted(
+    got: &BTreeMap<String, Vec<u32>>,
+    want: &BTreeMap<String, Vec<u32>>,
+) {
+    let differing: Vec<&String> = want
+        .keys()
+        .chain(got.keys())
+        .filter(|n| got.get(*n) != want.get(*n))
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "{differing:?} differ from the uninterrupted run"
+    );
+}
+
 fn checkpoint_names(out: &Path) -> Vec<String> {
     let mut names: Vec<String> = fs::read_dir(out.join("checkpoints"))
         .unwrap()
@@ -213,14 +229,7 @@ fn sigint_stops_after_the_step_and_the_resume_equals_the_uninterrupted_run() {
         losses(&plain),
         "every step's loss, bit for bit"
     );
-    let differing: Vec<&String> = want
-        .keys()
-        .filter(|n| got.get(*n) != want.get(*n))
-        .collect();
-    assert!(
-        differing.is_empty(),
-        "{differing:?} differ from the uninterrupted run"
-    );
+    assert_same_as_uninterrupted(&got, &want);
 }
 
 #[test]
@@ -309,14 +318,7 @@ fn a_write_past_a_file_size_limit_ends_the_run_and_the_last_checkpoint_resumes()
     run_ok(&args);
     let (step, got) = newest(&out);
     assert_eq!(step, 6);
-    let differing: Vec<&String> = want
-        .keys()
-        .filter(|n| got.get(*n) != want.get(*n))
-        .collect();
-    assert!(
-        differing.is_empty(),
-        "{differing:?} differ from the uninterrupted run"
-    );
+    assert_same_as_uninterrupted(&got, &want);
 }
 
 #[test]
