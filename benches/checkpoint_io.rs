@@ -13,6 +13,8 @@ use candle_core::{Device, Tensor, Var};
 use gradcache::train::checkpoint::{self, FileDigest, TrainerState};
 use gradcache::Params;
 
+mod common;
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let params: usize = args
@@ -38,14 +40,7 @@ fn main() -> anyhow::Result<()> {
         ..TrainerState::default()
     };
     let root = tempfile::tempdir_in(".")?;
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into());
+    let (cpu, _) = common::cpu();
     println!(
         "cpu: {cpu}; {} parameters ({:.0} MB) + optimizer ({:.0} MB), f32",
         per * 100,

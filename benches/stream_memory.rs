@@ -17,6 +17,8 @@ use gradcache::train::data::{Fields, Loader};
 use gradcache::train::formats::read_jsonl;
 use gradcache::train::stream::JsonlIndex;
 
+mod common;
+
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
@@ -29,14 +31,7 @@ fn main() -> anyhow::Result<()> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1_000_000);
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_default();
+    let (cpu, _) = common::cpu();
     println!("cpu: {cpu}");
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("pairs.jsonl");

@@ -30,18 +30,8 @@ use candle_core::{DType, Device, Tensor};
 use gradcache::train::data::TextBatch;
 use gradcache::train::{Config, PhaseTimes, Quiet, StepReport, Trainer};
 
-/// The CPU's model name and vendor, from `/proc/cpuinfo` (`unknown` elsewhere).
-fn cpu() -> (String, String) {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |key: &str| {
-        info.lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split(':').nth(1))
-            .map(|v| v.trim().to_string())
-            .unwrap_or_else(|| "unknown".into())
-    };
-    (field("model name"), field("vendor_id"))
-}
+mod common;
+use common::cpu;
 
 /// The first `rows` pairs of the quickstart's training data as a batch.
 fn probe_batch(rows: usize) -> anyhow::Result<TextBatch> {

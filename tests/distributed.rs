@@ -43,7 +43,7 @@ type Check = fn(&Rc<dyn Collective>) -> Result<(), String>;
 
 fn main() {
     let comm = dist::init(Backend::Mpi).expect("MPI starts");
-    let checks: [(&str, Check); 11] = [
+    let checks: [(&str, Check); 12] = [
         ("collectives", collectives),
         ("shape mismatch is reported on every rank", shape_mismatch),
         ("shared tower, in-batch negatives, chunk 4", shared_in_batch),
@@ -65,6 +65,10 @@ fn main() {
         ),
         ("gradient scale is the union batch's", scale),
         ("one rank's failure fails every rank", failure),
+        (
+            "a stop on one rank stops every rank at the same point",
+            stop_on_one_rank,
+        ),
         ("step volume matches the formula", volume),
         ("a second MPI start is refused", second_init),
     ];
@@ -406,6 +410,54 @@ fn scale(comm: &Rc<dyn Collective>) -> Result<(), String> {
     ensure(err <= TOL, || {
         format!("N x the averaged gradient differs from the union batch's: {err:e}")
     })
+}
+
+/// A stop asked for on the last rank only (a signal that reached one process): the step
+/// is abandoned on every rank, and the end-of-step agreement gives every rank the signal.
+/// A real failure elsewhere wins over a stop.
+fn stop_on_one_rank(comm: &Rc<dyn Collective>) -> Result<(), String> {
+    let (n, r) = (comm.world_size(), comm.rank());
+    let last = r == n - 1;
+    let case = Case {
+        two_towers: false,
+        hard: 0,
+        query_chunk: 4,
+        passage_chunk: 4,
+        loss: plain,
+    };
+    let (_, _, q_local, p_local) = data(case, comm.as_ref());
+    let stop = gradcache::stop::StopSignal::new();
+    if last {
+        stop.request(gradcache::stop::SIGTERM);
+    }
+    let gc = build(case, Some(comm)).with_stop_signal(stop);
+    match gc.cache_step(0, &q_local, &p_local) {
+        Err(Error::Interrupted { signal }) if signal == gradcache::stop::SIGTERM => {}
+        other => {
+            return Err(format!(
+                "expected the step abandoned on every rank, got {other:?}"
+            ))
+        }
+    }
+    let asked = last.then_some(gradcache::stop::SIGUSR1);
+    match dist::any_stop(comm.as_ref(), asked) {
+        Ok(Some(s)) if s == gradcache::stop::SIGUSR1 => {}
+        other => return Err(format!("expected SIGUSR1 on every rank, got {other:?}")),
+    }
+    let local: gradcache::Result<()> = match (r, last) {
+        (0, _) if n > 1 => Err(Error::InvalidArgument {
+            what: "test",
+            value: "x".into(),
+            reason: "rank 0 fails",
+        }),
+        (_, true) => Err(Error::Interrupted { signal: 2 }),
+        _ => Ok(()),
+    };
+    match dist::agree(comm.as_ref(), local) {
+        Err(Error::RankFailed { rank: 0, .. }) if n > 1 => Ok(()),
+        Err(Error::Interrupted { signal: 2 }) if n == 1 => Ok(()),
+        other => Err(format!("expected rank 0's failure to win, got {other:?}")),
+    }
 }
 
 fn failure(comm: &Rc<dyn Collective>) -> Result<(), String> {

@@ -438,6 +438,38 @@ fn a_stop_after_a_step_writes_its_checkpoint_and_the_resume_is_exact() {
     assert!(!fresh.join("checkpoints").exists());
 }
 
+/// An observer that cannot write (the binary's metrics file on a full disk) from step 2.
+struct FullDisk;
+
+impl Observer for FullDisk {
+    fn event(&mut self, e: &Event) -> gradcache::Result<()> {
+        match e {
+            Event::Step(r) if r.step >= 2 => Err(Error::Io {
+                action: "write",
+                path: "metrics.jsonl".into(),
+                reason: "No space left on device (os error 28)".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+#[test]
+fn an_observer_that_cannot_write_ends_the_run_after_its_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut r = run(&dir.path().join("full"), 6, OnNonFinite::Stop);
+    let err = r.run(&mut FullDisk).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "cannot write metrics.jsonl: No space left on device (os error 28)"
+    );
+    assert_eq!(
+        r.step(),
+        2,
+        "the run ended after the step it could not record"
+    );
+}
+
 #[test]
 fn a_nan_loss_stops_naming_the_step_or_is_skipped_changing_nothing() {
     let dir = tempfile::tempdir().unwrap();

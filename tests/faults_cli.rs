@@ -375,3 +375,42 @@ fn copy_dir(from: &Path, to: &PathBuf) {
         fs::copy(e.path(), to.join(e.file_name())).unwrap();
     }
 }
+
+#[test]
+fn an_image_text_run_refused_by_the_lock_leaves_the_holders_files_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    fs::create_dir_all(&out).unwrap();
+    fs::write(out.join("metrics.jsonl"), "the holder's\n").unwrap();
+    // This process holds the directory, as a running training would.
+    let held = gradcache::train::lock::RunLock::acquire(&out).unwrap();
+    let o = Command::new(bin())
+        .args([
+            "train",
+            "--config",
+            "configs/image-text.toml",
+            "--set",
+            &format!("output_dir={}", out.display()),
+            "--set",
+            "train.steps=2",
+            "--set",
+            "data.train=256",
+            "--set",
+            "data.eval=16",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("is in use by another training run")
+            && stderr.contains(&format!("process {}", std::process::id())),
+        "{stderr}"
+    );
+    assert_eq!(
+        fs::read_to_string(out.join("metrics.jsonl")).unwrap(),
+        "the holder's\n"
+    );
+    assert!(!out.join("checkpoints").exists());
+    drop(held);
+}

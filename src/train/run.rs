@@ -538,7 +538,8 @@ impl<T: Task> Run<T> {
             n => n,
         };
         let mut loss = f32::NAN;
-        let (mut times, mut peaks) = Default::default();
+        let mut times = crate::cache::StepTimes::default();
+        let mut peaks = crate::cache::StepPeaks::default();
         // Why the step cannot update, if it cannot: f16 unscales before clipping and checks
         // every gradient; f32/bf16 look at the loss and the gradient norm.
         let mut grad_norm = f64::NAN;
@@ -582,7 +583,7 @@ impl<T: Task> Run<T> {
             }
         }
         let (_, optimizer_peak) = meter.lap();
-        let (t, m): (crate::cache::StepTimes, crate::cache::StepPeaks) = (times, peaks);
+        let (t, m) = (times, peaks);
         let phase_peaks = PhasePeaks {
             represent: m.represent,
             loss: m.loss,

@@ -38,7 +38,9 @@ impl MetricsFile {
         Ok(Self {
             path,
             lines,
-            unwritten: true,
+            // Nothing to write until a line comes: a run refused before its first step
+            // (another run holds the directory) must not touch that run's file.
+            unwritten: false,
             written_at: Instant::now(),
             cost: Duration::ZERO,
         })

@@ -529,7 +529,6 @@ fn train_image_text(cfg: ImageTextConfig, resume: Option<&Path>) -> Result<()> {
         t.image_chunk,
         t.text_chunk
     );
-    trainer.lock_output_dir()?;
     let mut console = open_console(&cfg.output_dir, t.steps, trainer.step(), resume.is_some())?;
     let ran = trainer.run(&mut console);
     console.bar.finish_and_clear();
