@@ -21,7 +21,7 @@ fn main() -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("usage: embed <model dir or hub id> <text>..."))?;
     let texts: Vec<String> = args.collect();
     let options = LoadOptions {
-        max_len: 256,
+        max_len: Some(256),
         ..LoadOptions::default()
     };
     let model = EmbeddingModel::load(&model, &options)?;

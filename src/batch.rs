@@ -97,39 +97,57 @@ impl TokenBatch {
         self.input_ids.dims().get(1).copied().unwrap_or(0)
     }
 
-    /// Drops trailing columns where every row is padding (attention mask 0), so the batch
-    /// is as long as its longest sequence. Assumes right padding, as BERT tokenizers do.
+    /// Drops the columns at either end where every row is padding (attention mask 0), so
+    /// the batch is as long as its longest sequence, whichever side it is padded on.
     pub fn trim_padding(&self) -> Result<Self> {
         let used = self
             .attention_mask
             .max(0)?
             .to_dtype(candle_core::DType::U32)?;
         let used = used.to_vec1::<u32>()?;
-        let len = used.iter().rposition(|&m| m != 0).map_or(0, |i| i + 1);
-        if len == self.seq_len() {
+        let end = used.iter().rposition(|&m| m != 0).map_or(0, |i| i + 1);
+        let start = used.iter().position(|&m| m != 0).unwrap_or(0).min(end);
+        if start == 0 && end == self.seq_len() {
             return Ok(self.clone());
         }
+        let len = end - start;
         Ok(Self {
-            input_ids: self.input_ids.narrow(1, 0, len)?,
-            attention_mask: self.attention_mask.narrow(1, 0, len)?,
-            token_type_ids: self.token_type_ids.narrow(1, 0, len)?,
+            input_ids: self.input_ids.narrow(1, start, len)?,
+            attention_mask: self.attention_mask.narrow(1, start, len)?,
+            token_type_ids: self.token_type_ids.narrow(1, start, len)?,
             pool_from: self.pool_from,
         })
     }
 
-    fn pad_to(&self, len: usize) -> Result<Self> {
+    /// Whether the batch is padded on the left: some row starts with padding and ends
+    /// with a real token (decoder tokenizers as Qwen3-Embedding's).
+    pub fn pads_left(&self) -> Result<bool> {
+        let s = self.seq_len();
+        if s == 0 {
+            return Ok(false);
+        }
+        let mask = self.attention_mask.to_dtype(candle_core::DType::U32)?;
+        let first = mask.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<u32>()?;
+        let last = mask.narrow(1, s - 1, 1)?.flatten_all()?.to_vec1::<u32>()?;
+        Ok(first.iter().zip(&last).any(|(&f, &l)| f == 0 && l != 0))
+    }
+
+    /// Padded to `len` columns with id 0, mask 0 and token type 0, on the side the batch
+    /// is padded on (`left`).
+    fn pad_to(&self, len: usize, left: bool) -> Result<Self> {
         let pad = len - self.seq_len();
         if pad == 0 {
             return Ok(self.clone());
         }
-        let right = |t: &Tensor| -> Result<Tensor> {
+        let side = |t: &Tensor| -> Result<Tensor> {
             let zeros = Tensor::zeros((self.rows(), pad), t.dtype(), t.device())?;
-            Ok(Tensor::cat(&[t, &zeros], 1)?)
+            let parts = if left { [&zeros, t] } else { [t, &zeros] };
+            Ok(Tensor::cat(&parts, 1)?)
         };
         Ok(Self {
-            input_ids: right(&self.input_ids)?,
-            attention_mask: right(&self.attention_mask)?,
-            token_type_ids: right(&self.token_type_ids)?,
+            input_ids: side(&self.input_ids)?,
+            attention_mask: side(&self.attention_mask)?,
+            token_type_ids: side(&self.token_type_ids)?,
             pool_from: self.pool_from,
         })
     }
@@ -151,15 +169,20 @@ impl Batch for TokenBatch {
         .trim_padding()
     }
 
-    /// Concatenates along rows. Parts of different sequence lengths are right-padded to the
-    /// longest with id 0, mask 0 and token type 0, which a masked encoder ignores.
+    /// Concatenates along rows. Parts of different sequence lengths are padded to the
+    /// longest with id 0, mask 0 and token type 0, which a masked encoder ignores: on the
+    /// left when any part is padded on the left, else on the right.
     fn cat(parts: &[Self]) -> Result<Self> {
         let Some(len) = parts.iter().map(TokenBatch::seq_len).max() else {
             return Err(Error::Concat("no token batches to concatenate".into()));
         };
+        let mut left = false;
+        for p in parts {
+            left |= p.pads_left()?;
+        }
         let padded = parts
             .iter()
-            .map(|p| p.pad_to(len))
+            .map(|p| p.pad_to(len, left))
             .collect::<Result<Vec<_>>>()?;
         let field = |f: fn(&TokenBatch) -> &Tensor| -> Result<Tensor> {
             let ts: Vec<Tensor> = padded.iter().map(|p| f(p).clone()).collect();

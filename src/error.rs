@@ -224,6 +224,15 @@ pub enum Error {
         expected: Vec<usize>,
     },
 
+    /// A model config whose values do not fit together (a decoder's heads, head width,
+    /// layer types or window), found before anything is built.
+    #[error("model config {path} does not fit: `{field}` {reason}")]
+    ModelConfig {
+        path: PathBuf,
+        field: String,
+        reason: String,
+    },
+
     /// A model config asks for something this encoder does not implement.
     #[error("unsupported `{field}` = {value:?} in {path}: supported are {supported}")]
     UnsupportedConfig {

@@ -74,7 +74,7 @@ fn refs(v: &[String]) -> Vec<&str> {
 fn load(dir: &Path, pooling: Option<Pooling>) -> EmbeddingModel {
     let options = LoadOptions {
         pooling,
-        max_len: MAX_LEN,
+        max_len: Some(MAX_LEN),
         ..Default::default()
     };
     EmbeddingModel::load(dir.to_str().unwrap(), &options).unwrap()

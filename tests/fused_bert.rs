@@ -34,7 +34,7 @@ fn config(family: &str) -> BertConfig {
     }
     if family == "mpnet" {
         cfg.model_type = Some("mpnet".into());
-        cfg.pad_token_id = 1;
+        cfg.pad_token_id = Some(1);
         // Few buckets, so the short test rows reach the logarithmic ones too.
         cfg.extra
             .insert("relative_attention_num_buckets".into(), 8.into());

@@ -243,7 +243,7 @@ fn unsupported_activation() {
     write_model(dir.path(), false);
     fs::write(
         dir.path().join("config.json"),
-        TINY_BERT.replace("gelu_new", "swish"),
+        TINY_BERT.replace("gelu_new", "mish"),
     )
     .unwrap();
     let files = ModelFiles::from_dir(dir.path()).unwrap();
@@ -262,7 +262,7 @@ fn unsupported_activation() {
     );
     let msg = err.to_string();
     assert!(
-        msg.starts_with("unsupported `hidden_act` = \"swish\""),
+        msg.starts_with("unsupported `hidden_act` = \"mish\""),
         "{msg}"
     );
     assert!(msg.contains("gelu, gelu_new"), "{msg}");

@@ -160,6 +160,12 @@ fn long_modernbert_inputs_fit_the_budget() {
         serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     cfg["max_position_embeddings"] = 4096.into();
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    // The tokenizer's limit too (the model's limit is the smaller of the two).
+    let tok_path = model.join("tokenizer_config.json");
+    let mut tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tok_path).unwrap()).unwrap();
+    tok["model_max_length"] = 4096.into();
+    std::fs::write(&tok_path, tok.to_string()).unwrap();
     // Long texts: quickstart lines run together.
     let lines: Vec<String> = std::fs::read_to_string("data/quickstart/train.jsonl")
         .unwrap()

@@ -130,15 +130,20 @@ pub fn export_bert(
     fs::create_dir_all(&pooling_dir).map_err(|e| Error::io("create", &pooling_dir, e))?;
 
     let config_path = tmp.join("config.json");
-    let mut config = serde_json::to_value(cfg).map_err(|e| Error::io("write", &config_path, e))?;
+    let mut config = cfg.to_json();
     // The family's own names, so that `AutoModel` builds the same architecture.
     let model_type = cfg.model_type.clone().unwrap_or_else(|| "bert".into());
-    let architecture = match model_type.as_str() {
-        "roberta" => "RobertaModel",
-        "xlm-roberta" => "XLMRobertaModel",
-        "camembert" => "CamembertModel",
-        "mpnet" => "MPNetModel",
-        "modernbert" => "ModernBertModel",
+    let decoder = cfg
+        .family(&config_path)
+        .ok()
+        .and_then(crate::models::bert::DecoderKind::of);
+    let architecture = match (model_type.as_str(), decoder) {
+        (_, Some(kind)) => kind.architecture(),
+        ("roberta", _) => "RobertaModel",
+        ("xlm-roberta", _) => "XLMRobertaModel",
+        ("camembert", _) => "CamembertModel",
+        ("mpnet", _) => "MPNetModel",
+        ("modernbert", _) => "ModernBertModel",
         _ => "BertModel",
     };
     config["architectures"] = json!([architecture]);
@@ -172,19 +177,32 @@ pub fn export_bert(
             .map(|t| json!(t))
             .unwrap_or(serde_json::Value::Null)
     };
-    let mut tokenizer_config = json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": tokenizer.max_len(),
-        "cls_token": special(&["[CLS]", "<s>"]),
-        "sep_token": special(&["[SEP]", "</s>"]),
-        "pad_token": special(&["[PAD]", "<pad>"]),
-        "unk_token": special(&["[UNK]", "<unk>"]),
-        "mask_token": special(&["[MASK]", "<mask>"]),
-    });
-    if plain.token_to_id("<s>").is_some() && plain.token_to_id("</s>").is_some() {
-        tokenizer_config["bos_token"] = json!("<s>");
-        tokenizer_config["eos_token"] = json!("</s>");
-    }
+    let tokenizer_config = match tokenizer.config() {
+        // The model's own (its special tokens, padding side, class), with this
+        // tokenizer's limit and side.
+        Some(own) => {
+            let mut own = serde_json::Value::Object(own.clone());
+            own["model_max_length"] = json!(tokenizer.max_len());
+            own["padding_side"] = json!(if tokenizer.pads_left() { "left" } else { "right" });
+            own
+        }
+        None => {
+            let mut generated = json!({
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": tokenizer.max_len(),
+                "cls_token": special(&["[CLS]", "<s>"]),
+                "sep_token": special(&["[SEP]", "</s>"]),
+                "pad_token": special(&["[PAD]", "<pad>"]),
+                "unk_token": special(&["[UNK]", "<unk>"]),
+                "mask_token": special(&["[MASK]", "<mask>"]),
+            });
+            if plain.token_to_id("<s>").is_some() && plain.token_to_id("</s>").is_some() {
+                generated["bos_token"] = json!("<s>");
+                generated["eos_token"] = json!("</s>");
+            }
+            generated
+        }
+    };
     write_json(&tmp.join("tokenizer_config.json"), &tokenizer_config)?;
 
     let mut modules = vec![

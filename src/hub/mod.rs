@@ -111,8 +111,9 @@ pub struct LoadOptions {
     pub normalize: Option<bool>,
     /// Similarity for ranking (default: cosine).
     pub similarity: Option<Similarity>,
-    /// Token limit; capped at what the model's position embeddings cover.
-    pub max_len: usize,
+    /// Token limit. `None`: the model's own ([`tokenizer::model_max_length`]); a larger
+    /// one is capped at it (the settings line says so).
+    pub max_len: Option<usize>,
     /// Where to run.
     pub device: Device,
     /// Put before queries (default: the model's `query` prompt, else its default prompt).
@@ -128,7 +129,7 @@ impl Default for LoadOptions {
             pooling: None,
             normalize: None,
             similarity: None,
-            max_len: 128,
+            max_len: None,
             device: Device::Cpu,
             query_prompt: None,
             passage_prompt: None,
@@ -245,12 +246,22 @@ impl EmbeddingModel {
         };
         let store = ParamStore::new(0, DType::F32, &options.device);
         let (encoder, config, store) = load_pretrained(files, "", &bert_options, store)?;
-        let tokenizer_path = files.tokenizer.as_ref().ok_or_else(|| Error::MissingFile {
-            path: files.dir.join(files::TOKENIZER),
-            what: "tokenizer",
-        })?;
-        let max_len = options.max_len.min(config.max_tokens());
-        let tokenizer = Tokenizer::from_file(tokenizer_path, max_len)?;
+        let (inner, tokenizer_config) = load_tokenizer(files, &config)?;
+        let (limit, limit_src) = tokenizer::model_max_length(&files.dir, config.max_tokens())?;
+        let max_len = match options.max_len {
+            Some(asked) if asked > limit => {
+                settings += &format!(
+                    "; max_len {asked} capped at the model's limit of {limit} tokens ({limit_src})"
+                );
+                limit
+            }
+            Some(asked) => asked,
+            None => {
+                settings += &format!("; max_len {limit} (the model's, {limit_src})");
+                limit
+            }
+        };
+        let tokenizer = Tokenizer::new(inner, max_len)?.with_config(tokenizer_config);
         Ok(Self {
             encoder,
             dense,
@@ -340,4 +351,32 @@ impl EmbeddingModel {
     pub fn encoder(&self) -> &BertEncoder {
         &self.encoder
     }
+}
+
+/// A model's tokenizer as the model expects it ([`tokenizer::read_model_tokenizer`]) and
+/// its `tokenizer_config.json`. A decoder's tokenizer must have a pad token (its batches
+/// are padded, on the side its files say).
+pub fn load_tokenizer(
+    files: &ModelFiles,
+    config: &BertConfig,
+) -> Result<(
+    tokenizers::Tokenizer,
+    Option<serde_json::Map<String, serde_json::Value>>,
+)> {
+    let path = files.tokenizer.as_ref().ok_or_else(|| Error::MissingFile {
+        path: files.dir.join(files::TOKENIZER),
+        what: "tokenizer",
+    })?;
+    let (inner, tokenizer_config) = tokenizer::read_model_tokenizer(path, &files.dir)?;
+    let decoder = config.family(&files.config).is_ok_and(|f| f.is_decoder());
+    if decoder && inner.get_padding().is_none() {
+        return Err(Error::ModelFile {
+            path: files.dir.join("tokenizer_config.json"),
+            reason: "the tokenizer has no pad token, and a decoder's batches are padded: set \
+                     `pad_token` (Qwen3-Embedding uses its `<|endoftext|>`, the Llama family \
+                     often its EOS)"
+                .into(),
+        });
+    }
+    Ok((inner, tokenizer_config))
 }

@@ -5,11 +5,18 @@
 //! into chunks, each chunk is trimmed to *its* longest sequence
 //! ([`TokenBatch::trim_padding`]), so short chunks do not pay for one long text elsewhere
 //! in the batch.
+//!
+//! A model's tokenizer is read as the model expects it ([`read_model_tokenizer`]): the
+//! padding side and pad token of `tokenizer_config.json` (and of sentence-transformers'
+//! tokenizer kwargs in `sentence_bert_config.json`), the BOS and EOS that Llama-style
+//! configs ask for (`add_bos_token`, `add_eos_token`) when `tokenizer.json` does not add
+//! them itself; its maximum length is the model's ([`model_max_length`]). Truncation
+//! keeps the special tokens the post-processor adds (a decoder's appended EOS survives).
 
 use std::path::Path;
 
 use candle_core::{Device, Tensor};
-use tokenizers::{PaddingParams, PaddingStrategy, TruncationParams};
+use tokenizers::{PaddingDirection, PaddingParams, PaddingStrategy, TruncationParams};
 
 use crate::batch::TokenBatch;
 use crate::{Error, Result};
@@ -24,6 +31,8 @@ pub struct Tokenizer {
     /// Leave the prompt (and the special token before it) out of the pooling
     /// (`include_prompt = false`).
     exclude_prompt: bool,
+    /// The model's `tokenizer_config.json`, written back by an export.
+    config: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl Tokenizer {
@@ -49,6 +58,10 @@ impl Tokenizer {
             .or_else(|| inner.token_to_id("<pad>"))
             .unwrap_or(0);
         let pad_token = inner.id_to_token(pad_id).unwrap_or_else(|| "[PAD]".into());
+        // The side the model pads on (a decoder's left), as its files set it.
+        let direction = inner
+            .get_padding()
+            .map_or(PaddingDirection::Right, |p| p.direction);
         inner
             .with_truncation(Some(TruncationParams {
                 max_length: max_len,
@@ -57,6 +70,7 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(e.to_string()))?;
         inner.with_padding(Some(PaddingParams {
             strategy: PaddingStrategy::BatchLongest,
+            direction,
             pad_id,
             pad_token,
             ..Default::default()
@@ -66,7 +80,30 @@ impl Tokenizer {
             max_len,
             prompt: String::new(),
             exclude_prompt: false,
+            config: None,
         })
+    }
+
+    /// The same tokenizer carrying the model's `tokenizer_config.json` (an export writes
+    /// it back, with this tokenizer's maximum length and padding side).
+    pub fn with_config(
+        mut self,
+        config: Option<serde_json::Map<String, serde_json::Value>>,
+    ) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// The model's `tokenizer_config.json`, if it has one.
+    pub fn config(&self) -> Option<&serde_json::Map<String, serde_json::Value>> {
+        self.config.as_ref()
+    }
+
+    /// Whether batches are padded on the left (decoders as Qwen3-Embedding).
+    pub fn pads_left(&self) -> bool {
+        self.inner
+            .get_padding()
+            .is_some_and(|p| matches!(p.direction, PaddingDirection::Left))
     }
 
     /// The same tokenizer putting `prompt` before every text (as sentence-transformers
@@ -105,7 +142,10 @@ impl Tokenizer {
             .iter()
             .filter(|&&m| m != 0)
             .count();
-        Ok(ids.saturating_sub(1))
+        // As sentence-transformers: less the last token when it is a special one (BERT's
+        // `[SEP]`, a decoder's EOS); a tokenizer that adds none counts the prompt whole.
+        let last_special = alone.get_special_tokens_mask().last() == Some(&1);
+        Ok(ids - usize::from(last_special && ids > 0))
     }
 
     /// The maximum sequence length.
@@ -151,6 +191,222 @@ impl Tokenizer {
         )?
         .with_pool_from(self.pool_from()?))
     }
+}
+
+/// The model's own files beside its `tokenizer.json`: `tokenizer_config.json` and the
+/// tokenizer kwargs of `sentence_bert_config.json` (`processor_kwargs`, older
+/// `tokenizer_args`), which win over it as sentence-transformers passes them on.
+fn tokenizer_settings(dir: &Path) -> Result<serde_json::Map<String, serde_json::Value>> {
+    let read = |name: &str| -> Result<Option<serde_json::Value>> {
+        let path = dir.join(name);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io("read", &path, e))?;
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| Error::ModelFile {
+                path: path.clone(),
+                reason: e.to_string(),
+            })
+    };
+    let mut settings = match read("tokenizer_config.json")? {
+        Some(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    if let Some(st) = read("sentence_bert_config.json")? {
+        for key in ["processor_kwargs", "tokenizer_args"] {
+            if let Some(serde_json::Value::Object(kwargs)) = st.get(key) {
+                for (k, v) in kwargs {
+                    settings.insert(k.clone(), v.clone());
+                }
+            }
+        }
+    }
+    Ok(settings)
+}
+
+/// A special token of a tokenizer config: a string, or an added-token object
+/// (`{"content": ...}`).
+fn special_token(
+    settings: &serde_json::Map<String, serde_json::Value>,
+    key: &str,
+) -> Option<String> {
+    match settings.get(key)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
+        _ => None,
+    }
+}
+
+/// Reads a model's `tokenizer.json` at `path` as the model expects it, with the settings
+/// of its directory `dir`: the padding side and pad token, and a BOS/EOS that
+/// `add_bos_token` / `add_eos_token` ask for and the post-processor does not add. Returns
+/// the tokenizer and the model's `tokenizer_config.json` (to write back on export).
+pub fn read_model_tokenizer(
+    path: &Path,
+    dir: &Path,
+) -> Result<(
+    tokenizers::Tokenizer,
+    Option<serde_json::Map<String, serde_json::Value>>,
+)> {
+    let mut inner = read_tokenizer_file(path)?;
+    let settings = tokenizer_settings(dir)?;
+    let config_path = dir.join("tokenizer_config.json");
+    let config = match std::fs::read_to_string(&config_path) {
+        Ok(text) => match serde_json::from_str(&text) {
+            Ok(serde_json::Value::Object(m)) => Some(m),
+            _ => None,
+        },
+        Err(_) => None,
+    };
+    let bad = |reason: String| Error::ModelFile {
+        path: config_path.clone(),
+        reason,
+    };
+    let direction = match settings.get("padding_side").and_then(|v| v.as_str()) {
+        Some("left") => Some(PaddingDirection::Left),
+        Some("right") => Some(PaddingDirection::Right),
+        Some(other) => {
+            return Err(bad(format!(
+                "`padding_side` = {other:?}: supported are \"left\" and \"right\""
+            )))
+        }
+        None => None,
+    };
+    let pad = match special_token(&settings, "pad_token") {
+        Some(token) => {
+            let id = inner.token_to_id(&token).ok_or_else(|| {
+                bad(format!(
+                    "`pad_token` {token:?} is not in the tokenizer's vocabulary"
+                ))
+            })?;
+            Some((token, id))
+        }
+        None => inner.get_padding().map(|p| (p.pad_token.clone(), p.pad_id)),
+    };
+    if let Some((pad_token, pad_id)) = pad {
+        let direction = direction
+            .or_else(|| inner.get_padding().map(|p| p.direction))
+            .unwrap_or(PaddingDirection::Right);
+        inner.with_padding(Some(PaddingParams {
+            strategy: PaddingStrategy::BatchLongest,
+            direction,
+            pad_id,
+            pad_token,
+            ..Default::default()
+        }));
+    }
+    add_special_tokens(&mut inner, &settings).map_err(bad)?;
+    Ok((inner, config))
+}
+
+/// Llama-style tokenizer configs say whether a BOS and an EOS surround every text
+/// (`add_bos_token`, `add_eos_token`; transformers rebuilds the post-processor from them).
+/// Where `tokenizer.json`'s own post-processor does not add what they ask for, a template
+/// that does replaces it.
+fn add_special_tokens(
+    inner: &mut tokenizers::Tokenizer,
+    settings: &serde_json::Map<String, serde_json::Value>,
+) -> std::result::Result<(), String> {
+    let flag = |key: &str| settings.get(key).and_then(|v| v.as_bool());
+    let (add_bos, add_eos) = (flag("add_bos_token"), flag("add_eos_token"));
+    if add_bos.is_none() && add_eos.is_none() {
+        return Ok(());
+    }
+    let token = |key: &str| -> std::result::Result<Option<(String, u32)>, String> {
+        let Some(t) = special_token(settings, key) else {
+            return Ok(None);
+        };
+        let id = inner
+            .token_to_id(&t)
+            .ok_or_else(|| format!("`{key}` {t:?} is not in the tokenizer's vocabulary"))?;
+        Ok(Some((t, id)))
+    };
+    let bos = if add_bos == Some(true) {
+        token("bos_token")?
+    } else {
+        None
+    };
+    let eos = if add_eos == Some(true) {
+        token("eos_token")?
+    } else {
+        None
+    };
+    let probe = inner
+        .encode("a", true)
+        .map_err(|e| format!("cannot tokenize: {e}"))?;
+    let ids = probe.get_ids();
+    let has_bos = bos.as_ref().is_none_or(|(_, id)| ids.first() == Some(id));
+    let has_eos = eos.as_ref().is_none_or(|(_, id)| ids.last() == Some(id));
+    if has_bos && has_eos {
+        return Ok(());
+    }
+    let mut single = Vec::new();
+    let mut pair = Vec::new();
+    if let Some((t, _)) = &bos {
+        single.push(format!("{t}:0"));
+        pair.push(format!("{t}:0"));
+    }
+    single.push("$A:0".to_string());
+    pair.push("$A:0".to_string());
+    if let Some((t, _)) = &eos {
+        single.push(format!("{t}:0"));
+        pair.push(format!("{t}:0"));
+    }
+    if let Some((t, _)) = &bos {
+        pair.push(format!("{t}:1"));
+    }
+    pair.push("$B:1".to_string());
+    if let Some((t, _)) = &eos {
+        pair.push(format!("{t}:1"));
+    }
+    let specials: Vec<(String, u32)> = bos.into_iter().chain(eos).collect();
+    let template = tokenizers::processors::template::TemplateProcessing::builder()
+        .try_single(single.join(" "))
+        .and_then(|b| b.try_pair(pair.join(" ")))
+        .map_err(|e| format!("cannot build the BOS/EOS template: {e}"))?
+        .special_tokens(specials)
+        .build()
+        .map_err(|e| format!("cannot build the BOS/EOS template: {e}"))?;
+    inner.with_post_processor(Some(template));
+    Ok(())
+}
+
+/// The longest input the model takes, in tokens, and where that limit comes from, as
+/// sentence-transformers decides it: `max_seq_length` of `sentence_bert_config.json`
+/// (older packages), else `model_max_length` of the tokenizer kwargs or of
+/// `tokenizer_config.json` (what sentence-transformers 6 writes) capped at
+/// `max_position_embeddings`, else the positions the model covers (`positions`); never
+/// more than `positions`.
+pub fn model_max_length(dir: &Path, positions: usize) -> Result<(usize, String)> {
+    let st_path = dir.join("sentence_bert_config.json");
+    if st_path.is_file() {
+        let text = std::fs::read_to_string(&st_path).map_err(|e| Error::io("read", &st_path, e))?;
+        let st: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+            path: st_path.clone(),
+            reason: e.to_string(),
+        })?;
+        if let Some(len) = st.get("max_seq_length").and_then(|v| v.as_f64()) {
+            if len >= 1.0 {
+                let len = (len as usize).min(positions);
+                return Ok((len, "max_seq_length of sentence_bert_config.json".into()));
+            }
+        }
+    }
+    let settings = tokenizer_settings(dir)?;
+    if let Some(len) = settings.get("model_max_length").and_then(|v| v.as_f64()) {
+        if len >= 1.0 {
+            // A length past 2^53 (transformers' "very large integer") is no limit.
+            let len = if len > 1e15 {
+                positions
+            } else {
+                (len as usize).min(positions)
+            };
+            return Ok((len, "model_max_length of tokenizer_config.json".into()));
+        }
+    }
+    Ok((positions, "the model's max_position_embeddings".into()))
 }
 
 /// Reads a `tokenizer.json` as it is (no truncation or padding added).

@@ -30,7 +30,10 @@ use crate::precision::Precision;
 use crate::recompute::{LayerStack, Recompute, Recomputed};
 use crate::{Error, Result};
 
-pub use super::bert_config::{Activation, BertConfig, Family, SUPPORTED_FAMILIES};
+pub use super::bert_config::{
+    Activation, BertConfig, DecoderKind, DecoderSettings, Family, SUPPORTED_FAMILIES,
+};
+use super::decoder::{Decoder, DecoderAux};
 use super::dense::Dense;
 pub use super::dense::{DenseActivation, DenseSpec};
 use super::modernbert::{ModernAux, ModernBert};
@@ -68,6 +71,10 @@ pub const SITES: [&str; 5] = [
     "embeddings.LayerNorm",
 ];
 const SITE_ATTENTION_PROBS: usize = 0;
+
+/// The sites of a decoder layer that selective recompute can recompute: the attention
+/// probabilities (the same index as BERT's).
+pub const DECODER_SITES: [&str; 1] = ["attention.probs"];
 const SITE_ATTENTION_NORM: usize = 1;
 const SITE_INTERMEDIATE: usize = 2;
 const SITE_OUTPUT_NORM: usize = 3;
@@ -114,6 +121,8 @@ pub struct Bert {
     layers: Vec<Layer>,
     /// ModernBERT's embeddings and layers, which then replace BERT's.
     modern: Option<Box<ModernBert>>,
+    /// A decoder's embeddings and layers, which then replace BERT's.
+    decoder: Option<Box<Decoder>>,
     relative_bias: Option<RelativeBias>,
     heads: usize,
     /// The position of the first token (see [`BertConfig::first_position`]).
@@ -135,6 +144,10 @@ pub struct BertAux {
     mask: Tensor,
     /// ModernBERT's rotary tables.
     modern: Option<ModernAux>,
+    /// A decoder's positions and rotary tables.
+    decoder: Option<DecoderAux>,
+    /// Each sequence's first real token (where the pooling's positions count from).
+    first: Vec<usize>,
     /// MPNet's relative position bucket of every (query, key) pair `[s s]`.
     buckets: Option<Tensor>,
 }
@@ -161,12 +174,31 @@ impl Bert {
         let linear = |i: usize, o: usize, vb: VarBuilder| Linear::normal(i, o, std, vb);
         let family = cfg.family(path)?;
         let dense = dense_modules(h, &options.dense, &vb)?;
+        if family.is_decoder() {
+            let decoder = Decoder::new(cfg, cfg.decoder(path)?, vb)?;
+            return Ok(Self {
+                embeddings: None,
+                layers: Vec::new(),
+                modern: None,
+                decoder: Some(Box::new(decoder)),
+                relative_bias: None,
+                heads: cfg.num_attention_heads,
+                first_position: 0,
+                max_positions: cfg.max_tokens(),
+                activation: Activation::Gelu,
+                hidden_dropout: Dropout::new(0.0)?,
+                attention_dropout: Dropout::new(0.0)?,
+                options: options.clone(),
+                dense,
+            });
+        }
         if family == Family::ModernBert {
             let modern = ModernBert::new(cfg, &cfg.modern(path)?, vb)?;
             return Ok(Self {
                 embeddings: None,
                 layers: Vec::new(),
                 modern: Some(Box::new(modern)),
+                decoder: None,
                 relative_bias: None,
                 heads: cfg.num_attention_heads,
                 first_position: 0,
@@ -261,6 +293,7 @@ impl Bert {
             embeddings: Some(embeddings),
             layers,
             modern: None,
+            decoder: None,
             relative_bias,
             heads: cfg.num_attention_heads,
             first_position: cfg.first_position(),
@@ -280,9 +313,16 @@ impl Bert {
         for i in 0..self.num_layers() {
             x = self.layer(i, &x, &aux, ctx)?;
         }
-        match &self.modern {
-            Some(m) => m.final_norm(&x),
-            None => Ok(x),
+        self.final_norm(&x)
+    }
+
+    /// The final norm of the pre-norm families (ModernBERT, the decoders); BERT's layers
+    /// end normalised.
+    fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        match (&self.modern, &self.decoder) {
+            (Some(m), _) => m.final_norm(x),
+            (_, Some(d)) => d.final_norm(x),
+            _ => Ok(x.clone()),
         }
     }
 
@@ -463,10 +503,11 @@ impl LayerStack for Bert {
     type Aux = BertAux;
 
     fn aux(&self, input: &TokenBatch) -> Result<BertAux> {
-        let dtype = match (&self.modern, &self.embeddings) {
-            (Some(m), _) => m.dtype(),
-            (None, Some(e)) => e.norm.dtype(),
-            (None, None) => candle_core::DType::F32,
+        let dtype = match (&self.modern, &self.decoder, &self.embeddings) {
+            (Some(m), _, _) => m.dtype(),
+            (_, Some(d), _) => d.dtype(),
+            (_, _, Some(e)) => e.norm.dtype(),
+            _ => candle_core::DType::F32,
         };
         let mask = input.attention_mask.to_dtype(dtype)?;
         // -10000 for padding, 0 for real tokens: finite in f16, bf16 and f32, and exp()
@@ -478,15 +519,35 @@ impl LayerStack for Bert {
             Some(m) => Some(m.aux(&bias)?),
             None => None,
         };
+        let decoder = match &self.decoder {
+            Some(d) => {
+                let layers = match self.options.precision {
+                    Precision::F32 => dtype,
+                    half => half.dtype(),
+                };
+                Some(d.aux(input, layers)?)
+            }
+            None => None,
+        };
         // The pooling's mask: the prompt (with the special token before it) left out when
-        // the batch says so; the attention still sees every real token.
+        // the batch says so, counted from each sequence's first real token (the padding
+        // may be on the left); the attention still sees every real token.
+        let rows: Vec<Vec<u32>> = input
+            .attention_mask
+            .to_dtype(candle_core::DType::U32)?
+            .to_vec2()?;
+        let first: Vec<usize> = rows
+            .iter()
+            .map(|r| r.iter().position(|&m| m != 0).unwrap_or(0))
+            .collect();
         let mask = if input.pool_from > 0 {
             let s = mask.dim(1)?;
-            let keep: Vec<f32> = (0..s)
-                .map(|t| f32::from(u8::from(t >= input.pool_from)))
+            let keep: Vec<f32> = first
+                .iter()
+                .flat_map(|&f| (0..s).map(move |t| f32::from(u8::from(t >= f + input.pool_from))))
                 .collect();
-            let keep = Tensor::from_vec(keep, (1, s), mask.device())?.to_dtype(dtype)?;
-            mask.broadcast_mul(&keep)?
+            let keep = Tensor::from_vec(keep, (rows.len(), s), mask.device())?.to_dtype(dtype)?;
+            (mask * keep)?
         } else {
             mask
         };
@@ -498,6 +559,8 @@ impl LayerStack for Bert {
             bias,
             mask,
             modern,
+            decoder,
+            first,
             buckets,
         })
     }
@@ -510,10 +573,17 @@ impl LayerStack for Bert {
                 max: self.max_positions,
             });
         }
-        let e = match (&self.modern, &self.embeddings) {
-            (Some(m), _) => return m.embed(input, self.options.precision, ctx),
-            (None, Some(e)) => e,
-            (None, None) => unreachable!("a BERT has embeddings or ModernBERT layers"),
+        let e = match (&self.modern, &self.decoder, &self.embeddings) {
+            (Some(m), _, _) => return m.embed(input, self.options.precision, ctx),
+            (_, Some(d), _) => return d.embed(input, self.options.precision),
+            (_, _, Some(e)) => e,
+            _ => {
+                return Err(Error::InvalidArgument {
+                    what: "model",
+                    value: "no embeddings".into(),
+                    reason: "a BERT has embeddings, ModernBERT or decoder layers",
+                })
+            }
         };
         let dropout = self.hidden_dropout.mask(ctx, 0, site::EMBEDDINGS);
         if let (Precision::F32, Some(types)) = (self.options.precision, &e.token_types) {
@@ -552,13 +622,18 @@ impl LayerStack for Bert {
     }
 
     fn num_layers(&self) -> usize {
-        match &self.modern {
-            Some(m) => m.num_layers(),
-            None => self.layers.len(),
+        match (&self.modern, &self.decoder) {
+            (Some(m), _) => m.num_layers(),
+            (_, Some(d)) => d.num_layers(),
+            _ => self.layers.len(),
         }
     }
 
     fn layer(&self, i: usize, x: &Tensor, aux: &BertAux, ctx: &Ctx) -> Result<Tensor> {
+        if let (Some(d), Some(decoder_aux)) = (&self.decoder, &aux.decoder) {
+            let probs = ctx.recompute.recomputes(SITE_ATTENTION_PROBS);
+            return d.layer(i, x, &aux.bias, decoder_aux, probs, ctx);
+        }
         if let (Some(m), Some(modern_aux)) = (&self.modern, &aux.modern) {
             let probs = ctx.recompute.recomputes(SITE_ATTENTION_PROBS);
             return m.layer(i, x, &aux.bias, modern_aux, probs, ctx);
@@ -603,24 +678,20 @@ impl LayerStack for Bert {
     }
 
     fn sites(&self) -> &'static [&'static str] {
-        &SITES
+        match &self.decoder {
+            Some(_) => &DECODER_SITES,
+            None => &SITES,
+        }
     }
 
     fn head(&self, x: &Tensor, aux: &BertAux, _: &Ctx) -> Result<Tensor> {
         let x = &x.to_dtype(aux.mask.dtype())?;
-        let normed;
-        let x = match &self.modern {
-            Some(m) => {
-                normed = m.final_norm(x)?;
-                &normed
-            }
-            None => x,
-        };
+        let x = &self.final_norm(x)?;
         let pooling = self.options.pooling;
         if self.dense.is_empty() {
-            return pooling.pool(x, &aux.mask, self.options.normalize);
+            return pooling.pool(x, &aux.mask, &aux.first, self.options.normalize);
         }
-        let mut y = pooling.pool(x, &aux.mask, false)?;
+        let mut y = pooling.pool(x, &aux.mask, &aux.first, false)?;
         for dense in &self.dense {
             y = dense.forward(&y)?;
         }
@@ -664,12 +735,18 @@ pub fn load_pretrained(
     let probe = WeightFile::open(&files.weights, "")?;
     // `BertFor...` / `RobertaFor...` / `ModernBertFor...` checkpoints keep the encoder
     // under its base name.
+    // `...ForCausalLM` checkpoints of a decoder keep it under `model.` (with an
+    // `lm_head` that is not loaded).
     let file_prefix = ["bert.", "roberta.", "mpnet.", "model."]
         .into_iter()
         .find(|p| {
-            ["word_embeddings", "tok_embeddings"]
-                .iter()
-                .any(|t| probe.contains(&format!("{p}embeddings.{t}.weight")))
+            [
+                "embeddings.word_embeddings.weight",
+                "embeddings.tok_embeddings.weight",
+                "embed_tokens.weight",
+            ]
+            .iter()
+            .any(|t| probe.contains(&format!("{p}{t}")))
         })
         .unwrap_or("");
     let file = Arc::new(WeightFile::open(&files.weights, file_prefix)?);

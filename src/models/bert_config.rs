@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+pub use super::decoder_config::{DecoderKind, DecoderSettings};
 use crate::{Error, Result};
 
 /// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).
@@ -43,9 +44,9 @@ pub struct BertConfig {
     /// Only `absolute` is supported.
     #[serde(default = "defaults::position_embedding_type")]
     pub position_embedding_type: String,
-    /// Padding token id.
-    #[serde(default)]
-    pub pad_token_id: usize,
+    /// Padding token id (`null`: none, as some decoders' configs say).
+    #[serde(default = "defaults::pad_token_id")]
+    pub pad_token_id: Option<usize>,
     /// `bert` for BERT checkpoints.
     #[serde(default)]
     pub model_type: Option<String>,
@@ -53,9 +54,18 @@ pub struct BertConfig {
     /// loaded one said.
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
+    /// The keys of the `config.json` this was read from (empty: built in code). A
+    /// decoder's export writes back these alone, so the fields above that only BERT has
+    /// do not appear in a Qwen or Llama config with BERT's defaults.
+    #[serde(skip)]
+    pub keys: Vec<String>,
 }
 
 mod defaults {
+    pub fn pad_token_id() -> Option<usize> {
+        Some(0)
+    }
+
     pub fn hidden_act() -> String {
         "gelu".into()
     }
@@ -97,6 +107,30 @@ pub enum Family {
     /// per layer type), a GeGLU feed-forward, global and sliding-window (local) attention
     /// as the config's layer types say, a final norm; no position table, no token types.
     ModernBert,
+    /// `qwen3`: a decoder (Qwen3-Embedding): RMSNorm, q/k norms, grouped KV heads, an
+    /// explicit head width, rotary positions, SwiGLU, causal attention.
+    Qwen3,
+    /// `qwen2`: a decoder (gte-Qwen2): Qwen3's layer with q/k/v biases and no q/k norms.
+    Qwen2,
+    /// `llama`: a decoder with optional attention and MLP biases.
+    Llama,
+    /// `mistral`: a decoder (e5-mistral, SFR-Embedding, Linq) with an optional sliding
+    /// window.
+    Mistral,
+    /// `gemma3_text`: a decoder (EmbeddingGemma): scaled embeddings, `(1 + w)` norms
+    /// around attention and feed-forward, q/k norms, GELU-tanh GeGLU, sliding and global
+    /// layers, bidirectional when the config says so.
+    Gemma3,
+}
+
+impl Family {
+    /// Whether the family is a decoder (see [`super::decoder_config`]).
+    pub fn is_decoder(self) -> bool {
+        matches!(
+            self,
+            Family::Qwen3 | Family::Qwen2 | Family::Llama | Family::Mistral | Family::Gemma3
+        )
+    }
 }
 
 /// What a ModernBERT `config.json` says beyond BERT's fields (old layout, transformers 4.x:
@@ -128,7 +162,8 @@ pub struct ModernSettings {
 }
 
 /// The `model_type`s [`Family`] accepts, for errors.
-pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, modernbert";
+pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, modernbert \
+    (encoders); qwen3, qwen2, llama, mistral, gemma3_text (decoders)";
 
 /// Feed-forward activations of BERT-family configs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,6 +174,8 @@ pub enum Activation {
     GeluTanh,
     /// `relu`.
     Relu,
+    /// `silu` / `swish` (the decoders' SwiGLU gate).
+    Silu,
 }
 
 impl Activation {
@@ -148,6 +185,7 @@ impl Activation {
             Activation::Gelu => crate::nn::Act::GeluErf,
             Activation::GeluTanh => crate::nn::Act::GeluTanh,
             Activation::Relu => crate::nn::Act::Relu,
+            Activation::Silu => crate::nn::Act::Silu,
         }
     }
 }
@@ -177,9 +215,10 @@ impl BertConfig {
             initializer_range: defaults::initializer_range(),
             layer_norm_eps: defaults::layer_norm_eps(),
             position_embedding_type: defaults::position_embedding_type(),
-            pad_token_id: 0,
+            pad_token_id: Some(0),
             model_type: Some("bert".into()),
             extra: Default::default(),
+            keys: Vec::new(),
         }
     }
 
@@ -194,6 +233,18 @@ impl BertConfig {
             self.intermediate_size as f64,
             len as f64,
         );
+        if let Ok(d) = self.decoder(Path::new("config")) {
+            // Q and O of `heads * d`, K and V of `kv_heads * d`, the gated feed-forward
+            // (three products of `h I`), scores and context over the keys (half of them
+            // for causal attention).
+            let (q, kv) = (
+                (d.heads * d.head_dim) as f64,
+                (d.kv_heads * d.head_dim) as f64,
+            );
+            let keys = if d.causal { s / 2.0 } else { s };
+            let per_token = 2.0 * h * (2.0 * q + 2.0 * kv) + 6.0 * h * i + 4.0 * keys * q;
+            return per_token * s * rows as f64 * self.num_hidden_layers as f64;
+        }
         // ModernBERT's GeGLU has two up projections (`Wi` is `[2 I, h]`).
         let up = match self.family(Path::new("config")) {
             Ok(Family::ModernBert) => 6.0,
@@ -215,12 +266,68 @@ impl BertConfig {
                 reason: e.to_string(),
             },
         })?;
-        let cfg: BertConfig = serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+        let value: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+        let keys = value
+            .as_object()
+            .map(|o| o.keys().cloned().collect())
+            .unwrap_or_default();
+        let mut cfg: BertConfig = serde_json::from_value(value).map_err(|e| Error::ModelFile {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
+        cfg.keys = keys;
+        // A decoder's fields that BERT's defaults would fill wrongly.
+        if let Ok(family) = cfg.family(path) {
+            if let Some(kind) = DecoderKind::of(family) {
+                if !cfg.keys.iter().any(|k| k == "max_position_embeddings") {
+                    cfg.max_position_embeddings = kind.default_max_positions();
+                }
+                // transformers' default: none but for Gemma3 (0).
+                if !cfg.keys.iter().any(|k| k == "pad_token_id") {
+                    cfg.pad_token_id = (kind == DecoderKind::Gemma3).then_some(0);
+                }
+                for (key, p) in [
+                    ("hidden_dropout_prob", &mut cfg.hidden_dropout_prob),
+                    (
+                        "attention_probs_dropout_prob",
+                        &mut cfg.attention_probs_dropout_prob,
+                    ),
+                ] {
+                    if !cfg.keys.iter().any(|k| k == key) {
+                        *p = 0.0;
+                    }
+                }
+            }
+        }
         cfg.validate(path)?;
         Ok(cfg)
+    }
+
+    /// The row of the token table that PyTorch's `nn.Embedding(padding_idx=...)` never
+    /// trains: `pad_token_id` when the file gives one (not `null`), else none. It matters
+    /// for decoders, whose pad token is often their EOS, a real token of every text.
+    pub fn padding_idx(&self) -> Option<u32> {
+        self.pad_token_id.map(|id| id as u32)
+    }
+
+    /// The config as JSON, as a `config.json` writes it: a decoder's holds the keys of the
+    /// file it was read from alone (the fields only BERT has stay out); an encoder's every
+    /// field.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut value = serde_json::to_value(self).unwrap_or_default();
+        let decoder = self
+            .family(Path::new("config"))
+            .is_ok_and(Family::is_decoder);
+        if decoder && !self.keys.is_empty() {
+            if let Some(map) = value.as_object_mut() {
+                map.retain(|k, _| self.keys.iter().any(|key| key == k));
+            }
+        }
+        value
     }
 
     /// The family of `model_type`; another type is refused with the supported ones named.
@@ -230,6 +337,11 @@ impl BertConfig {
             Some("roberta" | "xlm-roberta" | "camembert") => Ok(Family::Roberta),
             Some("mpnet") => Ok(Family::MpNet),
             Some("modernbert") => Ok(Family::ModernBert),
+            Some("qwen3") => Ok(Family::Qwen3),
+            Some("qwen2") => Ok(Family::Qwen2),
+            Some("llama") => Ok(Family::Llama),
+            Some("mistral") => Ok(Family::Mistral),
+            Some("gemma3_text") => Ok(Family::Gemma3),
             Some(other) => Err(Error::UnsupportedConfig {
                 field: "model_type",
                 value: other.to_string(),
@@ -243,11 +355,26 @@ impl BertConfig {
     /// family (whose positions count from past the padding index).
     pub fn first_position(&self) -> usize {
         match self.family(Path::new("config")) {
-            Ok(Family::Roberta) => self.pad_token_id + 1,
+            Ok(Family::Roberta) => self.pad_token_id.unwrap_or(0) + 1,
             // MPNet's embeddings fix the padding index at 1, whatever the config says.
             Ok(Family::MpNet) => 2,
             _ => 0,
         }
+    }
+
+    /// A decoder's settings, read from the config's fields beyond BERT's; an error for an
+    /// encoder family.
+    pub fn decoder(&self, path: &Path) -> Result<DecoderSettings> {
+        let family = self.family(path)?;
+        let Some(kind) = DecoderKind::of(family) else {
+            return Err(Error::UnsupportedConfig {
+                field: "model_type",
+                value: self.model_type.clone().unwrap_or_else(|| "bert".into()),
+                supported: "qwen3, qwen2, llama, mistral, gemma3_text",
+                path: path.to_path_buf(),
+            });
+        };
+        DecoderSettings::from_config(self, kind, path)
     }
 
     /// ModernBERT's settings, read from the config's fields beyond BERT's.
@@ -351,6 +478,20 @@ impl BertConfig {
 
     /// Checks the values a BERT encoder depends on; `path` names the config in errors.
     pub fn validate(&self, path: &Path) -> Result<()> {
+        if self.family(path)?.is_decoder() {
+            self.decoder(path)?;
+            if self.max_position_embeddings == 0 || self.num_hidden_layers == 0 {
+                return Err(Error::InvalidConfig {
+                    field: "max_position_embeddings / num_hidden_layers",
+                    value: format!(
+                        "{} / {}",
+                        self.max_position_embeddings, self.num_hidden_layers
+                    ),
+                    reason: "must be at least 1",
+                });
+            }
+            return Ok(());
+        }
         if self.family(path)? == Family::ModernBert {
             let m = self.modern(path)?;
             for p in m.dropout {
@@ -441,10 +582,11 @@ impl BertConfig {
             "gelu" => Ok(Activation::Gelu),
             "gelu_new" | "gelu_pytorch_tanh" => Ok(Activation::GeluTanh),
             "relu" => Ok(Activation::Relu),
+            "silu" | "swish" => Ok(Activation::Silu),
             other => Err(Error::UnsupportedConfig {
                 field: "hidden_act",
                 value: other.to_string(),
-                supported: "gelu, gelu_new, gelu_pytorch_tanh, relu",
+                supported: "gelu, gelu_new, gelu_pytorch_tanh, relu, silu",
                 path: path.to_path_buf(),
             }),
         }

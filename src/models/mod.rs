@@ -8,6 +8,8 @@
 
 pub mod bert;
 mod bert_config;
+mod decoder;
+mod decoder_config;
 mod dense;
 pub mod lstm;
 mod modernbert;

@@ -74,15 +74,38 @@ impl Pooling {
     }
 
     /// Pools token states `x` `[n, s, h]` over the tokens `mask` `[n, s]` keeps (1 for a
-    /// real token, 0 for padding on the right and for a prompt left out of the pooling
-    /// on the left), as sentence-transformers does.
+    /// real token, 0 for padding on either side and for a prompt left out of the
+    /// pooling), as sentence-transformers does; `first[i]` is the first real token of
+    /// sequence `i` (past its padding on the left), where weighted-mean positions count
+    /// from. `cls` takes the first token the mask keeps.
     /// Mean pooling runs as one node (see [`crate::nn::mean_pool`]); the others are
     /// composed of differentiable ops. Normalises the result with `normalize`.
-    pub fn pool(self, x: &Tensor, mask: &Tensor, normalize: bool) -> Result<Tensor> {
+    pub fn pool(
+        self,
+        x: &Tensor,
+        mask: &Tensor,
+        first: &[usize],
+        normalize: bool,
+    ) -> Result<Tensor> {
         let (n, s, h) = x.dims3()?;
+        let pick = |rows: Vec<u32>| -> Result<Tensor> {
+            let rows = Tensor::new(rows.as_slice(), x.device())?;
+            Ok(x.reshape((n * s, h))?.index_select(&rows, 0)?)
+        };
+        let rows_mask =
+            || -> Result<Vec<Vec<f32>>> { Ok(mask.to_dtype(candle_core::DType::F32)?.to_vec2()?) };
         let pooled = match self {
             Pooling::Mean => return crate::nn::mean_pool(x, mask, normalize),
-            Pooling::Cls => x.narrow(1, 0, 1)?.squeeze(1)?,
+            Pooling::Cls => {
+                // The first position the mask keeps (position 0 for a row it keeps none
+                // of), as sentence-transformers' argmax of the mask.
+                let rows: Vec<u32> = rows_mask()?
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| (i * s + m.iter().position(|&v| v != 0.0).unwrap_or(0)) as u32)
+                    .collect();
+                pick(rows)?
+            }
             Pooling::Max => {
                 let keep = mask.unsqueeze(2)?.broadcast_as((n, s, h))?.ne(0.0)?;
                 let floor =
@@ -95,18 +118,23 @@ impl Pooling {
                 sum.broadcast_div(&count.sqrt()?)?
             }
             Pooling::WeightedMean => {
-                let positions = Tensor::arange(1u32, s as u32 + 1, x.device())?
-                    .to_dtype(mask.dtype())?
-                    .unsqueeze(0)?;
-                let weights = mask.broadcast_mul(&positions)?;
+                // Position 1 at each sequence's first real token.
+                let positions: Vec<f32> = (0..n)
+                    .flat_map(|i| {
+                        let f = first.get(i).copied().unwrap_or(0);
+                        (0..s).map(move |t| t as f32 + 1.0 - f as f32)
+                    })
+                    .collect();
+                let positions =
+                    Tensor::from_vec(positions, (n, s), x.device())?.to_dtype(mask.dtype())?;
+                let weights = (mask * positions)?;
                 let sum = x.broadcast_mul(&weights.unsqueeze(2)?)?.sum(1)?;
                 let total = weights.sum_keepdim(1)?.clamp(1e-9, f64::MAX)?;
                 sum.broadcast_div(&total)?
             }
             Pooling::LastToken => {
                 // The last position the mask keeps (position 0 for a row it keeps none of).
-                let rows_mask: Vec<Vec<f32>> = mask.to_dtype(candle_core::DType::F32)?.to_vec2()?;
-                let rows: Vec<u32> = rows_mask
+                let rows: Vec<u32> = rows_mask()?
                     .iter()
                     .enumerate()
                     .map(|(i, m)| (i * s + m.iter().rposition(|&v| v != 0.0).unwrap_or(0)) as u32)

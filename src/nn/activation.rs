@@ -40,6 +40,7 @@ pub(super) fn bias_act_fwd<T: Float>(x: &[T], b: &[T], act: Act) -> Vec<T> {
                 Act::GeluErf => each!(Act::GeluErf),
                 Act::GeluTanh => each!(Act::GeluTanh),
                 Act::Relu => each!(Act::Relu),
+                Act::Silu => each!(Act::Silu),
             }
         }
     });
@@ -120,6 +121,7 @@ fn bias_act_bwd_in_place<T: Float>(x: &[T], b: &[T], dy: &mut [T], act: Act) -> 
                 Act::GeluErf => each!(Act::GeluErf),
                 Act::GeluTanh => each!(Act::GeluTanh),
                 Act::Relu => each!(Act::Relu),
+                Act::Silu => each!(Act::Silu),
             }
         }
     });

@@ -29,6 +29,7 @@ pub fn glu_composed(x: &Tensor, act: Act) -> Result<Tensor> {
         Act::GeluErf => a.gelu_erf()?,
         Act::GeluTanh => a.gelu()?,
         Act::Relu => a.relu()?,
+        Act::Silu => a.silu()?,
     };
     Ok((a * g)?)
 }
@@ -153,4 +154,96 @@ pub fn prenorm_layer(
         return Ok(None);
     }
     Ok(Some(super::prenorm_layer::prenorm_layer(x, weights, spec)?))
+}
+
+/// RMSNorm over the last dimension, `x / sqrt(mean(x^2) + eps) * (offset + weight)`
+/// (`offset` 0 for Llama and the Qwen models, 1 for Gemma's `(1 + weight)`), composed of
+/// differentiable ops; the statistics in f32 for a half-precision `x`, the result in its
+/// dtype, as transformers computes it.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let wide = cast(x, candle_core::DType::F32)?;
+    let inv = (wide.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
+    let normed = wide.broadcast_mul(&inv)?;
+    let scale = cast(weight, candle_core::DType::F32)?;
+    let scale = if offset != 0.0 {
+        (scale + offset)?
+    } else {
+        scale
+    };
+    cast(&normed.broadcast_mul(&scale)?, dtype)
+}
+
+/// The additive mask `[1, 1, s, s]` of a decoder layer's pattern: 0 where query `i` sees
+/// key `j`, -10000 elsewhere. Causal: `j <= i` (and `i - j <= w` with a window `w`);
+/// bidirectional with a window: `|i - j| <= w`; `None` with neither.
+pub fn pattern_bias(
+    s: usize,
+    causal: bool,
+    window: Option<usize>,
+    device: &candle_core::Device,
+) -> Result<Option<Tensor>> {
+    if !causal && window.is_none() {
+        return Ok(None);
+    }
+    let mut bias = vec![0f32; s * s];
+    for (i, row) in bias.chunks_exact_mut(s).enumerate() {
+        for (j, v) in row.iter_mut().enumerate() {
+            let seen = match (causal, window) {
+                (true, w) => j <= i && w.is_none_or(|w| i - j <= w),
+                (false, Some(w)) => i.abs_diff(j) <= w,
+                (false, None) => true,
+            };
+            if !seen {
+                *v = -10000.0;
+            }
+        }
+    }
+    Ok(Some(Tensor::from_vec(bias, (1, 1, s, s), device)?))
+}
+
+/// Attention with grouped key-value heads, composed: `q` `[n, heads, s, d]`, `k` and `v`
+/// `[n, kv_heads, s, d]`, each key-value head serving `heads / kv_heads` consecutive query
+/// heads (transformers' `repeat_kv`). The queries of a group are stacked as rows of one
+/// product with their key head (`[n, kv_heads, group s, d]`), so no key or value is
+/// copied per query head. `spec.bias` broadcasts to `[n, 1, s, s]` (the key mask with the
+/// causal or windowed pattern); dropout masks are those of the `[n, heads, s, s]`
+/// probabilities. With `spec.recompute` the probabilities are recomputed in the backward.
+pub fn grouped_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &fused::AttentionSpec,
+) -> Result<Tensor> {
+    if !spec.recompute {
+        return grouped_attention_composed(q, k, v, spec);
+    }
+    let spec = spec.clone();
+    recomputed("gradcache-grouped-attention", &[q, k, v], move |t| {
+        grouped_attention_composed(&t[0], &t[1], &t[2], &spec)
+    })
+}
+
+/// [`grouped_attention`]'s ops (probabilities kept for the backward).
+pub fn grouped_attention_composed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    spec: &fused::AttentionSpec,
+) -> Result<Tensor> {
+    let (n, heads, s, d) = q.dims4()?;
+    let kv = k.dim(1)?;
+    let group = heads / kv.max(1);
+    let stacked = q.reshape((n, kv, group * s, d))?;
+    let scores = stacked.matmul(&k.t()?)?.reshape((n, kv, group, s, s))?;
+    let bias = cast(&spec.bias, scores.dtype())?.unsqueeze(1)?;
+    let probs = super::masked_softmax_composed(&scores, &bias, spec.scale)?;
+    let probs = match spec.dropout {
+        Some((seed, p)) if p > 0.0 => super::dropout_composed(&probs, seed, p)?,
+        _ => probs,
+    };
+    let context = probs.reshape((n, kv, group * s, s))?.matmul(v)?;
+    Ok(context.reshape((n, heads, s, d))?)
 }

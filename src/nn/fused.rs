@@ -83,7 +83,7 @@ mod tests {
             softmax_bwd(&softmax_fwd(&x, &b, width, rows, 0.125), &dy, width, 0.125),
             dropout_add_fwd(&x, Some(&dy), 11, 0.1, 0),
         ];
-        for act in [Act::GeluErf, Act::GeluTanh, Act::Relu] {
+        for act in [Act::GeluErf, Act::GeluTanh, Act::Relu, Act::Silu] {
             outs.push(bias_act_fwd(&x, &b, act));
             outs.push(bias_act_bwd(&x, &b, &dy, act));
         }

@@ -13,6 +13,19 @@ pub enum Act {
     GeluTanh,
     /// `max(x, 0)`.
     Relu,
+    /// SiLU (swish), `x * sigmoid(x)`: the gate of the SwiGLU feed-forward of Llama,
+    /// Mistral and the Qwen models.
+    Silu,
+}
+
+/// Below this SiLU and its slope are taken as exactly 0 (`|x e^x|` < 1e-36 there), so that
+/// `sigmoid(x)` never lands below f32's normal range (see [`crate::denormal`]).
+const SILU_FLOOR: f64 = -87.0;
+
+/// `sigmoid(x)` of a SiLU input at or above [`SILU_FLOOR`].
+#[inline(always)]
+fn sigmoid<T: Float>(x: T) -> T {
+    T::one() / (T::one() + exp(-x))
 }
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
@@ -136,6 +149,13 @@ impl Act {
                 half * x * (T::one() + tanh(inner))
             }
             Act::Relu => num_traits::Float::max(x, T::zero()),
+            Act::Silu => {
+                if x < T::of(SILU_FLOOR) {
+                    T::zero()
+                } else {
+                    x * sigmoid(x)
+                }
+            }
         }
     }
 
@@ -150,6 +170,13 @@ impl Act {
                 let value = half * x * (T::one() + erf);
                 let cdf = half * (T::one() + erf);
                 (value, cdf + x * gaussian * T::of(0.398_942_280_401_432_7))
+            }
+            Act::Silu => {
+                if x < T::of(SILU_FLOOR) {
+                    return (T::zero(), T::zero());
+                }
+                let s = sigmoid(x);
+                (x * s, s + x * s * (T::one() - s))
             }
             other => (other.value(x), other.derivative(x)),
         }
@@ -178,6 +205,7 @@ impl Act {
                     T::zero()
                 }
             }
+            Act::Silu => self.value_and_derivative(x).1,
         }
     }
 }

@@ -22,6 +22,7 @@ mod attention_nodes;
 mod batch_norm;
 mod blocks;
 mod conv;
+pub mod decoder_layer;
 mod dense;
 mod dropout_ops;
 pub mod embeddings;
@@ -43,8 +44,9 @@ mod softmax;
 pub use batch_norm::BatchNorm;
 pub use dense::Linear;
 pub use family_ops::{
-    attention_with_bias, glu, glu_composed, prenorm_layer, rotary, rotary_composed,
-    self_attention_biased, window_bias,
+    attention_with_bias, glu, glu_composed, grouped_attention, grouped_attention_composed,
+    pattern_bias, prenorm_layer, rms_norm, rotary, rotary_composed, self_attention_biased,
+    window_bias,
 };
 pub use layer_norm::LayerNorm;
 
@@ -185,6 +187,38 @@ pub fn embeddings(
         norm.eps,
         dropout,
         recompute,
+    )?))
+}
+
+/// A whole decoder layer as one node with its backward written out
+/// ([`decoder_layer::decoder_layer`]) where the fused kernels run; `None` elsewhere (the
+/// caller then runs the layer op by op).
+pub fn decoder_layer(
+    x: &Tensor,
+    weights: &decoder_layer::DecoderWeights,
+    spec: &decoder_layer::DecoderSpec,
+) -> Result<Option<Tensor>> {
+    Ok(decoder_layer::decoder_layer(x, weights, spec)?)
+}
+
+/// A token embedding lookup `table[ids] * scale` (`[n, s]` ids into `[n, s, h]`; row
+/// `padding_idx` untrained, as PyTorch's) as one node whose backward adds only the rows the
+/// tokens touched into the gradient sink ([`embeddings::token_embeddings`]) where the fused
+/// kernels run; `None` elsewhere.
+pub fn token_embeddings(
+    ids: &Tensor,
+    table: &Tensor,
+    scale: Option<f64>,
+    padding_idx: Option<u32>,
+) -> Result<Option<Tensor>> {
+    if !fused_ok(&[table]) || ids.rank() != 2 {
+        return Ok(None);
+    }
+    Ok(Some(embeddings::token_embeddings(
+        ids,
+        table,
+        scale,
+        padding_idx,
     )?))
 }
 
@@ -447,6 +481,7 @@ pub fn bias_activation_composed(x: &Tensor, bias: &Tensor, act: Act) -> Result<T
         Act::GeluErf => pre.gelu_erf()?,
         Act::GeluTanh => pre.gelu()?,
         Act::Relu => pre.relu()?,
+        Act::Silu => pre.silu()?,
     })
 }
 

@@ -138,6 +138,7 @@ pub(super) fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<T> {
             Act::GeluErf => each!(Act::GeluErf),
             Act::GeluTanh => each!(Act::GeluTanh),
             Act::Relu => each!(Act::Relu),
+            Act::Silu => each!(Act::Silu),
         }
     });
     g
@@ -157,6 +158,7 @@ pub(super) fn activate_in_place<T: Float>(u: &mut [T], act: Act, width: usize) {
             Act::GeluErf => each!(Act::GeluErf),
             Act::GeluTanh => each!(Act::GeluTanh),
             Act::Relu => each!(Act::Relu),
+            Act::Silu => each!(Act::Silu),
         }
     });
 }
@@ -184,6 +186,7 @@ pub(super) fn activate_with_slope<T: Float>(u: &[T], act: Act, width: usize) -> 
             Act::GeluErf => each!(Act::GeluErf),
             Act::GeluTanh => each!(Act::GeluTanh),
             Act::Relu => each!(Act::Relu),
+            Act::Silu => each!(Act::Silu),
         }
     });
     (g, slope)

@@ -364,13 +364,13 @@ pub(super) fn plan_memory(
         Ok(all)
     };
     let (q_all, p_all) = (
-        sample_lengths(&q_sample, cfg.model.query_max_len)?,
-        sample_lengths(&p_sample, cfg.model.passage_max_len)?,
+        sample_lengths(&q_sample, model.query_max_len)?,
+        sample_lengths(&p_sample, model.passage_max_len)?,
     );
     let longest = |all: &[usize], max_len| all.iter().copied().max().unwrap_or(max_len);
     let (q_len, p_len) = (
-        longest(&q_all, cfg.model.query_max_len),
-        longest(&p_all, cfg.model.passage_max_len),
+        longest(&q_all, model.query_max_len),
+        longest(&p_all, model.passage_max_len),
     );
     // Batches like the run's, each shortest first: `rows` lengths drawn from the sample,
     // as many batches as the run has steps (at most 1,000), from the run's seed. The

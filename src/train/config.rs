@@ -182,10 +182,15 @@ pub struct ModelConfig {
     pub pooling: Pooling,
     /// L2-normalise embeddings.
     pub normalize: bool,
-    /// Token limit for queries (truncation).
-    pub query_max_len: usize,
-    /// Token limit for passages (truncation).
-    pub passage_max_len: usize,
+    /// Token limit for queries (truncation). Unset: the pretrained model's own limit
+    /// (`max_seq_length` of its `sentence_bert_config.json`, else `model_max_length` of
+    /// its `tokenizer_config.json`, capped at its positions), 64 for a fresh model; a value
+    /// above the model's limit is refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub query_max_len: Option<usize>,
+    /// Token limit for passages (truncation); unset as `query_max_len`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passage_max_len: Option<usize>,
     /// Put before every query in training and evaluation, and written to the export's
     /// `config_sentence_transformers.json` (e.g. e5's `"query: "`, or an instruction).
     /// Unset: the pretrained model's own query prompt, if it has one; `""`: none.
@@ -216,8 +221,8 @@ impl Default for ModelConfig {
             shared: true,
             pooling: Pooling::Mean,
             normalize: true,
-            query_max_len: 64,
-            passage_max_len: 64,
+            query_max_len: None,
+            passage_max_len: None,
             query_prompt: None,
             passage_prompt: None,
             include_prompt: None,
@@ -626,6 +631,7 @@ impl Config {
             ("model.query_max_len", m.query_max_len),
             ("model.passage_max_len", m.passage_max_len),
         ] {
+            let Some(len) = len else { continue };
             if len < 2 {
                 return Err(invalid(
                     field,

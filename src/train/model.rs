@@ -5,8 +5,8 @@ use candle_core::{DType, Device};
 
 use crate::dist::{self, Collective};
 use crate::encoder::Encoder;
-use crate::hub::tokenizer::{read_tokenizer_file, train_wordpiece};
-use crate::hub::{files, HubSettings, ModelFiles, Prompts, SentenceTransformersConfig};
+use crate::hub::tokenizer::{model_max_length, read_tokenizer_file, train_wordpiece};
+use crate::hub::{HubSettings, ModelFiles, Prompts, SentenceTransformersConfig};
 use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
 use crate::params::{ParamStore, Params};
 use crate::train::config::Config;
@@ -21,6 +21,13 @@ pub const TOKENIZER_FILE: &str = "tokenizer.json";
 /// paths and sentence-transformers configs).
 pub const DENSE_FILE: &str = "dense_modules.json";
 
+/// The run's copy of the model's `tokenizer_config.json` (padding side, special tokens),
+/// its `model_max_length` the model's limit; an export writes it back.
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
+
+/// The token limit of a fresh model's queries and passages when the config sets none.
+pub const FRESH_MAX_LEN: usize = 64;
+
 /// The towers of a run and what was built with them.
 pub(super) struct Model {
     pub(super) query: BertEncoder,
@@ -30,6 +37,11 @@ pub(super) struct Model {
     /// The encoders' options (with the pretrained model's Dense modules).
     pub(super) options: BertOptions,
     pub(super) tokenizer: tokenizers::Tokenizer,
+    /// The model's `tokenizer_config.json`, its `model_max_length` the model's limit.
+    pub(super) tokenizer_config: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The token limits of queries and passages: the configured ones, else the model's.
+    pub(super) query_max_len: usize,
+    pub(super) passage_max_len: usize,
     /// The prompts put before queries and passages.
     pub(super) prompts: Prompts,
     /// Whether the prompts' tokens are pooled.
@@ -76,27 +88,42 @@ pub(super) fn build_model(
     device: &Device,
 ) -> Result<Model> {
     let store = ParamStore::new(cfg.seed, DType::F32, device);
-    let model = if cfg.model.pretrained.is_empty() {
+    if cfg.model.pretrained.is_empty() {
         let tokenizer = dist::from_root(comm, "the tokenizer", || fresh_tokenizer(cfg, texts))?;
-        dist::agree(comm, fresh_model(cfg, tokenizer, store))?
+        dist::agree(comm, fresh_model(cfg, tokenizer, store))
     } else {
-        dist::agree(comm, pretrained_model(cfg, store))?
-    };
-    for (field, len) in [
+        dist::agree(comm, pretrained_model(cfg, store))
+    }
+}
+
+/// The token limits of a run on a pretrained model whose limit is `limit` (from
+/// `source`): the configured ones, refused above it, else the limit itself.
+pub(super) fn max_lens(cfg: &Config, (limit, source): (usize, &str)) -> Result<(usize, usize)> {
+    let mut out = [0; 2];
+    for (o, (field, len)) in out.iter_mut().zip([
         ("model.query_max_len", cfg.model.query_max_len),
         ("model.passage_max_len", cfg.model.passage_max_len),
-    ] {
-        if len > model.bert.max_tokens() {
-            return Err(Error::InvalidConfig {
-                field,
-                value: len.to_string(),
-                reason: "exceeds the tokens the model's position embeddings cover \
-                         (max_position_embeddings, less pad_token_id + 1 for the RoBERTa \
-                         family)",
-            });
-        }
+    ]) {
+        *o = match len {
+            Some(len) if len > limit => {
+                return Err(Error::InvalidConfig {
+                    field,
+                    value: format!("{len} (the model's limit is {limit} tokens: {source})"),
+                    reason: "exceeds the longest input the model takes; leave it unset to use \
+                             the model's limit",
+                })
+            }
+            Some(len) => len,
+            None => limit,
+        };
     }
-    Ok(model)
+    Ok((out[0], out[1]))
+}
+
+/// The model's limit as [`model_max_length`] reads it from `dir`, with a run directory's
+/// copy of the tokenizer config (`model_max_length`) standing in for a model's files.
+pub(super) fn model_limit(dir: &std::path::Path, bert: &BertConfig) -> Result<(usize, String)> {
+    model_max_length(dir, bert.max_tokens())
 }
 
 /// The tokenizer of a fresh model: the one in `output_dir` (a resumed run or a rerun), or
@@ -115,6 +142,8 @@ fn fresh_tokenizer(cfg: &Config, texts: &[String]) -> Result<tokenizers::Tokeniz
 /// train apart: two towers drawn independently share nothing to align.
 fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore) -> Result<Model> {
     let f = &cfg.model.fresh;
+    let query_max_len = cfg.model.query_max_len.unwrap_or(FRESH_MAX_LEN);
+    let passage_max_len = cfg.model.passage_max_len.unwrap_or(FRESH_MAX_LEN);
     let bert = BertConfig {
         hidden_dropout_prob: f.dropout_prob,
         attention_probs_dropout_prob: f.dropout_prob,
@@ -124,7 +153,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
             f.num_layers,
             f.num_heads,
             f.intermediate_size,
-            cfg.model.query_max_len.max(cfg.model.passage_max_len),
+            query_max_len.max(passage_max_len),
         )
     };
     let options = bert_options(cfg);
@@ -143,6 +172,9 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         bert,
         options,
         tokenizer,
+        tokenizer_config: None,
+        query_max_len,
+        passage_max_len,
         prompts: prompts.0,
         prompt_pooled: prompts.1,
         store,
@@ -167,7 +199,15 @@ fn copy_tower(from: &Params, from_prefix: &str, to: &Params, to_prefix: &str) ->
 /// A pretrained model from a directory or the Hub; two towers both load its weights.
 fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
-    let tokenizer = read_model_tokenizer(&files)?;
+    let bert = BertConfig::from_file(&files.config)?;
+    let (tokenizer, tokenizer_config) = crate::hub::load_tokenizer(&files, &bert)?;
+    let (limit, source) = model_limit(&files.dir, &bert)?;
+    let (query_max_len, passage_max_len) = max_lens(cfg, (limit, &source))?;
+    // The run's copy of the tokenizer config records the model's limit, wherever it came
+    // from, so an export from the run directory knows it.
+    let mut tokenizer_config = tokenizer_config.unwrap_or_default();
+    tokenizer_config.insert("model_max_length".into(), limit.into());
+    let tokenizer_config = Some(tokenizer_config);
     let mut options = bert_options(cfg);
     let head = crate::hub::read_sentence_transformers_config(&files.dir)?;
     // The model's Dense modules after the pooling train with it.
@@ -183,6 +223,9 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             bert,
             options: options.clone(),
             tokenizer,
+            tokenizer_config,
+            query_max_len,
+            passage_max_len,
             prompts: prompts.clone(),
             prompt_pooled,
             store,
@@ -196,6 +239,9 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             bert,
             options: options.clone(),
             tokenizer,
+            tokenizer_config,
+            query_max_len,
+            passage_max_len,
             prompts: prompts.clone(),
             prompt_pooled,
             store,
@@ -203,10 +249,13 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     }
 }
 
-pub(super) fn read_model_tokenizer(files: &ModelFiles) -> Result<tokenizers::Tokenizer> {
-    let path = files.tokenizer.clone().ok_or_else(|| Error::MissingFile {
-        path: files.dir.join(files::TOKENIZER),
-        what: "tokenizer",
-    })?;
-    read_tokenizer_file(&path)
+/// A pretrained model's tokenizer as the model expects it, and its tokenizer config.
+pub(super) fn read_model_tokenizer(
+    files: &ModelFiles,
+) -> Result<(
+    tokenizers::Tokenizer,
+    Option<serde_json::Map<String, serde_json::Value>>,
+)> {
+    let bert = BertConfig::from_file(&files.config)?;
+    crate::hub::load_tokenizer(files, &bert)
 }

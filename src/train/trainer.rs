@@ -40,12 +40,15 @@ use crate::train::config::Config;
 use crate::train::data::{Loader, Position, TextBatch};
 use crate::train::formats::Layout;
 use crate::train::metrics::{evaluate, RetrievalMetrics};
-use crate::train::model::{bert_options, build_model, read_model_tokenizer, run_prompts, Model};
+use crate::train::model::{
+    bert_options, build_model, max_lens, model_limit, read_model_tokenizer, run_prompts, Model,
+    FRESH_MAX_LEN,
+};
 use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
 use crate::train::text_data::{load_data, EvalData, RunData};
 use crate::{Error, Result, Side};
 
-pub use super::model::{DENSE_FILE, MODEL_CONFIG_FILE, TOKENIZER_FILE};
+pub use super::model::{DENSE_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 pub use super::report::{Event, LossScaling, Observer, PhasePeaks, PhaseTimes, Quiet, StepReport};
 
 /// What may change between a text-pair run and its resume (see [`Config::fingerprint`]).
@@ -63,6 +66,8 @@ pub struct TextPairs {
     bert: BertConfig,
     options: BertOptions,
     tokenizer: tokenizers::Tokenizer,
+    /// The pretrained model's tokenizer config (written into the run directory).
+    tokenizer_config: Option<serde_json::Map<String, serde_json::Value>>,
     prompts: Prompts,
     /// Whether the prompts' tokens are pooled.
     prompt_pooled: bool,
@@ -337,12 +342,14 @@ impl Run<TextPairs> {
         fingerprint: String,
     ) -> Result<Self> {
         let m = &cfg.model;
-        let query_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.query_max_len)?
+        let query_tokenizer = Tokenizer::new(model.tokenizer.clone(), model.query_max_len)?
             .with_prompt(&model.prompts.query)
-            .with_prompt_pooled(model.prompt_pooled);
-        let passage_tokenizer = Tokenizer::new(model.tokenizer.clone(), m.passage_max_len)?
+            .with_prompt_pooled(model.prompt_pooled)
+            .with_config(model.tokenizer_config.clone());
+        let passage_tokenizer = Tokenizer::new(model.tokenizer.clone(), model.passage_max_len)?
             .with_prompt(&model.prompts.passage)
-            .with_prompt_pooled(model.prompt_pooled);
+            .with_prompt_pooled(model.prompt_pooled)
+            .with_config(model.tokenizer_config.clone());
         let block = cfg
             .loss
             .effective_block_rows(cfg.train.batch_size, cfg.train.hard_negatives);
@@ -355,7 +362,7 @@ impl Run<TextPairs> {
             None => None,
             Some(name) => {
                 let options = LoadOptions {
-                    max_len: m.query_max_len.max(m.passage_max_len),
+                    max_len: Some(model.query_max_len.max(model.passage_max_len)),
                     device: device.clone(),
                     ..LoadOptions::default()
                 };
@@ -411,6 +418,7 @@ impl Run<TextPairs> {
             options: model.options,
             bert: model.bert,
             tokenizer: model.tokenizer,
+            tokenizer_config: model.tokenizer_config,
             prompts: model.prompts,
             prompt_pooled: model.prompt_pooled,
             query_tokenizer,
@@ -429,7 +437,12 @@ impl Run<TextPairs> {
     fn write_run_files(&self) -> Result<()> {
         let written = if self.rank() == 0 {
             let t = &self.task;
-            write_run_files(&t.cfg.output_dir, &t.tokenizer, &t.bert, &t.options.dense)
+            write_run_files(
+                &t.cfg.output_dir,
+                (&t.tokenizer, t.tokenizer_config.as_ref()),
+                &t.bert,
+                &t.options.dense,
+            )
         } else {
             Ok(())
         };
@@ -518,11 +531,15 @@ fn check_batch_splits(cfg: &Config, comm: &dyn Collective) -> Result<()> {
     Ok(())
 }
 
-/// Writes `tokenizer.json` (unless the same one is there), `model_config.json` and, for a
-/// model with Dense modules, `dense_modules.json` into `dir`, creating it.
+/// Writes `tokenizer.json` (unless the same one is there), `model_config.json`, the
+/// pretrained model's `tokenizer_config.json` and, for a model with Dense modules,
+/// `dense_modules.json` into `dir`, creating it.
 fn write_run_files(
     dir: &Path,
-    tokenizer: &tokenizers::Tokenizer,
+    (tokenizer, tokenizer_config): (
+        &tokenizers::Tokenizer,
+        Option<&serde_json::Map<String, serde_json::Value>>,
+    ),
     bert: &BertConfig,
     dense: &[DenseSpec],
 ) -> Result<()> {
@@ -541,7 +558,10 @@ fn write_run_files(
             .collect();
         durable::write_json(&dir.join(DENSE_FILE), &modules)?;
     }
-    durable::write_json(&dir.join(MODEL_CONFIG_FILE), bert)
+    if let Some(config) = tokenizer_config {
+        durable::write_json(&dir.join(TOKENIZER_CONFIG_FILE), config)?;
+    }
+    durable::write_json(&dir.join(MODEL_CONFIG_FILE), &bert.to_json())
 }
 
 /// The run's Dense modules (`dense_modules.json` in the run directory; none without it).
@@ -655,15 +675,40 @@ pub fn export_run(
         None => BertConfig::from_file(&run_config)?,
         Some(files) => BertConfig::from_file(&files.config)?,
     };
-    let tokenizer = match &pretrained {
-        None => read_tokenizer_file(&run_tokenizer)?,
+    let run_tokenizer_config = cfg.output_dir.join(TOKENIZER_CONFIG_FILE);
+    let (tokenizer, tokenizer_config) = match &pretrained {
+        None => {
+            let config = match std::fs::read_to_string(&run_tokenizer_config) {
+                Ok(text) => Some(serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+                    path: run_tokenizer_config.clone(),
+                    reason: e.to_string(),
+                })?),
+                Err(_) => None,
+            };
+            (read_tokenizer_file(&run_tokenizer)?, config)
+        }
         Some(files) => read_model_tokenizer(files)?,
     };
-    let max_len = match side {
-        Side::Query => cfg.model.query_max_len,
-        Side::Passage => cfg.model.passage_max_len,
+    // The run's token limits: the configured ones, else the model's (a fresh model's
+    // default), as the run resolved them.
+    let (query_max_len, passage_max_len) = if cfg.model.pretrained.is_empty() {
+        (
+            cfg.model.query_max_len.unwrap_or(FRESH_MAX_LEN),
+            cfg.model.passage_max_len.unwrap_or(FRESH_MAX_LEN),
+        )
+    } else {
+        let dir = match &pretrained {
+            Some(files) => files.dir.clone(),
+            None => cfg.output_dir.clone(),
+        };
+        let (limit, source) = model_limit(&dir, &bert)?;
+        max_lens(cfg, (limit, &source))?
     };
-    let tokenizer = Tokenizer::new(tokenizer, max_len)?;
+    let max_len = match side {
+        Side::Query => query_max_len,
+        Side::Passage => passage_max_len,
+    };
+    let tokenizer = Tokenizer::new(tokenizer, max_len)?.with_config(tokenizer_config);
 
     let prefix = match (cfg.model.shared, side) {
         (true, _) => "",

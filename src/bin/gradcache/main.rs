@@ -137,9 +137,10 @@ enum Command {
         /// sets whose queries are also documents, e.g. Quora); off as pytrec_eval counts.
         #[arg(long)]
         ignore_identical_ids: bool,
-        /// Token limit.
-        #[arg(long, default_value_t = 128)]
-        max_len: usize,
+        /// Token limit (default: the model's own, from its sentence-transformers or
+        /// tokenizer config; a larger one is capped at it).
+        #[arg(long)]
+        max_len: Option<usize>,
         /// Texts encoded at once.
         #[arg(long, default_value_t = 32)]
         chunk: usize,
@@ -172,9 +173,10 @@ enum Command {
         /// plain, no prompt.
         #[arg(long, value_enum)]
         side: Option<TowerArg>,
-        /// Token limit.
-        #[arg(long, default_value_t = 128)]
-        max_len: usize,
+        /// Token limit (default: the model's own, from its sentence-transformers or
+        /// tokenizer config; a larger one is capped at it).
+        #[arg(long)]
+        max_len: Option<usize>,
         #[command(flatten)]
         head: HeadArgs,
     },
@@ -235,7 +237,7 @@ enum TowerArg {
 }
 
 impl HeadArgs {
-    fn load_options(&self, max_len: usize) -> Result<LoadOptions> {
+    fn load_options(&self, max_len: Option<usize>) -> Result<LoadOptions> {
         Ok(LoadOptions {
             pooling: self.pooling.map(|p| match p {
                 PoolingArg::Mean => Pooling::Mean,
@@ -601,9 +603,8 @@ fn encode(
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         for (i, line) in BufReader::new(file).lines().enumerate() {
             let line = line?;
-            if line.trim().is_empty() {
-                continue;
-            }
+            // A blank line is an empty text (embedded as its special tokens alone, as
+            // sentence-transformers does): line i of the input is line i of the output.
             if line.trim_start().starts_with('{') {
                 let v: serde_json::Value = serde_json::from_str(&line)
                     .with_context(|| format!("{}:{}: not valid JSON", path.display(), i + 1))?;

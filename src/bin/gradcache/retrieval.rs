@@ -65,9 +65,9 @@ pub struct MineArgs {
     /// Seed of `--sampling random`.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    /// Token limit.
-    #[arg(long, default_value_t = 128)]
-    pub max_len: usize,
+    /// Token limit (default: the model's own; a larger one is capped at it).
+    #[arg(long)]
+    pub max_len: Option<usize>,
     /// Texts encoded at once.
     #[arg(long, default_value_t = 32)]
     pub chunk: usize,

@@ -1,0 +1,323 @@
+//! The decoder families (qwen3, qwen2, llama, mistral, gemma3_text) against transformers
+//! and sentence-transformers, without network: `tests/fixtures/families/<family>/` holds a
+//! tiny random model of each saved by sentence-transformers 6.2 as the family's embedding
+//! models are saved (a byte-level BPE tokenizer that appends its EOS, the family's padding
+//! side, an instruction prompt, last-token or mean pooling, Dense and Normalize modules),
+//! with references from `scripts/make_family_fixtures.py`:
+//!
+//! - the last hidden state of every text's real tokens, <= 1e-5, on the layer node and
+//!   op by op (the GPU and half-precision path);
+//! - every pooling mode on sentence-transformers' padded batch, <= 1e-5;
+//! - `encode` with the query and the document prompt through the whole head, <= 1e-5;
+//! - every parameter's gradient of a fixed contrastive loss over prompted queries, <= 1e-4
+//!   relative (floored at 1e-3 of the largest entry), in chunks and under recompute, on
+//!   the node and op by op; the loss <= 1e-5.
+//!
+//! And what implementations of these models get wrong: a padded batch stays causal, a
+//! text's embedding is the same alone and in a batch padded on either side, last-token
+//! pooling goes by the mask (the pad token of these models is their EOS), the loss takes
+//! its temperature.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use gradcache::bert::{load_pretrained, BertOptions};
+use gradcache::hub::{
+    read_sentence_transformers_config, EmbeddingModel, LoadOptions, ModelFiles, Tokenizer,
+};
+use gradcache::{Ctx, GradCache, InfoNce, ParamStore, Recompute, Similarity};
+
+mod common;
+use common::{max_abs, max_diff};
+
+const DECODERS: [&str; 5] = ["qwen3", "qwen2", "llama", "mistral", "gemma3_text"];
+const MAX_LEN: usize = 32;
+
+fn fixture(family: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/families")
+        .join(family)
+}
+
+struct Reference {
+    texts: Vec<String>,
+    queries: Vec<String>,
+    passages: Vec<String>,
+    loss: f64,
+    tensors: HashMap<String, Tensor>,
+}
+
+fn reference(family: &str) -> Reference {
+    let dir = fixture(family);
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let list = |key: &str| -> Vec<String> {
+        meta[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect()
+    };
+    Reference {
+        texts: list("texts"),
+        queries: list("queries"),
+        passages: list("passages"),
+        loss: meta["loss"].as_f64().unwrap(),
+        tensors: candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
+            .unwrap(),
+    }
+}
+
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn load(dir: &Path, options: LoadOptions) -> EmbeddingModel {
+    EmbeddingModel::load(dir.to_str().unwrap(), &options).unwrap()
+}
+
+/// Runs `f` with the fused kernels on, then off (the op-by-op path a GPU or a half dtype
+/// takes), restoring them on.
+fn both_paths(f: impl Fn(&str)) {
+    for fused in [true, false] {
+        gradcache::nn::set_fused_kernels(fused);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            f(if fused { "layer node" } else { "op by op" })
+        }));
+        gradcache::nn::set_fused_kernels(true);
+        if let Err(e) = result {
+            std::panic::resume_unwind(e);
+        }
+    }
+}
+
+/// The rows of `hidden` `[s, h]` where `mask` (one row) is 1.
+fn real_rows(hidden: &Tensor, mask: &[u32]) -> Tensor {
+    let rows: Vec<u32> = (0..mask.len() as u32)
+        .filter(|&t| mask[t as usize] != 0)
+        .collect();
+    hidden
+        .index_select(&Tensor::new(rows.as_slice(), &Device::Cpu).unwrap(), 0)
+        .unwrap()
+}
+
+#[test]
+fn hidden_states_match_transformers() {
+    both_paths(|path| {
+        for family in DECODERS {
+            let r = reference(family);
+            let model = load(&fixture(family), LoadOptions::default());
+            let batch = model
+                .tokenizer()
+                .encode(&refs(&r.texts), &Device::Cpu)
+                .unwrap();
+            let bert = model.encoder().tower().detached_model();
+            let hidden = bert.hidden_states(&batch, &Ctx::eval()).unwrap();
+            let mask: Vec<Vec<u32>> = batch
+                .attention_mask
+                .to_dtype(DType::U32)
+                .unwrap()
+                .to_vec2()
+                .unwrap();
+            for (i, m) in mask.iter().enumerate() {
+                let got = real_rows(&hidden.get(i).unwrap(), m);
+                let want = &r.tensors[&format!("hidden.{i}")];
+                assert_eq!(
+                    got.dims(),
+                    want.dims(),
+                    "{family} ({path}): text {i} tokens"
+                );
+                let err = max_diff(&got, want);
+                assert!(
+                    err <= 1e-5,
+                    "{family} ({path}): hidden state of text {i} differs by {err:e}"
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn the_model_files_decide_padding_limit_and_special_tokens() {
+    for family in DECODERS {
+        let model = load(&fixture(family), LoadOptions::default());
+        let t = model.tokenizer();
+        // The limit the files give (model_max_length 32), not a default of ours.
+        assert_eq!(t.max_len(), MAX_LEN, "{family}");
+        assert!(
+            model.settings().contains("max_len 32 (the model's"),
+            "{}",
+            model.settings()
+        );
+        let left = matches!(family, "qwen3" | "qwen2" | "llama");
+        assert_eq!(t.pads_left(), left, "{family}: padding side");
+        // The EOS the post-processor appends survives truncation.
+        let long = "And God said, Let there be light: and there was light. ".repeat(8);
+        let b = t
+            .encode(&[long.as_str(), "Jesus wept."], &Device::Cpu)
+            .unwrap();
+        let ids: Vec<Vec<u32>> = b.input_ids.to_vec2().unwrap();
+        let eos = t
+            .inner()
+            .token_to_id(match family {
+                "qwen3" | "qwen2" => "<|endoftext|>",
+                "gemma3_text" => "<eos>",
+                _ => "</s>",
+            })
+            .unwrap();
+        assert_eq!(ids[0].len(), MAX_LEN, "{family}: truncated");
+        assert_eq!(*ids[0].last().unwrap(), eos, "{family}: EOS kept");
+        let mask: Vec<Vec<u32>> = b.attention_mask.to_vec2().unwrap();
+        let last_real = mask[1].iter().rposition(|&m| m != 0).unwrap();
+        assert_eq!(ids[1][last_real], eos, "{family}: short text ends with EOS");
+        // Left padding puts the short text's padding first.
+        assert_eq!(mask[1][0] == 0, left, "{family}");
+        // A larger limit is capped at the model's, and says so.
+        let capped = load(
+            &fixture(family),
+            LoadOptions {
+                max_len: Some(4096),
+                ..Default::default()
+            },
+        );
+        assert_eq!(capped.tokenizer().max_len(), MAX_LEN);
+        assert!(
+            capped
+                .settings()
+                .contains("max_len 4096 capped at the model's limit of 32"),
+            "{}",
+            capped.settings()
+        );
+    }
+}
+
+#[test]
+fn every_pooling_mode_and_the_prompted_head_match_sentence_transformers() {
+    use gradcache::bert::Pooling;
+    both_paths(|path| {
+        for family in DECODERS {
+            let r = reference(family);
+            let texts = refs(&r.texts);
+            // The files' own head: pooling, Dense modules, Normalize and the prompts.
+            let model = load(&fixture(family), LoadOptions::default());
+            for (side, got) in [
+                ("query", model.embed_queries(&texts, 4).unwrap()),
+                ("document", model.embed_passages(&texts, 4).unwrap()),
+            ] {
+                let err = max_diff(&got, &r.tensors[&format!("embeddings.{side}")]);
+                assert!(
+                    err <= 1e-5,
+                    "{family} ({path}): {side} embeddings off by {err:e}"
+                );
+            }
+            if family == "gemma3_text" {
+                continue; // Its Dense modules make the pooled width the head's input only.
+            }
+            for mode in Pooling::ALL {
+                let plain = load(
+                    &fixture(family),
+                    LoadOptions {
+                        pooling: Some(mode),
+                        normalize: Some(false),
+                        ..Default::default()
+                    },
+                );
+                let got = plain.embed(&texts, 4).unwrap();
+                let want = &r.tensors[&format!("pooled.{}", mode.name())];
+                let err = max_diff(&got, want);
+                assert!(
+                    err <= 1e-5,
+                    "{family} ({path}): pooling {} differs by {err:e}",
+                    mode.name()
+                );
+            }
+        }
+    });
+}
+
+/// The gradient-cache step of the reference loss (queries with the query prompt,
+/// passages with the document prompt) on the model of `family`.
+fn step(family: &str, chunk: usize, recompute: Recompute) -> (f32, gradcache::Gradients) {
+    let dir = fixture(family);
+    let r = reference(family);
+    let files = ModelFiles::from_dir(&dir).unwrap();
+    let head = read_sentence_transformers_config(&dir).unwrap().unwrap();
+    let options = BertOptions {
+        recompute,
+        pooling: head.pooling,
+        normalize: head.normalize,
+        dense: head.dense.iter().map(|d| d.spec()).collect(),
+        ..Default::default()
+    };
+    let store = ParamStore::new(0, DType::F32, &Device::Cpu);
+    let (encoder, bert, _store) = load_pretrained(&files, "", &options, store).unwrap();
+    let loss = InfoNce::new(0.05)
+        .unwrap()
+        .with_similarity(Similarity::Cosine);
+    let gc = GradCache::shared(encoder, chunk, loss)
+        .unwrap()
+        .with_dropout(false);
+    let (inner, config) = gradcache::hub::load_tokenizer(&files, &bert).unwrap();
+    let tokenizer = Tokenizer::new(inner, MAX_LEN).unwrap().with_config(config);
+    let pooled = head.include_prompt;
+    let q = tokenizer
+        .clone()
+        .with_prompt(&head.prompts.query)
+        .with_prompt_pooled(pooled)
+        .encode(&refs(&r.queries), &Device::Cpu)
+        .unwrap();
+    let p = tokenizer
+        .with_prompt(&head.prompts.passage)
+        .with_prompt_pooled(pooled)
+        .encode(&refs(&r.passages), &Device::Cpu)
+        .unwrap();
+    let out = gc.cache_step(0, &q, &p).unwrap();
+    (out.loss, out.grads)
+}
+
+#[test]
+fn gradients_match_pytorch_in_chunks_and_under_recompute() {
+    both_paths(|path| {
+        for family in DECODERS {
+            let r = reference(family);
+            let want: HashMap<&str, &Tensor> = r
+                .tensors
+                .iter()
+                .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n, v)))
+                .collect();
+            let global = want.values().map(|g| max_abs(g)).fold(0.0, f64::max);
+            let policies = if path == "layer node" {
+                vec![
+                    (4, Recompute::Off),
+                    (1, Recompute::Off),
+                    (3, Recompute::Attention),
+                    (2, Recompute::EveryLayer),
+                ]
+            } else {
+                vec![(2, Recompute::EveryLayer), (3, Recompute::Attention)]
+            };
+            for (chunk, recompute) in policies {
+                let (loss, grads) = step(family, chunk, recompute.clone());
+                let what = format!("{family} ({path}), chunk {chunk}, recompute {recompute:?}");
+                assert!(
+                    (loss as f64 - r.loss).abs() <= 1e-5 * r.loss.abs().max(1.0),
+                    "{what}: loss {loss} against {}",
+                    r.loss
+                );
+                let mut seen = 0;
+                for (name, got) in grads.iter() {
+                    let reference = want
+                        .get(name)
+                        .unwrap_or_else(|| panic!("{what}: no reference gradient for `{name}`"));
+                    let err = max_diff(got, reference) / max_abs(reference).max(1e-3 * global);
+                    assert!(err <= 1e-4, "{what}: gradient of `{name}` off by {err:e}");
+                    seen += 1;
+                }
+                assert_eq!(seen, want.len(), "{what}: every parameter gets a gradient");
+            }
+        }
+    });
+}
