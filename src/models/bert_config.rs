@@ -286,6 +286,9 @@ impl BertConfig {
                 if !cfg.keys.iter().any(|k| k == "max_position_embeddings") {
                     cfg.max_position_embeddings = kind.default_max_positions();
                 }
+                if !cfg.keys.iter().any(|k| k == "hidden_act") {
+                    cfg.hidden_act = "silu".into();
+                }
                 // transformers' default: none but for Gemma3 (0).
                 if !cfg.keys.iter().any(|k| k == "pad_token_id") {
                     cfg.pad_token_id = (kind == DecoderKind::Gemma3).then_some(0);

@@ -143,11 +143,12 @@ impl DecoderSettings {
         } else {
             "hidden_act"
         };
-        let act_name = match x.get(act_key).and_then(|v| v.as_str()) {
-            Some(name) => name.to_string(),
-            None if !gemma && cfg.keys.iter().any(|k| k == "hidden_act") => cfg.hidden_act.clone(),
-            None if gemma => "gelu_pytorch_tanh".into(),
-            None => "silu".into(),
+        // Gemma3 names it `hidden_activation`; the others' `hidden_act` is BERT's field
+        // (silu when a file leaves it out).
+        let act_name = match (gemma, x.get(act_key).and_then(|v| v.as_str())) {
+            (true, Some(name)) => name.to_string(),
+            (true, None) => "gelu_pytorch_tanh".into(),
+            (false, _) => cfg.hidden_act.clone(),
         };
         let activation = match act_name.as_str() {
             "silu" | "swish" => Activation::Silu,

@@ -37,12 +37,13 @@
 
 use candle_core::{DType, Tensor};
 
-use super::attention::{self as kernel, HeadLayout, KeyMask, Rows};
+use super::attention::{self as kernel, KeyMask};
 use super::blocks::Float;
 use super::fused::AttentionSpec;
 use super::gemm::{bias_rows, column_sums, linear, product, product_new};
 use super::math::Act;
 use super::node::node_n_owned;
+use super::packed_attention::{attend, attention_backward};
 use super::packing::{Packing, View};
 use super::rows::{
     activate, activate_in_place, activate_with_slope, add_norm, dropped, norm, norm_backward,
@@ -207,15 +208,6 @@ impl Shape {
             s: self.s,
             d: self.d,
         }
-    }
-}
-
-/// The attention kernel's parameters of a spec.
-fn params(attention: &AttentionSpec) -> kernel::Params {
-    kernel::Params {
-        scale: attention.scale,
-        dropout: attention.dropout,
-        window: attention.window,
     }
 }
 
@@ -449,38 +441,6 @@ fn forward<T: Float>(
     Ok((y, kept))
 }
 
-/// The attention of the packed `[rows, 3h]` `qkv` (sequences of `rows`): the context
-/// `[rows, h]` and, when `keep` and the probabilities are not recomputed, the
-/// probabilities.
-pub(super) fn attend<T: Float>(
-    qkv: &[T],
-    (mask, rows): (&KeyMask<T>, &Rows),
-    attention: &AttentionSpec,
-    kdims: kernel::Dims,
-    keep: bool,
-) -> (Vec<T>, Option<Vec<T>>) {
-    let (d, h) = (kdims.d, kdims.heads * kdims.d);
-    let total: usize = rows.queries.iter().sum();
-    let mut ctx = vec![T::zero(); total * h];
-    let params = params(attention);
-    let packed = |part: usize| HeadLayout::in_rows(3 * h, d, part * h);
-    let p = qkv.as_ptr();
-    // SAFETY: qkv is a [rows, 3h] buffer, ctx a [rows, h] one.
-    let probs = unsafe {
-        kernel::forward(
-            (kdims, rows),
-            &params,
-            mask,
-            (p, packed(0)),
-            (p, packed(1)),
-            (p, packed(2)),
-            (ctx.as_mut_ptr(), HeadLayout::in_rows(h, d, 0)),
-            keep && !attention.recompute,
-        )
-    };
-    (ctx, probs)
-}
-
 /// Every gradient of the layer.
 struct Grads<T> {
     dx: Vec<T>,
@@ -610,55 +570,4 @@ fn backward<T: Float>(
         db2,
         dscores,
     })
-}
-
-/// `dqkv` `[rows, 3h]` from `dctx` `[rows, h]` (the backward of [`attend`]), and with
-/// `scores` the gradient of the mask's score bias `[heads, s, s]`.
-pub(super) fn attention_backward<T: Float>(
-    qkv: &[T],
-    probs: Option<&[T]>,
-    dctx: &[T],
-    (mask, rows): (&KeyMask<T>, &Rows),
-    attention: &AttentionSpec,
-    kdims: kernel::Dims,
-    scores: bool,
-) -> (Vec<T>, Option<Vec<T>>) {
-    let (d, s) = (kdims.d, kdims.s);
-    let h = kdims.heads * d;
-    let total: usize = rows.queries.iter().sum();
-    let mut dqkv = vec![T::zero(); total * 3 * h];
-    let block = kdims.heads * s * s;
-    let mut dscores = scores.then(|| vec![T::zero(); kdims.n * block]);
-    let params = params(attention);
-    let packed = |part: usize| HeadLayout::in_rows(3 * h, d, part * h);
-    let (p, g) = (qkv.as_ptr(), dqkv.as_mut_ptr());
-    // SAFETY: qkv and dqkv are [rows, 3h] buffers (the three gradients in disjoint
-    // columns), dctx a [rows, h] one.
-    unsafe {
-        kernel::backward(
-            (kdims, rows),
-            &params,
-            mask,
-            (p, packed(0)),
-            (p, packed(1)),
-            (p, packed(2)),
-            probs,
-            (dctx.as_ptr(), HeadLayout::in_rows(h, d, 0)),
-            (g, packed(0)),
-            (g, packed(1)),
-            (g, packed(2)),
-            dscores.as_mut().map(|b| b.as_mut_ptr()),
-        );
-    }
-    // The score bias is shared: its gradient sums the sequences', in their order.
-    let dscores = dscores.map(|per_sequence| {
-        let mut sum = per_sequence[..block].to_vec();
-        for seq in per_sequence[block..].chunks_exact(block) {
-            for (a, &g) in sum.iter_mut().zip(seq) {
-                *a += g;
-            }
-        }
-        sum
-    });
-    (dqkv, dscores)
 }

@@ -162,12 +162,17 @@ pub fn prenorm_layer(
 /// dtype, as transformers computes it.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset: f64) -> Result<Tensor> {
     let dtype = x.dtype();
-    let wide = cast(x, candle_core::DType::F32)?;
+    let wide_dtype = if crate::precision::is_half(dtype) {
+        candle_core::DType::F32
+    } else {
+        dtype
+    };
+    let wide = cast(x, wide_dtype)?;
     let inv = (wide.sqr()?.mean_keepdim(D::Minus1)? + eps)?
         .sqrt()?
         .recip()?;
     let normed = wide.broadcast_mul(&inv)?;
-    let scale = cast(weight, candle_core::DType::F32)?;
+    let scale = cast(weight, wide_dtype)?;
     let scale = if offset != 0.0 {
         (scale + offset)?
     } else {

@@ -18,6 +18,8 @@
 mod accumulate;
 mod activation;
 pub mod attention;
+mod attention_grouped;
+mod attention_layout;
 mod attention_nodes;
 mod batch_norm;
 mod blocks;
@@ -35,6 +37,7 @@ mod layer_norm;
 mod math;
 mod node;
 mod norm;
+mod packed_attention;
 mod packing;
 pub mod pooling;
 pub mod prenorm_layer;
@@ -198,6 +201,37 @@ pub fn decoder_layer(
     weights: &decoder_layer::DecoderWeights,
     spec: &decoder_layer::DecoderSpec,
 ) -> Result<Option<Tensor>> {
+    let mut all = vec![
+        x,
+        &spec.attention.bias,
+        weights.input_norm,
+        weights.mlp_norm,
+    ];
+    for (w, b) in [
+        &weights.q,
+        &weights.k,
+        &weights.v,
+        &weights.o,
+        &weights.gate,
+        &weights.up,
+        &weights.down,
+    ] {
+        all.push(w);
+        all.extend(b);
+    }
+    all.extend(
+        [
+            weights.q_norm,
+            weights.k_norm,
+            weights.post_attention_norm,
+            weights.post_mlp_norm,
+        ]
+        .into_iter()
+        .flatten(),
+    );
+    if !fused_ok(&all) || x.rank() != 3 {
+        return Ok(None);
+    }
     Ok(decoder_layer::decoder_layer(x, weights, spec)?)
 }
 

@@ -36,6 +36,28 @@ impl Packing {
         }
     }
 
+    /// The real tokens alone, wherever the padding is (a decoder's batches are padded on
+    /// the left): each sequence's unmasked rows of the key bias `[n, s]`, packed in order.
+    pub(super) fn real<T: Float>(bias: &[T], n: usize, s: usize) -> Self {
+        let masked = T::of(super::attention::MASKED_BIAS);
+        let mut lengths = Vec::with_capacity(n);
+        let mut padded = Vec::with_capacity(n * s);
+        for b in 0..n {
+            let before = padded.len();
+            padded.extend(
+                (0..s)
+                    .filter(|&t| bias[b * s + t] > masked)
+                    .map(|t| b * s + t),
+            );
+            lengths.push(padded.len() - before);
+        }
+        Self {
+            identity: padded.len() == n * s,
+            rows: Rows::packed(&lengths),
+            padded,
+        }
+    }
+
     pub(super) fn total(&self) -> usize {
         self.padded.len()
     }

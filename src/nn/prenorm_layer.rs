@@ -23,12 +23,12 @@ use candle_core::{DType, Tensor};
 
 use super::attention::{self as kernel, KeyMask};
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
-use super::encoder_layer::{attend, attention_backward};
 use super::fused::AttentionSpec;
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{column_sums, linear, product, product_new};
 use super::math::Act;
 use super::node::node_n_owned;
+use super::packed_attention::{attend, attention_backward};
 use super::packing::{Packing, View};
 use super::rows::{add_row, dropped, norm, norm_backward};
 

@@ -278,3 +278,133 @@ pub(crate) fn dropped<'a, T: Float>(
     });
     std::borrow::Cow::Owned(out)
 }
+
+/// `1 / sqrt(mean(x^2) + eps)` of a row (eight-lane sums): RMSNorm's statistic.
+#[inline(always)]
+pub(super) fn rms_inv<T: Float>(x: &[T], eps: f64) -> T {
+    let ms = lane_dot(x, x) / T::of(x.len() as f64);
+    T::one() / (ms + T::of(eps)).sqrt()
+}
+
+/// RMSNorm of one row into `y`: `(x r) (offset + w)`, `r` = [`rms_inv`] (as transformers
+/// multiplies: the normalised row, then the scale).
+#[inline(always)]
+pub(super) fn rms_row<T: Float>(x: &[T], w: &[T], eps: f64, offset: T, y: &mut [T]) {
+    let r = rms_inv(x, eps);
+    for ((yv, &xv), &wv) in y.iter_mut().zip(x).zip(w) {
+        *yv = xv * r * (offset + wv);
+    }
+}
+
+/// RMSNorm of every row of `x` (rows of `w.len()`).
+pub(super) fn rms<T: Float>(x: &[T], w: &[T], eps: f64, offset: T) -> Vec<T> {
+    let h = w.len();
+    let mut y = vec![T::zero(); x.len()];
+    for_blocks(&mut y, h, |blk, chunk| {
+        let base = blk * BLOCK_ROWS * h;
+        for (xr, yr) in x[base..base + chunk.len()]
+            .chunks_exact(h)
+            .zip(chunk.chunks_exact_mut(h))
+        {
+            rms_row(xr, w, eps, offset, yr);
+        }
+    });
+    y
+}
+
+/// RMSNorm's backward over rows: the gradient of `x` from the output's `dy`, and the
+/// scale's (summed per block, in block order).
+pub(super) fn rms_backward<T: Float>(
+    x: &[T],
+    w: &[T],
+    dy: &[T],
+    eps: f64,
+    offset: T,
+) -> (Vec<T>, Vec<T>) {
+    let h = w.len();
+    let n = T::of(h as f64);
+    let mut dx = vec![T::zero(); x.len()];
+    let partials = for_blocks_with_partials(&mut dx, h, h, |blk, chunk, acc| {
+        let base = blk * BLOCK_ROWS * h;
+        let len = chunk.len();
+        let mut xhat = vec![T::zero(); h];
+        let mut gd = vec![T::zero(); h];
+        for ((dxr, xr), dyr) in chunk
+            .chunks_exact_mut(h)
+            .zip(x[base..base + len].chunks_exact(h))
+            .zip(dy[base..base + len].chunks_exact(h))
+        {
+            let r = rms_inv(xr, eps);
+            for j in 0..h {
+                xhat[j] = xr[j] * r;
+                gd[j] = dyr[j] * (offset + w[j]);
+                acc[j] += dyr[j] * xhat[j];
+            }
+            let mean = lane_dot(&gd, &xhat) / n;
+            for j in 0..h {
+                dxr[j] = r * (gd[j] - xhat[j] * mean);
+            }
+        }
+    });
+    (dx, sum_partials(&partials, h))
+}
+
+/// Per-head RMSNorm in place: in every row of `width` of `x`, the `count` heads of `d`
+/// values from column `first` (the q/k norms of Qwen3 and Gemma3).
+pub(super) fn rms_heads<T: Float>(
+    x: &mut [T],
+    width: usize,
+    (first, count, d): (usize, usize, usize),
+    w: &[T],
+    eps: f64,
+    offset: T,
+) {
+    for_blocks(x, width, |_, chunk| {
+        let mut y = vec![T::zero(); d];
+        for row in chunk.chunks_exact_mut(width) {
+            for head in row[first..first + count * d].chunks_exact_mut(d) {
+                rms_row(head, w, eps, offset, &mut y);
+                head.copy_from_slice(&y);
+            }
+        }
+    });
+}
+
+/// The backward of [`rms_heads`]: `dx` holds the gradient of the normalised heads and
+/// becomes that of `x` (the heads before the norm); returns the scale's gradient, summed
+/// over rows (per block, in block order) and heads.
+pub(super) fn rms_heads_backward<T: Float>(
+    x: &[T],
+    dx: &mut [T],
+    width: usize,
+    (first, count, d): (usize, usize, usize),
+    w: &[T],
+    eps: f64,
+    offset: T,
+) -> Vec<T> {
+    let n = T::of(d as f64);
+    let partials = for_blocks_with_partials(dx, width, d, |blk, chunk, acc| {
+        let base = blk * BLOCK_ROWS * width;
+        let mut xhat = vec![T::zero(); d];
+        let mut gd = vec![T::zero(); d];
+        for (r, drow) in chunk.chunks_exact_mut(width).enumerate() {
+            let xrow = &x[base + r * width..base + (r + 1) * width];
+            for (dh, xh) in drow[first..first + count * d]
+                .chunks_exact_mut(d)
+                .zip(xrow[first..first + count * d].chunks_exact(d))
+            {
+                let inv = rms_inv(xh, eps);
+                for j in 0..d {
+                    xhat[j] = xh[j] * inv;
+                    gd[j] = dh[j] * (offset + w[j]);
+                    acc[j] += dh[j] * xhat[j];
+                }
+                let mean = lane_dot(&gd, &xhat) / n;
+                for j in 0..d {
+                    dh[j] = inv * (gd[j] - xhat[j] * mean);
+                }
+            }
+        }
+    });
+    sum_partials(&partials, d)
+}
