@@ -1,7 +1,9 @@
 //! The ops the newer families add to BERT's, each run as a fused node where the fused
 //! kernels run and composed elsewhere: the gated linear unit (ModernBERT's GeGLU), rotary
 //! position embeddings, attention under a sliding window or an additive bias of any shape
-//! (MPNet's relative position bias, which is trained).
+//! (MPNet's relative position bias, which is trained); the decoders' RMSNorm, token
+//! embeddings, grouped-query attention under causal and windowed patterns, and their
+//! whole layer.
 
 use candle_core::{Tensor, D};
 
@@ -154,6 +156,69 @@ pub fn prenorm_layer(
         return Ok(None);
     }
     Ok(Some(super::prenorm_layer::prenorm_layer(x, weights, spec)?))
+}
+
+/// A whole decoder layer as one node with its backward written out
+/// ([`super::decoder_layer::decoder_layer`]) where the fused kernels run; `None` elsewhere (the
+/// caller then runs the layer op by op).
+pub fn decoder_layer(
+    x: &Tensor,
+    weights: &super::decoder_layer::DecoderWeights,
+    spec: &super::decoder_layer::DecoderSpec,
+) -> Result<Option<Tensor>> {
+    let mut all = vec![
+        x,
+        &spec.attention.bias,
+        weights.input_norm,
+        weights.mlp_norm,
+    ];
+    for (w, b) in [
+        &weights.q,
+        &weights.k,
+        &weights.v,
+        &weights.o,
+        &weights.gate,
+        &weights.up,
+        &weights.down,
+    ] {
+        all.push(w);
+        all.extend(b);
+    }
+    all.extend(
+        [
+            weights.q_norm,
+            weights.k_norm,
+            weights.post_attention_norm,
+            weights.post_mlp_norm,
+        ]
+        .into_iter()
+        .flatten(),
+    );
+    if !fused_ok(&all) || x.rank() != 3 {
+        return Ok(None);
+    }
+    Ok(super::decoder_layer::decoder_layer(x, weights, spec)?)
+}
+
+/// A token embedding lookup `table[ids] * scale` (`[n, s]` ids into `[n, s, h]`; row
+/// `padding_idx` untrained, as PyTorch's) as one node whose backward adds only the rows the
+/// tokens touched into the gradient sink ([`super::embeddings::token_embeddings`]) where the fused
+/// kernels run; `None` elsewhere.
+pub fn token_embeddings(
+    ids: &Tensor,
+    table: &Tensor,
+    scale: Option<f64>,
+    padding_idx: Option<u32>,
+) -> Result<Option<Tensor>> {
+    if !fused_ok(&[table]) || ids.rank() != 2 {
+        return Ok(None);
+    }
+    Ok(Some(super::embeddings::token_embeddings(
+        ids,
+        table,
+        scale,
+        padding_idx,
+    )?))
 }
 
 /// RMSNorm over the last dimension, `x / sqrt(mean(x^2) + eps) * (offset + weight)`

@@ -25,6 +25,7 @@ mod batch_norm;
 mod blocks;
 mod conv;
 pub mod decoder_layer;
+mod decoder_passes;
 mod dense;
 mod dropout_ops;
 pub mod embeddings;
@@ -47,9 +48,9 @@ mod softmax;
 pub use batch_norm::BatchNorm;
 pub use dense::Linear;
 pub use family_ops::{
-    attention_with_bias, glu, glu_composed, grouped_attention, grouped_attention_composed,
-    pattern_bias, prenorm_layer, rms_norm, rotary, rotary_composed, self_attention_biased,
-    window_bias,
+    attention_with_bias, decoder_layer, glu, glu_composed, grouped_attention,
+    grouped_attention_composed, pattern_bias, prenorm_layer, rms_norm, rotary, rotary_composed,
+    self_attention_biased, token_embeddings, window_bias,
 };
 pub use layer_norm::LayerNorm;
 
@@ -190,69 +191,6 @@ pub fn embeddings(
         norm.eps,
         dropout,
         recompute,
-    )?))
-}
-
-/// A whole decoder layer as one node with its backward written out
-/// ([`decoder_layer::decoder_layer`]) where the fused kernels run; `None` elsewhere (the
-/// caller then runs the layer op by op).
-pub fn decoder_layer(
-    x: &Tensor,
-    weights: &decoder_layer::DecoderWeights,
-    spec: &decoder_layer::DecoderSpec,
-) -> Result<Option<Tensor>> {
-    let mut all = vec![
-        x,
-        &spec.attention.bias,
-        weights.input_norm,
-        weights.mlp_norm,
-    ];
-    for (w, b) in [
-        &weights.q,
-        &weights.k,
-        &weights.v,
-        &weights.o,
-        &weights.gate,
-        &weights.up,
-        &weights.down,
-    ] {
-        all.push(w);
-        all.extend(b);
-    }
-    all.extend(
-        [
-            weights.q_norm,
-            weights.k_norm,
-            weights.post_attention_norm,
-            weights.post_mlp_norm,
-        ]
-        .into_iter()
-        .flatten(),
-    );
-    if !fused_ok(&all) || x.rank() != 3 {
-        return Ok(None);
-    }
-    Ok(decoder_layer::decoder_layer(x, weights, spec)?)
-}
-
-/// A token embedding lookup `table[ids] * scale` (`[n, s]` ids into `[n, s, h]`; row
-/// `padding_idx` untrained, as PyTorch's) as one node whose backward adds only the rows the
-/// tokens touched into the gradient sink ([`embeddings::token_embeddings`]) where the fused
-/// kernels run; `None` elsewhere.
-pub fn token_embeddings(
-    ids: &Tensor,
-    table: &Tensor,
-    scale: Option<f64>,
-    padding_idx: Option<u32>,
-) -> Result<Option<Tensor>> {
-    if !fused_ok(&[table]) || ids.rank() != 2 {
-        return Ok(None);
-    }
-    Ok(Some(embeddings::token_embeddings(
-        ids,
-        table,
-        scale,
-        padding_idx,
     )?))
 }
 

@@ -1,0 +1,304 @@
+//! The arithmetic of the decoder layer node ([`super::decoder_layer`]) on its packed rows:
+//! the forward pass and what it keeps, the backward pass with every gradient, written out
+//! op by op in the order the formulas of the node's documentation give.
+
+use std::borrow::Cow;
+
+use super::attention_grouped::{self as grouped, Sequences};
+use super::blocks::{for_blocks, Float, BLOCK_ROWS};
+use super::decoder_layer::{slot, DecoderSpec, Shape, SLOTS};
+use super::gated::{glu_rows, glu_rows_backward, rotate_head};
+use super::gemm::{bias_rows, column_sums, linear, product, product_new};
+use super::packing::Packing;
+use super::rows::{rms, rms_backward, rms_heads, rms_heads_backward};
+
+/// What the forward keeps for the backward.
+pub(super) struct Kept<T> {
+    /// The projections before the q/k norms and rotation.
+    qkv: Vec<T>,
+    probs: Option<Vec<T>>,
+    ctx: Vec<T>,
+    /// Gemma: the attention output under its norm.
+    a: Option<Vec<T>>,
+    x1: Vec<T>,
+    up: Vec<T>,
+    /// Gemma: the feed-forward output under its norm.
+    m: Option<Vec<T>>,
+}
+
+/// The packed rows' layout and the per-row constants of a chunk.
+pub(super) struct Chunk<T> {
+    pub(super) packing: Packing,
+    pub(super) seqs: Sequences,
+    /// Each packed row's place among its text's real tokens (its rotary position).
+    pub(super) positions: Vec<usize>,
+    pub(super) cos: Vec<T>,
+    pub(super) sin: Vec<T>,
+    pub(super) params: grouped::Params,
+    /// Which norms the layer has: q/k norms, Gemma's post norms.
+    pub(super) qk_norm: bool,
+    pub(super) post_norms: bool,
+}
+
+/// The query-key-value projections of the packed rows `n1` `[rows, h]`, side by side in
+/// one `[rows, (heads + 2 kv_heads) d]` buffer, biases pre-filled.
+fn project<T: Float>(n1: &[T], w: &[&[T]; SLOTS], dims: Shape, rows: usize) -> Vec<T> {
+    let (h, qd, kd) = (dims.h, dims.qd(), dims.kd());
+    let width = dims.grouped.width();
+    let mut qkv = bias_rows(&[w[slot::WQ + 1], w[slot::WK + 1], w[slot::WV + 1]], rows);
+    for (col, (wp, out)) in [
+        (0, (w[slot::WQ], qd)),
+        (qd, (w[slot::WK], kd)),
+        (qd + kd, (w[slot::WV], kd)),
+    ] {
+        product(
+            (rows, out, h),
+            (&mut qkv[col..], width),
+            true,
+            (n1, h, 1),
+            (wp, 1, h),
+        );
+    }
+    qkv
+}
+
+/// The q/k norms (where the layer has them) and the rotation of every query and key head,
+/// in place, each at its row's position (`transpose`: the backward's `R^T`, norms left
+/// out).
+fn rotate_qk<T: Float>(qkv: &mut [T], chunk: &Chunk<T>, dims: Shape, transpose: bool) {
+    let width = dims.grouped.width();
+    let d = dims.grouped.d;
+    let heads = dims.grouped.heads + dims.grouped.kv_heads;
+    for_blocks(qkv, width, |blk, rows| {
+        let first = blk * BLOCK_ROWS;
+        for (r, row) in rows.chunks_exact_mut(width).enumerate() {
+            let t = chunk.positions[first + r];
+            let (c, sn) = (
+                &chunk.cos[t * d..(t + 1) * d],
+                &chunk.sin[t * d..(t + 1) * d],
+            );
+            for head in row[..heads * d].chunks_exact_mut(d) {
+                rotate_head(head, c, sn, transpose);
+            }
+        }
+    });
+}
+
+/// The queries and keys as the attention reads them: normalised and rotated.
+fn prepared<T: Float>(
+    qkv: &mut [T],
+    w: &[&[T]; SLOTS],
+    chunk: &Chunk<T>,
+    spec: &DecoderSpec,
+    dims: Shape,
+) {
+    let (width, d) = (dims.grouped.width(), dims.grouped.d);
+    let off = T::of(spec.offset);
+    if chunk.qk_norm {
+        let (hq, hk) = (dims.grouped.heads, dims.grouped.kv_heads);
+        rms_heads(qkv, width, (0, hq, d), w[slot::Q_NORM], spec.eps, off);
+        rms_heads(qkv, width, (hq * d, hk, d), w[slot::K_NORM], spec.eps, off);
+    }
+    rotate_qk(qkv, chunk, dims, false);
+}
+
+/// `a + b` element by element (a residual sum).
+fn added<T: Float>(a: &[T], b: &[T]) -> Vec<T> {
+    let mut y = a.to_vec();
+    for (v, &r) in y.iter_mut().zip(b) {
+        *v += r;
+    }
+    y
+}
+
+/// The forward pass: the output rows and, when `keep`, what the backward reads.
+pub(super) fn forward<T: Float>(
+    x: &[T],
+    w: &[&[T]; SLOTS],
+    chunk: &Chunk<T>,
+    spec: &DecoderSpec,
+    dims: Shape,
+    keep: bool,
+) -> (Vec<T>, Option<Kept<T>>) {
+    let (rows, h, i, qd) = (chunk.packing.total(), dims.h, dims.inter, dims.qd());
+    let (eps, off) = (spec.eps, T::of(spec.offset));
+    let n1 = rms(x, w[slot::IN_NORM], eps, off);
+    let mut qkv = project(&n1, w, dims, rows);
+    drop(n1);
+    let raw = keep.then(|| qkv.clone());
+    prepared(&mut qkv, w, chunk, spec, dims);
+    let (ctx, probs) = grouped::forward(
+        &qkv,
+        (dims.grouped, &chunk.seqs),
+        &chunk.params,
+        keep && !spec.attention.recompute,
+    );
+    drop(qkv);
+    let a = linear(&ctx, w[slot::WO], w[slot::WO + 1], rows, qd);
+    let (x1, a) = if chunk.post_norms {
+        let normed = rms(&a, w[slot::POST_ATTN], eps, off);
+        (added(x, &normed), Some(a))
+    } else {
+        (added(x, &a), None)
+    };
+    let n2 = rms(&x1, w[slot::MLP_NORM], eps, off);
+    let mut up = bias_rows(&[w[slot::WG + 1], w[slot::WU + 1]], rows);
+    for (col, wp) in [(0, w[slot::WG]), (i, w[slot::WU])] {
+        product(
+            (rows, i, h),
+            (&mut up[col..], 2 * i),
+            true,
+            (&n2, h, 1),
+            (wp, 1, h),
+        );
+    }
+    drop(n2);
+    let g = glu_rows(&up, spec.act, i);
+    let m = linear(&g, w[slot::WD], w[slot::WD + 1], rows, i);
+    drop(g);
+    let (y, m) = if chunk.post_norms {
+        let normed = rms(&m, w[slot::POST_MLP], eps, off);
+        (added(&x1, &normed), Some(m))
+    } else {
+        (added(&x1, &m), None)
+    };
+    let kept = raw.map(|qkv| Kept {
+        qkv,
+        probs,
+        ctx,
+        a,
+        x1,
+        up,
+        m,
+    });
+    (y, kept)
+}
+
+/// Every gradient: of the input and of the slots (a missing one's is unused).
+pub(super) struct Grads<T> {
+    pub(super) dx: Vec<T>,
+    pub(super) slots: [Vec<T>; SLOTS],
+}
+
+/// The backward pass from `dy`.
+pub(super) fn backward<T: Float>(
+    x: &[T],
+    dy: &[T],
+    w: &[&[T]; SLOTS],
+    chunk: &Chunk<T>,
+    spec: &DecoderSpec,
+    dims: Shape,
+    kept: &Kept<T>,
+) -> Grads<T> {
+    let (rows, h, i, qd, kd) = (
+        chunk.packing.total(),
+        dims.h,
+        dims.inter,
+        dims.qd(),
+        dims.kd(),
+    );
+    let (eps, off) = (spec.eps, T::of(spec.offset));
+    let width = dims.grouped.width();
+    let mut slots: [Vec<T>; SLOTS] = Default::default();
+    // The feed-forward: y = x1 + norm(act(g) u W_d^T + b_d).
+    let dm: Cow<[T]> = match &kept.m {
+        Some(m) => {
+            let (dm, dw) = rms_backward(m, w[slot::POST_MLP], dy, eps, off);
+            slots[slot::POST_MLP] = dw;
+            Cow::Owned(dm)
+        }
+        None => Cow::Borrowed(dy),
+    };
+    slots[slot::WD + 1] = column_sums(&dm, h);
+    let g = glu_rows(&kept.up, spec.act, i);
+    slots[slot::WD] = product_new((h, i, rows), (&dm, 1, h), (&g, i, 1));
+    drop(g);
+    let dg = product_new((rows, i, h), (&dm, h, 1), (w[slot::WD], i, 1));
+    drop(dm);
+    let dup = glu_rows_backward(&kept.up, &dg, spec.act, i);
+    drop(dg);
+    let sums = column_sums(&dup, 2 * i);
+    slots[slot::WG + 1] = sums[..i].to_vec();
+    slots[slot::WU + 1] = sums[i..].to_vec();
+    let n2 = rms(&kept.x1, w[slot::MLP_NORM], eps, off);
+    slots[slot::WG] = product_new((i, h, rows), (&dup, 1, 2 * i), (&n2, h, 1));
+    slots[slot::WU] = product_new((i, h, rows), (&dup[i..], 1, 2 * i), (&n2, h, 1));
+    drop(n2);
+    let mut dn2 = product_new((rows, h, i), (&dup, 2 * i, 1), (w[slot::WG], h, 1));
+    product(
+        (rows, h, i),
+        (&mut dn2, h),
+        true,
+        (&dup[i..], 2 * i, 1),
+        (w[slot::WU], h, 1),
+    );
+    drop(dup);
+    let (dx1_norm, dw) = rms_backward(&kept.x1, w[slot::MLP_NORM], &dn2, eps, off);
+    slots[slot::MLP_NORM] = dw;
+    drop(dn2);
+    let dx1 = added(dy, &dx1_norm);
+    drop(dx1_norm);
+    // The attention output: x1 = x + norm(ctx W_o^T + b_o).
+    let da: Cow<[T]> = match &kept.a {
+        Some(a) => {
+            let (da, dw) = rms_backward(a, w[slot::POST_ATTN], &dx1, eps, off);
+            slots[slot::POST_ATTN] = dw;
+            Cow::Owned(da)
+        }
+        None => Cow::Borrowed(&dx1),
+    };
+    slots[slot::WO + 1] = column_sums(&da, h);
+    slots[slot::WO] = product_new((h, qd, rows), (&da, 1, h), (&kept.ctx, qd, 1));
+    let dctx = product_new((rows, qd, h), (&da, h, 1), (w[slot::WO], qd, 1));
+    drop(da);
+    // The attention, on the normalised and rotated queries and keys (recomputed).
+    let mut att = kept.qkv.clone();
+    prepared(&mut att, w, chunk, spec, dims);
+    let mut dqkv = grouped::backward(
+        &att,
+        kept.probs.as_deref(),
+        &dctx,
+        (dims.grouped, &chunk.seqs),
+        &chunk.params,
+    );
+    drop((att, dctx));
+    rotate_qk(&mut dqkv, chunk, dims, true);
+    if chunk.qk_norm {
+        let (hq, hk, d) = (dims.grouped.heads, dims.grouped.kv_heads, dims.grouped.d);
+        let q = (0, hq, d);
+        let k = (hq * d, hk, d);
+        slots[slot::Q_NORM] =
+            rms_heads_backward(&kept.qkv, &mut dqkv, width, q, w[slot::Q_NORM], eps, off);
+        slots[slot::K_NORM] =
+            rms_heads_backward(&kept.qkv, &mut dqkv, width, k, w[slot::K_NORM], eps, off);
+    }
+    let sums = column_sums(&dqkv, width);
+    slots[slot::WQ + 1] = sums[..qd].to_vec();
+    slots[slot::WK + 1] = sums[qd..qd + kd].to_vec();
+    slots[slot::WV + 1] = sums[qd + kd..].to_vec();
+    let n1 = rms(x, w[slot::IN_NORM], eps, off);
+    let parts = [
+        (slot::WQ, 0, qd),
+        (slot::WK, qd, kd),
+        (slot::WV, qd + kd, kd),
+    ];
+    for (s, col, out) in parts {
+        slots[s] = product_new((out, h, rows), (&dqkv[col..], 1, width), (&n1, h, 1));
+    }
+    drop(n1);
+    let mut dn1 = vec![T::zero(); rows * h];
+    for (s, col, out) in parts {
+        product(
+            (rows, h, out),
+            (&mut dn1, h),
+            true,
+            (&dqkv[col..], width, 1),
+            (w[s], h, 1),
+        );
+    }
+    drop(dqkv);
+    let (dxn, dw) = rms_backward(x, w[slot::IN_NORM], &dn1, eps, off);
+    slots[slot::IN_NORM] = dw;
+    let dx = added(&dx1, &dxn);
+    Grads { dx, slots }
+}
