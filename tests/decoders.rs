@@ -79,6 +79,14 @@ fn load(dir: &Path, options: LoadOptions) -> EmbeddingModel {
     EmbeddingModel::load(dir.to_str().unwrap(), &options).unwrap()
 }
 
+/// The tests of this binary one at a time: [`both_paths`] switches the kernels for the
+/// whole process, and a test that compares two computations must not see it switch.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serialized() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Runs `f` with the fused kernels on, then off (the op-by-op path a GPU or a half dtype
 /// takes), restoring them on.
 fn both_paths(f: impl Fn(&str)) {
@@ -106,6 +114,7 @@ fn real_rows(hidden: &Tensor, mask: &[u32]) -> Tensor {
 
 #[test]
 fn hidden_states_match_transformers() {
+    let _one = serialized();
     both_paths(|path| {
         for family in DECODERS {
             let r = reference(family);
@@ -142,6 +151,7 @@ fn hidden_states_match_transformers() {
 
 #[test]
 fn the_model_files_decide_padding_limit_and_special_tokens() {
+    let _one = serialized();
     for family in DECODERS {
         let model = load(&fixture(family), LoadOptions::default());
         let t = model.tokenizer();
@@ -196,6 +206,7 @@ fn the_model_files_decide_padding_limit_and_special_tokens() {
 
 #[test]
 fn every_pooling_mode_and_the_prompted_head_match_sentence_transformers() {
+    let _one = serialized();
     use gradcache::bert::Pooling;
     both_paths(|path| {
         for family in DECODERS {
@@ -280,6 +291,7 @@ fn step(family: &str, chunk: usize, recompute: Recompute) -> (f32, gradcache::Gr
 
 #[test]
 fn gradients_match_pytorch_in_chunks_and_under_recompute() {
+    let _one = serialized();
     both_paths(|path| {
         for family in DECODERS {
             let r = reference(family);
@@ -320,4 +332,209 @@ fn gradients_match_pytorch_in_chunks_and_under_recompute() {
             }
         }
     });
+}
+
+/// The fixture's tokenizer (its limit, special tokens) padding on the left or the right.
+fn tokenizer_padding(family: &str, left: bool) -> Tokenizer {
+    let model = load(&fixture(family), LoadOptions::default());
+    let mut inner = model.tokenizer().inner().clone();
+    let mut padding = inner.get_padding().cloned().unwrap();
+    padding.direction = if left {
+        tokenizers::PaddingDirection::Left
+    } else {
+        tokenizers::PaddingDirection::Right
+    };
+    inner.with_padding(Some(padding));
+    Tokenizer::new(inner, MAX_LEN).unwrap()
+}
+
+#[test]
+fn a_text_embeds_the_same_alone_and_in_a_batch_padded_on_either_side() {
+    let _one = serialized();
+    // Left padding with `mask.sum - 1` indexing, pooling by the pad id (the EOS of these
+    // models), or positions counted from the first column would all break this.
+    both_paths(|path| {
+        for family in DECODERS {
+            let r = reference(family);
+            let texts = refs(&r.texts);
+            let model = load(&fixture(family), LoadOptions::default());
+            let encoder = model.encoder();
+            for left in [true, false] {
+                let tokenizer = tokenizer_padding(family, left);
+                let batch =
+                    gradcache::hub::embed(encoder, &tokenizer, &texts, 8, &Device::Cpu).unwrap();
+                for (i, text) in texts.iter().enumerate() {
+                    let alone =
+                        gradcache::hub::embed(encoder, &tokenizer, &[text], 1, &Device::Cpu)
+                            .unwrap();
+                    let err = max_diff(&alone, &batch.narrow(0, i, 1).unwrap());
+                    assert!(
+                        err <= 1e-6,
+                        "{family} ({path}), left padding {left}: text {i} differs alone by {err:e}"
+                    );
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn a_padded_batch_stays_causal() {
+    let _one = serialized();
+    // Changing a text's last token leaves every earlier position's state as it was, with
+    // padding in the batch (an implementation that drops the causal triangle when a
+    // padding mask is given fails this); Gemma3 here is bidirectional, and changes.
+    both_paths(|path| {
+        for family in DECODERS {
+            let model = load(&fixture(family), LoadOptions::default());
+            let batch = model
+                .tokenizer()
+                .encode(
+                    &["Jesus wept.", "In the beginning God created"],
+                    &Device::Cpu,
+                )
+                .unwrap();
+            let ids: Vec<Vec<u32>> = batch.input_ids.to_vec2().unwrap();
+            let mask: Vec<Vec<u32>> = batch.attention_mask.to_vec2().unwrap();
+            let last = mask[0].iter().rposition(|&m| m != 0).unwrap();
+            let mut changed = ids.clone();
+            changed[0][last] = (changed[0][last] + 7) % 400 + 10;
+            let flat: Vec<u32> = changed.into_iter().flatten().collect();
+            let other = gradcache::TokenBatch::new(
+                Tensor::from_vec(flat, batch.input_ids.shape(), &Device::Cpu).unwrap(),
+                batch.attention_mask.clone(),
+                batch.token_type_ids.clone(),
+            )
+            .unwrap();
+            let bert = model.encoder().tower().detached_model();
+            let a = bert.hidden_states(&batch, &Ctx::eval()).unwrap();
+            let b = bert.hidden_states(&other, &Ctx::eval()).unwrap();
+            // The real tokens before the last (padding rows compute what they will).
+            let real: Vec<u32> = (0..last as u32)
+                .filter(|&t| mask[0][t as usize] != 0)
+                .collect();
+            let real = Tensor::new(real.as_slice(), &Device::Cpu).unwrap();
+            let before = |t: &Tensor| t.get(0).unwrap().index_select(&real, 0).unwrap();
+            let err = max_diff(&before(&a), &before(&b));
+            if family == "gemma3_text" {
+                assert!(
+                    err > 1e-4,
+                    "{family} ({path}): bidirectional, yet unchanged"
+                );
+            } else {
+                assert_eq!(err, 0.0, "{family} ({path}): an earlier position changed");
+            }
+            // The other text of the batch is untouched either way.
+            assert_eq!(
+                max_diff(&a.get(1).unwrap(), &b.get(1).unwrap()),
+                0.0,
+                "{family} ({path})"
+            );
+        }
+    });
+}
+
+#[test]
+fn the_cached_loss_takes_its_temperature() {
+    let _one = serialized();
+    // The loss of a cached step is cross-entropy over cos / temperature, whatever the
+    // temperature (a gradient-cache loss that ignores it fails this).
+    let family = "qwen3";
+    let r = reference(family);
+    let model = load(&fixture(family), LoadOptions::default());
+    let q = model.embed_queries(&refs(&r.queries), 4).unwrap();
+    let p = model.embed_passages(&refs(&r.passages), 4).unwrap();
+    let cos = q.matmul(&p.t().unwrap()).unwrap();
+    let dir = fixture(family);
+    let files = ModelFiles::from_dir(&dir).unwrap();
+    let head = read_sentence_transformers_config(&dir).unwrap().unwrap();
+    let mut losses = Vec::new();
+    for temperature in [0.05, 0.02, 0.5] {
+        let logits = (&cos / temperature).unwrap();
+        let by_hand = candle_nn::loss::cross_entropy(
+            &logits,
+            &Tensor::arange(0u32, 4, &Device::Cpu).unwrap(),
+        )
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+        let options = BertOptions {
+            pooling: head.pooling,
+            normalize: head.normalize,
+            ..Default::default()
+        };
+        let store = ParamStore::new(0, DType::F32, &Device::Cpu);
+        let (encoder, _, _store) = load_pretrained(&files, "", &options, store).unwrap();
+        let loss = InfoNce::new(temperature)
+            .unwrap()
+            .with_similarity(Similarity::Cosine);
+        let gc = GradCache::shared(encoder, 3, loss).unwrap();
+        let t = model.tokenizer();
+        let qb = t
+            .clone()
+            .with_prompt(&head.prompts.query)
+            .encode(&refs(&r.queries), &Device::Cpu)
+            .unwrap();
+        let pb = t.encode(&refs(&r.passages), &Device::Cpu).unwrap();
+        let out = gc.cache_step(0, &qb, &pb).unwrap();
+        assert!(
+            (out.loss - by_hand).abs() <= 1e-5 * by_hand.abs().max(1.0),
+            "temperature {temperature}: cached loss {} against {by_hand} by hand",
+            out.loss
+        );
+        losses.push(out.loss);
+    }
+    assert!((losses[0] - r.loss as f32).abs() <= 1e-5 * r.loss as f32);
+    assert!(losses[0] != losses[1] && losses[1] != losses[2]);
+}
+
+#[test]
+fn half_precision_follows_f32() {
+    use gradcache::{Encoder, Precision};
+    let _one = serialized();
+    for family in DECODERS {
+        let dir = fixture(family);
+        let r = reference(family);
+        let files = ModelFiles::from_dir(&dir).unwrap();
+        // The embeddings of the texts (the files' pooling, normalised) and a cached step.
+        let run = |precision| {
+            let options = BertOptions {
+                precision,
+                pooling: gradcache::bert::Pooling::LastToken,
+                normalize: true,
+                ..Default::default()
+            };
+            let store = ParamStore::new(0, DType::F32, &Device::Cpu);
+            let (encoder, bert, _store) = load_pretrained(&files, "", &options, store).unwrap();
+            let (inner, _) = gradcache::hub::load_tokenizer(&files, &bert).unwrap();
+            let t = Tokenizer::new(inner, MAX_LEN).unwrap();
+            let texts = t.encode(&refs(&r.texts), &Device::Cpu).unwrap();
+            let embeddings = encoder
+                .encode(&texts, &Ctx::eval())
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let gc = GradCache::shared(encoder, 2, InfoNce::new(0.05).unwrap())
+                .unwrap()
+                .with_dropout(false);
+            let q = t.encode(&refs(&r.queries), &Device::Cpu).unwrap();
+            let p = t.encode(&refs(&r.passages), &Device::Cpu).unwrap();
+            (embeddings, gc.cache_step(0, &q, &p).unwrap())
+        };
+        let (full, full_step) = run(Precision::F32);
+        // bf16 keeps 8 bits of mantissa, f16 11: through the layers about 1% and 0.2%.
+        for (half, tolerance) in [(Precision::Bf16, 4e-2), (Precision::F16, 1e-2)] {
+            let (embeddings, step) = run(half);
+            let err = max_diff(&embeddings, &full);
+            assert!(
+                err <= tolerance,
+                "{family} {half:?}: embeddings off by {err:e}"
+            );
+            assert!(step.loss.is_finite(), "{family} {half:?}");
+            assert_eq!(step.grads.len(), full_step.grads.len(), "{family} {half:?}");
+            for (name, g) in step.grads.iter() {
+                assert_eq!(g.dtype(), DType::F32, "{family}: `{name}` in f32");
+            }
+        }
+    }
 }
