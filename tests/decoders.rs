@@ -538,3 +538,224 @@ fn half_precision_follows_f32() {
         }
     }
 }
+
+/// A copy of fixture `family` in `dir`, with `edit` applied to the JSON file `file`.
+fn edited(dir: &Path, family: &str, file: &str, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
+    static COPIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = COPIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let out = dir.join(format!("{family}-{n}"));
+    copy_dir(&fixture(family), &out);
+    let path = out.join(file);
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, v.to_string()).unwrap();
+    out
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(e.file_name());
+        if e.path().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
+}
+
+/// Trains `model` for two steps into `out` (nothing else) and returns the error, if any.
+fn train(model: &Path, data: &Path, out: &Path) -> gradcache::Result<gradcache::train::Trainer> {
+    use gradcache::train::{Config, Quiet, Trainer};
+    let config = format!(
+        r#"
+output_dir = "{out}"
+[data]
+train_file = "{data}"
+eval_pairs = 8
+[model]
+pretrained = "{model}"
+[train]
+steps = 2
+batch_size = 8
+query_chunk = 3
+passage_chunk = 5
+[loss]
+temperature = 0.05
+"#,
+        out = out.display(),
+        data = data.display(),
+        model = model.display(),
+    );
+    let path = out.with_extension("toml");
+    std::fs::write(&path, config).unwrap();
+    let cfg = Config::load(&path, &[])?;
+    let mut trainer = Trainer::new(cfg, None)?;
+    trainer.run(&mut Quiet)?;
+    Ok(trainer)
+}
+
+fn sample_pairs(dir: &Path) -> PathBuf {
+    let lines: Vec<String> = std::fs::read_to_string("data/quickstart/train.jsonl")
+        .unwrap()
+        .lines()
+        .take(40)
+        .map(String::from)
+        .collect();
+    let data = dir.join("train.jsonl");
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    data
+}
+
+#[test]
+fn bad_decoder_configs_are_refused_naming_the_field_before_anything_is_written() {
+    let _one = serialized();
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let data = sample_pairs(t);
+    let cases: Vec<(PathBuf, &[&str])> = vec![
+        (
+            edited(t, "qwen3", "config.json", |c| c["head_dim"] = 7.into()),
+            &["head_dim", "7"],
+        ),
+        (
+            edited(t, "qwen3", "config.json", |c| {
+                c["num_key_value_heads"] = 3.into()
+            }),
+            &["num_key_value_heads", "3"],
+        ),
+        (
+            edited(t, "qwen3", "config.json", |c| {
+                c["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"])
+            }),
+            &["layer_types", "2 layers"],
+        ),
+        (
+            edited(t, "qwen3", "config.json", |c| {
+                c["layer_types"] =
+                    serde_json::json!(["full_attention", "chunked", "full_attention"])
+            }),
+            &["layer_types", "chunked"],
+        ),
+        (
+            edited(t, "mistral", "config.json", |c| {
+                c["sliding_window"] = 0.into()
+            }),
+            &["sliding_window", "0"],
+        ),
+        (
+            edited(t, "qwen2", "config.json", |c| {
+                c["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})
+            }),
+            &["rope_type", "yarn"],
+        ),
+        (
+            edited(t, "gemma3_text", "config.json", |c| {
+                c["attn_logit_softcapping"] = 50.0.into()
+            }),
+            &["attn_logit_softcapping"],
+        ),
+        (
+            edited(t, "llama", "config.json", |c| {
+                c["hidden_act"] = "mish".into()
+            }),
+            &["hidden_act", "mish"],
+        ),
+    ];
+    // A tokenizer without a pad token (none in tokenizer.json, none in its config).
+    let no_pad = edited(t, "qwen3", "tokenizer_config.json", |c| {
+        c.as_object_mut().unwrap().remove("pad_token");
+    });
+    let mut tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(no_pad.join("tokenizer.json")).unwrap())
+            .unwrap();
+    tok["padding"] = serde_json::Value::Null;
+    std::fs::write(no_pad.join("tokenizer.json"), tok.to_string()).unwrap();
+    let cases: Vec<(PathBuf, &[&str])> = cases
+        .into_iter()
+        .chain([(no_pad, &["pad token"][..])])
+        .collect();
+    for (i, (model, needles)) in cases.iter().enumerate() {
+        let err = EmbeddingModel::load(model.to_str().unwrap(), &LoadOptions::default())
+            .err()
+            .unwrap_or_else(|| panic!("{}: loaded", model.display()))
+            .to_string();
+        for needle in *needles {
+            assert!(err.contains(needle), "{}: {err}", model.display());
+        }
+        let out = t.join(format!("run-{i}"));
+        let trained = train(model, &data, &out);
+        assert!(trained.is_err(), "{}: trained", model.display());
+        assert!(
+            !out.exists(),
+            "{}: the run wrote {}",
+            model.display(),
+            out.display()
+        );
+    }
+}
+
+#[test]
+fn every_decoder_trains_and_its_export_loads_back_as_the_family() {
+    use gradcache::train::{export_run, Config};
+    let _one = serialized();
+    let tmp = tempfile::tempdir().unwrap();
+    let data = sample_pairs(tmp.path());
+    for family in DECODERS {
+        let out = tmp.path().join(family);
+        let trainer = train(&fixture(family), &data, &out).unwrap();
+        let live = tmp.path().join(format!("{family}-live"));
+        trainer.export(&live, gradcache::Side::Query).unwrap();
+        let cfg = Config::load(&out.with_extension("toml"), &[]).unwrap();
+        let from_run = tmp.path().join(format!("{family}-export"));
+        export_run(&cfg, None, &from_run, gradcache::Side::Query).unwrap();
+        let read = |p: PathBuf| -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+        };
+        for dir in [&live, &from_run] {
+            let exported = read(dir.join("config.json"));
+            let original = read(fixture(family).join("config.json"));
+            assert_eq!(exported["model_type"], family);
+            assert_eq!(
+                exported["architectures"], original["architectures"],
+                "{family}"
+            );
+            // The file's own keys: none of BERT's fields with BERT's defaults.
+            for key in ["type_vocab_size", "layer_norm_eps", "hidden_dropout_prob"] {
+                assert!(exported.get(key).is_none(), "{family}: `{key}` exported");
+            }
+            for key in ["pad_token_id", "num_key_value_heads", "rope_parameters"] {
+                assert_eq!(exported.get(key), original.get(key), "{family}: `{key}`");
+            }
+            let tok = read(dir.join("tokenizer_config.json"));
+            let own = read(fixture(family).join("tokenizer_config.json"));
+            for key in ["padding_side", "pad_token", "eos_token", "model_max_length"] {
+                assert_eq!(tok.get(key), own.get(key), "{family}: tokenizer `{key}`");
+            }
+            let head = read_sentence_transformers_config(dir).unwrap().unwrap();
+            let theirs = read_sentence_transformers_config(&fixture(family))
+                .unwrap()
+                .unwrap();
+            assert_eq!(head.pooling, theirs.pooling, "{family}");
+            assert_eq!(head.prompts, theirs.prompts, "{family}");
+            assert_eq!(head.dense.len(), theirs.dense.len(), "{family}");
+        }
+        let r = reference(family);
+        let texts = refs(&r.texts);
+        let a = load(&live, LoadOptions::default())
+            .embed_queries(&texts, 4)
+            .unwrap();
+        let b = load(&from_run, LoadOptions::default())
+            .embed_queries(&texts, 4)
+            .unwrap();
+        assert!(max_diff(&a, &b) <= 1e-6, "{family}");
+        let c = load(&fixture(family), LoadOptions::default())
+            .embed_queries(&texts, 4)
+            .unwrap();
+        assert!(
+            max_diff(&a, &c) > 1e-4,
+            "{family}: the export is the untrained model"
+        );
+    }
+}

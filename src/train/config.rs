@@ -178,10 +178,15 @@ pub struct ModelConfig {
     pub pretrained: String,
     /// `true`: one encoder for queries and passages; `false`: two towers.
     pub shared: bool,
-    /// `mean` or `cls`.
-    pub pooling: Pooling,
-    /// L2-normalise embeddings.
-    pub normalize: bool,
+    /// `mean`, `cls`, `max`, `mean_sqrt_len_tokens`, `weightedmean` or `lasttoken`.
+    /// Unset: the pretrained model's own (its sentence-transformers pooling config: a
+    /// decoder's last token), else `mean`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pooling: Option<Pooling>,
+    /// L2-normalise embeddings. Unset: the pretrained model's own (whether its
+    /// sentence-transformers modules end with Normalize), else true.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub normalize: Option<bool>,
     /// Token limit for queries (truncation). Unset: the pretrained model's own limit
     /// (`max_seq_length` of its `sentence_bert_config.json`, else `model_max_length` of
     /// its `tokenizer_config.json`, capped at its positions), 64 for a fresh model; a value
@@ -219,8 +224,8 @@ impl Default for ModelConfig {
         Self {
             pretrained: String::new(),
             shared: true,
-            pooling: Pooling::Mean,
-            normalize: true,
+            pooling: None,
+            normalize: None,
             query_max_len: None,
             passage_max_len: None,
             query_prompt: None,

@@ -25,6 +25,11 @@ pub const DENSE_FILE: &str = "dense_modules.json";
 /// its `model_max_length` the model's limit; an export writes it back.
 pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 
+/// The run's head: the pooling, normalisation and prompts it trains with (from its config
+/// and its pretrained model's files), so that an export from the run directory writes
+/// them back.
+pub const HEAD_FILE: &str = "head.json";
+
 /// The token limit of a fresh model's queries and passages when the config sets none.
 pub const FRESH_MAX_LEN: usize = 64;
 
@@ -68,14 +73,26 @@ pub(super) fn run_prompts(
     Ok((prompts, pooled))
 }
 
-/// The encoder options a configuration asks for.
-pub(super) fn bert_options(cfg: &Config) -> BertOptions {
+/// The encoder options a configuration asks for, on a pretrained model whose
+/// sentence-transformers files say `head` (the pooling and normalisation it sets none of):
+/// its Dense modules train with it.
+pub(super) fn bert_options(cfg: &Config, head: Option<&SentenceTransformersConfig>) -> BertOptions {
     BertOptions {
-        pooling: cfg.model.pooling,
-        normalize: cfg.model.normalize,
+        pooling: cfg
+            .model
+            .pooling
+            .or(head.map(|h| h.pooling))
+            .unwrap_or(crate::models::bert::Pooling::Mean),
+        normalize: cfg
+            .model
+            .normalize
+            .or(head.map(|h| h.normalize))
+            .unwrap_or(true),
         recompute: cfg.model.recompute.clone(),
         precision: cfg.precision,
-        dense: Vec::new(),
+        dense: head
+            .map(|h| h.dense.iter().map(|d| d.spec()).collect())
+            .unwrap_or_default(),
     }
 }
 
@@ -156,7 +173,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
             query_max_len.max(passage_max_len),
         )
     };
-    let options = bert_options(cfg);
+    let options = bert_options(cfg, None);
     let prompts = run_prompts(cfg, None)?;
     let (query, passage) = if cfg.model.shared {
         (BertEncoder::build(&store, "", &bert, &options)?, None)
@@ -208,12 +225,8 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     let mut tokenizer_config = tokenizer_config.unwrap_or_default();
     tokenizer_config.insert("model_max_length".into(), limit.into());
     let tokenizer_config = Some(tokenizer_config);
-    let mut options = bert_options(cfg);
     let head = crate::hub::read_sentence_transformers_config(&files.dir)?;
-    // The model's Dense modules after the pooling train with it.
-    if let Some(head) = &head {
-        options.dense = head.dense.iter().map(|d| d.spec()).collect();
-    }
+    let options = bert_options(cfg, head.as_ref());
     let (prompts, prompt_pooled) = run_prompts(cfg, head.as_ref())?;
     if cfg.model.shared {
         let (query, bert, store) = load_pretrained(&files, "", &options, store)?;

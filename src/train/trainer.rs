@@ -48,7 +48,9 @@ use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
 use crate::train::text_data::{load_data, EvalData, RunData};
 use crate::{Error, Result, Side};
 
-pub use super::model::{DENSE_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
+pub use super::model::{
+    DENSE_FILE, HEAD_FILE, MODEL_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+};
 pub use super::report::{Event, LossScaling, Observer, PhasePeaks, PhaseTimes, Quiet, StepReport};
 
 /// What may change between a text-pair run and its resume (see [`Config::fingerprint`]).
@@ -437,10 +439,16 @@ impl Run<TextPairs> {
     fn write_run_files(&self) -> Result<()> {
         let written = if self.rank() == 0 {
             let t = &self.task;
+            let head = RunHead {
+                pooling: t.options.pooling,
+                normalize: t.options.normalize,
+                prompts: t.prompts.clone(),
+                include_prompt: t.prompt_pooled,
+            };
             write_run_files(
                 &t.cfg.output_dir,
                 (&t.tokenizer, t.tokenizer_config.as_ref()),
-                &t.bert,
+                (&t.bert, &head),
                 &t.options.dense,
             )
         } else {
@@ -540,7 +548,7 @@ fn write_run_files(
         &tokenizers::Tokenizer,
         Option<&serde_json::Map<String, serde_json::Value>>,
     ),
-    bert: &BertConfig,
+    (bert, head): (&BertConfig, &RunHead),
     dense: &[DenseSpec],
 ) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
@@ -561,7 +569,35 @@ fn write_run_files(
     if let Some(config) = tokenizer_config {
         durable::write_json(&dir.join(TOKENIZER_CONFIG_FILE), config)?;
     }
+    durable::write_json(&dir.join(HEAD_FILE), head)?;
     durable::write_json(&dir.join(MODEL_CONFIG_FILE), &bert.to_json())
+}
+
+/// The head a run trains with, as resolved from its config and its pretrained model's
+/// files (`head.json` in the run directory): what an export from the run directory alone
+/// writes back.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct RunHead {
+    pooling: crate::models::bert::Pooling,
+    normalize: bool,
+    prompts: Prompts,
+    include_prompt: bool,
+}
+
+/// The run's head (`head.json`; `None` for a run written before it was recorded).
+fn read_run_head(dir: &Path) -> Result<Option<RunHead>> {
+    let path = dir.join(HEAD_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("read", &path, e)),
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| Error::ModelFile {
+            path,
+            reason: e.to_string(),
+        })
 }
 
 /// The run's Dense modules (`dense_modules.json` in the run directory; none without it).
@@ -723,18 +759,22 @@ pub fn export_run(
     let weights = WeightFile::open(&checkpoint::model_file(dir), &file_prefix)?;
     let store =
         ParamStore::new(cfg.seed, DType::F32, &Device::Cpu).with_weights(prefix, Arc::new(weights));
-    let mut options = bert_options(cfg);
-    options.dense = read_dense_modules(&cfg.output_dir)?;
     let head = match &pretrained {
         Some(files) => crate::hub::read_sentence_transformers_config(&files.dir)?,
         None => None,
     };
-    if options.dense.is_empty() {
-        if let Some(head) = &head {
-            options.dense = head.dense.iter().map(|d| d.spec()).collect();
-        }
+    let mut options = bert_options(cfg, head.as_ref());
+    let recorded = read_dense_modules(&cfg.output_dir)?;
+    if !recorded.is_empty() {
+        options.dense = recorded;
     }
-    let (prompts, prompt_pooled) = run_prompts(cfg, head.as_ref())?;
+    let (mut prompts, mut prompt_pooled) = run_prompts(cfg, head.as_ref())?;
+    if let Some(recorded) = read_run_head(&cfg.output_dir)? {
+        options.pooling = recorded.pooling;
+        options.normalize = recorded.normalize;
+        prompts = recorded.prompts;
+        prompt_pooled = recorded.include_prompt;
+    }
     let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;
     export_bert(
         output,
