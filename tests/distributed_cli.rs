@@ -447,3 +447,51 @@ fn sigusr1_to_mpirun_stops_every_rank_after_one_step_and_the_resume_is_exact() {
         );
     }
 }
+
+#[test]
+fn a_decoder_on_two_ranks_follows_the_one_rank_loss_curve() {
+    // The tiny Qwen3 fixture: left padding, its instruction prompt, last-token pooling,
+    // grouped KV heads, a windowed layer, selective recompute of the probabilities.
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/qwen3");
+    let decoder = |out: &Path| -> Vec<String> {
+        let mut v = args(&train, &eval, out);
+        for s in [
+            format!("model.pretrained=\"{}\"", model.display()),
+            "model.pooling=\"lasttoken\"".into(),
+            "model.recompute=\"attention\"".into(),
+            "model.query_max_len=32".into(),
+            "model.passage_max_len=32".into(),
+            "loss.temperature=0.02".into(),
+        ] {
+            v.push("--set".into());
+            v.push(s);
+        }
+        v
+    };
+    let one = dir.path().join("one");
+    let mut single = decoder(&one);
+    single.extend(["--set".into(), "dist.backend=none".into()]);
+    let out = Command::new(bin()).args(&single).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let two = dir.path().join("two");
+    let a = decoder(&two);
+    let (ok, text, _) = mpirun(&[a.clone(), a], Duration::from_secs(300));
+    assert!(ok, "2-rank run failed:\n{text}");
+    let (l1, l2) = (losses(&one), losses(&two));
+    assert_eq!(l1.len(), 4);
+    assert_eq!(l2.len(), 4);
+    for (step, (a, b)) in l1.iter().zip(&l2).enumerate() {
+        let rel = ((a - b) / a).abs();
+        assert!(
+            rel <= TOL,
+            "step {}: loss {a} vs {b} (rel {rel:e})",
+            step + 1
+        );
+    }
+}
