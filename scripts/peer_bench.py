@@ -5,12 +5,21 @@
     peer_bench.py encode MODEL_DIR TEXTS.txt BATCH MAX_LEN
     peer_bench.py sgemm
     peer_bench.py make FAMILY DIR
+    peer_bench.py memory LAYERS BATCH
+
+memory: the step of benches/decoder_memory.rs on sentence-transformers: the shape of
+Qwen3-Embedding-0.6B (LAYERS layers of hidden 1,024, 16 query and 8 KV heads of 128,
+feed-forward 3,072, vocabulary 151,669; random weights), BATCH pairs of 128 random token
+ids, CachedMultipleNegativesRankingLoss in mini-batches of 8 with gradient checkpointing
+(transformers' recompute of every layer), then AdamW; prints the step's seconds and the
+process's peak RSS.
 
 make: a randomly initialised base-size model of FAMILY (bert, roberta, xlm-roberta,
 mpnet, modernbert: the sizes of bert-base / roberta-base / xlm-roberta-base /
-mpnet-base / ModernBERT-base) with the tokenizer of its fixture in
-tests/fixtures/families (a vocabulary of a few hundred tokens on both sides), saved as a
-sentence-transformers directory (mean pooling) that both sides load.
+mpnet-base / ModernBERT-base; qwen3: four layers of Qwen3-Embedding-0.6B's shape) with the
+tokenizer of its fixture in tests/fixtures/families (a vocabulary of a few hundred tokens
+on both sides), saved as a sentence-transformers directory (mean pooling; qwen3 last-token
+pooling and Normalize, left padding, as Qwen3-Embedding) that both sides load.
 
 train: CachedMultipleNegativesRankingLoss (or its symmetric variant) with AdamW, dropout
 on (train mode), one optimizer step per batch of BATCH pairs in mini-batches of
@@ -76,6 +85,23 @@ def make(family, out):
 
     fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "families", family)
     small = transformers.AutoConfig.from_pretrained(fixture)
+    if family == "qwen3":
+        cfg = qwen3_0_6b(4, small.vocab_size)
+        cfg.pad_token_id, cfg.eos_token_id = small.pad_token_id, small.eos_token_id
+        torch.manual_seed(0)
+        model = transformers.AutoModel.from_config(cfg)
+        raw = out + ".raw"
+        shutil.rmtree(raw, ignore_errors=True)
+        model.save_pretrained(raw)
+        tok = transformers.AutoTokenizer.from_pretrained(fixture)
+        tok.model_max_length = 512
+        tok.save_pretrained(raw)
+        st = SentenceTransformer(modules=[modules.Transformer(raw),
+                                          modules.Pooling(cfg.hidden_size, pooling_mode="lasttoken"),
+                                          modules.Normalize()], device="cpu")
+        st.save(out)
+        shutil.rmtree(raw)
+        return
     base = dict(hidden_size=768, num_attention_heads=12, num_hidden_layers=12, intermediate_size=3072)
     if family == "modernbert":
         base.update(num_hidden_layers=22, intermediate_size=1152, local_attention=128,
@@ -102,6 +128,55 @@ def make(family, out):
     shutil.rmtree(raw)
 
 
+def qwen3_0_6b(layers, vocab=151669):
+    import transformers
+
+    return transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, intermediate_size=3072, hidden_act="silu",
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=True, attention_dropout=0.0)
+
+
+def memory(layers, batch):
+    import resource
+    import shutil
+    import tempfile
+    import transformers
+    from sentence_transformers import SentenceTransformer, losses
+    from sentence_transformers.sentence_transformer import modules
+
+    fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "families", "qwen3")
+    cfg = qwen3_0_6b(layers)
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(cfg)
+    raw = tempfile.mkdtemp()
+    model.save_pretrained(raw)
+    transformers.AutoTokenizer.from_pretrained(fixture).save_pretrained(raw)
+    del model
+    st = SentenceTransformer(modules=[modules.Transformer(raw),
+                                      modules.Pooling(cfg.hidden_size, pooling_mode="lasttoken"),
+                                      modules.Normalize()], device="cpu")
+    shutil.rmtree(raw)
+    st.train()
+    st[0].auto_model.gradient_checkpointing_enable()
+    loss = losses.CachedMultipleNegativesRankingLoss(st, scale=20.0, mini_batch_size=8)
+    opt = torch.optim.AdamW(st.parameters(), lr=1e-5)
+    g = torch.Generator().manual_seed(1)
+    features = [
+        {"input_ids": torch.randint(0, cfg.vocab_size - 1000, (batch, 128), generator=g),
+         "attention_mask": torch.ones(batch, 128, dtype=torch.long)}
+        for _ in range(2)
+    ]
+    start = time.perf_counter()
+    value = loss(features, None)
+    value.backward()
+    opt.step()
+    seconds = time.perf_counter() - start
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"{seconds:.0f} {rss / 2 ** 30:.2f}")
+
+
 def sgemm():
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
@@ -122,5 +197,7 @@ if __name__ == "__main__":
         encode(args[0], args[1], int(args[2]), int(args[3]))
     elif cmd == "make":
         make(args[0], args[1])
+    elif cmd == "memory":
+        memory(int(args[0]), int(args[1]))
     else:
         sgemm()

@@ -47,6 +47,8 @@ pub(super) struct Model {
     /// The token limits of queries and passages: the configured ones, else the model's.
     pub(super) query_max_len: usize,
     pub(super) passage_max_len: usize,
+    /// The model's own limit (a fresh model's: its positions), what an export writes.
+    pub(super) limit: usize,
     /// The prompts put before queries and passages.
     pub(super) prompts: Prompts,
     /// Whether the prompts' tokens are pooled.
@@ -192,6 +194,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         tokenizer_config: None,
         query_max_len,
         passage_max_len,
+        limit: query_max_len.max(passage_max_len),
         prompts: prompts.0,
         prompt_pooled: prompts.1,
         store,
@@ -239,6 +242,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             tokenizer_config,
             query_max_len,
             passage_max_len,
+            limit,
             prompts: prompts.clone(),
             prompt_pooled,
             store,
@@ -255,6 +259,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             tokenizer_config,
             query_max_len,
             passage_max_len,
+            limit,
             prompts: prompts.clone(),
             prompt_pooled,
             store,

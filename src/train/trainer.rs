@@ -42,7 +42,6 @@ use crate::train::formats::Layout;
 use crate::train::metrics::{evaluate, RetrievalMetrics};
 use crate::train::model::{
     bert_options, build_model, max_lens, model_limit, read_model_tokenizer, run_prompts, Model,
-    FRESH_MAX_LEN,
 };
 use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
 use crate::train::text_data::{load_data, EvalData, RunData};
@@ -75,6 +74,8 @@ pub struct TextPairs {
     prompt_pooled: bool,
     query_tokenizer: Tokenizer,
     passage_tokenizer: Tokenizer,
+    /// The tokenizer an export writes: the model's own limit, not a side's training one.
+    export_tokenizer: Tokenizer,
     loader: Loader,
     eval: EvalData,
     /// With `train.memory_budget`: the predicted heap peak of a step (bytes).
@@ -352,6 +353,8 @@ impl Run<TextPairs> {
             .with_prompt(&model.prompts.passage)
             .with_prompt_pooled(model.prompt_pooled)
             .with_config(model.tokenizer_config.clone());
+        let export_tokenizer = Tokenizer::new(model.tokenizer.clone(), model.limit)?
+            .with_config(model.tokenizer_config.clone());
         let block = cfg
             .loss
             .effective_block_rows(cfg.train.batch_size, cfg.train.hard_negatives);
@@ -425,6 +428,7 @@ impl Run<TextPairs> {
             prompt_pooled: model.prompt_pooled,
             query_tokenizer,
             passage_tokenizer,
+            export_tokenizer,
             loader: data.loader,
             eval: data.eval,
             predicted_peak: None,
@@ -479,18 +483,11 @@ impl Run<TextPairs> {
     /// sentence-transformers directory.
     pub fn export(&self, dir: &Path, side: Side) -> Result<()> {
         let t = &self.task;
-        let (params, prefix, tokenizer) = match (side, t.cfg.model.shared) {
-            (_, true) => (self.gc.query_encoder().params(), "", &t.query_tokenizer),
-            (Side::Query, false) => (
-                self.gc.query_encoder().params(),
-                "query",
-                &t.query_tokenizer,
-            ),
-            (Side::Passage, false) => (
-                self.gc.passage_encoder().params(),
-                "passage",
-                &t.passage_tokenizer,
-            ),
+        let tokenizer = &t.export_tokenizer;
+        let (params, prefix) = match (side, t.cfg.model.shared) {
+            (_, true) => (self.gc.query_encoder().params(), ""),
+            (Side::Query, false) => (self.gc.query_encoder().params(), "query"),
+            (Side::Passage, false) => (self.gc.passage_encoder().params(), "passage"),
         };
         export_bert(
             dir,
@@ -725,26 +722,20 @@ pub fn export_run(
         }
         Some(files) => read_model_tokenizer(files)?,
     };
-    // The run's token limits: the configured ones, else the model's (a fresh model's
-    // default), as the run resolved them.
-    let (query_max_len, passage_max_len) = if cfg.model.pretrained.is_empty() {
-        (
-            cfg.model.query_max_len.unwrap_or(FRESH_MAX_LEN),
-            cfg.model.passage_max_len.unwrap_or(FRESH_MAX_LEN),
-        )
+    // The model's own limit (what the run's model takes; a fresh model's positions): the
+    // export's, whatever each side trained at.
+    let limit = if cfg.model.pretrained.is_empty() {
+        bert.max_tokens()
     } else {
         let dir = match &pretrained {
             Some(files) => files.dir.clone(),
             None => cfg.output_dir.clone(),
         };
         let (limit, source) = model_limit(&dir, &bert)?;
-        max_lens(cfg, (limit, &source))?
+        max_lens(cfg, (limit, &source))?;
+        limit
     };
-    let max_len = match side {
-        Side::Query => query_max_len,
-        Side::Passage => passage_max_len,
-    };
-    let tokenizer = Tokenizer::new(tokenizer, max_len)?.with_config(tokenizer_config);
+    let tokenizer = Tokenizer::new(tokenizer, limit)?.with_config(tokenizer_config);
 
     let prefix = match (cfg.model.shared, side) {
         (true, _) => "",
