@@ -44,8 +44,11 @@ pub struct WeightFile {
 }
 
 impl WeightFile {
-    /// Opens `path` (memory-mapped). `prefix` is prepended to every requested name, e.g.
-    /// `"bert."` for checkpoints saved from a Hugging Face `BertFor...` head model.
+    /// Opens `path` (memory-mapped): a safetensors file, or the index of a sharded
+    /// checkpoint (`model.safetensors.index.json`, as the 4B and 8B decoders ship), whose
+    /// shards beside it are opened together. `prefix` is prepended to every requested
+    /// name, e.g. `"bert."` for checkpoints saved from a Hugging Face `BertFor...` head
+    /// model.
     pub fn open(path: &Path, prefix: &str) -> Result<Self> {
         if !path.is_file() {
             return Err(Error::MissingFile {
@@ -53,12 +56,19 @@ impl WeightFile {
                 what: "safetensors weights",
             });
         }
-        // SAFETY: the file is mapped read-only; as with any memory-mapped model file, it
-        // must not be modified while the store is alive.
-        let tensors = unsafe { MmapedSafetensors::new(path) }.map_err(|e| Error::ModelFile {
+        let bad = |reason: String| Error::ModelFile {
             path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+            reason,
+        };
+        let tensors = if path.to_string_lossy().ends_with(".index.json") {
+            let shards = shards_of(path)?;
+            // SAFETY: the files are mapped read-only; as with any memory-mapped model
+            // file, they must not be modified while the store is alive.
+            unsafe { MmapedSafetensors::multi(&shards) }.map_err(|e| bad(e.to_string()))?
+        } else {
+            // SAFETY: as above.
+            unsafe { MmapedSafetensors::new(path) }.map_err(|e| bad(e.to_string()))?
+        };
         Ok(Self {
             path: path.to_path_buf(),
             tensors,
@@ -92,6 +102,42 @@ impl WeightFile {
         }
         Ok(self.tensors.load(&full, device)?.to_dtype(dtype)?)
     }
+}
+
+/// The shard files a sharded checkpoint's index names (`weight_map`'s values, each once,
+/// beside the index), each checked to exist.
+pub fn shards_of(index: &Path) -> Result<Vec<PathBuf>> {
+    let bad = |reason: String| Error::ModelFile {
+        path: index.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(index).map_err(|e| Error::io("read", index, e))?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let map = value["weight_map"]
+        .as_object()
+        .ok_or_else(|| bad("no `weight_map` of tensor names to shard files".into()))?;
+    let dir = index.parent().unwrap_or(Path::new("."));
+    let mut shards: Vec<PathBuf> = Vec::new();
+    for file in map.values() {
+        let name = file
+            .as_str()
+            .filter(|f| !f.is_empty() && !f.contains(['/', '\\']))
+            .ok_or_else(|| bad(format!("`weight_map` names {file}, not a file beside it")))?;
+        let path = dir.join(name);
+        if !shards.contains(&path) {
+            if !path.is_file() {
+                return Err(Error::MissingFile {
+                    path,
+                    what: "safetensors shard",
+                });
+            }
+            shards.push(path);
+        }
+    }
+    if shards.is_empty() {
+        return Err(bad("`weight_map` names no shard".into()));
+    }
+    Ok(shards)
 }
 
 impl ParamStore {

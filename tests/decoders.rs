@@ -759,3 +759,47 @@ fn every_decoder_trains_and_its_export_loads_back_as_the_family() {
         );
     }
 }
+
+#[test]
+fn a_sharded_checkpoint_loads_as_one_file() {
+    // The 4B and 8B decoders ship `model.safetensors.index.json` and shards.
+    let _one = serialized();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sharded");
+    copy_dir(&fixture("qwen3"), &dir);
+    let weights =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let mut names: Vec<&String> = weights.keys().collect();
+    names.sort();
+    let (first, second) = names.split_at(names.len() / 2);
+    let mut map = serde_json::Map::new();
+    for (file, part) in [
+        ("model-00001-of-00002.safetensors", first),
+        ("model-00002-of-00002.safetensors", second),
+    ] {
+        let shard: HashMap<String, Tensor> = part
+            .iter()
+            .map(|n| ((*n).clone(), weights[*n].clone()))
+            .collect();
+        candle_core::safetensors::save(&shard, dir.join(file)).unwrap();
+        for n in part.iter() {
+            map.insert((*n).clone(), file.into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let r = reference("qwen3");
+    let texts = refs(&r.texts);
+    let got = load(&dir, LoadOptions::default())
+        .embed_queries(&texts, 4)
+        .unwrap();
+    assert!(max_diff(&got, &r.tensors["embeddings.query"]) <= 1e-5);
+    // A shard the index names but the directory lacks is refused, naming it.
+    std::fs::remove_file(dir.join("model-00002-of-00002.safetensors")).unwrap();
+    let err = EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("model-00002-of-00002.safetensors"), "{err}");
+}

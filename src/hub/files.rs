@@ -30,6 +30,8 @@ pub const SENTENCE_TRANSFORMERS_CONFIG: &str = "config_sentence_transformers.jso
 pub const CONFIG: &str = "config.json";
 /// The weights file.
 pub const WEIGHTS: &str = "model.safetensors";
+/// The index of a sharded checkpoint's weights (`model-00001-of-00004.safetensors`, ...).
+pub const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
 /// The tokenizer file.
 pub const TOKENIZER: &str = "tokenizer.json";
 /// Pickle checkpoints that are recognised (and refused).
@@ -43,7 +45,8 @@ pub struct ModelFiles {
     pub dir: PathBuf,
     /// `config.json`.
     pub config: PathBuf,
-    /// `model.safetensors`.
+    /// `model.safetensors`, or the index of a sharded checkpoint
+    /// (`model.safetensors.index.json`, its shards beside it).
     pub weights: PathBuf,
     /// `tokenizer.json`, if the model has one.
     pub tokenizer: Option<PathBuf>,
@@ -114,7 +117,10 @@ impl ModelFiles {
                 what: "model config",
             });
         }
-        let weights = dir.join(WEIGHTS);
+        let mut weights = dir.join(WEIGHTS);
+        if !weights.is_file() && dir.join(WEIGHTS_INDEX).is_file() {
+            weights = dir.join(WEIGHTS_INDEX);
+        }
         if !weights.is_file() {
             if let Some(pickle) = PICKLES.iter().find(|p| dir.join(p).is_file()) {
                 return Err(Error::PickleOnly {
@@ -174,6 +180,14 @@ impl ModelFiles {
         let config = fetch(CONFIG)?.ok_or_else(|| missing(CONFIG))?;
         let weights = match fetch(WEIGHTS)? {
             Some(w) => w,
+            // A sharded checkpoint: the index, then every shard it names.
+            None if fetch(WEIGHTS_INDEX)?.is_some() => {
+                let index = fetch(WEIGHTS_INDEX)?.ok_or_else(|| missing(WEIGHTS_INDEX))?;
+                for shard in shard_names(&index)? {
+                    fetch(&shard)?.ok_or_else(|| missing(&shard))?;
+                }
+                index
+            }
             None => {
                 if let Some(pickle) = PICKLES.iter().find(|p| cache.get(p).is_some()) {
                     return Err(Error::PickleOnly {
@@ -202,6 +216,28 @@ impl ModelFiles {
             tokenizer,
         })
     }
+}
+
+/// The shard file names of a sharded checkpoint's index (`weight_map`'s values, once each).
+fn shard_names(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index).map_err(|e| Error::io("read", index, e))?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+        path: index.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let mut names: Vec<String> = Vec::new();
+    for file in value["weight_map"]
+        .as_object()
+        .into_iter()
+        .flat_map(|m| m.values())
+    {
+        if let Some(f) = file.as_str() {
+            if !names.iter().any(|n| n == f) {
+                names.push(f.to_string());
+            }
+        }
+    }
+    Ok(names)
 }
 
 /// The module list of a `modules.json`: each module's type name and directory (relative
