@@ -803,3 +803,43 @@ fn a_sharded_checkpoint_loads_as_one_file() {
         .to_string();
     assert!(err.contains("model-00002-of-00002.safetensors"), "{err}");
 }
+
+#[test]
+fn the_shipped_qwen3_config_runs_and_learns() {
+    // configs/qwen3.toml as shipped, on the tiny Qwen3 fixture instead of the Hub model
+    // (no network here), with the fixture's limit of 32 tokens, a learning rate for its
+    // size, and a short instruction: its 500-token vocabulary spells the config's in 70
+    // tokens, which truncation to 32 would leave nothing of the query after.
+    use gradcache::train::{Config, Quiet, Trainer};
+    let _one = serialized();
+    let tmp = tempfile::tempdir().unwrap();
+    let sets = [
+        format!("output_dir=\"{}\"", tmp.path().join("run").display()),
+        format!("model.pretrained=\"{}\"", fixture("qwen3").display()),
+        "model.query_max_len=32".into(),
+        "model.passage_max_len=32".into(),
+        "model.query_prompt=\"Query: \"".into(),
+        "train.steps=40".into(),
+        "train.batch_size=64".into(),
+        "train.eval_every=0".into(),
+        "train.checkpoint_every=0".into(),
+        "optim.lr=2e-3".into(),
+    ];
+    let cfg = Config::load(Path::new("configs/qwen3.toml"), &sets).unwrap();
+    let mut trainer = Trainer::new(cfg, None).unwrap();
+    let (before, after) = trainer.run(&mut Quiet).unwrap();
+    let before = before.expect("an evaluation before training");
+    assert!(
+        after.ndcg_at_10 > before.ndcg_at_10 + 0.05,
+        "nDCG@10 {} -> {}",
+        before.ndcg_at_10,
+        after.ndcg_at_10
+    );
+    // The run trained with the model's head: last-token pooling, normalised.
+    let head: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("run").join("head.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(head["pooling"], "lasttoken");
+    assert_eq!(head["normalize"], true);
+}
