@@ -12,7 +12,7 @@
 //!   train      the loop and its tasks, config, data, optimisers, metrics, checkpoints,
 //!              memory budget
 //!   hub        model files, tokenizers, export, the inference path
-//!   models     BERT, ResNet, LSTM, toy towers
+//!   models     BERT and its families, the decoder embedders, ResNet, LSTM, toy towers
 //!   nn         layers and fused kernels, one file per op family
 //!   engine     cache, replay, recompute, loss, encoder, dropout, params, precision, ...
 //! ```

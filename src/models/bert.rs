@@ -1,7 +1,10 @@
 //! A trainable BERT-family encoder ([`Family`]): BERT, MiniLM and other `BertModel`
 //! checkpoints; the RoBERTa family (RoBERTa, XLM-RoBERTa, CamemBERT), whose layers are
 //! BERT's and whose positions start past the padding index; and MPNet, BERT's layers under
-//! other names with a relative position bias on the attention scores.
+//! other names with a relative position bias on the attention scores. ModernBERT's layers
+//! (`super::modernbert`) and the decoder embedders' (`super::decoder`: Qwen3, Qwen2,
+//! Llama, Mistral, Gemma3) replace BERT's in the same stack, so every family shares the
+//! tower, its recompute policies, pooling and `Dense` head.
 //!
 //! candle-transformers' `BertModel` is inference-only: its fused LayerNorm cuts the graph,
 //! its dropout is a no-op and its `f32::MIN` attention mask turns into NaN in f16/bf16. This

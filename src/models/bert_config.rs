@@ -1,5 +1,7 @@
 //! The Hugging Face `config.json` of the BERT-family encoder ([`BertConfig`]), the
-//! families it names ([`Family`]: BERT, the RoBERTa family, MPNet) and the feed-forward activations ([`Activation`]).
+//! families it names ([`Family`]: BERT, the RoBERTa family, MPNet, ModernBERT, and the
+//! decoders, whose own fields [`DecoderSettings`] reads) and the feed-forward activations
+//! ([`Activation`]).
 
 use std::path::Path;
 
@@ -124,7 +126,7 @@ pub enum Family {
 }
 
 impl Family {
-    /// Whether the family is a decoder (see [`super::decoder_config`]).
+    /// Whether the family is a decoder (its settings: [`DecoderSettings`]).
     pub fn is_decoder(self) -> bool {
         matches!(
             self,

@@ -1,4 +1,6 @@
-//! Models that the gradient cache trains: [`bert`], the trainable BERT-family encoder;
+//! Models that the gradient cache trains: [`bert`], the trainable BERT-family encoder
+//! (whose layer stack is also ModernBERT's and the decoder embedders': Qwen3, Qwen2,
+//! Llama, Mistral, Gemma3);
 //! [`resnet`], an image tower with BatchNorm; [`lstm`], a recurrent text tower whose
 //! backward through time is checkpointed in segments of time steps; and [`toy`], tiny
 //! towers for tests, examples and benchmarks. New towers land here; each
