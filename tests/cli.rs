@@ -371,3 +371,47 @@ fn the_image_text_config_trains_from_the_command_line() {
     assert!(stderr.contains("train.image_chunk"), "{stderr}");
     assert!(!bad.exists());
 }
+
+#[test]
+fn encode_keeps_every_input_line_and_the_model_decides_the_limit() {
+    // A decoder (the tiny Qwen3: left padding, EOS appended, last-token pooling). A blank
+    // line is an empty text: line i of the output is line i of the input.
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("texts.txt");
+    fs::write(&input, "In the beginning\n\nJesus wept.\n   \nlast").unwrap();
+    let model =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/qwen3");
+    let model = model.display().to_string();
+    let input = input.display().to_string();
+    let (ok, stderr, stdout) = run(&["encode", "--model", &model, "--input", &input]);
+    assert!(ok, "{stderr}");
+    let texts: Vec<String> = stdout
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        texts,
+        ["In the beginning", "", "Jesus wept.", "   ", "last"]
+    );
+    // The model's own limit (its tokenizer_config.json), logged; a larger one is capped.
+    assert!(stderr.contains("max_len 32 (the model's"), "{stderr}");
+    let (ok, stderr, _) = run(&[
+        "encode",
+        "--model",
+        &model,
+        "--text",
+        "a",
+        "--max-len",
+        "512",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("max_len 512 capped at the model's limit of 32"),
+        "{stderr}"
+    );
+}
