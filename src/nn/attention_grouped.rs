@@ -85,14 +85,9 @@ impl Pattern {
         (lo, hi)
     }
 
-    /// The query blocks of a sequence of `len` tokens and the keys each reads.
+    /// The query blocks of a sequence of `len` tokens and the keys each reads (a task's
+    /// scratch is one block, `BLOCK_QUERIES x len` at most, however long the text).
     fn blocks(&self, len: usize) -> Vec<Block> {
-        if !self.causal && self.window.is_none() {
-            return vec![Block {
-                rows: (0, len),
-                keys: (0, len),
-            }];
-        }
         (0..len)
             .step_by(BLOCK_QUERIES)
             .map(|r0| {
