@@ -19,6 +19,7 @@ pub mod data;
 pub mod formats;
 pub mod image_text;
 mod image_text_config;
+mod image_text_towers;
 pub mod lock;
 pub mod metrics;
 mod model;
