@@ -31,8 +31,7 @@ use super::blocks::Float;
 use super::decoder_passes::{backward, forward, Chunk};
 use super::fused::AttentionSpec;
 use super::math::Act;
-use super::node::node_n_owned;
-use super::packing::{Packing, View};
+use super::packing::{packed_layer, Packing, View};
 
 /// A projection's weight and bias, when it has one.
 pub type Projection = (Tensor, Option<Tensor>);
@@ -289,7 +288,6 @@ fn layer<T: Float>(
     dims: Shape,
     tracked: bool,
 ) -> candle_core::Result<Tensor> {
-    let xd = x.detach().contiguous()?;
     let weights = Weights::new(w)?;
     let bias = spec.attention.bias.to_dtype(x.dtype())?.contiguous()?;
     let packing = Packing::real(View::new(&bias)?.values::<T>()?, dims.n, dims.s);
@@ -328,53 +326,27 @@ fn layer<T: Float>(
         },
         qk_norm: w.q_norm.is_some() && w.k_norm.is_some(),
         post_norms: w.post_attention_norm.is_some() && w.post_mlp_norm.is_some(),
-        packing,
     };
-    let padded_rows = dims.n * dims.s;
-    let (out, kept) = weights.read::<T, _>(dims, |wv| {
-        let xv = View::new(&xd)?;
-        let xp = chunk.packing.gather(xv.values::<T>()?, dims.h);
-        Ok(forward(&xp, wv, &chunk, spec, dims, tracked))
-    })?;
-    let out = chunk.packing.scatter(out, padded_rows, dims.h);
-    let shape = (dims.n, dims.s, dims.h);
-    let Some(kept) = kept else {
-        return Tensor::from_vec(out, shape, x.device());
-    };
-    let slots = w.slots().map(|t| t.cloned());
-    let mut inputs = vec![x];
-    inputs.extend(w.slots().into_iter().flatten());
-    let spec = spec.clone();
-    node_n_owned(
+    // Read by the forward, then owned by the backward.
+    let shared = std::sync::Arc::new((weights, chunk, spec.clone()));
+    let owned = std::sync::Arc::clone(&shared);
+    packed_layer(
         "gradcache-decoder-layer",
-        &inputs,
-        out,
-        shape.into(),
-        Box::new(move |dy| {
-            let dy = dy.contiguous()?;
-            let grads = weights.read::<T, _>(dims, |wv| {
-                let (xv, dyv) = (View::new(&xd)?, View::new(&dy)?);
-                let xp = chunk.packing.gather(xv.values::<T>()?, dims.h);
-                let dyp = chunk.packing.gather(dyv.values::<T>()?, dims.h);
-                Ok(backward(&xp, &dyp, wv, &chunk, &spec, dims, &kept))
-            })?;
-            let dx = chunk.packing.scatter(grads.dx, padded_rows, dims.h);
-            let mut out = vec![Some(Tensor::from_vec(
-                dx,
-                shape,
-                &candle_core::Device::Cpu,
-            )?)];
-            // Into the open gradient sink, or to candle when none is open; a weight that
-            // is not a variable (frozen) gets none.
-            for (param, g) in slots.iter().zip(grads.slots) {
-                if let Some(param) = param {
-                    out.push(match param.is_variable() || param.track_op() {
-                        true => crate::sink::deposit(param, g)?,
-                        false => None,
-                    });
-                }
-            }
-            Ok(out)
-        }),
+        x,
+        &w.slots(),
+        packing,
+        |xp, packing| {
+            let (weights, chunk, spec) = &*shared;
+            weights.read::<T, _>(dims, |wv| {
+                Ok(forward(xp, wv, (packing, chunk), spec, dims, tracked))
+            })
+        },
+        move |xp, dyp, packing, kept| {
+            let (weights, chunk, spec) = &*owned;
+            weights.read::<T, _>(dims, |wv| {
+                let grads = backward(xp, dyp, wv, (packing, chunk), spec, dims, kept);
+                Ok((grads.dx, grads.slots.into()))
+            })
+        },
     )
 }

@@ -28,7 +28,6 @@ pub(super) struct Kept<T> {
 
 /// The packed rows' layout and the per-row constants of a chunk.
 pub(super) struct Chunk<T> {
-    pub(super) packing: Packing,
     pub(super) seqs: Sequences,
     /// Each packed row's place among its text's real tokens (its rotary position).
     pub(super) positions: Vec<usize>,
@@ -115,12 +114,12 @@ fn added<T: Float>(a: &[T], b: &[T]) -> Vec<T> {
 pub(super) fn forward<T: Float>(
     x: &[T],
     w: &[&[T]; SLOTS],
-    chunk: &Chunk<T>,
+    (packing, chunk): (&Packing, &Chunk<T>),
     spec: &DecoderSpec,
     dims: Shape,
     keep: bool,
 ) -> (Vec<T>, Option<Kept<T>>) {
-    let (rows, h, i, qd) = (chunk.packing.total(), dims.h, dims.inter, dims.qd());
+    let (rows, h, i, qd) = (packing.total(), dims.h, dims.inter, dims.qd());
     let (eps, off) = (spec.eps, T::of(spec.offset));
     let n1 = rms(x, w[slot::IN_NORM], eps, off);
     let mut qkv = project(&n1, w, dims, rows);
@@ -185,13 +184,13 @@ pub(super) fn backward<T: Float>(
     x: &[T],
     dy: &[T],
     w: &[&[T]; SLOTS],
-    chunk: &Chunk<T>,
+    (packing, chunk): (&Packing, &Chunk<T>),
     spec: &DecoderSpec,
     dims: Shape,
     kept: &Kept<T>,
 ) -> Grads<T> {
     let (rows, h, i, qd, kd) = (
-        chunk.packing.total(),
+        packing.total(),
         dims.h,
         dims.inter,
         dims.qd(),

@@ -119,3 +119,68 @@ impl<G: std::ops::Deref<Target = candle_core::Storage>> View<G> {
         }
     }
 }
+
+/// The packed input gradient and one gradient per weight of a [`packed_layer`]'s backward.
+pub(super) type LayerGrads<T> = (Vec<T>, Vec<Vec<T>>);
+
+/// A whole layer as one graph node on the packed real rows of `x` `[n, s, h]`: the plumbing
+/// the pre-norm and decoder layer nodes share. `forward` gets the packed input rows and
+/// returns the packed output rows and, where something is tracked, what its backward keeps;
+/// `backward` gets the packed input rows, the packed output gradient and what was kept, and
+/// returns the packed input gradient and one gradient per entry of `weights` (an absent
+/// weight's is ignored). The weights' gradients go into the open gradient sink (or to
+/// candle when none is open); a weight that is neither a variable nor computed from one (a
+/// frozen weight) gets none. Without a kept state the output is a plain tensor.
+pub(super) fn packed_layer<T: Float, K: Send + Sync + 'static>(
+    name: &'static str,
+    x: &Tensor,
+    weights: &[Option<&Tensor>],
+    packing: Packing,
+    forward: impl FnOnce(&[T], &Packing) -> candle_core::Result<(Vec<T>, Option<K>)>,
+    backward: impl Fn(&[T], &[T], &Packing, &K) -> candle_core::Result<LayerGrads<T>>
+        + Send
+        + Sync
+        + 'static,
+) -> candle_core::Result<Tensor> {
+    let (n, s, h) = x.dims3()?;
+    let xd = x.detach().contiguous()?;
+    let (out, kept) = {
+        let xv = View::new(&xd)?;
+        forward(&packing.gather(xv.values::<T>()?, h), &packing)?
+    };
+    let out = packing.scatter(out, n * s, h);
+    let Some(kept) = kept else {
+        return Tensor::from_vec(out, (n, s, h), x.device());
+    };
+    let params: Vec<Option<Tensor>> = weights.iter().map(|t| t.cloned()).collect();
+    let mut inputs = vec![x];
+    inputs.extend(weights.iter().flatten());
+    super::node::node_n_owned(
+        name,
+        &inputs,
+        out,
+        (n, s, h).into(),
+        Box::new(move |dy| {
+            let dy = dy.contiguous()?;
+            let (xv, dyv) = (View::new(&xd)?, View::new(&dy)?);
+            let xp = packing.gather(xv.values::<T>()?, h);
+            let dyp = packing.gather(dyv.values::<T>()?, h);
+            let (dx, grads) = backward(&xp, &dyp, &packing, &kept)?;
+            let dx = packing.scatter(dx, n * s, h);
+            let mut out = vec![Some(Tensor::from_vec(
+                dx,
+                (n, s, h),
+                &candle_core::Device::Cpu,
+            )?)];
+            for (param, g) in params.iter().zip(grads) {
+                if let Some(param) = param {
+                    out.push(match param.is_variable() || param.track_op() {
+                        true => crate::sink::deposit(param, g)?,
+                        false => None,
+                    });
+                }
+            }
+            Ok(out)
+        }),
+    )
+}

@@ -27,9 +27,8 @@ use super::fused::AttentionSpec;
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{column_sums, linear, product, product_new};
 use super::math::Act;
-use super::node::node_n_owned;
 use super::packed_attention::{attend, attention_backward};
-use super::packing::{Packing, View};
+use super::packing::{packed_layer, Packing, View};
 use super::rows::{add_row, dropped, norm, norm_backward};
 
 /// A weight and its bias, when the layer has one.
@@ -277,7 +276,6 @@ fn layer<T: Float>(
     dims: Shape,
     tracked: bool,
 ) -> candle_core::Result<Tensor> {
-    let xd = x.detach().contiguous()?;
     let weights = Weights::new(w)?;
     let bias = spec.attention.bias.contiguous()?;
     if bias.elem_count() != dims.n * dims.s {
@@ -298,63 +296,27 @@ fn layer<T: Float>(
         sin: table(&spec.rotary.1)?,
         positions: packing.padded.iter().map(|&r| r % dims.s).collect(),
     };
-    let padded_rows = dims.n * dims.s;
-    let (out, kept) = weights.read::<T, _>(dims, |wv| {
-        let xv = View::new(&xd)?;
-        let xp = packing.gather(xv.values::<T>()?, dims.h);
-        Ok(forward(
-            &xp,
-            wv,
-            (&mask, &packing, &rotary),
-            spec,
-            dims,
-            tracked,
-        ))
-    })?;
-    let out = packing.scatter(out, padded_rows, dims.h);
-    let shape = (dims.n, dims.s, dims.h);
-    let Some(kept) = kept else {
-        return Tensor::from_vec(out, shape, x.device());
-    };
-    let slots = w.slots().map(|t| t.cloned());
-    let mut inputs = vec![x];
-    inputs.extend(w.slots().into_iter().flatten());
-    let spec = spec.clone();
-    node_n_owned(
+    // Read by the forward, then owned by the backward.
+    let shared = std::sync::Arc::new((weights, mask, rotary, spec.clone()));
+    let owned = std::sync::Arc::clone(&shared);
+    packed_layer(
         "gradcache-prenorm-layer",
-        &inputs,
-        out,
-        shape.into(),
-        Box::new(move |dy| {
-            let dy = dy.contiguous()?;
-            let grads = weights.read::<T, _>(dims, |wv| {
-                let (xv, dyv) = (View::new(&xd)?, View::new(&dy)?);
-                let xp = packing.gather(xv.values::<T>()?, dims.h);
-                let dyp = packing.gather(dyv.values::<T>()?, dims.h);
-                Ok(backward(
-                    &xp,
-                    &dyp,
-                    wv,
-                    (&mask, &packing, &rotary),
-                    &spec,
-                    dims,
-                    &kept,
-                ))
-            })?;
-            let dx = packing.scatter(grads.dx, padded_rows, dims.h);
-            let mut out = vec![Some(Tensor::from_vec(
-                dx,
-                shape,
-                &candle_core::Device::Cpu,
-            )?)];
-            // Into the open gradient sink, or to candle when none is open.
-            for (param, g) in slots.iter().zip(grads.slots) {
-                if let Some(param) = param {
-                    out.push(crate::sink::deposit(param, g)?);
-                }
-            }
-            Ok(out)
-        }),
+        x,
+        &w.slots(),
+        packing,
+        |xp, packing| {
+            let (weights, mask, rotary, spec) = &*shared;
+            weights.read::<T, _>(dims, |wv| {
+                Ok(forward(xp, wv, (mask, packing, rotary), spec, dims, tracked))
+            })
+        },
+        move |xp, dyp, packing, kept| {
+            let (weights, mask, rotary, spec) = &*owned;
+            weights.read::<T, _>(dims, |wv| {
+                let grads = backward(xp, dyp, wv, (mask, packing, rotary), spec, dims, kept);
+                Ok((grads.dx, grads.slots.into()))
+            })
+        },
     )
 }
 
