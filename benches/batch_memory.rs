@@ -21,32 +21,19 @@
 //! gradients and one row block of logits (`256 x B`): linear and small next to a chunk's
 //! activations.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions};
 use gradcache::memory::{measure, CountingAllocator};
 use gradcache::train::config::{LossConfig, AUTO_BLOCK_LOGITS};
-use gradcache::{GradCache, InfoNce, ParamStore, Similarity, TokenBatch};
+use gradcache::{GradCache, InfoNce, ParamStore, Similarity};
+
+mod common;
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
-}
-
-/// `rows` sequences of `len` token ids drawn from the seed, no padding.
-fn tokens(seed: u64, rows: usize, len: usize, vocab: usize) -> anyhow::Result<TokenBatch> {
-    let noise = gradcache::rng::uniform(
-        seed,
-        5.0,
-        vocab as f64,
-        &(rows, len).into(),
-        DType::F32,
-        &Device::Cpu,
-    )?;
-    let ids = noise.to_dtype(DType::U32)?;
-    let mask = Tensor::ones((rows, len), DType::U32, &Device::Cpu)?;
-    Ok(TokenBatch::new(ids, mask.clone(), mask.zeros_like()?)?)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -94,7 +81,10 @@ fn main() -> anyhow::Result<()> {
             .with_symmetric(symmetric)
             .with_block_rows(block_rows)?;
         let gc = GradCache::shared(encoder, 32, loss)?.with_dropout(false);
-        let (q, p) = (tokens(1, batch, len, 4000)?, tokens(2, batch, len, 4000)?);
+        let (q, p) = (
+            common::random_tokens(1, (batch, len), (5, 4000))?,
+            common::random_tokens(2, (batch, len), (5, 4000))?,
+        );
         let (ms, peak, out) = measure(|| gc.cache_step(0, &q, &p));
         let m = out?.peaks;
         // Representations of both sides and their cached gradients, f32, d = 128.

@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions};
 use gradcache::memory::{measure, CountingAllocator};
 use gradcache::toy::{Mlp, MlpConfig};
-use gradcache::{GradCache, InfoNce, ParamStore, Similarity, StepOutput, TokenBatch, Tower};
+use gradcache::{GradCache, InfoNce, ParamStore, Similarity, StepOutput, Tower};
 
 #[global_allocator]
 static ALLOCATOR: CountingAllocator = CountingAllocator;
@@ -27,26 +27,10 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+mod common;
+
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
-}
-
-/// Random token ids (from 5, below the vocabulary of 4,000), no padding.
-fn tokens(seed: u64, rows: usize, len: usize) -> anyhow::Result<TokenBatch> {
-    let noise = gradcache::rng::uniform(
-        seed,
-        5.0,
-        4000.0,
-        &(rows, len).into(),
-        DType::F32,
-        &Device::Cpu,
-    )?;
-    let mask = Tensor::ones((rows, len), DType::U32, &Device::Cpu)?;
-    Ok(TokenBatch::new(
-        noise.to_dtype(DType::U32)?,
-        mask.clone(),
-        mask.zeros_like()?,
-    )?)
 }
 
 /// Times `plain` and `cached` alternating (after one warm-up each) and prints the medians,
@@ -157,7 +141,10 @@ fn main() -> anyhow::Result<()> {
             .with_similarity(Similarity::Cosine)
             .with_symmetric(true);
         let gc = GradCache::shared(encoder, chunk, loss)?.with_seed(1);
-        let (q, p) = (tokens(1, batch, len)?, tokens(2, batch, len)?);
+        let (q, p) = (
+            common::random_tokens(1, (batch, len), (5, 4000))?,
+            common::random_tokens(2, (batch, len), (5, 4000))?,
+        );
         compare(
             &format!("bert batch={batch} chunk={chunk}"),
             3,

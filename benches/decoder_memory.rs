@@ -21,13 +21,12 @@
 //! (`VmHWM`) is printed too, to set beside sentence-transformers' (`scripts/decoder_peer.py
 //! memory`, the same step with `CachedMultipleNegativesRankingLoss`).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
 use gradcache::memory::{current_bytes, human_bytes, measure, CountingAllocator};
 use gradcache::train::optim::{Optimizer, OptimizerKind};
-use gradcache::{GradCache, InfoNce, ParamStore, Recompute, Similarity, TokenBatch};
+use gradcache::{GradCache, InfoNce, ParamStore, Recompute, Similarity};
 
-#[path = "common/mod.rs"]
 mod common;
 
 #[global_allocator]
@@ -49,21 +48,6 @@ fn qwen3_0_6b(layers: usize) -> BertConfig {
         cfg.extra.insert(key.into(), value);
     }
     cfg
-}
-
-/// `rows` sequences of `len` token ids drawn from the seed, no padding.
-fn tokens(seed: u64, rows: usize, len: usize, vocab: usize) -> anyhow::Result<TokenBatch> {
-    let noise = gradcache::rng::uniform(
-        seed,
-        0.0,
-        (vocab - 1000) as f64,
-        &(rows, len).into(),
-        DType::F32,
-        &Device::Cpu,
-    )?;
-    let ids = noise.to_dtype(DType::U32)?;
-    let mask = Tensor::ones((rows, len), DType::U32, &Device::Cpu)?;
-    Ok(TokenBatch::new(ids, mask.clone(), mask.zeros_like()?)?)
 }
 
 /// The process's peak resident set (`VmHWM` of `/proc/self/status`), in bytes.
@@ -147,8 +131,9 @@ fn run(batch: usize, layers: usize, len: usize, chunk: usize) -> anyhow::Result<
         let params = store.params();
         let loss = InfoNce::new(0.05)?.with_similarity(Similarity::Cosine);
         let gc = GradCache::shared(encoder, chunk, loss)?.with_dropout(false);
-        let q = tokens(1, batch, len, cfg.vocab_size)?;
-        let p = tokens(2, batch, len, cfg.vocab_size)?;
+        let vocab = (0, cfg.vocab_size - 1000);
+        let q = common::random_tokens(1, (batch, len), vocab)?;
+        let p = common::random_tokens(2, (batch, len), vocab)?;
         let (ms, peak, out) = measure(|| gc.cache_step(0, &q, &p));
         let out = out?;
         let gradients: usize = out.grads.iter().map(|(_, g)| g.elem_count() * 4).sum();

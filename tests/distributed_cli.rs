@@ -125,6 +125,37 @@ fn losses(out: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// Runs the config of `args(out)` in one process (`dist.backend=none`) and on two MPI
+/// ranks, and checks that the two runs' step losses agree within [`TOL`]; returns the
+/// one-rank losses.
+fn one_and_two_ranks_agree(dir: &Path, args: impl Fn(&Path) -> Vec<String>) -> Vec<f64> {
+    let one = dir.join("one");
+    let mut single = args(&one);
+    single.extend(["--set".into(), "dist.backend=none".into()]);
+    let out = Command::new(bin()).args(&single).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let two = dir.join("two");
+    let a = args(&two);
+    let (ok, text, _) = mpirun(&[a.clone(), a], Duration::from_secs(300));
+    assert!(ok, "2-rank run failed:\n{text}");
+    let (l1, l2) = (losses(&one), losses(&two));
+    assert_eq!(l1.len(), 4);
+    assert_eq!(l2.len(), 4);
+    for (step, (a, b)) in l1.iter().zip(&l2).enumerate() {
+        let rel = ((a - b) / a).abs();
+        assert!(
+            rel <= TOL,
+            "step {}: loss {a} vs {b} (rel {rel:e})",
+            step + 1
+        );
+    }
+    l1
+}
+
 #[test]
 fn two_ranks_follow_the_one_rank_loss_curve() {
     let dir = tempfile::tempdir().unwrap();
@@ -338,31 +369,8 @@ fn two_ranks_with_a_guide_and_matryoshka_follow_the_one_rank_loss_curve() {
         String::from_utf8_lossy(&out.stderr)
     );
 
-    let one = dir.path().join("one");
-    let mut single = extra(&one, Some(&guide));
-    single.extend(["--set".into(), "dist.backend=none".into()]);
-    let out = Command::new(bin()).args(&single).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let two = dir.path().join("two");
-    let a = extra(&two, Some(&guide));
-    let (ok, text, _) = mpirun(&[a.clone(), a], Duration::from_secs(300));
-    assert!(ok, "2-rank run failed:\n{text}");
-    let (l1, l2) = (losses(&one), losses(&two));
-    assert_eq!(l1.len(), 4);
-    assert_eq!(l2.len(), 4);
+    let l1 = one_and_two_ranks_agree(dir.path(), |out| extra(out, Some(&guide)));
     assert_ne!(l1, losses(&base), "the guide's mask changes the curve");
-    for (step, (a, b)) in l1.iter().zip(&l2).enumerate() {
-        let rel = ((a - b) / a).abs();
-        assert!(
-            rel <= TOL,
-            "step {}: loss {a} vs {b} (rel {rel:e})",
-            step + 1
-        );
-    }
 }
 
 #[test]
@@ -470,28 +478,5 @@ fn a_decoder_on_two_ranks_follows_the_one_rank_loss_curve() {
         }
         v
     };
-    let one = dir.path().join("one");
-    let mut single = decoder(&one);
-    single.extend(["--set".into(), "dist.backend=none".into()]);
-    let out = Command::new(bin()).args(&single).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let two = dir.path().join("two");
-    let a = decoder(&two);
-    let (ok, text, _) = mpirun(&[a.clone(), a], Duration::from_secs(300));
-    assert!(ok, "2-rank run failed:\n{text}");
-    let (l1, l2) = (losses(&one), losses(&two));
-    assert_eq!(l1.len(), 4);
-    assert_eq!(l2.len(), 4);
-    for (step, (a, b)) in l1.iter().zip(&l2).enumerate() {
-        let rel = ((a - b) / a).abs();
-        assert!(
-            rel <= TOL,
-            "step {}: loss {a} vs {b} (rel {rel:e})",
-            step + 1
-        );
-    }
+    one_and_two_ranks_agree(dir.path(), decoder);
 }

@@ -25,51 +25,11 @@ use gradcache::hub::{
 use gradcache::{Ctx, Encoder, Error, GradCache, InfoNce, ParamStore, Recompute, Similarity};
 
 mod common;
+use common::families::{fixture, reference, refs};
 use common::{max_abs, max_diff};
 
 const FAMILIES: [&str; 5] = ["bert", "roberta", "xlm-roberta", "mpnet", "modernbert"];
 const MAX_LEN: usize = 32;
-
-fn fixture(family: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/families")
-        .join(family)
-}
-
-struct Reference {
-    texts: Vec<String>,
-    queries: Vec<String>,
-    passages: Vec<String>,
-    loss: f64,
-    tensors: HashMap<String, Tensor>,
-}
-
-fn reference(family: &str) -> Reference {
-    let dir = fixture(family);
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let list = |key: &str| -> Vec<String> {
-        meta[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_str().unwrap().to_string())
-            .collect()
-    };
-    Reference {
-        texts: list("texts"),
-        queries: list("queries"),
-        passages: list("passages"),
-        loss: meta["loss"].as_f64().unwrap(),
-        tensors: candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
-            .unwrap(),
-    }
-}
-
-fn refs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
-}
 
 fn load(dir: &Path, pooling: Option<Pooling>) -> EmbeddingModel {
     let options = LoadOptions {

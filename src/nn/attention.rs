@@ -121,8 +121,7 @@ pub fn softmax_row<T: Float>(row: &mut [T], bias: &[T], scale: T, masking: bool)
 /// `dst [m, n] = lhs [m, k] * rhs [k, n]`, strided, single-threaded (the gemm crate).
 ///
 /// # Safety
-/// Every pointer must address the elements its strides reach; `dst`'s must not overlap
-/// the inputs' or another thread's.
+/// As [`gemm_into`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn matmul<T: Float>(
     (m, n, k): (usize, usize, usize),
@@ -133,7 +132,38 @@ unsafe fn matmul<T: Float>(
     rhs: *const T,
     (rhs_rs, rhs_cs): (usize, usize),
 ) {
+    gemm_into(
+        (m, n, k),
+        (dst, dst_rs),
+        false,
+        (lhs, lhs_rs, lhs_cs),
+        (rhs, rhs_rs, rhs_cs),
+    );
+}
+
+/// `dst [m, n] (+)= lhs [m, k] rhs [k, n]` (with `accumulate` added to what `dst` holds),
+/// operands as (pointer, row stride, column stride), single-threaded (the gemm crate):
+/// the attention kernels' products, one task's at a time.
+///
+/// # Safety
+/// Every pointer must address the elements its strides reach; `dst`'s must not overlap
+/// the inputs' or another thread's.
+pub(super) unsafe fn gemm_into<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (*mut T, usize),
+    accumulate: bool,
+    (lhs, lhs_rs, lhs_cs): (*const T, usize, usize),
+    (rhs, rhs_rs, rhs_cs): (*const T, usize, usize),
+) {
     if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                std::ptr::write_bytes(dst.add(i * dst_rs), 0, n);
+            }
+        }
         return;
     }
     gemm::gemm(
@@ -143,14 +173,14 @@ unsafe fn matmul<T: Float>(
         dst,
         1,
         dst_rs as isize,
-        false,
+        accumulate,
         lhs,
         lhs_cs as isize,
         lhs_rs as isize,
         rhs,
         rhs_cs as isize,
         rhs_rs as isize,
-        T::zero(),
+        if accumulate { T::one() } else { T::zero() },
         T::one(),
         false,
         false,
@@ -178,7 +208,11 @@ impl Params {
 
 /// Runs `f(task, scratch)` for tasks `0..count` on candle's CPU thread pool, each worker
 /// with a scratch buffer of `scratch` elements of its own.
-fn for_tasks<T: Float>(count: usize, scratch: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+pub(super) fn for_tasks<T: Float>(
+    count: usize,
+    scratch: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
     parallel_ranges(count, |range| {
         let mut buf = vec![T::zero(); scratch];
         for task in range {

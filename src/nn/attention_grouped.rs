@@ -20,8 +20,8 @@
 //! recomputes them with the same arithmetic; the key and value gradients of a group are
 //! summed over its query heads in head order, in the task that owns them.
 
-use super::attention::softmax_row;
-use super::blocks::{parallel_ranges, with_wide_vectors, Float, SharedConst, SharedMut};
+use super::attention::{for_tasks, gemm_into as matmul, softmax_row};
+use super::blocks::{Float, SharedConst, SharedMut};
 
 /// Query rows per block of a causal or windowed attention.
 pub const BLOCK_QUERIES: usize = 32;
@@ -185,64 +185,6 @@ impl Plan {
             .max()
             .unwrap_or(0)
     }
-}
-
-/// `dst [m, n] (+)= lhs [m, k] rhs [k, n]`, strided, single-threaded (the gemm crate).
-///
-/// # Safety
-/// Every pointer must address the elements its strides reach; `dst`'s must not overlap
-/// the inputs' or another thread's.
-#[allow(clippy::too_many_arguments)]
-unsafe fn matmul<T: Float>(
-    (m, n, k): (usize, usize, usize),
-    (dst, dst_rs): (*mut T, usize),
-    accumulate: bool,
-    (lhs, lhs_rs, lhs_cs): (*const T, usize, usize),
-    (rhs, rhs_rs, rhs_cs): (*const T, usize, usize),
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                std::ptr::write_bytes(dst.add(i * dst_rs), 0, n);
-            }
-        }
-        return;
-    }
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs as isize,
-        accumulate,
-        lhs,
-        lhs_cs as isize,
-        lhs_rs as isize,
-        rhs,
-        rhs_cs as isize,
-        rhs_rs as isize,
-        if accumulate { T::one() } else { T::zero() },
-        T::one(),
-        false,
-        false,
-        false,
-        gemm::Parallelism::None,
-    );
-}
-
-/// Runs `f(task, scratch)` for tasks `0..count` on candle's CPU pool, each worker with
-/// its own scratch of `scratch` elements.
-fn for_tasks<T: Float>(count: usize, scratch: usize, f: impl Fn(usize, &mut [T]) + Sync) {
-    parallel_ranges(count, |range| {
-        let mut buf = vec![T::zero(); scratch];
-        for task in range {
-            with_wide_vectors(|| f(task, &mut buf));
-        }
-    });
 }
 
 /// The probabilities of block `blk` of query head `h` of sequence `b` into `p`

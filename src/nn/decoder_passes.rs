@@ -189,13 +189,7 @@ pub(super) fn backward<T: Float>(
     dims: Shape,
     kept: &Kept<T>,
 ) -> Grads<T> {
-    let (rows, h, i, qd, kd) = (
-        packing.total(),
-        dims.h,
-        dims.inter,
-        dims.qd(),
-        dims.kd(),
-    );
+    let (rows, h, i, qd, kd) = (packing.total(), dims.h, dims.inter, dims.qd(), dims.kd());
     let (eps, off) = (spec.eps, T::of(spec.offset));
     let width = dims.grouped.width();
     let mut slots: [Vec<T>; SLOTS] = Default::default();

@@ -307,7 +307,14 @@ fn layer<T: Float>(
         |xp, packing| {
             let (weights, mask, rotary, spec) = &*shared;
             weights.read::<T, _>(dims, |wv| {
-                Ok(forward(xp, wv, (mask, packing, rotary), spec, dims, tracked))
+                Ok(forward(
+                    xp,
+                    wv,
+                    (mask, packing, rotary),
+                    spec,
+                    dims,
+                    tracked,
+                ))
             })
         },
         move |xp, dyp, packing, kept| {

@@ -5,6 +5,8 @@
 // Each test binary uses a different subset.
 #![allow(dead_code)]
 
+pub mod families;
+
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::fs;
