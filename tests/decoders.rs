@@ -803,3 +803,32 @@ fn the_shipped_qwen3_config_runs_and_learns() {
     assert_eq!(head["pooling"], "lasttoken");
     assert_eq!(head["normalize"], true);
 }
+
+#[test]
+fn sentence_transformers_tokenizer_kwargs_win_over_the_tokenizer_config() {
+    // `processor_kwargs` (sentence-transformers 6; `tokenizer_args` before) are passed to
+    // the tokenizer over its own config: here the padding side and the limit.
+    let _one = serialized();
+    let tmp = tempfile::tempdir().unwrap();
+    for key in ["processor_kwargs", "tokenizer_args"] {
+        let dir = edited(tmp.path(), "qwen3", "sentence_bert_config.json", |c| {
+            c[key] = serde_json::json!({"padding_side": "right", "model_max_length": 16});
+        });
+        let model = load(&dir, LoadOptions::default());
+        assert!(!model.tokenizer().pads_left(), "{key}");
+        assert_eq!(model.tokenizer().max_len(), 16, "{key}");
+        // The embeddings do not depend on the side.
+        let texts = ["Jesus wept.", "In the beginning"];
+        let right = model.embed_queries(&texts, 2).unwrap();
+        let left = load(
+            &fixture("qwen3"),
+            LoadOptions {
+                max_len: Some(16),
+                ..Default::default()
+            },
+        )
+        .embed_queries(&texts, 2)
+        .unwrap();
+        assert!(max_diff(&right, &left) <= 1e-6, "{key}");
+    }
+}
