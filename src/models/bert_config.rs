@@ -5,7 +5,8 @@
 
 use std::path::Path;
 
-pub use super::decoder_config::{DecoderKind, DecoderSettings};
+pub use super::decoder_config::{DecoderFields, DecoderKind, DecoderSettings};
+pub use super::family::{Activation, Family};
 use crate::{Error, Result};
 
 /// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).
@@ -91,50 +92,6 @@ mod defaults {
     }
 }
 
-/// The model families this encoder loads, by `config.json`'s `model_type`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Family {
-    /// `bert` (or no `model_type`): BERT, MiniLM, bge, e5, gte-small, ...: absolute
-    /// positions counted from 0.
-    Bert,
-    /// `roberta`, `xlm-roberta`, `camembert`: BERT's layers with absolute positions that
-    /// start past the padding index (`pad_token_id + 1`), one token type, `<s> .. </s>`.
-    Roberta,
-    /// `mpnet`: BERT's post-norm layers under other names, no token types, positions past
-    /// the padding index 1, and a relative position bias on the attention scores (buckets
-    /// of the distance between tokens, one learned value per bucket and head, shared by
-    /// every layer).
-    MpNet,
-    /// `modernbert`: pre-norm layers without biases, rotary position embeddings (a theta
-    /// per layer type), a GeGLU feed-forward, global and sliding-window (local) attention
-    /// as the config's layer types say, a final norm; no position table, no token types.
-    ModernBert,
-    /// `qwen3`: a decoder (Qwen3-Embedding): RMSNorm, q/k norms, grouped KV heads, an
-    /// explicit head width, rotary positions, SwiGLU, causal attention.
-    Qwen3,
-    /// `qwen2`: a decoder (gte-Qwen2): Qwen3's layer with q/k/v biases and no q/k norms.
-    Qwen2,
-    /// `llama`: a decoder with optional attention and MLP biases.
-    Llama,
-    /// `mistral`: a decoder (e5-mistral, SFR-Embedding, Linq) with an optional sliding
-    /// window.
-    Mistral,
-    /// `gemma3_text`: a decoder (EmbeddingGemma): scaled embeddings, `(1 + w)` norms
-    /// around attention and feed-forward, q/k norms, GELU-tanh GeGLU, sliding and global
-    /// layers, bidirectional when the config says so.
-    Gemma3,
-}
-
-impl Family {
-    /// Whether the family is a decoder (its settings: [`DecoderSettings`]).
-    pub fn is_decoder(self) -> bool {
-        matches!(
-            self,
-            Family::Qwen3 | Family::Qwen2 | Family::Llama | Family::Mistral | Family::Gemma3
-        )
-    }
-}
-
 /// What a ModernBERT `config.json` says beyond BERT's fields (old layout, transformers 4.x:
 /// `global_attn_every_n_layers`, `global_rope_theta`, `local_rope_theta`; new, 5.x:
 /// `layer_types`, `rope_parameters`).
@@ -166,31 +123,6 @@ pub struct ModernSettings {
 /// The `model_type`s [`Family`] accepts, for errors.
 pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, modernbert \
     (encoders); qwen3, qwen2, llama, mistral, gemma3_text (decoders)";
-
-/// Feed-forward activations of BERT-family configs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    /// Exact GELU (`gelu`).
-    Gelu,
-    /// Tanh approximation of GELU (`gelu_new`, `gelu_pytorch_tanh`).
-    GeluTanh,
-    /// `relu`.
-    Relu,
-    /// `silu` / `swish` (the decoders' SwiGLU gate).
-    Silu,
-}
-
-impl Activation {
-    /// The activation as [`crate::nn::bias_activation`] names it.
-    pub fn fused(self) -> crate::nn::Act {
-        match self {
-            Activation::Gelu => crate::nn::Act::GeluErf,
-            Activation::GeluTanh => crate::nn::Act::GeluTanh,
-            Activation::Relu => crate::nn::Act::Relu,
-            Activation::Silu => crate::nn::Act::Silu,
-        }
-    }
-}
 
 impl BertConfig {
     /// A BERT of the given size with Hugging Face's defaults for everything else (GELU,
@@ -379,7 +311,17 @@ impl BertConfig {
                 path: path.to_path_buf(),
             });
         };
-        DecoderSettings::from_config(self, kind, path)
+        let fields = DecoderFields {
+            hidden_size: self.hidden_size,
+            num_attention_heads: self.num_attention_heads,
+            num_hidden_layers: self.num_hidden_layers,
+            intermediate_size: self.intermediate_size,
+            vocab_size: self.vocab_size,
+            hidden_act: &self.hidden_act,
+            max_position_embeddings: self.max_position_embeddings,
+            extra: &self.extra,
+        };
+        DecoderSettings::from_config(&fields, kind, path)
     }
 
     /// ModernBERT's settings, read from the config's fields beyond BERT's.

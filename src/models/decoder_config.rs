@@ -14,8 +14,30 @@
 
 use std::path::Path;
 
-use super::bert_config::{Activation, BertConfig, Family};
+use super::family::{Activation, Family};
 use crate::{Error, Result};
+
+/// The fields of a decoder's `config.json` that BERT's config also has (its names), and
+/// the rest of the file (`extra`), as [`DecoderSettings::from_config`] reads them.
+#[derive(Debug, Clone, Copy)]
+pub struct DecoderFields<'a> {
+    /// `hidden_size`.
+    pub hidden_size: usize,
+    /// `num_attention_heads`.
+    pub num_attention_heads: usize,
+    /// `num_hidden_layers`.
+    pub num_hidden_layers: usize,
+    /// `intermediate_size`.
+    pub intermediate_size: usize,
+    /// `vocab_size`.
+    pub vocab_size: usize,
+    /// `hidden_act` (the Qwen models', Llama's and Mistral's gate activation).
+    pub hidden_act: &'a str,
+    /// `max_position_embeddings`.
+    pub max_position_embeddings: usize,
+    /// Every other field of the file.
+    pub extra: &'a serde_json::Map<String, serde_json::Value>,
+}
 
 /// A decoder family's layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,7 +119,7 @@ const ROPE_TYPES: &str = "default, linear, llama3";
 
 impl DecoderSettings {
     /// Reads and checks the decoder fields of `cfg` (from `path`, named in errors).
-    pub fn from_config(cfg: &BertConfig, kind: DecoderKind, path: &Path) -> Result<Self> {
+    pub fn from_config(cfg: &DecoderFields, kind: DecoderKind, path: &Path) -> Result<Self> {
         let x = &cfg.extra;
         let bad = |field: &str, reason: String| Error::ModelConfig {
             path: path.to_path_buf(),
@@ -148,7 +170,7 @@ impl DecoderSettings {
         let act_name = match (gemma, x.get(act_key).and_then(|v| v.as_str())) {
             (true, Some(name)) => name.to_string(),
             (true, None) => "gelu_pytorch_tanh".into(),
-            (false, _) => cfg.hidden_act.clone(),
+            (false, _) => cfg.hidden_act.to_string(),
         };
         let activation = match act_name.as_str() {
             "silu" | "swish" => Activation::Silu,
@@ -309,7 +331,7 @@ impl DecoderKind {
 /// else as transformers derives it (the Qwen models: layers from `max_window_layers` on
 /// when `use_sliding_window`; Mistral: every layer when `sliding_window` is set; Gemma3:
 /// all but every `sliding_window_pattern`-th).
-fn layer_types(cfg: &BertConfig, kind: DecoderKind, path: &Path) -> Result<Vec<bool>> {
+fn layer_types(cfg: &DecoderFields, kind: DecoderKind, path: &Path) -> Result<Vec<bool>> {
     let x = &cfg.extra;
     let layers = cfg.num_hidden_layers;
     if let Some(types) = x.get("layer_types").filter(|v| !v.is_null()) {
@@ -364,7 +386,7 @@ fn layer_types(cfg: &BertConfig, kind: DecoderKind, path: &Path) -> Result<Vec<b
 }
 
 /// The rotary frequencies: one set, or Gemma3's global (index 0) and local (index 1).
-fn ropes(cfg: &BertConfig, kind: DecoderKind, dim: usize, path: &Path) -> Result<Vec<Rope>> {
+fn ropes(cfg: &DecoderFields, kind: DecoderKind, dim: usize, path: &Path) -> Result<Vec<Rope>> {
     let x = &cfg.extra;
     let params = x.get("rope_parameters").filter(|v| !v.is_null());
     if kind == DecoderKind::Gemma3 {
@@ -409,7 +431,7 @@ fn rope(
     p: &serde_json::Value,
     theta: f64,
     dim: usize,
-    cfg: &BertConfig,
+    cfg: &DecoderFields,
     path: &Path,
 ) -> Result<Rope> {
     let bad = |field: &str, reason: String| Error::ModelConfig {

@@ -28,7 +28,7 @@ use candle_core::{DType, Tensor};
 
 use super::attention_grouped::{self as grouped, Grouped, Pattern, Sequences};
 use super::blocks::Float;
-use super::decoder_passes::{backward, forward, Chunk};
+use super::decoder_passes::{backward, forward, Chunk, Shape, SLOTS};
 use super::fused::AttentionSpec;
 use super::math::Act;
 use super::packing::{packed_layer, Packing, View};
@@ -65,24 +65,6 @@ pub struct DecoderWeights<'a> {
     pub down: Projection,
     /// Gemma's RMSNorm of the feed-forward output `[h]`.
     pub post_mlp_norm: Option<&'a Tensor>,
-}
-
-/// Slots of the weights, in node-input order.
-pub(super) const SLOTS: usize = 20;
-pub(super) mod slot {
-    pub const IN_NORM: usize = 0;
-    pub const WQ: usize = 1;
-    pub const WK: usize = 3;
-    pub const WV: usize = 5;
-    pub const WO: usize = 7;
-    pub const Q_NORM: usize = 9;
-    pub const K_NORM: usize = 10;
-    pub const POST_ATTN: usize = 11;
-    pub const MLP_NORM: usize = 12;
-    pub const WG: usize = 13;
-    pub const WU: usize = 15;
-    pub const WD: usize = 17;
-    pub const POST_MLP: usize = 19;
 }
 
 /// A projection's weight and bias, borrowed.
@@ -145,55 +127,6 @@ pub struct DecoderSpec {
     pub causal: bool,
     /// The rotary tables `(cos, sin)` of positions `0..s`, `[s, d]` each.
     pub rotary: (Tensor, Tensor),
-}
-
-/// The sizes of a layer applied to a batch.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Shape {
-    pub(super) n: usize,
-    pub(super) s: usize,
-    pub(super) h: usize,
-    pub(super) inter: usize,
-    pub(super) grouped: Grouped,
-}
-
-impl Shape {
-    /// Query width `heads d`.
-    pub(super) fn qd(&self) -> usize {
-        self.grouped.heads * self.grouped.d
-    }
-
-    /// Key (and value) width `kv_heads d`.
-    pub(super) fn kd(&self) -> usize {
-        self.grouped.kv_heads * self.grouped.d
-    }
-
-    /// The length of each slot's values.
-    fn slot_len(&self, slot: usize) -> usize {
-        let (h, i, qd, kd, d) = (self.h, self.inter, self.qd(), self.kd(), self.grouped.d);
-        [
-            h,
-            qd * h,
-            qd,
-            kd * h,
-            kd,
-            kd * h,
-            kd,
-            h * qd,
-            h,
-            d,
-            d,
-            h,
-            h,
-            i * h,
-            i,
-            i * h,
-            i,
-            h * i,
-            h,
-            h,
-        ][slot]
-    }
 }
 
 /// The layer on `x` `[n, s, h]` (CPU, f32 or f64): one node over `x` and the weights, or
@@ -326,9 +259,13 @@ fn layer<T: Float>(
         },
         qk_norm: w.q_norm.is_some() && w.k_norm.is_some(),
         post_norms: w.post_attention_norm.is_some() && w.post_mlp_norm.is_some(),
+        act: spec.act,
+        eps: spec.eps,
+        offset: spec.offset,
+        recompute_probs: spec.attention.recompute,
     };
     // Read by the forward, then owned by the backward.
-    let shared = std::sync::Arc::new((weights, chunk, spec.clone()));
+    let shared = std::sync::Arc::new((weights, chunk));
     let owned = std::sync::Arc::clone(&shared);
     packed_layer(
         "gradcache-decoder-layer",
@@ -336,15 +273,15 @@ fn layer<T: Float>(
         &w.slots(),
         packing,
         |xp, packing| {
-            let (weights, chunk, spec) = &*shared;
+            let (weights, chunk) = &*shared;
             weights.read::<T, _>(dims, |wv| {
-                Ok(forward(xp, wv, (packing, chunk), spec, dims, tracked))
+                Ok(forward(xp, wv, (packing, chunk), dims, tracked))
             })
         },
         move |xp, dyp, packing, kept| {
-            let (weights, chunk, spec) = &*owned;
+            let (weights, chunk) = &*owned;
             weights.read::<T, _>(dims, |wv| {
-                let grads = backward(xp, dyp, wv, (packing, chunk), spec, dims, kept);
+                let grads = backward(xp, dyp, wv, (packing, chunk), dims, kept);
                 Ok((grads.dx, grads.slots.into()))
             })
         },

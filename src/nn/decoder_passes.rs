@@ -4,13 +4,81 @@
 
 use std::borrow::Cow;
 
+use super::attention_grouped::Grouped;
 use super::attention_grouped::{self as grouped, Sequences};
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
-use super::decoder_layer::{slot, DecoderSpec, Shape, SLOTS};
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{bias_rows, column_sums, linear, product, product_new};
+use super::math::Act;
 use super::packing::Packing;
 use super::rows::{rms, rms_backward, rms_heads, rms_heads_backward};
+
+/// Slots of the weights, in node-input order.
+pub(super) const SLOTS: usize = 20;
+pub(super) mod slot {
+    pub const IN_NORM: usize = 0;
+    pub const WQ: usize = 1;
+    pub const WK: usize = 3;
+    pub const WV: usize = 5;
+    pub const WO: usize = 7;
+    pub const Q_NORM: usize = 9;
+    pub const K_NORM: usize = 10;
+    pub const POST_ATTN: usize = 11;
+    pub const MLP_NORM: usize = 12;
+    pub const WG: usize = 13;
+    pub const WU: usize = 15;
+    pub const WD: usize = 17;
+    pub const POST_MLP: usize = 19;
+}
+
+/// The sizes of a layer applied to a batch.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Shape {
+    pub(super) n: usize,
+    pub(super) s: usize,
+    pub(super) h: usize,
+    pub(super) inter: usize,
+    pub(super) grouped: Grouped,
+}
+
+impl Shape {
+    /// Query width `heads d`.
+    pub(super) fn qd(&self) -> usize {
+        self.grouped.heads * self.grouped.d
+    }
+
+    /// Key (and value) width `kv_heads d`.
+    pub(super) fn kd(&self) -> usize {
+        self.grouped.kv_heads * self.grouped.d
+    }
+
+    /// The length of each slot's values.
+    pub(super) fn slot_len(&self, slot: usize) -> usize {
+        let (h, i, qd, kd, d) = (self.h, self.inter, self.qd(), self.kd(), self.grouped.d);
+        [
+            h,
+            qd * h,
+            qd,
+            kd * h,
+            kd,
+            kd * h,
+            kd,
+            h * qd,
+            h,
+            d,
+            d,
+            h,
+            h,
+            i * h,
+            i,
+            i * h,
+            i,
+            h * i,
+            h,
+            h,
+        ][slot]
+    }
+}
 
 /// What the forward keeps for the backward.
 pub(super) struct Kept<T> {
@@ -37,6 +105,12 @@ pub(super) struct Chunk<T> {
     /// Which norms the layer has: q/k norms, Gemma's post norms.
     pub(super) qk_norm: bool,
     pub(super) post_norms: bool,
+    /// The gate's activation, the norms' epsilon and weight offset (Gemma's 1), and
+    /// whether the probabilities are recomputed in the backward.
+    pub(super) act: Act,
+    pub(super) eps: f64,
+    pub(super) offset: f64,
+    pub(super) recompute_probs: bool,
 }
 
 /// The query-key-value projections of the packed rows `n1` `[rows, h]`, side by side in
@@ -84,19 +158,13 @@ fn rotate_qk<T: Float>(qkv: &mut [T], chunk: &Chunk<T>, dims: Shape, transpose: 
 }
 
 /// The queries and keys as the attention reads them: normalised and rotated.
-fn prepared<T: Float>(
-    qkv: &mut [T],
-    w: &[&[T]; SLOTS],
-    chunk: &Chunk<T>,
-    spec: &DecoderSpec,
-    dims: Shape,
-) {
+fn prepared<T: Float>(qkv: &mut [T], w: &[&[T]; SLOTS], chunk: &Chunk<T>, dims: Shape) {
     let (width, d) = (dims.grouped.width(), dims.grouped.d);
-    let off = T::of(spec.offset);
+    let off = T::of(chunk.offset);
     if chunk.qk_norm {
         let (hq, hk) = (dims.grouped.heads, dims.grouped.kv_heads);
-        rms_heads(qkv, width, (0, hq, d), w[slot::Q_NORM], spec.eps, off);
-        rms_heads(qkv, width, (hq * d, hk, d), w[slot::K_NORM], spec.eps, off);
+        rms_heads(qkv, width, (0, hq, d), w[slot::Q_NORM], chunk.eps, off);
+        rms_heads(qkv, width, (hq * d, hk, d), w[slot::K_NORM], chunk.eps, off);
     }
     rotate_qk(qkv, chunk, dims, false);
 }
@@ -115,22 +183,21 @@ pub(super) fn forward<T: Float>(
     x: &[T],
     w: &[&[T]; SLOTS],
     (packing, chunk): (&Packing, &Chunk<T>),
-    spec: &DecoderSpec,
     dims: Shape,
     keep: bool,
 ) -> (Vec<T>, Option<Kept<T>>) {
     let (rows, h, i, qd) = (packing.total(), dims.h, dims.inter, dims.qd());
-    let (eps, off) = (spec.eps, T::of(spec.offset));
+    let (eps, off) = (chunk.eps, T::of(chunk.offset));
     let n1 = rms(x, w[slot::IN_NORM], eps, off);
     let mut qkv = project(&n1, w, dims, rows);
     drop(n1);
     let raw = keep.then(|| qkv.clone());
-    prepared(&mut qkv, w, chunk, spec, dims);
+    prepared(&mut qkv, w, chunk, dims);
     let (ctx, probs) = grouped::forward(
         &qkv,
         (dims.grouped, &chunk.seqs),
         &chunk.params,
-        keep && !spec.attention.recompute,
+        keep && !chunk.recompute_probs,
     );
     drop(qkv);
     let a = linear(&ctx, w[slot::WO], w[slot::WO + 1], rows, qd);
@@ -152,7 +219,7 @@ pub(super) fn forward<T: Float>(
         );
     }
     drop(n2);
-    let g = glu_rows(&up, spec.act, i);
+    let g = glu_rows(&up, chunk.act, i);
     let m = linear(&g, w[slot::WD], w[slot::WD + 1], rows, i);
     drop(g);
     let (y, m) = if chunk.post_norms {
@@ -185,12 +252,11 @@ pub(super) fn backward<T: Float>(
     dy: &[T],
     w: &[&[T]; SLOTS],
     (packing, chunk): (&Packing, &Chunk<T>),
-    spec: &DecoderSpec,
     dims: Shape,
     kept: &Kept<T>,
 ) -> Grads<T> {
     let (rows, h, i, qd, kd) = (packing.total(), dims.h, dims.inter, dims.qd(), dims.kd());
-    let (eps, off) = (spec.eps, T::of(spec.offset));
+    let (eps, off) = (chunk.eps, T::of(chunk.offset));
     let width = dims.grouped.width();
     let mut slots: [Vec<T>; SLOTS] = Default::default();
     // The feed-forward: y = x1 + norm(act(g) u W_d^T + b_d).
@@ -203,12 +269,12 @@ pub(super) fn backward<T: Float>(
         None => Cow::Borrowed(dy),
     };
     slots[slot::WD + 1] = column_sums(&dm, h);
-    let g = glu_rows(&kept.up, spec.act, i);
+    let g = glu_rows(&kept.up, chunk.act, i);
     slots[slot::WD] = product_new((h, i, rows), (&dm, 1, h), (&g, i, 1));
     drop(g);
     let dg = product_new((rows, i, h), (&dm, h, 1), (w[slot::WD], i, 1));
     drop(dm);
-    let dup = glu_rows_backward(&kept.up, &dg, spec.act, i);
+    let dup = glu_rows_backward(&kept.up, &dg, chunk.act, i);
     drop(dg);
     let sums = column_sums(&dup, 2 * i);
     slots[slot::WG + 1] = sums[..i].to_vec();
@@ -246,7 +312,7 @@ pub(super) fn backward<T: Float>(
     drop(da);
     // The attention, on the normalised and rotated queries and keys (recomputed).
     let mut att = kept.qkv.clone();
-    prepared(&mut att, w, chunk, spec, dims);
+    prepared(&mut att, w, chunk, dims);
     let mut dqkv = grouped::backward(
         &att,
         kept.probs.as_deref(),

@@ -1,0 +1,72 @@
+//! The model families a `config.json` names ([`Family`], by its `model_type`) and the
+//! feed-forward activations of their configs ([`Activation`]): what the BERT-family config
+//! and the decoders' both speak of.
+
+/// The model families this encoder loads, by `config.json`'s `model_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `bert` (or no `model_type`): BERT, MiniLM, bge, e5, gte-small, ...: absolute
+    /// positions counted from 0.
+    Bert,
+    /// `roberta`, `xlm-roberta`, `camembert`: BERT's layers with absolute positions that
+    /// start past the padding index (`pad_token_id + 1`), one token type, `<s> .. </s>`.
+    Roberta,
+    /// `mpnet`: BERT's post-norm layers under other names, no token types, positions past
+    /// the padding index 1, and a relative position bias on the attention scores (buckets
+    /// of the distance between tokens, one learned value per bucket and head, shared by
+    /// every layer).
+    MpNet,
+    /// `modernbert`: pre-norm layers without biases, rotary position embeddings (a theta
+    /// per layer type), a GeGLU feed-forward, global and sliding-window (local) attention
+    /// as the config's layer types say, a final norm; no position table, no token types.
+    ModernBert,
+    /// `qwen3`: a decoder (Qwen3-Embedding): RMSNorm, q/k norms, grouped KV heads, an
+    /// explicit head width, rotary positions, SwiGLU, causal attention.
+    Qwen3,
+    /// `qwen2`: a decoder (gte-Qwen2): Qwen3's layer with q/k/v biases and no q/k norms.
+    Qwen2,
+    /// `llama`: a decoder with optional attention and MLP biases.
+    Llama,
+    /// `mistral`: a decoder (e5-mistral, SFR-Embedding, Linq) with an optional sliding
+    /// window.
+    Mistral,
+    /// `gemma3_text`: a decoder (EmbeddingGemma): scaled embeddings, `(1 + w)` norms
+    /// around attention and feed-forward, q/k norms, GELU-tanh GeGLU, sliding and global
+    /// layers, bidirectional when the config says so.
+    Gemma3,
+}
+
+impl Family {
+    /// Whether the family is a decoder (Qwen3, Qwen2, Llama, Mistral, Gemma3).
+    pub fn is_decoder(self) -> bool {
+        matches!(
+            self,
+            Family::Qwen3 | Family::Qwen2 | Family::Llama | Family::Mistral | Family::Gemma3
+        )
+    }
+}
+
+/// Feed-forward activations of BERT-family configs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// Exact GELU (`gelu`).
+    Gelu,
+    /// Tanh approximation of GELU (`gelu_new`, `gelu_pytorch_tanh`).
+    GeluTanh,
+    /// `relu`.
+    Relu,
+    /// `silu` / `swish` (the decoders' SwiGLU gate).
+    Silu,
+}
+
+impl Activation {
+    /// The activation as [`crate::nn::bias_activation`] names it.
+    pub fn fused(self) -> crate::nn::Act {
+        match self {
+            Activation::Gelu => crate::nn::Act::GeluErf,
+            Activation::GeluTanh => crate::nn::Act::GeluTanh,
+            Activation::Relu => crate::nn::Act::Relu,
+            Activation::Silu => crate::nn::Act::Silu,
+        }
+    }
+}
