@@ -832,3 +832,29 @@ fn sentence_transformers_tokenizer_kwargs_win_over_the_tokenizer_config() {
         assert!(max_diff(&right, &left) <= 1e-6, "{key}");
     }
 }
+
+#[test]
+fn a_decoder_loads_from_the_hugging_face_cache_offline() {
+    // The cache layout huggingface_hub writes: the tokenizer's config (left padding, its
+    // pad token) and the sentence-transformers files come from the snapshot too.
+    use gradcache::hub::HubSettings;
+    let _one = serialized();
+    let home = tempfile::tempdir().unwrap();
+    let repo = home.path().join("hub").join("models--Qwen--tiny-qwen3");
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs").join("main"), "0123abcd").unwrap();
+    copy_dir(&fixture("qwen3"), &repo.join("snapshots").join("0123abcd"));
+    let vars: HashMap<&str, String> = [
+        ("HF_HOME", home.path().to_str().unwrap().to_string()),
+        ("HF_HUB_OFFLINE", "1".to_string()),
+    ]
+    .into();
+    let hub = HubSettings::from_lookup(|k| vars.get(k).cloned());
+    let files = ModelFiles::resolve("Qwen/tiny-qwen3", &hub).unwrap();
+    let model = EmbeddingModel::from_files(&files, &LoadOptions::default()).unwrap();
+    assert!(model.tokenizer().pads_left());
+    assert_eq!(model.tokenizer().max_len(), MAX_LEN);
+    let r = reference("qwen3");
+    let got = model.embed_queries(&refs(&r.texts), 4).unwrap();
+    assert!(max_diff(&got, &r.tensors["embeddings.query"]) <= 1e-5);
+}

@@ -345,7 +345,7 @@ fn another_model_type_is_refused_naming_the_supported_families() {
         .unwrap();
     let text = err.to_string();
     assert!(
-        text.contains("distilbert") && text.contains("xlm-roberta"),
+        text.contains("distilbert") && text.contains("xlm-roberta") && text.contains("qwen3"),
         "{text}"
     );
 }

@@ -34,6 +34,11 @@ pub const WEIGHTS: &str = "model.safetensors";
 pub const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
 /// The tokenizer file.
 pub const TOKENIZER: &str = "tokenizer.json";
+/// The tokenizer's config (padding side, special tokens, `model_max_length`).
+pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+/// sentence-transformers' config of its Transformer module (`max_seq_length`, tokenizer
+/// kwargs).
+pub const SENTENCE_BERT_CONFIG: &str = "sentence_bert_config.json";
 /// Pickle checkpoints that are recognised (and refused).
 const PICKLES: [&str; 2] = ["pytorch_model.bin", "model.bin"];
 
@@ -200,8 +205,15 @@ impl ModelFiles {
         };
         let tokenizer = fetch(TOKENIZER)?;
         // The sentence-transformers head (pooling, Dense modules, normalisation,
-        // similarity), when the repo has one: fetched into the same snapshot directory.
-        for file in [POOLING, SENTENCE_TRANSFORMERS_CONFIG] {
+        // similarity, prompts, the token limit) and the tokenizer's config (padding side,
+        // pad token, BOS/EOS), when the repo has them: fetched into the same snapshot
+        // directory.
+        for file in [
+            POOLING,
+            SENTENCE_TRANSFORMERS_CONFIG,
+            SENTENCE_BERT_CONFIG,
+            TOKENIZER_CONFIG,
+        ] {
             fetch(file)?;
         }
         if let Some(modules) = fetch(MODULES)? {

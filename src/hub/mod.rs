@@ -371,7 +371,7 @@ pub fn load_tokenizer(
     let decoder = config.family(&files.config).is_ok_and(|f| f.is_decoder());
     if decoder && inner.get_padding().is_none() {
         return Err(Error::ModelFile {
-            path: files.dir.join("tokenizer_config.json"),
+            path: files.dir.join(files::TOKENIZER_CONFIG),
             reason: "the tokenizer has no pad token, and a decoder's batches are padded: set \
                      `pad_token` (Qwen3-Embedding uses its `<|endoftext|>`, the Llama family \
                      often its EOS)"

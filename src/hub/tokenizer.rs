@@ -19,6 +19,7 @@ use candle_core::{Device, Tensor};
 use tokenizers::{PaddingDirection, PaddingParams, PaddingStrategy, TruncationParams};
 
 use crate::batch::TokenBatch;
+use crate::hub::files;
 use crate::{Error, Result};
 
 /// A tokenizer with the truncation and padding a bi-encoder needs.
@@ -210,11 +211,11 @@ fn tokenizer_settings(dir: &Path) -> Result<serde_json::Map<String, serde_json::
                 reason: e.to_string(),
             })
     };
-    let mut settings = match read("tokenizer_config.json")? {
+    let mut settings = match read(files::TOKENIZER_CONFIG)? {
         Some(serde_json::Value::Object(m)) => m,
         _ => serde_json::Map::new(),
     };
-    if let Some(st) = read("sentence_bert_config.json")? {
+    if let Some(st) = read(files::SENTENCE_BERT_CONFIG)? {
         for key in ["processor_kwargs", "tokenizer_args"] {
             if let Some(serde_json::Value::Object(kwargs)) = st.get(key) {
                 for (k, v) in kwargs {
@@ -252,7 +253,7 @@ pub fn read_model_tokenizer(
 )> {
     let mut inner = read_tokenizer_file(path)?;
     let settings = tokenizer_settings(dir)?;
-    let config_path = dir.join("tokenizer_config.json");
+    let config_path = dir.join(files::TOKENIZER_CONFIG);
     let config = match std::fs::read_to_string(&config_path) {
         Ok(text) => match serde_json::from_str(&text) {
             Ok(serde_json::Value::Object(m)) => Some(m),
@@ -380,7 +381,7 @@ fn add_special_tokens(
 /// `max_position_embeddings`, else the positions the model covers (`positions`); never
 /// more than `positions`.
 pub fn model_max_length(dir: &Path, positions: usize) -> Result<(usize, String)> {
-    let st_path = dir.join("sentence_bert_config.json");
+    let st_path = dir.join(files::SENTENCE_BERT_CONFIG);
     if st_path.is_file() {
         let text = std::fs::read_to_string(&st_path).map_err(|e| Error::io("read", &st_path, e))?;
         let st: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::ModelFile {
