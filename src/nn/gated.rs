@@ -66,6 +66,32 @@ fn glu_node<T: Float>(x: &Tensor, act: Act, out_dims: Vec<usize>) -> candle_core
     )
 }
 
+/// Runs `$body` with `$a` bound to the activation `$act` as a constant, so that the element
+/// loop inside is compiled once per activation and vectorises (a `match` per element
+/// would stop it).
+macro_rules! with_act {
+    ($act:expr, $a:ident => $body:expr) => {
+        match $act {
+            Act::GeluErf => {
+                let $a = Act::GeluErf;
+                $body
+            }
+            Act::GeluTanh => {
+                let $a = Act::GeluTanh;
+                $body
+            }
+            Act::Relu => {
+                let $a = Act::Relu;
+                $body
+            }
+            Act::Silu => {
+                let $a = Act::Silu;
+                $body
+            }
+        }
+    };
+}
+
 /// `act(a) g` of the rows `[a, g]` of `x` (`[rows, 2w]` into `[rows, w]`).
 pub(super) fn glu_rows<T: Float>(x: &[T], act: Act, w: usize) -> Vec<T> {
     let mut y = vec![T::zero(); x.len() / 2];
@@ -74,9 +100,11 @@ pub(super) fn glu_rows<T: Float>(x: &[T], act: Act, w: usize) -> Vec<T> {
         for (r, out) in chunk.chunks_exact_mut(w).enumerate() {
             let row = &x[(first + r) * 2 * w..(first + r + 1) * 2 * w];
             let (a, g) = row.split_at(w);
-            for ((o, &a), &g) in out.iter_mut().zip(a).zip(g) {
-                *o = act.value(a) * g;
-            }
+            with_act!(act, f => {
+                for ((o, &a), &g) in out.iter_mut().zip(a).zip(g) {
+                    *o = f.value(a) * g;
+                }
+            });
         }
     });
     y
@@ -92,11 +120,13 @@ pub(super) fn glu_rows_backward<T: Float>(x: &[T], dy: &[T], act: Act, w: usize)
             let (a, g) = x[row * 2 * w..(row + 1) * 2 * w].split_at(w);
             let gy = &dy[row * w..(row + 1) * w];
             let (da, dg) = d.split_at_mut(w);
-            for i in 0..w {
-                let (value, slope) = act.value_and_derivative(a[i]);
-                da[i] = gy[i] * g[i] * slope;
-                dg[i] = gy[i] * value;
-            }
+            with_act!(act, f => {
+                for i in 0..w {
+                    let (value, slope) = f.value_and_derivative(a[i]);
+                    da[i] = gy[i] * g[i] * slope;
+                    dg[i] = gy[i] * value;
+                }
+            });
         }
     });
     dx

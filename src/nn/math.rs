@@ -150,10 +150,12 @@ impl Act {
             }
             Act::Relu => num_traits::Float::max(x, T::zero()),
             Act::Silu => {
+                // A select, not a branch: the element loop stays vectorised.
+                let v = x * sigmoid(x);
                 if x < T::of(SILU_FLOOR) {
                     T::zero()
                 } else {
-                    x * sigmoid(x)
+                    v
                 }
             }
         }
@@ -172,11 +174,14 @@ impl Act {
                 (value, cdf + x * gaussian * T::of(0.398_942_280_401_432_7))
             }
             Act::Silu => {
-                if x < T::of(SILU_FLOOR) {
-                    return (T::zero(), T::zero());
-                }
+                // Selects, not a branch: the element loop stays vectorised.
                 let s = sigmoid(x);
-                (x * s, s + x * s * (T::one() - s))
+                let (v, d) = (x * s, s + x * s * (T::one() - s));
+                let low = x < T::of(SILU_FLOOR);
+                (
+                    if low { T::zero() } else { v },
+                    if low { T::zero() } else { d },
+                )
             }
             other => (other.value(x), other.derivative(x)),
         }
