@@ -149,6 +149,9 @@ pub struct BertAux {
     modern: Option<ModernAux>,
     /// A decoder's positions and rotary tables.
     decoder: Option<DecoderAux>,
+    /// Only the pooled token's output of the last layer is read (a decoder under
+    /// last-token pooling, on the way to the head; never for [`Bert::hidden_states`]).
+    last_token_only: bool,
     /// Each sequence's first real token (where the pooling's positions count from).
     first: Vec<usize>,
     /// MPNet's relative position bucket of every (query, key) pair `[s s]`.
@@ -311,7 +314,9 @@ impl Bert {
 
     /// The last hidden state `[n, s, hidden]` (no pooling).
     pub fn hidden_states(&self, input: &TokenBatch, ctx: &Ctx) -> Result<Tensor> {
-        let aux = self.aux(input)?;
+        let mut aux = self.aux(input)?;
+        // Every token's state is the result here, not the pooled one's alone.
+        aux.last_token_only = false;
         let mut x = self.embed(input, &aux, ctx)?;
         for i in 0..self.num_layers() {
             x = self.layer(i, &x, &aux, ctx)?;
@@ -561,6 +566,7 @@ impl LayerStack for Bert {
         Ok(BertAux {
             bias,
             mask,
+            last_token_only: decoder.is_some() && self.options.pooling == Pooling::LastToken,
             modern,
             decoder,
             first,
@@ -635,7 +641,8 @@ impl LayerStack for Bert {
     fn layer(&self, i: usize, x: &Tensor, aux: &BertAux, ctx: &Ctx) -> Result<Tensor> {
         if let (Some(d), Some(decoder_aux)) = (&self.decoder, &aux.decoder) {
             let probs = ctx.recompute.recomputes(SITE_ATTENTION_PROBS);
-            return d.layer(i, x, &aux.bias, decoder_aux, probs, ctx);
+            let last = aux.last_token_only && i + 1 == d.num_layers();
+            return d.layer(i, x, &aux.bias, decoder_aux, (probs, last), ctx);
         }
         if let (Some(m), Some(modern_aux)) = (&self.modern, &aux.modern) {
             let probs = ctx.recompute.recomputes(SITE_ATTENTION_PROBS);

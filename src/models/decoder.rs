@@ -251,13 +251,16 @@ impl Decoder {
     }
 
     /// Layer `i` on `x` `[n, s, h]`: one node where the fused kernels run, else op by op.
+    /// With `last_token_only` (the last layer under last-token pooling) only each text's
+    /// last real token's output is the layer's (see [`DecoderSpec::last_token_only`]).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn layer(
         &self,
         i: usize,
         x: &Tensor,
         key_bias: &Tensor,
         aux: &DecoderAux,
-        recompute_probs: bool,
+        (recompute_probs, last_token_only): (bool, bool),
         ctx: &Ctx,
     ) -> Result<Tensor> {
         let layer = &self.layers[i];
@@ -281,6 +284,7 @@ impl Decoder {
             },
             causal: self.s.causal,
             rotary: (cos.clone(), sin.clone()),
+            last_token_only,
         };
         let affine = |l: &'_ Linear| (l.weight().clone(), l.bias().cloned());
         let weights = DecoderWeights {

@@ -85,10 +85,11 @@ impl Pattern {
         (lo, hi)
     }
 
-    /// The query blocks of a sequence of `len` tokens and the keys each reads (a task's
-    /// scratch is one block, `BLOCK_QUERIES x len` at most, however long the text).
-    fn blocks(&self, len: usize) -> Vec<Block> {
-        (0..len)
+    /// The query blocks of the rows `from..len` of a sequence of `len` tokens and the keys
+    /// each reads (a task's scratch is one block, `BLOCK_QUERIES x len` at most, however
+    /// long the text).
+    fn blocks(&self, from: usize, len: usize) -> Vec<Block> {
+        (from.min(len)..len)
             .step_by(BLOCK_QUERIES)
             .map(|r0| {
                 let r1 = (r0 + BLOCK_QUERIES).min(len);
@@ -132,6 +133,10 @@ pub struct Sequences {
     pub shift: Vec<usize>,
     /// The padded length.
     pub s: usize,
+    /// The first query row of each sequence: its rows from there on are the queries (0:
+    /// every row; its last: only the last token's output is wanted, as last-token pooling
+    /// reads), every row is a key.
+    pub queries_from: Vec<usize>,
 }
 
 /// What the attention computes besides its inputs.
@@ -157,7 +162,12 @@ struct Plan {
 
 impl Plan {
     fn new(seqs: &Sequences, dims: Grouped, pattern: Pattern) -> Self {
-        let blocks: Vec<Vec<Block>> = seqs.lengths.iter().map(|&l| pattern.blocks(l)).collect();
+        let blocks: Vec<Vec<Block>> = seqs
+            .lengths
+            .iter()
+            .zip(&seqs.queries_from)
+            .map(|(&l, &from)| pattern.blocks(from, l))
+            .collect();
         let per_head: Vec<usize> = blocks
             .iter()
             .map(|bs| bs.iter().map(|b| b.nr() * b.nk()).sum())
@@ -249,8 +259,9 @@ fn dropout_block<T: Float>(
     }
 }
 
-/// The forward pass over the packed `qkv`: the context `[rows, heads d]` and, with `keep`,
-/// the probabilities before dropout (the blocks computed) for the backward.
+/// The forward pass over the packed `qkv`: the context `[rows, heads d]` (0 at rows that
+/// are not queries) and, with `keep`, the probabilities before dropout (the blocks
+/// computed) for the backward.
 pub fn forward<T: Float>(
     qkv: &[T],
     (dims, seqs): (Grouped, &Sequences),

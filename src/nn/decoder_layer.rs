@@ -127,6 +127,12 @@ pub struct DecoderSpec {
     pub causal: bool,
     /// The rotary tables `(cos, sin)` of positions `0..s`, `[s, d]` each.
     pub rotary: (Tensor, Tensor),
+    /// Only each text's last real token's output is wanted (the last layer under
+    /// last-token pooling): the node runs the queries, the attention output and the
+    /// feed-forward on those rows alone, every row still a key and a value, and passes
+    /// the other rows' input through; their output is not the layer's. The op-by-op layer
+    /// computes every row (the same values at the last ones).
+    pub last_token_only: bool,
 }
 
 /// The layer on `x` `[n, s, h]` (CPU, f32 or f64): one node over `x` and the weights, or
@@ -239,12 +245,28 @@ fn layer<T: Float>(
     let table = |t: &Tensor| -> candle_core::Result<Vec<T>> {
         t.to_dtype(x.dtype())?.flatten_all()?.to_vec1()
     };
+    // With last-token pooling reading this layer's output: each text's last row alone.
+    let last = spec.last_token_only;
+    let queries_from = rows
+        .queries
+        .iter()
+        .map(|&len| if last { len.saturating_sub(1) } else { 0 })
+        .collect();
+    let pooled = last.then(|| {
+        rows.starts
+            .iter()
+            .zip(&rows.queries)
+            .filter(|(_, &len)| len > 0)
+            .map(|(&start, &len)| start + len - 1)
+            .collect()
+    });
     let chunk = Chunk {
         seqs: Sequences {
             starts: rows.starts.clone(),
             lengths: rows.queries.clone(),
             shift,
             s: dims.s,
+            queries_from,
         },
         positions,
         cos: table(&spec.rotary.0)?,
@@ -263,6 +285,7 @@ fn layer<T: Float>(
         eps: spec.eps,
         offset: spec.offset,
         recompute_probs: spec.attention.recompute,
+        pooled,
     };
     // Read by the forward, then owned by the backward.
     let shared = std::sync::Arc::new((weights, chunk));

@@ -111,6 +111,41 @@ pub(super) struct Chunk<T> {
     pub(super) eps: f64,
     pub(super) offset: f64,
     pub(super) recompute_probs: bool,
+    /// The rows whose output is wanted, when not every row's: each text's last (pooled)
+    /// row, in text order. The queries, the attention output and the feed-forward then
+    /// run on those rows alone (every row is still a key and a value), and the other rows
+    /// pass their input through.
+    pub(super) pooled: Option<Vec<usize>>,
+}
+
+impl<T: Float> Chunk<T> {
+    /// The rows of `t` (rows of `width`) whose output is wanted: all of them, or the
+    /// pooled ones gathered.
+    fn wanted<'a>(&self, t: &'a [T], width: usize) -> Cow<'a, [T]> {
+        match &self.pooled {
+            None => Cow::Borrowed(t),
+            Some(rows) => Cow::Owned(
+                rows.iter()
+                    .flat_map(|&r| t[r * width..(r + 1) * width].iter().copied())
+                    .collect(),
+            ),
+        }
+    }
+
+    /// `wanted` (the [`Self::wanted`] rows) put back at their rows of `base` (`rows` rows
+    /// of `width`): `wanted` itself when every row is wanted.
+    fn put_back(&self, wanted: Vec<T>, base: impl FnOnce() -> Vec<T>, width: usize) -> Vec<T> {
+        match &self.pooled {
+            None => wanted,
+            Some(rows) => {
+                let mut full = base();
+                for (&r, row) in rows.iter().zip(wanted.chunks_exact(width)) {
+                    full[r * width..(r + 1) * width].copy_from_slice(row);
+                }
+                full
+            }
+        }
+    }
 }
 
 /// The query-key-value projections of the packed rows `n1` `[rows, h]`, side by side in
@@ -200,13 +235,18 @@ pub(super) fn forward<T: Float>(
         keep && !chunk.recompute_probs,
     );
     drop(qkv);
+    // From here on the rows whose output is wanted (all, or the pooled ones).
+    let ctx = chunk.wanted(&ctx, qd).into_owned();
+    let xs = chunk.wanted(x, h);
+    let rows = xs.len() / h;
     let a = linear(&ctx, w[slot::WO], w[slot::WO + 1], rows, qd);
     let (x1, a) = if chunk.post_norms {
         let normed = rms(&a, w[slot::POST_ATTN], eps, off);
-        (added(x, &normed), Some(a))
+        (added(&xs, &normed), Some(a))
     } else {
-        (added(x, &a), None)
+        (added(&xs, &a), None)
     };
+    drop(xs);
     let n2 = rms(&x1, w[slot::MLP_NORM], eps, off);
     let mut up = bias_rows(&[w[slot::WG + 1], w[slot::WU + 1]], rows);
     for (col, wp) in [(0, w[slot::WG]), (i, w[slot::WU])] {
@@ -228,6 +268,7 @@ pub(super) fn forward<T: Float>(
     } else {
         (added(&x1, &m), None)
     };
+    let y = chunk.put_back(y, || x.to_vec(), h);
     let kept = raw.map(|qkv| Kept {
         qkv,
         probs,
@@ -255,10 +296,15 @@ pub(super) fn backward<T: Float>(
     dims: Shape,
     kept: &Kept<T>,
 ) -> Grads<T> {
-    let (rows, h, i, qd, kd) = (packing.total(), dims.h, dims.inter, dims.qd(), dims.kd());
+    let (all, h, i, qd, kd) = (packing.total(), dims.h, dims.inter, dims.qd(), dims.kd());
     let (eps, off) = (chunk.eps, T::of(chunk.offset));
     let width = dims.grouped.width();
     let mut slots: [Vec<T>; SLOTS] = Default::default();
+    // Up to the attention, the rows whose output is wanted (all, or the pooled ones).
+    let dy_all = dy;
+    let dy = chunk.wanted(dy_all, h);
+    let dy = &dy[..];
+    let rows = dy.len() / h;
     // The feed-forward: y = x1 + norm(act(g) u W_d^T + b_d).
     let dm: Cow<[T]> = match &kept.m {
         Some(m) => {
@@ -310,6 +356,10 @@ pub(super) fn backward<T: Float>(
     slots[slot::WO] = product_new((h, qd, rows), (&da, 1, h), (&kept.ctx, qd, 1));
     let dctx = product_new((rows, qd, h), (&da, h, 1), (w[slot::WO], qd, 1));
     drop(da);
+    let dctx = chunk.put_back(dctx, || vec![T::zero(); all * qd], qd);
+    // The residual gradient of every row: a row that passed its input through gets its
+    // output's gradient.
+    let dx1 = chunk.put_back(dx1, || dy_all.to_vec(), h);
     // The attention, on the normalised and rotated queries and keys (recomputed).
     let mut att = kept.qkv.clone();
     prepared(&mut att, w, chunk, dims);
@@ -342,13 +392,13 @@ pub(super) fn backward<T: Float>(
         (slot::WV, qd + kd, kd),
     ];
     for (s, col, out) in parts {
-        slots[s] = product_new((out, h, rows), (&dqkv[col..], 1, width), (&n1, h, 1));
+        slots[s] = product_new((out, h, all), (&dqkv[col..], 1, width), (&n1, h, 1));
     }
     drop(n1);
-    let mut dn1 = vec![T::zero(); rows * h];
+    let mut dn1 = vec![T::zero(); all * h];
     for (s, col, out) in parts {
         product(
-            (rows, h, out),
+            (all, h, out),
             (&mut dn1, h),
             true,
             (&dqkv[col..], width, 1),
