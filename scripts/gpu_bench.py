@@ -14,6 +14,13 @@ sentence-transformers' CachedMultipleNegativesRankingLoss; `precision = "bf16"` 
 gradcache). Prints pairs/s (mean of the steps after the first) and the peak GPU memory
 the run took (nvidia-smi's memory.used sampled every 0.1 s, minus the idle reading), as a
 Markdown table; writes it to OUT/gpu-table.md.
+
+The decoder row (`--models qwen3-0.6b`): Qwen3-Embedding-0.6B's shape (28 layers, hidden
+1,024, 16 query and 8 KV heads of 128, feed-forward 3,072, vocabulary 151,669; random
+weights) with the qwen3 fixture's tokenizer, last-token pooling and Normalize, global batch
+DECODER_BATCH in mini-batches of DECODER_MINI, recompute off on both sides. The model has
+no dropout, so both sides' first loss (same weights, same pairs, scale 20) must agree
+within bf16's tolerance: the table prints them.
 """
 import argparse
 import json
@@ -31,6 +38,7 @@ SHAPES = {
                    intermediate_size=1536),
     "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                       intermediate_size=3072),
+    "qwen3-0.6b": None,  # a decoder: make_decoder
     "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64),
 }
@@ -47,11 +55,57 @@ def pairs_file(out, n):
     return path, rows
 
 
+DECODER_LAYERS = 28  # --decoder-layers (fewer for a quick check on a CPU)
+
+
+def fixture_dir(family):
+    for d in (os.path.join(ROOT, "fixtures", family),
+              os.path.join(ROOT, "tests", "fixtures", "families", family)):
+        if os.path.isdir(d):
+            return d
+    raise SystemExit(f"no {family} fixture beside {ROOT}")
+
+
+def make_decoder(out, layers):
+    """Qwen3-Embedding-0.6B's shape, random weights, as a sentence-transformers directory."""
+    import shutil
+    import torch
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    d = os.path.join(out, "model-qwen3-0.6b")
+    if os.path.exists(os.path.join(d, "modules.json")):
+        return d
+    fixture = fixture_dir("qwen3")
+    small = transformers.AutoConfig.from_pretrained(fixture)
+    cfg = transformers.Qwen3Config(
+        vocab_size=151669, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, intermediate_size=3072, hidden_act="silu",
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=True, attention_dropout=0.0,
+        pad_token_id=small.pad_token_id, eos_token_id=small.eos_token_id)
+    torch.manual_seed(0)
+    raw = d + ".raw"
+    transformers.AutoModel.from_config(cfg).save_pretrained(raw)
+    tok = transformers.AutoTokenizer.from_pretrained(fixture)
+    tok.model_max_length = 512
+    tok.save_pretrained(raw)
+    st = SentenceTransformer(modules=[modules.Transformer(raw),
+                                      modules.Pooling(cfg.hidden_size, pooling_mode="lasttoken"),
+                                      modules.Normalize()], device="cpu")
+    st.save(d)
+    shutil.rmtree(raw)
+    return d
+
+
 def make_model(out, shape, rows):
     """A fresh BERT of `shape` with a WordPiece vocabulary, as a transformers directory."""
     from tokenizers import BertWordPieceTokenizer
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
+    if SHAPES[shape] is None:
+        return make_decoder(out, DECODER_LAYERS)
     d = os.path.join(out, f"model-{shape}")
     if os.path.exists(os.path.join(d, "config.json")):
         return d
@@ -108,7 +162,7 @@ class GpuMemory:
 
 
 def st_side(model_dir, pairs, batch, mini, max_len, steps, device):
-    """Runs in its own process: prints pairs/s."""
+    """Runs in its own process: prints pairs/s and the first step's loss."""
     import torch
     from sentence_transformers import SentenceTransformer, losses
 
@@ -118,9 +172,10 @@ def st_side(model_dir, pairs, batch, mini, max_len, steps, device):
     model.train()
     loss = losses.CachedMultipleNegativesRankingLoss(model, scale=20.0, mini_batch_size=mini)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01)
-    rates = []
+    rates, first = [], None
     for step in range(steps + 1):
-        b = rows[step * batch:(step + 1) * batch]
+        at = step * batch % len(rows)
+        b = rows[at:at + batch]
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -131,6 +186,8 @@ def st_side(model_dir, pairs, batch, mini, max_len, steps, device):
             d = {k: v.to(device) if hasattr(v, "to") else v for k, v in d.items()}
             value = loss([q, d], None)
             value.backward()
+        if first is None:
+            first = float(value)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
@@ -138,7 +195,7 @@ def st_side(model_dir, pairs, batch, mini, max_len, steps, device):
             torch.cuda.synchronize()
         if step:
             rates.append(len(b) / (time.perf_counter() - start))
-    print(f"{sum(rates) / len(rates):.2f}")
+    print(f"{sum(rates) / len(rates):.2f} {first:.6f}")
 
 
 def gradcache_side(binary, model_dir, pairs, eval_file, out, batch, mini, max_len, steps, device):
@@ -153,13 +210,19 @@ def gradcache_side(binary, model_dir, pairs, eval_file, out, batch, mini, max_le
         "device": device,
         "precision": "bf16",
     }
-    args = [binary, "train", "--config", os.path.join(ROOT, "configs/minilm.toml")]
+    config = "configs/minilm.toml"
+    if os.path.basename(model_dir) == "model-qwen3-0.6b":
+        config = "configs/qwen3.toml"
+        sets.update({"model.query_prompt": '""', "model.passage_prompt": '""',
+                     "model.dropout": "false", "loss.temperature": 0.05})
+    args = [binary, "train", "--config", os.path.join(ROOT, config)]
     for k, v in sets.items():
         args += ["--set", f"{k}={v}"]
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
-    rates = [json.loads(line)["pairs_per_sec"] for line in open(os.path.join(run, "metrics.jsonl"))
-             if json.loads(line).get("type") == "step"]
-    return sum(rates[1:]) / len(rates[1:])
+    steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    steps = [r for r in steps if r.get("type") == "step"]
+    rates = [r["pairs_per_sec"] for r in steps[1:]]
+    return sum(rates) / len(rates), steps[0]["loss"]
 
 
 def main():
@@ -172,8 +235,13 @@ def main():
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--models", default="minilm,bert-base")
+    ap.add_argument("--decoder-batch", type=int, default=512)
+    ap.add_argument("--decoder-mini", type=int, default=64)
+    ap.add_argument("--decoder-layers", type=int, default=28, help=argparse.SUPPRESS)
     ap.add_argument("--st-side", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    global DECODER_LAYERS
+    DECODER_LAYERS = a.decoder_layers
     if a.st_side:
         model_dir, pairs, _, _ = a.st_side
         st_side(model_dir, pairs, a.batch, a.mini, a.max_len, a.steps, a.device)
@@ -184,26 +252,32 @@ def main():
     with open(eval_file, "w") as f:
         for r in rows[:64]:
             f.write(json.dumps({"query": r["query"], "positive": r["positive"]}) + "\n")
-    lines = [f"# {a.device}, global batch {a.batch}, mini-batch {a.mini}, max_len {a.max_len}, "
-             f"bf16, {a.steps} timed steps after one warm-up",
-             "| model | gradcache pairs/s | sentence-transformers pairs/s | ratio "
-             "| gradcache peak GPU memory | sentence-transformers peak GPU memory |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [f"# {a.device}, max_len {a.max_len}, bf16, {a.steps} timed steps after one warm-up",
+             "| model | batch / mini | gradcache pairs/s | sentence-transformers pairs/s | ratio "
+             "| gradcache peak GPU memory | sentence-transformers peak GPU memory "
+             "| first loss: gradcache / sentence-transformers |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for shape in a.models.split(","):
         model_dir = make_model(a.out, shape, rows)
+        decoder = SHAPES[shape] is None
+        batch, mini = (a.decoder_batch, a.decoder_mini) if decoder else (a.batch, a.mini)
+        # The decoder trains one batch of distinct pairs over and over: the first step then
+        # sees the same pairs on both sides whatever order each draws them in.
+        train = pairs_file(a.out, batch)[0] if decoder else pairs
         with GpuMemory() as mem_gc:
-            gc = gradcache_side(a.gradcache, model_dir, pairs, eval_file, a.out, a.batch,
-                                a.mini, a.max_len, a.steps, a.device)
+            gc, gc_loss = gradcache_side(a.gradcache, model_dir, train, eval_file, a.out, batch,
+                                         mini, a.max_len, a.steps, a.device)
         with GpuMemory() as mem_st:
             res = subprocess.run([sys.executable, __file__, "--gradcache", a.gradcache,
                                   "--out", a.out, "--steps", str(a.steps), "--batch",
-                                  str(a.batch), "--mini", str(a.mini), "--max-len",
+                                  str(batch), "--mini", str(mini), "--max-len",
                                   str(a.max_len), "--device", a.device,
-                                  "--st-side", model_dir, pairs, "-", "-"],
+                                  "--st-side", model_dir, train, "-", "-"],
                                  check=True, capture_output=True, text=True)
-        st = float(res.stdout.strip().splitlines()[-1])
-        lines.append(f"| {shape} (fresh) | {gc:.1f} | {st:.1f} | {gc / st:.2f}x "
-                     f"| {mem_gc.used()} | {mem_st.used()} |")
+        st, st_loss = map(float, res.stdout.strip().splitlines()[-1].split())
+        lines.append(f"| {shape} (fresh) | {batch} / {mini} | {gc:.1f} | {st:.1f} | {gc / st:.2f}x "
+                     f"| {mem_gc.used()} | {mem_st.used()} "
+                     + (f"| {gc_loss:.5f} / {st_loss:.5f} |" if decoder else "| (dropout) |"))
         print(lines[-1], flush=True)
     table = "\n".join(lines)
     print(table)
