@@ -29,6 +29,78 @@ pub trait Batch: Sized {
             .map(|start| self.slice(start, chunk.min(rows - start)))
             .collect()
     }
+
+    /// Splits as `chunking` says; `None` when it counts tokens and the input has none.
+    fn chunked(&self, chunking: Chunking) -> Result<Option<Vec<Self>>> {
+        let lengths = match chunking {
+            Chunking::Tokens(_) => self.token_lengths()?,
+            Chunking::Rows(_) => None,
+        };
+        let Some(ranges) = chunking.ranges(self.rows(), lengths.as_deref()) else {
+            return Ok(None);
+        };
+        let parts = ranges
+            .into_iter()
+            .map(|(start, len)| self.slice(start, len))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(parts))
+    }
+
+    /// The tokens of each row, for inputs made of tokens (what [`Chunking::Tokens`] counts);
+    /// `None` for inputs without them (tensors of features, images).
+    fn token_lengths(&self) -> Result<Option<Vec<usize>>> {
+        Ok(None)
+    }
+}
+
+/// How a tower's rows are cut into chunks: a fixed number of rows (`train.query_chunk`,
+/// `train.passage_chunk`) or as many rows as fit in a number of padded tokens
+/// (`train.chunk_tokens`, sentence-transformers' `mini_batch_num_tokens`). Either way a
+/// chunk is consecutive rows, so the chunking changes memory, never the gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chunking {
+    /// At most this many rows per chunk.
+    Rows(usize),
+    /// Consecutive rows while the chunk's rows times its longest text stay within this
+    /// many tokens (a chunk is trimmed to its longest text); a text longer than that is a
+    /// chunk alone.
+    Tokens(usize),
+}
+
+impl Chunking {
+    /// The chunks of `rows` rows as `(start, len)` ranges; `lengths` are the rows' tokens,
+    /// which [`Chunking::Tokens`] needs (`None` then: there is nothing to count).
+    pub fn ranges(self, rows: usize, lengths: Option<&[usize]>) -> Option<Vec<(usize, usize)>> {
+        match self {
+            Chunking::Rows(chunk) => {
+                let chunk = chunk.max(1);
+                Some(
+                    (0..rows)
+                        .step_by(chunk)
+                        .map(|start| (start, chunk.min(rows - start)))
+                        .collect(),
+                )
+            }
+            Chunking::Tokens(budget) => {
+                let lengths = lengths?;
+                let mut ranges = Vec::new();
+                let (mut start, mut longest) = (0, 0);
+                for (i, &len) in lengths.iter().enumerate().take(rows) {
+                    let grown = longest.max(len);
+                    if i > start && (i + 1 - start) * grown > budget {
+                        ranges.push((start, i - start));
+                        (start, longest) = (i, len);
+                    } else {
+                        longest = grown;
+                    }
+                }
+                if start < rows {
+                    ranges.push((start, rows - start));
+                }
+                Some(ranges)
+            }
+        }
+    }
 }
 
 impl Batch for Tensor {
@@ -158,6 +230,16 @@ impl Batch for TokenBatch {
         self.input_ids.dims().first().copied().unwrap_or(0)
     }
 
+    /// The real tokens of each row (its attention mask's sum).
+    fn token_lengths(&self) -> Result<Option<Vec<usize>>> {
+        let lengths = self
+            .attention_mask
+            .to_dtype(candle_core::DType::U32)?
+            .sum(1)?
+            .to_vec1::<u32>()?;
+        Ok(Some(lengths.into_iter().map(|l| l as usize).collect()))
+    }
+
     /// Rows `start..start + len`, trimmed to their own longest sequence.
     fn slice(&self, start: usize, len: usize) -> Result<Self> {
         Self {
@@ -199,5 +281,60 @@ impl Batch for TokenBatch {
             token_type_ids: field(|b| &b.token_type_ids)?,
             pool_from: padded[0].pool_from,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Chunking;
+
+    /// Every row once, in order, in non-empty ranges.
+    fn covers(ranges: &[(usize, usize)], rows: usize) -> bool {
+        let mut next = 0;
+        for &(start, len) in ranges {
+            if start != next || len == 0 {
+                return false;
+            }
+            next += len;
+        }
+        next == rows
+    }
+
+    #[test]
+    fn token_chunks_stay_within_the_budget_and_take_every_row_that_fits() {
+        let lengths = [3, 3, 4, 9, 2, 2, 2, 2, 2, 12, 1, 5];
+        for budget in [1, 4, 8, 9, 12, 16, 24, 100] {
+            let ranges = Chunking::Tokens(budget)
+                .ranges(lengths.len(), Some(&lengths))
+                .unwrap();
+            assert!(covers(&ranges, lengths.len()), "{budget}: {ranges:?}");
+            let padded =
+                |start: usize, len: usize| len * lengths[start..start + len].iter().max().unwrap();
+            for (k, &(start, len)) in ranges.iter().enumerate() {
+                // Within the budget, unless a single text is longer than it.
+                assert!(
+                    len == 1 || padded(start, len) <= budget,
+                    "{budget}: {ranges:?}"
+                );
+                // Greedy: the next row would not have fitted.
+                if k + 1 < ranges.len() {
+                    assert!(padded(start, len + 1) > budget, "{budget}: {ranges:?}");
+                }
+            }
+        }
+        let all = Chunking::Tokens(144).ranges(lengths.len(), Some(&lengths));
+        assert_eq!(all, Some(vec![(0, 12)]));
+        let one_each = Chunking::Tokens(1).ranges(lengths.len(), Some(&lengths));
+        assert_eq!(one_each.unwrap().len(), lengths.len());
+    }
+
+    #[test]
+    fn row_chunks_ignore_the_lengths_and_tokens_need_them() {
+        assert_eq!(
+            Chunking::Rows(5).ranges(12, None),
+            Some(vec![(0, 5), (5, 5), (10, 2)])
+        );
+        assert_eq!(Chunking::Tokens(8).ranges(12, None), None);
+        assert_eq!(Chunking::Tokens(8).ranges(0, Some(&[])), Some(vec![]));
     }
 }

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use candle_core::Tensor;
 
-use crate::batch::Batch;
+use crate::batch::{Batch, Chunking};
 use crate::dist::{self, Collective, Single};
 use crate::dropout::{ChunkSeed, Ctx};
 use crate::encoder::Encoder;
@@ -399,8 +399,8 @@ pub struct GradCache<Q: Encoder, P: Encoder = Q, L: Loss = InfoNce> {
     query: Arc<Q>,
     passage: Arc<P>,
     params: Params,
-    query_chunk: usize,
-    passage_chunk: usize,
+    query_chunking: Chunking,
+    passage_chunking: Chunking,
     loss: L,
     seed: u64,
     dropout: bool,
@@ -456,8 +456,8 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
             query,
             passage,
             params,
-            query_chunk,
-            passage_chunk,
+            query_chunking: Chunking::Rows(query_chunk),
+            passage_chunking: Chunking::Rows(passage_chunk),
             loss,
             seed: 0,
             dropout: true,
@@ -474,9 +474,28 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
                 return Err(Error::ZeroChunkSize { side });
             }
         }
-        self.query_chunk = query_chunk;
-        self.passage_chunk = passage_chunk;
+        self.query_chunking = Chunking::Rows(query_chunk);
+        self.passage_chunking = Chunking::Rows(passage_chunk);
         Ok(self)
+    }
+
+    /// Cuts each side's chunks by tokens instead of rows: consecutive rows while a chunk's
+    /// rows times its longest text stay within `query_tokens` / `passage_tokens` (a longer
+    /// text is a chunk alone). The inputs must be tokenized ([`Batch::token_lengths`]).
+    pub fn with_chunk_tokens(mut self, query_tokens: usize, passage_tokens: usize) -> Result<Self> {
+        for (side, tokens) in [(Side::Query, query_tokens), (Side::Passage, passage_tokens)] {
+            if tokens == 0 {
+                return Err(Error::ZeroChunkSize { side });
+            }
+        }
+        self.query_chunking = Chunking::Tokens(query_tokens);
+        self.passage_chunking = Chunking::Tokens(passage_tokens);
+        Ok(self)
+    }
+
+    /// How the query and the passage side are cut into chunks.
+    pub fn chunking(&self) -> (Chunking, Chunking) {
+        (self.query_chunking, self.passage_chunking)
     }
 
     /// Sets the run seed that dropout masks derive from (default 0).
@@ -647,7 +666,10 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         let _flush = crate::denormal::flush();
         let mut reps = Representations::new();
         reps.stop = Some(self.stop.clone());
-        for (i, chunk) in queries.chunks(self.query_chunk)?.into_iter().enumerate() {
+        let parts = queries
+            .chunked(self.query_chunking)?
+            .ok_or(Error::TokensToCount { side: Side::Query })?;
+        for (i, chunk) in parts.into_iter().enumerate() {
             self.stop.check()?;
             reps.push(
                 &*self.query,
@@ -656,7 +678,12 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
                 self.ctx(step, Side::Query, i),
             )?;
         }
-        for (i, chunk) in passages.chunks(self.passage_chunk)?.into_iter().enumerate() {
+        let parts = passages
+            .chunked(self.passage_chunking)?
+            .ok_or(Error::TokensToCount {
+                side: Side::Passage,
+            })?;
+        for (i, chunk) in parts.into_iter().enumerate() {
             self.stop.check()?;
             let ctx = self.ctx(step, Side::Passage, i);
             reps.push(&*self.passage, Side::Passage, chunk, ctx)?;

@@ -41,6 +41,13 @@ pub enum Error {
     #[error("chunk size of the {side} tower must be at least 1, got 0")]
     ZeroChunkSize { side: Side },
 
+    /// Chunks by tokens were asked of an input that has no tokens.
+    #[error(
+        "chunks by tokens (train.chunk_tokens) need tokenized text, but the {side} tower's \
+         input has no tokens: set a chunk size in rows instead"
+    )]
+    TokensToCount { side: Side },
+
     /// A batch with no rows was passed to a step.
     #[error("empty batch: the {side} batch has no rows")]
     EmptyBatch { side: Side },

@@ -92,7 +92,7 @@ pub mod train;
 
 pub use train::budget;
 
-pub use batch::{Batch, TokenBatch};
+pub use batch::{Batch, Chunking, TokenBatch};
 pub use cache::{
     cached, cat_reps, GradCache, GradientCache, Representations, StepOutput, StepPeaks, StepTimes,
 };

@@ -434,6 +434,38 @@ fn cached_and_checkpointed_bert_matches_a_full_batch_step() {
 }
 
 #[test]
+fn chunks_by_tokens_match_a_full_batch_step() {
+    // Rows of 3..=9 real tokens: a budget of 9 puts one long text in a chunk and several
+    // short ones, 1 makes every text a chunk alone, 1,000 the whole side one chunk.
+    let mut cfg = config();
+    cfg.hidden_dropout_prob = 0.0;
+    cfg.attention_probs_dropout_prob = 0.0;
+    let b = 6;
+    let (q, p) = (tokens(3, b), tokens(4, 2 * b));
+    for (q_tokens, p_tokens) in [(9, 14), (1, 1), (20, 9), (1000, 1000)] {
+        let store = ParamStore::new(15, DType::F32, &Device::Cpu);
+        let opts = options(Pooling::Mean, Recompute::Sqrt);
+        let qe = BertEncoder::build(&store, "query", &cfg, &opts).unwrap();
+        let pe = BertEncoder::build(&store, "passage", &cfg, &opts).unwrap();
+        let loss = InfoNce::new(0.1).unwrap().with_symmetric(true);
+        let gc = GradCache::two_towers(qe, pe, b, 2 * b, loss)
+            .unwrap()
+            .with_chunk_tokens(q_tokens, p_tokens)
+            .unwrap();
+        let reference = gc.full_batch_step(0, &q, &p).unwrap();
+        let cached = gc.cache_step(0, &q, &p).unwrap();
+        assert!(((cached.loss - reference.loss) / reference.loss).abs() <= 1e-5);
+        let mut zero = key_biases(&cfg, "query.");
+        zero.extend(key_biases(&cfg, "passage."));
+        let err = compare(&cached.grads, &reference.grads, &zero);
+        assert!(
+            err <= 1e-5,
+            "chunk tokens {q_tokens}/{p_tokens}: max relative gradient error {err:e}"
+        );
+    }
+}
+
+#[test]
 fn fresh_weights_follow_the_seed() {
     let cfg = config();
     let weights = |seed| {

@@ -66,6 +66,32 @@ fn zero_chunk_size() {
 }
 
 #[test]
+fn chunks_by_tokens_need_tokens() {
+    let gc = GradCache::shared(tower(&store(), "", 4), 2, loss()).unwrap();
+    let err = gc.with_chunk_tokens(8, 0).err().unwrap();
+    assert!(
+        matches!(
+            err,
+            Error::ZeroChunkSize {
+                side: Side::Passage
+            }
+        ),
+        "{err:?}"
+    );
+    // Feature tensors have no tokens to count: refused before any chunk is encoded.
+    let gc = GradCache::shared(tower(&store(), "", 4), 2, loss())
+        .unwrap()
+        .with_chunk_tokens(8, 8)
+        .unwrap();
+    let err = gc.cache_step(0, &features(4), &features(4)).unwrap_err();
+    assert!(
+        matches!(err, Error::TokensToCount { side: Side::Query }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("train.chunk_tokens"), "{err}");
+}
+
+#[test]
 fn empty_batch() {
     let gc = GradCache::shared(tower(&store(), "", 4), 2, loss()).unwrap();
     let err = gc.cache_step(0, &features(0), &features(4)).unwrap_err();

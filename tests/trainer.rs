@@ -6,7 +6,7 @@ use std::path::Path;
 
 use gradcache::train::config::{apply_override, Config, OptimName};
 use gradcache::train::trainer::{Quiet, Trainer};
-use gradcache::{Error, Recompute};
+use gradcache::{Chunking, Error, Recompute};
 
 mod common;
 use common::write_tiny_run as setup;
@@ -88,6 +88,7 @@ fn every_bad_value_is_rejected_with_its_key() {
         ("optimizer.lr=1", "unknown field `optimizer`"),
         ("train.query_chunk=0", "`train.query_chunk`: 0"),
         ("train.passage_chunk=0", "`train.passage_chunk`: 0"),
+        ("train.chunk_tokens=0", "`train.chunk_tokens`: 0"),
         ("train.batch_size=0", "`train.batch_size`: 0"),
         ("train.steps=0", "`train.steps`: 0"),
         ("loss.temperature=0", "`loss.temperature`: 0"),
@@ -202,6 +203,56 @@ fn missing_or_malformed_data_is_reported_before_training() {
     assert!(
         !dir.path().join("run").join("checkpoints").exists(),
         "nothing was trained or saved"
+    );
+}
+
+#[test]
+fn chunks_by_tokens_train_as_chunks_by_rows_do() {
+    // Without dropout a step's gradient does not depend on how the rows are cut: a run in
+    // chunks of at most 40 padded tokens ends where the run in chunks of 3/5 rows does.
+    let dir = tempfile::tempdir().unwrap();
+    let path = setup(dir.path());
+    let run = |name: &str, sets: &[&str]| {
+        let mut sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        sets.push("model.dropout=false".into());
+        let mut cfg = Config::load(&path, &sets).unwrap();
+        cfg.output_dir = dir.path().join(name);
+        let mut trainer = Trainer::new(cfg, None).unwrap();
+        let losses: Vec<f32> = (0..2).map(|_| trainer.train_step().unwrap().loss).collect();
+        (losses, trainer)
+    };
+    let (rows, by_rows) = run("rows", &[]);
+    let (tokens, by_tokens) = run("tokens", &["train.chunk_tokens=40"]);
+    assert_eq!(
+        by_rows.gradient_cache().chunking(),
+        (Chunking::Rows(3), Chunking::Rows(5))
+    );
+    assert_eq!(
+        by_tokens.gradient_cache().chunking(),
+        (Chunking::Tokens(40), Chunking::Tokens(40))
+    );
+    for (a, b) in rows.iter().zip(&tokens) {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "losses {rows:?} vs {tokens:?}"
+        );
+    }
+    for (name, var) in by_rows.params().iter() {
+        let other = by_tokens.params().get(name).unwrap().as_tensor();
+        let diff = var.as_tensor().sub(other).unwrap().abs().unwrap();
+        let diff = diff.max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(diff <= 1e-5, "`{name}` differs by {diff:e} after two steps");
+    }
+
+    let both = [
+        "train.chunk_tokens=40".to_string(),
+        "train.memory_budget=\"1GiB\"".to_string(),
+    ];
+    let err = Config::load(&path, &both).unwrap_err();
+    assert!(
+        err.to_string().contains("`train.chunk_tokens`: 40")
+            && err.to_string().contains("memory_budget"),
+        "{err}"
     );
 }
 

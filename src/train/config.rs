@@ -360,6 +360,14 @@ pub struct TrainConfig {
     pub query_chunk: usize,
     /// Chunk size of the passage tower.
     pub passage_chunk: usize,
+    /// Chunks by tokens instead of rows (sentence-transformers' `mini_batch_num_tokens`):
+    /// after the length ordering, each tower's chunk takes consecutive texts while their
+    /// number times the chunk's longest text stays within this many tokens (a longer text
+    /// is a chunk alone). Short texts then go in many per chunk and long ones in few, so a
+    /// chunk's activations stay about the same size. `query_chunk` and `passage_chunk`
+    /// still size the evaluation's chunks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunk_tokens: Option<usize>,
     /// Hard negatives per query (missing ones are filled from other pairs' positives).
     pub hard_negatives: usize,
     /// Batches with no text twice (sentence-transformers' no-duplicates sampler): a
@@ -395,6 +403,7 @@ impl Default for TrainConfig {
             batch_size: 64,
             query_chunk: 16,
             passage_chunk: 16,
+            chunk_tokens: None,
             hard_negatives: 0,
             no_duplicates: false,
             eval_every: 0,
@@ -564,8 +573,18 @@ impl Config {
         if t.passage_chunk == 0 {
             return Err(invalid("train.passage_chunk", 0, "must be at least 1"));
         }
+        if t.chunk_tokens == Some(0) {
+            return Err(invalid("train.chunk_tokens", 0, "must be at least 1"));
+        }
         if let Some(budget) = &t.memory_budget {
             crate::budget::parse_bytes(budget)?;
+            if let Some(tokens) = t.chunk_tokens {
+                return Err(invalid(
+                    "train.chunk_tokens",
+                    tokens,
+                    "train.memory_budget chooses the chunks itself: set one of the two",
+                ));
+            }
         }
         self.loss_scale.scaler().validate()?;
         if self.dist.backend == Backend::Nccl {

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::batch::{Batch, TokenBatch};
+use crate::batch::{Batch, Chunking, TokenBatch};
 use crate::cache::GradCache;
 use crate::dist::{self, Backend, Collective};
 use crate::durable;
@@ -164,6 +164,9 @@ impl Task for TextPairs {
         let packed = self.device.is_cpu() && self.cfg.precision == Precision::F32;
         let mut forward = 0.0;
         for (batch, chunk) in [(queries, t.query_chunk), (passages, t.passage_chunk)] {
+            let chunking = t
+                .chunk_tokens
+                .map_or(Chunking::Rows(chunk), Chunking::Tokens);
             if packed {
                 let lengths = batch
                     .attention_mask
@@ -174,7 +177,7 @@ impl Task for TextPairs {
                     forward += self.bert.forward_flops(1, len as usize);
                 }
             } else {
-                for piece in batch.chunks(chunk)? {
+                for piece in batch.chunked(chunking)?.unwrap_or_default() {
                     forward += self.bert.forward_flops(piece.rows(), piece.seq_len());
                 }
             }
@@ -396,6 +399,10 @@ impl Run<TextPairs> {
         let gc = match model.passage {
             None => GradCache::shared(model.query, qc, loss)?.with_chunk_sizes(qc, pc)?,
             Some(passage) => GradCache::two_towers(model.query, passage, qc, pc, loss)?,
+        };
+        let gc = match cfg.train.chunk_tokens {
+            Some(tokens) => gc.with_chunk_tokens(tokens, tokens)?,
+            None => gc,
         }
         .with_seed(cfg.seed)
         .with_dropout(m.dropout)

@@ -467,12 +467,17 @@ fn train_on(
         trainer.run(&mut Quiet)?;
         return Ok(());
     }
+    let chunks = match cfg.train.chunk_tokens {
+        Some(tokens) => format!("chunks of at most {tokens} padded tokens"),
+        None => format!(
+            "chunks of {}/{} (query/passage)",
+            cfg.train.query_chunk, cfg.train.passage_chunk
+        ),
+    };
     tracing::info!(
-        "training {} steps, batch {} pairs in chunks of {}/{} (query/passage)",
+        "training {} steps, batch {} pairs in {chunks}",
         cfg.train.steps,
         cfg.train.batch_size,
-        cfg.train.query_chunk,
-        cfg.train.passage_chunk
     );
     let mut console = open_console(
         &cfg.output_dir,
