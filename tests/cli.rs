@@ -415,3 +415,36 @@ fn encode_keeps_every_input_line_and_the_model_decides_the_limit() {
         "{stderr}"
     );
 }
+
+#[test]
+fn merge_writes_a_model_and_refuses_a_bad_merge() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = |family: &str| {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/families")
+            .join(family)
+            .display()
+            .to_string()
+    };
+    let (bert, roberta) = (fixture("bert"), fixture("roberta"));
+    let out = dir.path().join("merged");
+    let out_arg = out.display().to_string();
+    let (ok, stderr) = gradcache(&[
+        "merge", "--model", &bert, "--model", &bert, "--method", "slerp", "--output", &out_arg,
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("merged 2 bert models"), "{stderr}");
+    let (ok, _, stdout) = run(&["encode", "--model", &out_arg, "--text", "Jesus wept."]);
+    assert!(ok && stdout.contains("embedding"), "{stdout}");
+
+    let other = dir.path().join("other").display().to_string();
+    let (ok, stderr) = gradcache(&[
+        "merge", "--model", &bert, "--model", &roberta, "--output", &other,
+    ]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("model_type `roberta` cannot be merged with `bert`"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("other").exists());
+}

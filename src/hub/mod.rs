@@ -14,6 +14,7 @@
 
 pub mod export;
 pub mod files;
+pub mod merge;
 pub mod sentence_transformers;
 pub mod tokenizer;
 

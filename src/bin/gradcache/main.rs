@@ -2,6 +2,7 @@
 //! far larger than memory. Run `gradcache --help`.
 
 mod console;
+mod merge;
 mod plot;
 mod retrieval;
 
@@ -201,6 +202,10 @@ enum Command {
         #[arg(long, value_enum, default_value_t = TowerArg::Query)]
         tower: TowerArg,
     },
+    /// Merge trained models of one architecture into one: the weighted average of their
+    /// weights (`--method linear`) or the spherical interpolation of two (`slerp`). Writes
+    /// a model directory that loads like any export.
+    Merge(merge::MergeArgs),
     /// Check a device before training on it: the gradient cache against a plain
     /// full-batch step, bf16/f16 against f32, f16 overflow detection (a tiny BERT built in
     /// code). Prints one line per check; fails if any is out of its limit.
@@ -309,6 +314,7 @@ fn stopped_by(e: &anyhow::Error) -> Option<i32> {
 fn run(command: Command) -> Result<()> {
     match command {
         Command::SelfCheck { device } => self_check(device),
+        Command::Merge(args) => merge::merge(&args),
         Command::Train {
             config,
             set,
