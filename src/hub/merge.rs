@@ -40,6 +40,8 @@ pub enum MergeMethod {
 /// What a merge wrote.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MergeReport {
+    /// The models' `model_type`.
+    pub family: String,
     /// Tensors merged (all weight files together).
     pub tensors: usize,
     /// The weights used, normalised to sum to 1, one per model.
@@ -79,12 +81,11 @@ pub fn merge_models(
         merged.push((file.clone(), out));
     }
     write_merged(&models[0], &files, merged, output)?;
-    tracing::info!(
-        "merged {} {family} models ({method:?}, weights {weights:?}): {tensors} tensors in {}",
-        models.len(),
-        output.display()
-    );
-    Ok(MergeReport { tensors, weights })
+    Ok(MergeReport {
+        family,
+        tensors,
+        weights,
+    })
 }
 
 /// The weights normalised to sum to 1, after checking the models and the method agree.

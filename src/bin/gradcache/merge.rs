@@ -39,6 +39,18 @@ pub fn merge(args: &MergeArgs) -> Result<()> {
         MethodArg::Linear => MergeMethod::Linear,
         MethodArg::Slerp => MergeMethod::Slerp,
     };
-    merge_models(&args.models, &args.weights, method, &args.output)?;
+    let report = merge_models(&args.models, &args.weights, method, &args.output)?;
+    tracing::info!(
+        "merged {} {} models ({}, weights {:?}): {} tensors in {}",
+        args.models.len(),
+        report.family,
+        match method {
+            MergeMethod::Linear => "linear",
+            MergeMethod::Slerp => "slerp",
+        },
+        report.weights,
+        report.tensors,
+        args.output.display()
+    );
     Ok(())
 }
