@@ -67,35 +67,14 @@ def fixture_dir(family):
 
 
 def make_decoder(out, layers):
-    """Qwen3-Embedding-0.6B's shape, random weights, as a sentence-transformers directory."""
-    import shutil
-    import torch
-    import transformers
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer import modules
+    """Qwen3-Embedding-0.6B's shape, random weights, as a sentence-transformers directory
+    (peer_bench.py's, which the bundle carries beside this file)."""
+    sys.path.insert(0, HERE)
+    from peer_bench import qwen3_0_6b, save_decoder
 
     d = os.path.join(out, "model-qwen3-0.6b")
-    if os.path.exists(os.path.join(d, "modules.json")):
-        return d
-    fixture = fixture_dir("qwen3")
-    small = transformers.AutoConfig.from_pretrained(fixture)
-    cfg = transformers.Qwen3Config(
-        vocab_size=151669, hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=128, intermediate_size=3072, hidden_act="silu",
-        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        tie_word_embeddings=True, attention_dropout=0.0,
-        pad_token_id=small.pad_token_id, eos_token_id=small.eos_token_id)
-    torch.manual_seed(0)
-    raw = d + ".raw"
-    transformers.AutoModel.from_config(cfg).save_pretrained(raw)
-    tok = transformers.AutoTokenizer.from_pretrained(fixture)
-    tok.model_max_length = 512
-    tok.save_pretrained(raw)
-    st = SentenceTransformer(modules=[modules.Transformer(raw),
-                                      modules.Pooling(cfg.hidden_size, pooling_mode="lasttoken"),
-                                      modules.Normalize()], device="cpu")
-    st.save(d)
-    shutil.rmtree(raw)
+    if not os.path.exists(os.path.join(d, "modules.json")):
+        save_decoder(qwen3_0_6b(layers), fixture_dir("qwen3"), d)
     return d
 
 

@@ -86,21 +86,7 @@ def make(family, out):
     fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "families", family)
     small = transformers.AutoConfig.from_pretrained(fixture)
     if family == "qwen3":
-        cfg = qwen3_0_6b(4, small.vocab_size)
-        cfg.pad_token_id, cfg.eos_token_id = small.pad_token_id, small.eos_token_id
-        torch.manual_seed(0)
-        model = transformers.AutoModel.from_config(cfg)
-        raw = out + ".raw"
-        shutil.rmtree(raw, ignore_errors=True)
-        model.save_pretrained(raw)
-        tok = transformers.AutoTokenizer.from_pretrained(fixture)
-        tok.model_max_length = 512
-        tok.save_pretrained(raw)
-        st = SentenceTransformer(modules=[modules.Transformer(raw),
-                                          modules.Pooling(cfg.hidden_size, pooling_mode="lasttoken"),
-                                          modules.Normalize()], device="cpu")
-        st.save(out)
-        shutil.rmtree(raw)
+        save_decoder(qwen3_0_6b(4, small.vocab_size), fixture, out)
         return
     base = dict(hidden_size=768, num_attention_heads=12, num_hidden_layers=12, intermediate_size=3072)
     if family == "modernbert":
@@ -124,6 +110,31 @@ def make(family, out):
     tok.save_pretrained(raw)
     st = SentenceTransformer(modules=[modules.Transformer(raw, max_seq_length=512),
                                       modules.Pooling(cfg.hidden_size, pooling_mode="mean")], device="cpu")
+    st.save(out)
+    shutil.rmtree(raw)
+
+
+def save_decoder(cfg, fixture, out):
+    """A model of decoder config `cfg` (random weights, seed 0) with the tokenizer of
+    `fixture` (its pad and EOS tokens; a limit of 512), last-token pooling and Normalize,
+    saved as a sentence-transformers directory `out`."""
+    import shutil
+    import transformers
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    small = transformers.AutoConfig.from_pretrained(fixture)
+    cfg.pad_token_id, cfg.eos_token_id = small.pad_token_id, small.eos_token_id
+    torch.manual_seed(0)
+    raw = out + ".raw"
+    shutil.rmtree(raw, ignore_errors=True)
+    transformers.AutoModel.from_config(cfg).save_pretrained(raw)
+    tok = transformers.AutoTokenizer.from_pretrained(fixture)
+    tok.model_max_length = 512
+    tok.save_pretrained(raw)
+    st = SentenceTransformer(modules=[modules.Transformer(raw),
+                                      modules.Pooling(cfg.hidden_size, pooling_mode="lasttoken"),
+                                      modules.Normalize()], device="cpu")
     st.save(out)
     shutil.rmtree(raw)
 

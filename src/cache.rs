@@ -443,11 +443,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         passage_chunk: usize,
         loss: L,
     ) -> Result<Self> {
-        for (side, chunk) in [(Side::Query, query_chunk), (Side::Passage, passage_chunk)] {
-            if chunk == 0 {
-                return Err(Error::ZeroChunkSize { side });
-            }
-        }
+        nonzero_chunks(query_chunk, passage_chunk)?;
         let params = query
             .params()
             .union(passage.params())?
@@ -469,11 +465,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
 
     /// Sets different chunk sizes for the two sides (also for a shared tower).
     pub fn with_chunk_sizes(mut self, query_chunk: usize, passage_chunk: usize) -> Result<Self> {
-        for (side, chunk) in [(Side::Query, query_chunk), (Side::Passage, passage_chunk)] {
-            if chunk == 0 {
-                return Err(Error::ZeroChunkSize { side });
-            }
-        }
+        nonzero_chunks(query_chunk, passage_chunk)?;
         self.query_chunking = Chunking::Rows(query_chunk);
         self.passage_chunking = Chunking::Rows(passage_chunk);
         Ok(self)
@@ -483,11 +475,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
     /// rows times its longest text stay within `query_tokens` / `passage_tokens` (a longer
     /// text is a chunk alone). The inputs must be tokenized ([`Batch::token_lengths`]).
     pub fn with_chunk_tokens(mut self, query_tokens: usize, passage_tokens: usize) -> Result<Self> {
-        for (side, tokens) in [(Side::Query, query_tokens), (Side::Passage, passage_tokens)] {
-            if tokens == 0 {
-                return Err(Error::ZeroChunkSize { side });
-            }
-        }
+        nonzero_chunks(query_tokens, passage_tokens)?;
         self.query_chunking = Chunking::Tokens(query_tokens);
         self.passage_chunking = Chunking::Tokens(passage_tokens);
         Ok(self)
@@ -718,4 +706,14 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
             peaks: StepPeaks::default(),
         })
     }
+}
+
+/// Refuses a chunk of zero rows or tokens on either side.
+fn nonzero_chunks(query: usize, passage: usize) -> Result<()> {
+    for (side, chunk) in [(Side::Query, query), (Side::Passage, passage)] {
+        if chunk == 0 {
+            return Err(Error::ZeroChunkSize { side });
+        }
+    }
+    Ok(())
 }

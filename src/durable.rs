@@ -120,6 +120,38 @@ pub fn sync_tree(dir: &Path) -> Result<()> {
     sync(dir)
 }
 
+/// Refuses a directory to be written that already holds files ([`Error::OutputExists`]); a
+/// missing or empty one is fine.
+pub fn refuse_non_empty(dir: &Path) -> Result<()> {
+    let holds_files = dir.exists()
+        && fs::read_dir(dir)
+            .map_err(|e| Error::io("list", dir, e))?
+            .next()
+            .is_some();
+    if holds_files {
+        return Err(Error::OutputExists {
+            path: dir.to_path_buf(),
+        });
+    }
+    Ok(())
+}
+
+/// An empty temporary directory beside `dir` to write it under (`.tmp-{kind}-{name}`, one
+/// left by a failed earlier write removed), its parent created; [`publish_dir`] renames it.
+pub fn temporary_dir(dir: &Path, kind: &str) -> Result<PathBuf> {
+    let parent = parent_of(dir);
+    fs::create_dir_all(parent).map_err(|e| Error::io("create", parent, e))?;
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_default();
+    let tmp = parent.join(format!(".tmp-{kind}-{name}"));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(|e| Error::io("remove", &tmp, e))?;
+    }
+    Ok(tmp)
+}
+
 /// Renames the complete directory `tmp` (flushed by [`sync_tree`]) to `dir`, replacing an
 /// empty directory there, and flushes the parent. `dir` must not hold files.
 pub fn publish_dir(tmp: &Path, dir: &Path) -> Result<()> {

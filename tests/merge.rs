@@ -285,6 +285,33 @@ fn bad_merges_are_refused_naming_the_problem_before_anything_is_written() {
         MergeMethod::Linear,
         &format!("`{name}` is missing"),
     );
+    // A tensor only the second model has, and integer tensors that differ.
+    let extra = model("bert", &dir.path().join("extra"));
+    let file = extra.join("model.safetensors");
+    let mut tensors = load(&file);
+    let ids = |v: Vec<i64>| Tensor::new(v, &Device::Cpu).unwrap();
+    tensors.insert("surplus.weight".into(), ids(vec![1, 2]));
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    refused(
+        &[a.clone(), extra.clone()],
+        &[],
+        MergeMethod::Linear,
+        "`surplus.weight` is not in",
+    );
+    let with_ids = model("bert", &dir.path().join("with_ids"));
+    let file = with_ids.join("model.safetensors");
+    let mut tensors = load(&file);
+    tensors.insert("surplus.weight".into(), ids(vec![1, 3]));
+    candle_core::safetensors::save(&tensors, &file).unwrap();
+    refused(
+        &[with_ids, extra],
+        &[],
+        MergeMethod::Linear,
+        "integer tensor that differs",
+    );
+    let empty = dir.path().join("no-model");
+    fs::create_dir_all(&empty).unwrap();
+    refused(&[a.clone(), empty], &[], MergeMethod::Linear, "config.json");
     let checkpoint = dir.path().join("checkpoint");
     fs::create_dir_all(&checkpoint).unwrap();
     fs::write(checkpoint.join("trainer_state.json"), "{}").unwrap();

@@ -65,16 +65,7 @@ pub fn export_bert(
     tokenizer: &Tokenizer,
     notes: &ExportNotes,
 ) -> Result<()> {
-    if dir.exists()
-        && fs::read_dir(dir)
-            .map_err(|e| Error::io("list", dir, e))?
-            .next()
-            .is_some()
-    {
-        return Err(Error::OutputExists {
-            path: dir.to_path_buf(),
-        });
-    }
+    crate::durable::refuse_non_empty(dir)?;
     let strip = if prefix.is_empty() {
         String::new()
     } else {
@@ -112,19 +103,7 @@ pub fn export_bert(
         });
     }
 
-    let parent = dir
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    fs::create_dir_all(parent).map_err(|e| Error::io("create", parent, e))?;
-    let file_name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let tmp = parent.join(format!(".tmp-export-{file_name}"));
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| Error::io("remove", &tmp, e))?;
-    }
+    let tmp = crate::durable::temporary_dir(dir, "export")?;
     let written = (|| -> Result<()> {
     let pooling_dir = tmp.join("1_Pooling");
     fs::create_dir_all(&pooling_dir).map_err(|e| Error::io("create", &pooling_dir, e))?;

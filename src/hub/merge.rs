@@ -57,16 +57,7 @@ pub fn merge_models(
     output: &Path,
 ) -> Result<MergeReport> {
     let weights = check_inputs(models, weights, method)?;
-    if output.exists()
-        && fs::read_dir(output)
-            .map_err(|e| Error::io("list", output, e))?
-            .next()
-            .is_some()
-    {
-        return Err(Error::OutputExists {
-            path: output.to_path_buf(),
-        });
-    }
+    durable::refuse_non_empty(output)?;
     let family = same_family(models)?;
     let files = weight_files(&models[0])?;
     let mut merged = Vec::new();
@@ -360,19 +351,7 @@ fn write_merged(
     merged: Vec<(PathBuf, HashMap<String, Tensor>)>,
     output: &Path,
 ) -> Result<()> {
-    let parent = output
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    fs::create_dir_all(parent).map_err(|e| Error::io("create", parent, e))?;
-    let name = output
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_default();
-    let tmp = parent.join(format!(".tmp-merge-{name}"));
-    if tmp.exists() {
-        fs::remove_dir_all(&tmp).map_err(|e| Error::io("remove", &tmp, e))?;
-    }
+    let tmp = durable::temporary_dir(output, "merge")?;
     let written = (|| -> Result<()> {
         let skip: Vec<PathBuf> = if first.join(INDEX).is_file() {
             let mut s = shards_of(&first.join(INDEX))?;

@@ -339,16 +339,7 @@ pub fn export_image_text(
     checkpoint: Option<&Path>,
     output: &Path,
 ) -> Result<u64> {
-    let not_empty = output.exists()
-        && std::fs::read_dir(output)
-            .map_err(|e| Error::io("list", output, e))?
-            .next()
-            .is_some();
-    if not_empty {
-        return Err(Error::OutputExists {
-            path: output.to_path_buf(),
-        });
-    }
+    crate::durable::refuse_non_empty(output)?;
     let root = cfg.output_dir.join("checkpoints");
     let trainer = ImageTextTrainer::new(cfg.clone(), Some(checkpoint.unwrap_or(&root)))?;
     trainer.export(output)?;
