@@ -121,6 +121,7 @@ fn run(batch: usize, layers: usize, len: usize, chunk: usize) -> anyhow::Result<
         let before = current_bytes();
         let store = ParamStore::new(7, DType::F32, &Device::Cpu);
         let options = BertOptions {
+            lora: None,
             pooling: Pooling::LastToken,
             normalize: true,
             recompute: Recompute::EveryLayer,

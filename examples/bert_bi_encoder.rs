@@ -47,6 +47,7 @@ fn main() -> anyhow::Result<()> {
         "intermediate_size": 192, "max_position_embeddings": 48,
     }))?;
     let options = BertOptions {
+        lora: None,
         pooling: Pooling::Mean,
         normalize: true,
         recompute: Recompute::Sqrt,

@@ -308,6 +308,7 @@ fn transformer_and_mlp(args: &[String], quick: bool, bert: bool, mlp: bool) -> a
         let (q, p) = (tokens(rows, len, 1000, 1)?, tokens(rows, len, 1000, 2)?);
         let build = |policy| {
             let options = BertOptions {
+                lora: None,
                 pooling: Pooling::Mean,
                 normalize: false,
                 recompute: policy,

@@ -70,6 +70,7 @@ pub struct Tower<M> {
     detached: M,
     params: Params,
     buffers: Params,
+    frozen: Params,
 }
 
 impl<M> Tower<M> {
@@ -94,15 +95,19 @@ impl<M> Tower<M> {
         let graph = build(vb).map_err(|e| store.take_failure().unwrap_or(e))?;
 
         let names = names.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let (buffers, params): (Vec<_>, Vec<_>) = names
+        let (buffers, rest): (Vec<_>, Vec<_>) = names
             .into_iter()
             .filter_map(|n| store.get(&n).map(|v| (n, v)))
             .partition(|(n, _)| is_buffer(n));
+        let (frozen, params): (Vec<_>, Vec<_>) =
+            rest.into_iter().partition(|(n, _)| store.is_frozen(n));
         let (params, buffers) = (Params::new(params), Params::new(buffers));
+        let frozen = Params::new(frozen);
         // The detached build sees buffers as views of the same storage, so running
         // statistics written by either build are seen by both.
         let mut views = params.detached();
         views.extend(buffers.detached());
+        views.extend(frozen.detached());
         let vb = VarBuilder::from_tensors(views, store.dtype(), store.device());
         let vb = if prefix.is_empty() { vb } else { vb.pp(prefix) };
         let detached = build(vb)?;
@@ -111,12 +116,20 @@ impl<M> Tower<M> {
             detached,
             params,
             buffers,
+            frozen,
         })
     }
 
-    /// The parameters the model asked for, sorted by name (buffers excluded).
+    /// The parameters the model asked for, sorted by name (buffers and frozen weights
+    /// excluded).
     pub fn params(&self) -> &Params {
         &self.params
+    }
+
+    /// The frozen weights the model asked for (see [`crate::params::Freeze`]), sorted by
+    /// name: read, never trained.
+    pub fn frozen(&self) -> &Params {
+        &self.frozen
     }
 
     /// The buffers (non-trainable state, e.g. BatchNorm running statistics) the model

@@ -30,10 +30,21 @@ pub struct ParamStore {
     seed: u64,
     dtype: DType,
     device: Device,
-    sources: Vec<(String, Arc<WeightFile>)>,
+    sources: Vec<Source>,
+    /// Which names are frozen: served as plain tensors (no gradient, no optimizer state).
+    frozen: Freeze,
     /// The typed error behind the last failed request: candle's `VarBuilder` can only carry
     /// its own error type, so the store keeps ours here for [`crate::Tower::build`].
     failure: Arc<Mutex<Option<Error>>>,
+}
+
+/// A weights file serving the names under `prefix`.
+#[derive(Clone)]
+struct Source {
+    prefix: String,
+    file: Arc<WeightFile>,
+    /// Consulted only for names the other sources lack.
+    fallback: bool,
 }
 
 /// A safetensors file opened for reading weights on request.
@@ -79,6 +90,11 @@ impl WeightFile {
     /// Whether the file holds a tensor named exactly `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.get(name).is_ok()
+    }
+
+    /// Whether the file serves `name` (its prefix prepended).
+    fn holds(&self, name: &str) -> bool {
+        self.contains(&format!("{}{name}", self.prefix))
     }
 
     /// The file's path.
@@ -149,8 +165,22 @@ impl ParamStore {
             dtype,
             device: device.clone(),
             sources: Vec::new(),
+            frozen: Freeze::default(),
             failure: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// Freezes the names `frozen` matches: the store keeps them (exports and copies see
+    /// them), but hands them to models as plain tensors, so no op on them is recorded,
+    /// they receive no gradient and [`crate::Tower`] keeps them out of its parameters.
+    pub fn with_frozen(mut self, frozen: Freeze) -> Self {
+        self.frozen = frozen;
+        self
+    }
+
+    /// Whether the variable named `name` is frozen.
+    pub fn is_frozen(&self, name: &str) -> bool {
+        self.frozen.matches(name)
     }
 
     /// Serves names under `prefix` (e.g. `"query"`, or `""` for all) from `file`: a
@@ -163,7 +193,22 @@ impl ParamStore {
         } else {
             format!("{prefix}.")
         };
-        self.sources.push((prefix, file));
+        self.sources.push(Source {
+            prefix,
+            file,
+            fallback: false,
+        });
+        self
+    }
+
+    /// Like [`Self::with_weights`], for the names the other files lack: a checkpoint that
+    /// holds only the trained weights, over the pretrained model that holds the frozen
+    /// ones.
+    pub fn with_fallback_weights(mut self, prefix: &str, file: Arc<WeightFile>) -> Self {
+        self = self.with_weights(prefix, file);
+        if let Some(last) = self.sources.last_mut() {
+            last.fallback = true;
+        }
         self
     }
 
@@ -241,6 +286,107 @@ impl ParamStore {
     }
 }
 
+impl ParamStore {
+    /// What a model gets for the variable `name`: the variable, or a detached view of it
+    /// (same storage) when it is frozen.
+    fn served(&self, name: &str, var: &Var) -> Tensor {
+        if self.is_frozen(name) {
+            var.as_detached_tensor()
+        } else {
+            var.as_tensor().clone()
+        }
+    }
+}
+
+/// Which parameters a run freezes: those matching a pattern of `model.freeze`, and with
+/// LoRA every parameter but the adapters'.
+///
+/// A pattern matches a parameter name (with or without its tower's `query.` / `passage.`
+/// prefix) when it names the parameter or a module above it (`embeddings`,
+/// `encoder.layer.0`, `layers.3.mlp`), or, with `*` standing for any run of characters,
+/// the whole name (`encoder.layer.*.attention.*`).
+#[derive(Clone, Debug, Default)]
+pub struct Freeze {
+    patterns: Arc<Vec<String>>,
+    all_but_adapters: bool,
+}
+
+impl Freeze {
+    /// Freezes what `patterns` match.
+    pub fn patterns(patterns: &[String]) -> Self {
+        Self {
+            patterns: Arc::new(patterns.to_vec()),
+            all_but_adapters: false,
+        }
+    }
+
+    /// Also freezes everything but the LoRA adapters (`lora_A` / `lora_B`).
+    pub fn all_but_adapters(mut self) -> Self {
+        self.all_but_adapters = true;
+        self
+    }
+
+    /// Whether nothing is frozen.
+    pub fn is_empty(&self) -> bool {
+        self.patterns.is_empty() && !self.all_but_adapters
+    }
+
+    /// The patterns, as given.
+    pub fn pattern_list(&self) -> &[String] {
+        &self.patterns
+    }
+
+    /// Whether the parameter `name` is frozen.
+    pub fn matches(&self, name: &str) -> bool {
+        if is_buffer(name) {
+            return false;
+        }
+        if self.all_but_adapters && !crate::nn::lora::is_adapter(name) {
+            return true;
+        }
+        self.patterns.iter().any(|p| pattern_matches(p, name))
+    }
+}
+
+/// Whether `pattern` matches `name` as [`Freeze`] says, tried on the name with and without
+/// its first component (the tower's prefix).
+pub fn pattern_matches(pattern: &str, name: &str) -> bool {
+    let bare = name
+        .strip_prefix("query.")
+        .or_else(|| name.strip_prefix("passage."));
+    [Some(name), bare].into_iter().flatten().any(|n| {
+        if pattern.contains('*') {
+            glob(pattern.as_bytes(), n.as_bytes())
+        } else {
+            n == pattern
+                || n.strip_prefix(pattern)
+                    .is_some_and(|rest| rest.starts_with('.'))
+        }
+    })
+}
+
+/// `*`-only glob matching over the whole text.
+fn glob(pattern: &[u8], text: &[u8]) -> bool {
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if p < pattern.len() && pattern[p] == b'*' {
+            star = Some((p, t));
+            p += 1;
+        } else if p < pattern.len() && pattern[p] == text[t] {
+            p += 1;
+            t += 1;
+        } else if let Some((sp, st)) = star {
+            p = sp + 1;
+            t = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    pattern[p..].iter().all(|&c| c == b'*')
+}
+
 impl SimpleBackend for ParamStore {
     fn get(
         &self,
@@ -258,22 +404,35 @@ impl SimpleBackend for ParamStore {
                     s
                 );
             }
-            return Ok(var.as_tensor().clone());
+            return Ok(self.served(name, &var));
         }
         // The longest prefix serves a name (a Dense module's file under its directory's
-        // name, inside the tower the model's weights file serves).
-        let source = self
-            .sources
-            .iter()
-            .filter_map(|(prefix, file)| {
-                name.strip_prefix(prefix.as_str())
-                    .map(|n| (prefix.len(), n, file))
-            })
-            .max_by_key(|&(len, _, _)| len)
-            .map(|(_, n, file)| (n, file));
+        // name, inside the tower the model's weights file serves); where that file lacks
+        // it, the longest fallback that holds it (the pretrained model a checkpoint's
+        // frozen weights come from).
+        let longest = |fallback: bool| {
+            self.sources
+                .iter()
+                .filter(|s| s.fallback == fallback)
+                .filter_map(|s| {
+                    name.strip_prefix(s.prefix.as_str())
+                        .map(|n| (s.prefix.len(), n, &s.file))
+                })
+                .filter(|(_, n, file)| !fallback || file.holds(n))
+                .max_by_key(|&(len, _, _)| len)
+                .map(|(_, n, file)| (n, file))
+        };
+        let source = match longest(false) {
+            Some((n, file)) if !file.holds(n) => longest(true).or(Some((n, file))),
+            None => longest(true),
+            found => found,
+        };
         let value = match source {
-            Some((rest, file)) => file.load(rest, &s, dtype, &self.device),
-            None => self.init(name, &s, h, dtype),
+            // A LoRA adapter a pretrained model does not hold starts fresh.
+            Some((rest, file)) if !crate::nn::lora::is_adapter(name) || file.holds(rest) => {
+                file.load(rest, &s, dtype, &self.device)
+            }
+            _ => self.init(name, &s, h, dtype),
         };
         let value = match value {
             Ok(v) => v,
@@ -284,14 +443,14 @@ impl SimpleBackend for ParamStore {
             }
         };
         let var = Var::from_tensor(&value)?;
-        let tensor = var.as_tensor().clone();
+        let tensor = self.served(name, &var);
         self.lock().insert(name.to_string(), var);
         Ok(tensor)
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
         match self.get(name) {
-            Some(var) => Ok(var.as_tensor().clone()),
+            Some(var) => Ok(self.served(name, &var)),
             None => candle_core::bail!("no parameter named `{name}` in the store"),
         }
     }

@@ -286,6 +286,11 @@ impl<M: LayerStack> Recomputed<M> {
         &self.tower
     }
 
+    /// Every weight of the model: the trainable parameters and the frozen ones.
+    pub fn weights(&self) -> crate::Result<crate::params::Params> {
+        self.tower.params().union(self.tower.frozen())
+    }
+
     fn replay_segments(
         &self,
         segments: &[Range<usize>],

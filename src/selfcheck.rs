@@ -98,6 +98,7 @@ fn encoder(
             reason: "does not parse",
         })?;
     let options = BertOptions {
+        lora: None,
         pooling: Pooling::Mean,
         normalize: true,
         recompute,

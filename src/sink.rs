@@ -165,6 +165,14 @@ pub(crate) fn deposit<T: Grad>(
             param.dims()
         );
     }
+    if !param.is_variable() {
+        // A frozen weight gets none; a weight computed from variables (a LoRA-adapted
+        // one) hands its gradient back through the graph that made it.
+        return match param.track_op() {
+            true => Tensor::from_vec(grad, param.shape(), &candle_core::Device::Cpu).map(Some),
+            false => Ok(None),
+        };
+    }
     let mut grad = Some(grad);
     let added = with_buffer::<T>(param, |acc| match acc {
         Some(acc) => {
@@ -203,6 +211,9 @@ pub(crate) fn deposit_rows<T: Grad>(
     if let Some(&bad) = ids.iter().find(|&&i| i as usize >= rows) {
         candle_core::bail!("embedding: id {bad} is outside the table of {rows} rows");
     }
+    if !param.is_variable() && !param.track_op() {
+        return Ok(None);
+    }
     let scatter = |acc: &mut [T]| {
         for (&id, row) in ids.iter().zip(values.chunks_exact(width)) {
             let at = id as usize * width;
@@ -211,17 +222,20 @@ pub(crate) fn deposit_rows<T: Grad>(
             }
         }
     };
-    let added = with_buffer::<T>(param, |acc| match acc {
-        Some(acc) => {
-            scatter(acc);
-            None
-        }
-        None => {
-            let mut fresh = vec![T::from_f64(0.0); rows * width];
-            scatter(&mut fresh);
-            Some(fresh)
-        }
-    })?;
+    // Only variables are summed in the sink; a computed table's gradient goes back
+    // through its graph.
+    let added = param.is_variable()
+        && with_buffer::<T>(param, |acc| match acc {
+            Some(acc) => {
+                scatter(acc);
+                None
+            }
+            None => {
+                let mut fresh = vec![T::from_f64(0.0); rows * width];
+                scatter(&mut fresh);
+                Some(fresh)
+            }
+        })?;
     if added {
         return Ok(None);
     }

@@ -61,6 +61,7 @@ fn tokens(seed: u64, rows: usize) -> TokenBatch {
 
 fn options(pooling: Pooling, recompute: Recompute) -> BertOptions {
     BertOptions {
+        lora: None,
         pooling,
         normalize: false,
         recompute,
@@ -155,6 +156,7 @@ fn every_parameter_gets_a_gradient_through_cache_step() {
     let cfg = config();
     let store = ParamStore::new(12, DType::F32, &Device::Cpu);
     let opts = BertOptions {
+        lora: None,
         pooling: Pooling::Mean,
         normalize: true,
         recompute: Recompute::Sqrt,

@@ -217,6 +217,7 @@ fn step(family: &str, chunk: usize, recompute: Recompute) -> (f32, gradcache::Gr
     let files = ModelFiles::from_dir(&dir).unwrap();
     let head = read_sentence_transformers_config(&dir).unwrap().unwrap();
     let options = BertOptions {
+        lora: None,
         recompute,
         pooling: head.pooling,
         normalize: head.normalize,
@@ -419,6 +420,7 @@ fn the_cached_loss_takes_its_temperature() {
         .to_scalar::<f32>()
         .unwrap();
         let options = BertOptions {
+            lora: None,
             pooling: head.pooling,
             normalize: head.normalize,
             ..Default::default()
@@ -459,6 +461,7 @@ fn half_precision_follows_f32() {
         // The embeddings of the texts (the files' pooling, normalised) and a cached step.
         let run = |precision| {
             let options = BertOptions {
+                lora: None,
                 precision,
                 pooling: gradcache::bert::Pooling::LastToken,
                 normalize: true,

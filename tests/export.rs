@@ -35,6 +35,7 @@ fn exported_models_load_back_with_equal_embeddings() {
 
     for (pooling, normalize) in [(Pooling::Mean, true), (Pooling::Cls, false)] {
         let options = BertOptions {
+            lora: None,
             pooling,
             normalize,
             recompute: Recompute::Sqrt,
@@ -84,6 +85,7 @@ fn exported_models_load_back_with_equal_embeddings() {
 
         let files = ModelFiles::from_dir(&dir).unwrap();
         let loaded_options = BertOptions {
+            lora: None,
             pooling: head.pooling,
             normalize: head.normalize,
             ..Default::default()
@@ -204,6 +206,7 @@ fn prompts_round_trip_and_are_put_before_the_texts() {
             prompts: prompts.clone(),
             matryoshka_dims: vec![8, 4],
             prompt_left_out: false,
+            adapter_of: None,
         },
     )
     .unwrap();

@@ -112,6 +112,7 @@ fn step(family: &str, chunk: usize, recompute: Recompute) -> (f32, gradcache::Gr
         .map(|head| head.dense.iter().map(|d| d.spec()).collect())
         .unwrap_or_default();
     let options = BertOptions {
+        lora: None,
         recompute,
         dense,
         ..Default::default()
@@ -190,6 +191,7 @@ fn an_export_loads_back_to_the_same_embeddings_and_family() {
                 prompts: model.prompts().clone(),
                 matryoshka_dims: Vec::new(),
                 prompt_left_out: false,
+                adapter_of: None,
             },
         )
         .unwrap();

@@ -70,6 +70,7 @@ fn step_in(family: &str, fused: bool, recompute: Recompute, precision: Precision
     let cfg = config(family);
     let store = ParamStore::new(21, DType::F32, &Device::Cpu);
     let options = |pooling| BertOptions {
+        lora: None,
         pooling,
         normalize: true,
         recompute: recompute.clone(),

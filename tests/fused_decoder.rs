@@ -117,6 +117,7 @@ fn step(family: &str, fused: bool, recompute: Recompute, left: bool) -> StepOutp
     let cfg = config(family);
     let store = ParamStore::new(21, DType::F32, &Device::Cpu);
     let options = |pooling| BertOptions {
+        lora: None,
         pooling,
         normalize: true,
         recompute: recompute.clone(),

@@ -18,6 +18,7 @@ fn batch(seed: u64) -> TokenBatch {
 fn step(store: &ParamStore, precision: Precision, scale: f64) -> (f32, Gradients) {
     let cfg: BertConfig = serde_json::from_str(TINY_BERT).unwrap();
     let options = BertOptions {
+        lora: None,
         pooling: Pooling::Mean,
         normalize: true,
         precision,

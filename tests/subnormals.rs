@@ -212,6 +212,7 @@ fn a_padded_bert_batch_has_no_subnormals_under_any_policy() {
     for policy in policies {
         let store = ParamStore::new(3, DType::F32, &Device::Cpu);
         let options = BertOptions {
+            lora: None,
             pooling: Pooling::Mean,
             normalize: true,
             recompute: policy.clone(),

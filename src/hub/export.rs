@@ -45,6 +45,55 @@ pub struct ExportNotes {
     /// The prompts' tokens are left out of the pooling (`include_prompt = false` in the
     /// pooling config); false, the default: pooled with the text.
     pub prompt_left_out: bool,
+    /// Export a LoRA run's adapters in PEFT's layout over this base model (its Hub id or
+    /// directory, `base_model_name_or_path`) instead of the merged model; `None`: merged.
+    pub adapter_of: Option<String>,
+}
+
+/// Writes `tensors` to `path` with the permissions of `sibling` (the safetensors writer
+/// creates its file private, 0600; the siblings have what the process umask decided),
+/// and returns those permissions.
+fn write_weights(
+    tensors: &HashMap<String, Tensor>,
+    path: &Path,
+    sibling: &Path,
+) -> Result<fs::Permissions> {
+    candle_core::safetensors::save(tensors, path).map_err(|e| Error::io("write", path, e))?;
+    let shared = fs::metadata(sibling)
+        .map_err(|e| Error::io("read", sibling, e))?
+        .permissions();
+    fs::set_permissions(path, shared.clone())
+        .map_err(|e| Error::io("set permissions of", path, e))?;
+    Ok(shared)
+}
+
+/// The model's `config.json`, under its family's own names so that `AutoModel` builds the
+/// same architecture, and its `model.safetensors`.
+fn write_model_files(
+    dir: &Path,
+    cfg: &BertConfig,
+    weights: &HashMap<String, Tensor>,
+) -> Result<fs::Permissions> {
+    let config_path = dir.join("config.json");
+    let mut config = cfg.to_json();
+    let model_type = cfg.model_type.clone().unwrap_or_else(|| "bert".into());
+    let decoder = cfg
+        .family(&config_path)
+        .ok()
+        .and_then(crate::models::bert::DecoderKind::of);
+    let architecture = match (model_type.as_str(), decoder) {
+        (_, Some(kind)) => kind.architecture(),
+        ("roberta", _) => "RobertaModel",
+        ("xlm-roberta", _) => "XLMRobertaModel",
+        ("camembert", _) => "CamembertModel",
+        ("mpnet", _) => "MPNetModel",
+        ("modernbert", _) => "ModernBertModel",
+        _ => "BertModel",
+    };
+    config["architectures"] = json!([architecture]);
+    config["model_type"] = json!(model_type);
+    write_json(&config_path, &config)?;
+    write_weights(weights, &dir.join("model.safetensors"), &config_path)
 }
 
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
@@ -65,6 +114,18 @@ pub fn export_bert(
     tokenizer: &Tokenizer,
     notes: &ExportNotes,
 ) -> Result<()> {
+    let adapter = match (&notes.adapter_of, &options.lora) {
+        (Some(base), Some(lora)) => Some((base, lora)),
+        (Some(_), None) => {
+            return Err(Error::InvalidArgument {
+                what: "--adapter",
+                value: dir.display().to_string(),
+                reason: "the run trains no LoRA adapters ([model.lora]): export the whole \
+                         model without --adapter",
+            })
+        }
+        (None, _) => None,
+    };
     crate::durable::refuse_non_empty(dir)?;
     let strip = if prefix.is_empty() {
         String::new()
@@ -78,6 +139,17 @@ pub fn export_bert(
                 .map(|s| (s.to_string(), v.as_tensor().clone()))
         })
         .collect();
+    // A LoRA run exports the merged model, which loads as its base family's class, or
+    // its adapters alone in PEFT's layout.
+    let peft = match adapter {
+        Some((base, lora)) => Some(crate::nn::lora::peft_files(&weights, lora, base)?),
+        None => {
+            if let Some(lora) = &options.lora {
+                crate::nn::lora::merge_into(&mut weights, lora)?;
+            }
+            None
+        }
+    };
     // Each Dense module's parameters go to its own directory, under `linear.*`.
     let mut dense_weights = Vec::new();
     for spec in &options.dense {
@@ -108,36 +180,14 @@ pub fn export_bert(
     let pooling_dir = tmp.join("1_Pooling");
     fs::create_dir_all(&pooling_dir).map_err(|e| Error::io("create", &pooling_dir, e))?;
 
-    let config_path = tmp.join("config.json");
-    let mut config = cfg.to_json();
-    // The family's own names, so that `AutoModel` builds the same architecture.
-    let model_type = cfg.model_type.clone().unwrap_or_else(|| "bert".into());
-    let decoder = cfg
-        .family(&config_path)
-        .ok()
-        .and_then(crate::models::bert::DecoderKind::of);
-    let architecture = match (model_type.as_str(), decoder) {
-        (_, Some(kind)) => kind.architecture(),
-        ("roberta", _) => "RobertaModel",
-        ("xlm-roberta", _) => "XLMRobertaModel",
-        ("camembert", _) => "CamembertModel",
-        ("mpnet", _) => "MPNetModel",
-        ("modernbert", _) => "ModernBertModel",
-        _ => "BertModel",
+    let shared = match &peft {
+        Some((adapter_config, adapters)) => {
+            let config_path = tmp.join("adapter_config.json");
+            write_json(&config_path, adapter_config)?;
+            write_weights(adapters, &tmp.join("adapter_model.safetensors"), &config_path)?
+        }
+        None => write_model_files(&tmp, cfg, &weights)?,
     };
-    config["architectures"] = json!([architecture]);
-    config["model_type"] = json!(model_type);
-    write_json(&config_path, &config)?;
-    let weights_path = tmp.join("model.safetensors");
-    candle_core::safetensors::save(&weights, &weights_path)
-        .map_err(|e| Error::io("write", &weights_path, e))?;
-    // The safetensors writer creates its file private (0600); give it the permissions of
-    // its siblings, which the process umask decided.
-    let shared = fs::metadata(&config_path)
-        .map_err(|e| Error::io("read", &config_path, e))?
-        .permissions();
-    fs::set_permissions(&weights_path, shared.clone())
-        .map_err(|e| Error::io("set permissions of", &weights_path, e))?;
 
     let mut plain = tokenizer.inner().clone();
     plain.with_padding(None);

@@ -240,6 +240,7 @@ impl EmbeddingModel {
             settings += " (left out of the pooling: include_prompt false)";
         }
         let bert_options = BertOptions {
+            lora: None,
             pooling,
             normalize,
             dense: dense.iter().map(DenseLayer::spec).collect(),

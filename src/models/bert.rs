@@ -58,6 +58,9 @@ pub struct BertOptions {
     /// sentence-transformers `Dense` modules after the pooling, in order, trained with the
     /// encoder (the normalisation, if any, comes after them).
     pub dense: Vec<DenseSpec>,
+    /// LoRA adapters on the attention and feed-forward projections (the store freezes the
+    /// rest: [`crate::params::Freeze::all_but_adapters`]).
+    pub lora: Option<crate::nn::lora::LoraSpec>,
 }
 
 /// The sites of BERT that selective recompute can recompute instead of keeping (Hugging
@@ -177,11 +180,14 @@ impl Bert {
         let path = Path::new("config");
         cfg.validate(path)?;
         let (h, std, eps) = (cfg.hidden_size, cfg.initializer_range, cfg.layer_norm_eps);
-        let linear = |i: usize, o: usize, vb: VarBuilder| Linear::normal(i, o, std, vb);
+        let lora = options.lora.as_ref();
+        let linear = |i: usize, o: usize, vb: VarBuilder| {
+            Linear::normal(i, o, std, vb.clone())?.adapted(lora, &vb)
+        };
         let family = cfg.family(path)?;
         let dense = dense_modules(h, &options.dense, &vb)?;
         if family.is_decoder() {
-            let decoder = Decoder::new(cfg, cfg.decoder(path)?, vb)?;
+            let decoder = Decoder::new(cfg, cfg.decoder(path)?, options.lora.as_ref(), vb)?;
             return Ok(Self {
                 embeddings: None,
                 layers: Vec::new(),
@@ -199,7 +205,7 @@ impl Bert {
             });
         }
         if family == Family::ModernBert {
-            let modern = ModernBert::new(cfg, &cfg.modern(path)?, vb)?;
+            let modern = ModernBert::new(cfg, &cfg.modern(path)?, options.lora.as_ref(), vb)?;
             return Ok(Self {
                 embeddings: None,
                 layers: Vec::new(),
@@ -388,17 +394,23 @@ impl Bert {
         let id = layer_id(i);
         let head_dim = x.dim(2)? / self.heads;
         let recompute = |site: usize| ctx.recompute.recomputes(site);
+        let (wq, wk, wv) = (
+            layer.query.weight()?,
+            layer.key.weight()?,
+            layer.value.weight()?,
+        );
+        let (wo, wi, wd) = (
+            layer.attention_output.weight()?,
+            layer.intermediate.weight()?,
+            layer.output.weight()?,
+        );
         let weights = crate::nn::encoder_layer::LayerWeights {
-            qkv: [
-                layer.query.weight(),
-                layer.key.weight(),
-                layer.value.weight(),
-            ],
+            qkv: [&wq, &wk, &wv],
             qkv_bias: [bq, bk, bv],
-            attention_output: (layer.attention_output.weight(), bo),
+            attention_output: (&wo, bo),
             attention_norm: (layer.attention_norm.weight(), layer.attention_norm.bias()),
-            intermediate: (layer.intermediate.weight(), bi),
-            output: (layer.output.weight(), bd),
+            intermediate: (&wi, bi),
+            output: (&wd, bd),
             output_norm: (layer.output_norm.weight(), layer.output_norm.bias()),
         };
         let spec = crate::nn::encoder_layer::LayerSpec {
@@ -730,23 +742,18 @@ impl Recomputed<Bert> {
     }
 }
 
-/// Loads a pretrained BERT tower from a model's files into `store` under `prefix` (`""`
-/// for a shared tower). Weight names may carry the `bert.` prefix of Hugging Face
-/// `BertFor...` checkpoints or not; the `Dense` modules of `options` read their weights
-/// from their directories. Returns the encoder, its config, and the store (which now reads
-/// those names from the weights files).
-pub fn load_pretrained(
+/// `store` reading the names under `prefix` from a pretrained model's files: its weights
+/// (under the base name `BertFor...`, `RobertaFor...`, `...ForCausalLM` checkpoints keep
+/// them under) and each Dense module's from its directory; as fallbacks (`fallback`) for
+/// names a checkpoint read first lacks (the frozen weights of a LoRA run).
+pub fn with_model_weights(
     files: &ModelFiles,
     prefix: &str,
     options: &BertOptions,
     store: ParamStore,
-) -> Result<(BertEncoder, BertConfig, ParamStore)> {
-    let cfg = BertConfig::from_file(&files.config)?;
+    fallback: bool,
+) -> Result<ParamStore> {
     let probe = WeightFile::open(&files.weights, "")?;
-    // `BertFor...` / `RobertaFor...` / `ModernBertFor...` checkpoints keep the encoder
-    // under its base name.
-    // `...ForCausalLM` checkpoints of a decoder keep it under `model.` (with an
-    // `lm_head` that is not loaded).
     let file_prefix = ["bert.", "roberta.", "mpnet.", "model."]
         .into_iter()
         .find(|p| {
@@ -759,17 +766,39 @@ pub fn load_pretrained(
             .any(|t| probe.contains(&format!("{p}{t}")))
         })
         .unwrap_or("");
-    let file = Arc::new(WeightFile::open(&files.weights, file_prefix)?);
-    let mut store = store.with_weights(prefix, file);
-    // Each Dense module's weights from its own directory.
+    let add = |store: ParamStore, prefix: &str, file: WeightFile| match fallback {
+        true => store.with_fallback_weights(prefix, Arc::new(file)),
+        false => store.with_weights(prefix, Arc::new(file)),
+    };
+    let mut store = add(
+        store,
+        prefix,
+        WeightFile::open(&files.weights, file_prefix)?,
+    );
     for dense in &options.dense {
         let weights = files.dir.join(&dense.path).join("model.safetensors");
         let module = match prefix {
             "" => dense.path.clone(),
             p => format!("{p}.{}", dense.path),
         };
-        store = store.with_weights(&module, Arc::new(WeightFile::open(&weights, "")?));
+        store = add(store, &module, WeightFile::open(&weights, "")?);
     }
+    Ok(store)
+}
+
+/// Loads a pretrained BERT tower from a model's files into `store` under `prefix` (`""`
+/// for a shared tower). Weight names may carry the `bert.` prefix of Hugging Face
+/// `BertFor...` checkpoints or not; the `Dense` modules of `options` read their weights
+/// from their directories. Returns the encoder, its config, and the store (which now reads
+/// those names from the weights files).
+pub fn load_pretrained(
+    files: &ModelFiles,
+    prefix: &str,
+    options: &BertOptions,
+    store: ParamStore,
+) -> Result<(BertEncoder, BertConfig, ParamStore)> {
+    let cfg = BertConfig::from_file(&files.config)?;
+    let store = with_model_weights(files, prefix, options, store, false)?;
     let encoder = BertEncoder::build(&store, prefix, &cfg, options)?;
     Ok((encoder, cfg, store))
 }

@@ -32,6 +32,7 @@ use candle_nn::{Init, VarBuilder};
 use crate::batch::TokenBatch;
 use crate::dropout::{Ctx, Dropout};
 use crate::nn::decoder_layer::{DecoderSpec, DecoderWeights};
+use crate::nn::lora::LoraSpec;
 use crate::nn::{AttentionSpec, Linear};
 use crate::precision::Precision;
 use crate::Result;
@@ -83,12 +84,18 @@ pub(super) struct DecoderAux {
     tables: Vec<(Tensor, Tensor)>,
 }
 
-fn linear(i: usize, o: usize, bias: bool, std: f64, vb: VarBuilder) -> Result<Linear> {
-    if bias {
-        Linear::normal(i, o, std, vb)
+fn linear(
+    (i, o, bias): (usize, usize, bool),
+    std: f64,
+    lora: Option<&LoraSpec>,
+    vb: VarBuilder,
+) -> Result<Linear> {
+    let plain = if bias {
+        Linear::normal(i, o, std, vb.clone())?
     } else {
-        Linear::normal_without_bias(i, o, std, vb)
-    }
+        Linear::normal_without_bias(i, o, std, vb.clone())?
+    };
+    plain.adapted(lora, &vb)
 }
 
 /// A norm's weight: ones (Gemma's `(1 + w)` form: zeros) for fresh weights.
@@ -103,7 +110,12 @@ fn norm(size: usize, gemma: bool, vb: VarBuilder) -> Result<Tensor> {
 
 impl Decoder {
     /// Builds the layers under `vb`. Fresh weights: normal(0, `initializer_range`).
-    pub(super) fn new(cfg: &BertConfig, s: DecoderSettings, vb: VarBuilder) -> Result<Self> {
+    pub(super) fn new(
+        cfg: &BertConfig,
+        s: DecoderSettings,
+        lora: Option<&LoraSpec>,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let (h, std) = (cfg.hidden_size, cfg.initializer_range);
         let inter = cfg.intermediate_size;
         let (q_width, kv_width) = (s.heads * s.head_dim, s.kv_heads * s.head_dim);
@@ -122,10 +134,10 @@ impl Decoder {
                 let m = l.pp("mlp");
                 Ok(Layer {
                     input_norm: norm(h, g, l.pp("input_layernorm"))?,
-                    q: linear(h, q_width, s.qkv_bias, std, a.pp("q_proj"))?,
-                    k: linear(h, kv_width, s.qkv_bias, std, a.pp("k_proj"))?,
-                    v: linear(h, kv_width, s.qkv_bias, std, a.pp("v_proj"))?,
-                    o: linear(q_width, h, s.output_bias, std, a.pp("o_proj"))?,
+                    q: linear((h, q_width, s.qkv_bias), std, lora, a.pp("q_proj"))?,
+                    k: linear((h, kv_width, s.qkv_bias), std, lora, a.pp("k_proj"))?,
+                    v: linear((h, kv_width, s.qkv_bias), std, lora, a.pp("v_proj"))?,
+                    o: linear((q_width, h, s.output_bias), std, lora, a.pp("o_proj"))?,
                     q_norm: s
                         .qk_norm
                         .then(|| norm(s.head_dim, g, a.pp("q_norm")))
@@ -142,9 +154,9 @@ impl Decoder {
                     } else {
                         norm(h, g, l.pp("post_attention_layernorm"))?
                     },
-                    gate: linear(h, inter, s.mlp_bias, std, m.pp("gate_proj"))?,
-                    up: linear(h, inter, s.mlp_bias, std, m.pp("up_proj"))?,
-                    down: linear(inter, h, s.mlp_bias, std, m.pp("down_proj"))?,
+                    gate: linear((h, inter, s.mlp_bias), std, lora, m.pp("gate_proj"))?,
+                    up: linear((h, inter, s.mlp_bias), std, lora, m.pp("up_proj"))?,
+                    down: linear((inter, h, s.mlp_bias), std, lora, m.pp("down_proj"))?,
                     post_mlp_norm: g
                         .then(|| norm(h, g, l.pp("post_feedforward_layernorm")))
                         .transpose()?,
@@ -286,20 +298,20 @@ impl Decoder {
             rotary: (cos.clone(), sin.clone()),
             last_token_only,
         };
-        let affine = |l: &'_ Linear| (l.weight().clone(), l.bias().cloned());
+        let affine = |l: &'_ Linear| -> Result<_> { Ok((l.weight()?, l.bias().cloned())) };
         let weights = DecoderWeights {
             input_norm: &layer.input_norm,
-            q: affine(&layer.q),
-            k: affine(&layer.k),
-            v: affine(&layer.v),
-            o: affine(&layer.o),
+            q: affine(&layer.q)?,
+            k: affine(&layer.k)?,
+            v: affine(&layer.v)?,
+            o: affine(&layer.o)?,
             q_norm: layer.q_norm.as_ref(),
             k_norm: layer.k_norm.as_ref(),
             post_attention_norm: layer.post_attention_norm.as_ref(),
             mlp_norm: &layer.mlp_norm,
-            gate: affine(&layer.gate),
-            up: affine(&layer.up),
-            down: affine(&layer.down),
+            gate: affine(&layer.gate)?,
+            up: affine(&layer.up)?,
+            down: affine(&layer.down)?,
             post_mlp_norm: layer.post_mlp_norm.as_ref(),
         };
         if let Some(y) = crate::nn::decoder_layer(x, &weights, &spec)? {

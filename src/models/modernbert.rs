@@ -18,6 +18,7 @@ use candle_nn::{Embedding, Init, Module, VarBuilder};
 
 use crate::batch::TokenBatch;
 use crate::dropout::{Ctx, Dropout};
+use crate::nn::lora::LoraSpec;
 use crate::nn::prenorm_layer::{PreNormSpec, PreNormWeights};
 use crate::nn::{AttentionSpec, LayerNorm, Linear};
 use crate::precision::Precision;
@@ -68,17 +69,18 @@ pub(super) struct ModernAux {
     local: (Tensor, Tensor),
 }
 
-fn linear(i: usize, o: usize, bias: bool, std: f64, vb: VarBuilder) -> Result<Linear> {
-    if bias {
-        Linear::normal(i, o, std, vb)
+fn linear(
+    (i, o, bias): (usize, usize, bool),
+    std: f64,
+    lora: Option<&LoraSpec>,
+    vb: VarBuilder,
+) -> Result<Linear> {
+    let plain = if bias {
+        Linear::normal(i, o, std, vb.clone())?
     } else {
-        Linear::normal_without_bias(i, o, std, vb)
-    }
-}
-
-/// A projection's weight and bias, as the layer node takes them.
-fn affine(l: &Linear) -> (&Tensor, Option<&Tensor>) {
-    (l.weight(), l.bias())
+        Linear::normal_without_bias(i, o, std, vb.clone())?
+    };
+    plain.adapted(lora, &vb)
 }
 
 fn norm(h: usize, s: &ModernSettings, vb: VarBuilder) -> Result<LayerNorm> {
@@ -91,7 +93,12 @@ fn norm(h: usize, s: &ModernSettings, vb: VarBuilder) -> Result<LayerNorm> {
 
 impl ModernBert {
     /// Builds the layers under `vb`. Fresh weights: normal(0, `initializer_range`).
-    pub(super) fn new(cfg: &BertConfig, s: &ModernSettings, vb: VarBuilder) -> Result<Self> {
+    pub(super) fn new(
+        cfg: &BertConfig,
+        s: &ModernSettings,
+        lora: Option<&LoraSpec>,
+        vb: VarBuilder,
+    ) -> Result<Self> {
         let (h, std) = (cfg.hidden_size, cfg.initializer_range);
         let inter = cfg.intermediate_size;
         let init = Init::Randn {
@@ -113,11 +120,16 @@ impl ModernBert {
                     } else {
                         Some(norm(h, s, l.pp("attn_norm"))?)
                     },
-                    wqkv: linear(h, 3 * h, s.attention_bias, std, l.pp("attn").pp("Wqkv"))?,
-                    wo: linear(h, h, s.attention_bias, std, l.pp("attn").pp("Wo"))?,
+                    wqkv: linear(
+                        (h, 3 * h, s.attention_bias),
+                        std,
+                        lora,
+                        l.pp("attn").pp("Wqkv"),
+                    )?,
+                    wo: linear((h, h, s.attention_bias), std, lora, l.pp("attn").pp("Wo"))?,
                     mlp_norm: norm(h, s, l.pp("mlp_norm"))?,
-                    wi: linear(h, 2 * inter, s.mlp_bias, std, l.pp("mlp").pp("Wi"))?,
-                    mlp_wo: linear(inter, h, s.mlp_bias, std, l.pp("mlp").pp("Wo"))?,
+                    wi: linear((h, 2 * inter, s.mlp_bias), std, lora, l.pp("mlp").pp("Wi"))?,
+                    mlp_wo: linear((inter, h, s.mlp_bias), std, lora, l.pp("mlp").pp("Wo"))?,
                     sliding: s.sliding[i],
                 })
             })
@@ -291,13 +303,19 @@ impl ModernBert {
         let layer = &self.layers[i];
         let id = i as u32 + 1;
         let d = x.dim(2)? / self.heads;
+        let (qkv, wo, wi, mlp_wo) = (
+            layer.wqkv.weight()?,
+            layer.wo.weight()?,
+            layer.wi.weight()?,
+            layer.mlp_wo.weight()?,
+        );
         let weights = PreNormWeights {
             attention_norm: layer.attn_norm.as_ref().map(|n| (n.weight(), n.shift())),
-            qkv: affine(&layer.wqkv),
-            attention_output: affine(&layer.wo),
+            qkv: (&qkv, layer.wqkv.bias()),
+            attention_output: (&wo, layer.wo.bias()),
             mlp_norm: (layer.mlp_norm.weight(), layer.mlp_norm.shift()),
-            up: affine(&layer.wi),
-            down: affine(&layer.mlp_wo),
+            up: (&wi, layer.wi.bias()),
+            down: (&mlp_wo, layer.mlp_wo.bias()),
         };
         let (cos, sin) = self.rotary_tables(i, aux);
         let spec = PreNormSpec {

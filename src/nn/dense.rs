@@ -140,6 +140,8 @@ fn as_accumulated(g: &Tensor) -> candle_core::Result<()> {
 pub struct Linear {
     pub(super) weight: Tensor,
     pub(super) bias: Option<Tensor>,
+    /// A LoRA adapter on the (then frozen) weight.
+    pub(super) lora: Option<super::lora::Adapter>,
 }
 
 impl Linear {
@@ -153,6 +155,7 @@ impl Linear {
         Ok(Self {
             weight: vb.get_with_hints((output, input), "weight", init)?,
             bias: Some(vb.get_with_hints(output, "bias", init)?),
+            lora: None,
         })
     }
 
@@ -165,6 +168,7 @@ impl Linear {
         Ok(Self {
             weight: vb.get_with_hints((output, input), "weight", init)?,
             bias: Some(vb.get_with_hints(output, "bias", candle_nn::init::ZERO)?),
+            lora: None,
         })
     }
 
@@ -183,11 +187,33 @@ impl Linear {
         Ok(Self {
             weight: vb.get_with_hints((output, input), "weight", init)?,
             bias: None,
+            lora: None,
         })
     }
 
-    /// The weight `[out, in]`.
-    pub fn weight(&self) -> &Tensor {
+    /// Gives the layer a LoRA adapter when `spec` targets the module under `vb` (see
+    /// [`super::lora`]).
+    pub fn adapted(
+        mut self,
+        spec: Option<&super::lora::LoraSpec>,
+        vb: &VarBuilder,
+    ) -> crate::Result<Self> {
+        let (output, input) = self.weight.dims2()?;
+        self.lora = super::lora::Adapter::build(spec, input, output, vb)?;
+        Ok(self)
+    }
+
+    /// The effective weight `[out, in]`: the weight, or with an adapter `W + s B A`
+    /// computed from the adapter's current values (tracked when they are).
+    pub fn weight(&self) -> crate::Result<Tensor> {
+        match &self.lora {
+            Some(adapter) => adapter.merged(&self.weight),
+            None => Ok(self.weight.clone()),
+        }
+    }
+
+    /// The stored weight `[out, in]`, without an adapter's update.
+    pub fn base_weight(&self) -> &Tensor {
         &self.weight
     }
 
@@ -198,12 +224,12 @@ impl Linear {
 
     /// `x W^T + b` over the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> crate::Result<Tensor> {
-        super::linear(x, &self.weight, self.bias.as_ref())
+        super::linear(x, &self.weight()?, self.bias.as_ref())
     }
 
     /// `act(x W^T + b)`, the bias added inside the fused activation.
     pub fn forward_activated(&self, x: &Tensor, act: Act) -> crate::Result<Tensor> {
-        let y = super::linear(x, &self.weight, None)?;
+        let y = super::linear(x, &self.weight()?, None)?;
         match &self.bias {
             Some(b) => super::bias_activation(&y, b, act),
             None => {

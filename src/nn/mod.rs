@@ -35,6 +35,7 @@ pub mod fused;
 mod gated;
 mod gemm;
 mod layer_norm;
+pub mod lora;
 mod math;
 mod node;
 mod norm;
@@ -234,25 +235,26 @@ pub fn feed_forward(
     if !recompute {
         return down.forward(&up.forward_activated(x, act)?);
     }
-    let width = up.weight().dim(0)?;
+    let (up_weight, down_weight) = (up.weight()?, down.weight()?);
+    let width = up_weight.dim(0)?;
     let up_bias = match up.bias() {
         Some(b) => b.clone(),
-        None => Tensor::zeros(width, up.weight().dtype(), up.weight().device())?,
+        None => Tensor::zeros(width, up_weight.dtype(), up_weight.device())?,
     };
-    let mut all = vec![x, up.weight(), &up_bias, down.weight()];
+    let mut all = vec![x, &up_weight, &up_bias, &down_weight];
     all.extend(down.bias());
     if fused_ok(&all) {
         return Ok(fused::feed_forward_recomputed(
             x,
-            up.weight(),
+            &up_weight,
             &up_bias,
-            down.weight(),
+            &down_weight,
             down.bias(),
             act,
         )?);
     }
-    let pre = linear(x, up.weight(), None)?;
-    let mut inputs = vec![&pre, &up_bias, down.weight()];
+    let pre = linear(x, &up_weight, None)?;
+    let mut inputs = vec![&pre, &up_bias, &down_weight];
     inputs.extend(down.bias());
     recomputed("gradcache-feed-forward-recomputed", &inputs, move |t| {
         let hidden = bias_activation(&t[0], &t[1], act)?;
@@ -518,20 +520,12 @@ pub fn self_attention(
     spec: &fused::AttentionSpec,
 ) -> Result<Tensor> {
     if let (Some(bq), Some(bk), Some(bv)) = (&query.bias, &key.bias, &value.bias) {
-        let ts = [
-            x,
-            &query.weight,
-            &key.weight,
-            &value.weight,
-            bq,
-            bk,
-            bv,
-            &spec.bias,
-        ];
+        let (wq, wk, wv) = (query.weight()?, key.weight()?, value.weight()?);
+        let ts = [x, &wq, &wk, &wv, bq, bk, bv, &spec.bias];
         if fused_ok(&ts) && x.rank() == 3 {
             return Ok(fused::self_attention_projections(
                 x,
-                [&query.weight, &key.weight, &value.weight],
+                [&wq, &wk, &wv],
                 [bq, bk, bv],
                 heads,
                 spec,

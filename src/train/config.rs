@@ -217,6 +217,57 @@ pub struct ModelConfig {
     pub dropout: bool,
     /// Architecture of a fresh model.
     pub fresh: FreshModel,
+    /// Parameters that do not train (no gradient, no optimizer state; exports keep them
+    /// as they were): names or module paths (`embeddings`, `encoder.layer.0`), or
+    /// patterns with `*` over whole names (`layers.*.self_attn.*`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub freeze: Vec<String>,
+    /// LoRA adapters on the attention and feed-forward projections; the base model is
+    /// frozen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraConfig>,
+}
+
+/// `[model.lora]`: low-rank adapters as PEFT builds them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraConfig {
+    /// The adapters' rank `r`.
+    pub rank: usize,
+    /// The update is scaled by `alpha / rank` (`alpha / sqrt(rank)` with `rslora`).
+    pub alpha: f64,
+    /// Dropout on the adapters' input (PEFT's `lora_dropout`); only 0 is supported yet.
+    pub dropout: f64,
+    /// Module names as PEFT's `target_modules` matches them (`q_proj`, `query`,
+    /// `self_attn.o_proj`, `layers.*.mlp.*`); empty: every linear projection of attention
+    /// and feed-forward.
+    pub targets: Vec<String>,
+    /// rsLoRA's scale `alpha / sqrt(rank)`.
+    pub rslora: bool,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        Self {
+            rank: 16,
+            alpha: 32.0,
+            dropout: 0.0,
+            targets: Vec::new(),
+            rslora: false,
+        }
+    }
+}
+
+impl LoraConfig {
+    /// The adapters' settings.
+    pub fn spec(&self) -> crate::nn::lora::LoraSpec {
+        crate::nn::lora::LoraSpec {
+            rank: self.rank,
+            alpha: self.alpha,
+            targets: self.targets.clone(),
+            rslora: self.rslora,
+        }
+    }
 }
 
 impl Default for ModelConfig {
@@ -234,6 +285,8 @@ impl Default for ModelConfig {
             recompute: Recompute::Off,
             dropout: true,
             fresh: FreshModel::default(),
+            freeze: Vec::new(),
+            lora: None,
         }
     }
 }
@@ -663,6 +716,40 @@ impl Config {
                     "room for at least the two special tokens is needed",
                 ));
             }
+        }
+        if let Some(lora) = &m.lora {
+            if lora.rank == 0 {
+                return Err(invalid("model.lora.rank", 0, "must be at least 1"));
+            }
+            if !(lora.alpha.is_finite() && lora.alpha > 0.0) {
+                return Err(invalid(
+                    "model.lora.alpha",
+                    lora.alpha,
+                    "must be a finite number greater than 0",
+                ));
+            }
+            if lora.dropout != 0.0 {
+                return Err(invalid(
+                    "model.lora.dropout",
+                    lora.dropout,
+                    "only 0 is supported yet: the adapters reach the fused layers as the \
+                     merged weight W + s B A, which a dropout on their input would break",
+                ));
+            }
+            if let Some(t) = lora.targets.iter().find(|t| t.trim().is_empty()) {
+                return Err(invalid(
+                    "model.lora.targets",
+                    format!("{t:?}"),
+                    "names no module",
+                ));
+            }
+        }
+        if let Some(p) = m.freeze.iter().find(|p| p.trim().is_empty()) {
+            return Err(invalid(
+                "model.freeze",
+                format!("{p:?}"),
+                "names no parameter",
+            ));
         }
         let f = &m.fresh;
         if m.pretrained.is_empty() {

@@ -87,6 +87,7 @@ pub(super) fn build_text(
                 )
             };
             let options = BertOptions {
+                lora: None,
                 pooling: Pooling::Mean,
                 normalize: false,
                 recompute: x.recompute.clone(),

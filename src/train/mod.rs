@@ -34,5 +34,6 @@ pub mod trainer;
 pub use config::Config;
 pub use run::{LoopConfig, Run, Task};
 pub use trainer::{
-    export_run, Event, Observer, PhaseTimes, Quiet, StepReport, TextPairs, Trainer, DENSE_FILE,
+    export_run, export_run_as, Event, ExportLayout, Observer, PhaseTimes, Quiet, StepReport,
+    TextPairs, Trainer, DENSE_FILE,
 };

@@ -4,11 +4,10 @@
 use candle_core::{DType, Device};
 
 use crate::dist::{self, Collective};
-use crate::encoder::Encoder;
 use crate::hub::tokenizer::{model_max_length, read_tokenizer_file, train_wordpiece};
 use crate::hub::{HubSettings, ModelFiles, Prompts, SentenceTransformersConfig};
 use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
-use crate::params::{ParamStore, Params};
+use crate::params::{pattern_matches, Freeze, ParamStore, Params};
 use crate::train::config::Config;
 use crate::{Error, Result};
 
@@ -95,6 +94,7 @@ pub(super) fn bert_options(cfg: &Config, head: Option<&SentenceTransformersConfi
         dense: head
             .map(|h| h.dense.iter().map(|d| d.spec()).collect())
             .unwrap_or_default(),
+        lora: cfg.model.lora.as_ref().map(|l| l.spec()),
     }
 }
 
@@ -106,13 +106,72 @@ pub(super) fn build_model(
     comm: &dyn Collective,
     device: &Device,
 ) -> Result<Model> {
-    let store = ParamStore::new(cfg.seed, DType::F32, device);
-    if cfg.model.pretrained.is_empty() {
+    let store = ParamStore::new(cfg.seed, DType::F32, device).with_frozen(freeze(cfg));
+    let model = if cfg.model.pretrained.is_empty() {
         let tokenizer = dist::from_root(comm, "the tokenizer", || fresh_tokenizer(cfg, texts))?;
         dist::agree(comm, fresh_model(cfg, tokenizer, store))
     } else {
         dist::agree(comm, pretrained_model(cfg, store))
+    }?;
+    check_freeze_and_targets(cfg, &model.store)?;
+    Ok(model)
+}
+
+/// What a run freezes: `model.freeze`, and with LoRA everything but the adapters.
+pub(super) fn freeze(cfg: &Config) -> Freeze {
+    let freeze = Freeze::patterns(&cfg.model.freeze);
+    match cfg.model.lora {
+        Some(_) => freeze.all_but_adapters(),
+        None => freeze,
     }
+}
+
+/// Every `model.freeze` pattern and every LoRA target names something in the model.
+fn check_freeze_and_targets(cfg: &Config, store: &ParamStore) -> Result<()> {
+    let names: Vec<String> = store.params().names().map(String::from).collect();
+    let sample = || {
+        let mut some: Vec<&str> = names
+            .iter()
+            .filter(|n| !crate::nn::lora::is_adapter(n))
+            .map(String::as_str)
+            .take(4)
+            .collect();
+        some.push("...");
+        some.join(", ")
+    };
+    for pattern in &cfg.model.freeze {
+        if !names.iter().any(|n| pattern_matches(pattern, n)) {
+            return Err(Error::InvalidConfig {
+                field: "model.freeze",
+                value: format!("{pattern:?} (the model's parameters: {})", sample()),
+                reason: "matches no parameter of the model",
+            });
+        }
+    }
+    if let Some(lora) = &cfg.model.lora {
+        let modules: Vec<&str> = names
+            .iter()
+            .filter_map(|n| n.strip_suffix(".lora_A.weight"))
+            .collect();
+        for target in &lora.targets {
+            let spec = crate::nn::lora::LoraSpec {
+                targets: vec![target.clone()],
+                ..lora.spec()
+            };
+            if !modules.iter().any(|m| spec.targets_module(m)) {
+                return Err(Error::InvalidConfig {
+                    field: "model.lora.targets",
+                    value: format!(
+                        "{target:?} (the projections LoRA can adapt are the attention and \
+                         feed-forward ones, e.g. {})",
+                        sample()
+                    ),
+                    reason: "matches no projection of the model",
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The token limits of a run on a pretrained model whose limit is `limit` (from
@@ -182,7 +241,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
     } else {
         let query = BertEncoder::build(&store, "query", &bert, &options)?;
         let passage = BertEncoder::build(&store, "passage", &bert, &options)?;
-        copy_tower(query.params(), "query.", passage.params(), "passage.")?;
+        copy_tower(&query.weights()?, "query.", &passage.weights()?, "passage.")?;
         (query, Some(passage))
     };
     Ok(Model {

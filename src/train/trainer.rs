@@ -24,13 +24,12 @@ use crate::batch::{Batch, Chunking, TokenBatch};
 use crate::cache::GradCache;
 use crate::dist::{self, Backend, Collective};
 use crate::durable;
-use crate::encoder::Encoder;
 use crate::hub::export::ExportNotes;
 use crate::hub::tokenizer::read_tokenizer_file;
 use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Prompts, Tokenizer};
 use crate::hub::{EmbeddingModel, LoadOptions};
 use crate::loss::{Guide, InfoNce, Matryoshka};
-use crate::models::bert::{BertConfig, BertEncoder, BertOptions, DenseSpec};
+use crate::models::bert::{with_model_weights, BertConfig, BertEncoder, BertOptions, DenseSpec};
 use crate::params::{ParamStore, WeightFile};
 use crate::precision::Precision;
 use crate::retrieval::{evaluate_corpus, CorpusEvalOptions};
@@ -41,7 +40,8 @@ use crate::train::data::{Loader, Position, TextBatch};
 use crate::train::formats::Layout;
 use crate::train::metrics::{evaluate, RetrievalMetrics};
 use crate::train::model::{
-    bert_options, build_model, max_lens, model_limit, read_model_tokenizer, run_prompts, Model,
+    bert_options, build_model, freeze, max_lens, model_limit, read_model_tokenizer, run_prompts,
+    Model,
 };
 use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
 use crate::train::text_data::{load_data, EvalData, RunData};
@@ -491,23 +491,24 @@ impl Run<TextPairs> {
     pub fn export(&self, dir: &Path, side: Side) -> Result<()> {
         let t = &self.task;
         let tokenizer = &t.export_tokenizer;
-        let (params, prefix) = match (side, t.cfg.model.shared) {
-            (_, true) => (self.gc.query_encoder().params(), ""),
-            (Side::Query, false) => (self.gc.query_encoder().params(), "query"),
-            (Side::Passage, false) => (self.gc.passage_encoder().params(), "passage"),
+        let (encoder, prefix) = match (side, t.cfg.model.shared) {
+            (_, true) => (self.gc.query_encoder(), ""),
+            (Side::Query, false) => (self.gc.query_encoder(), "query"),
+            (Side::Passage, false) => (self.gc.passage_encoder(), "passage"),
         };
         export_bert(
             dir,
             &t.bert,
             &t.options,
             t.cfg.loss.similarity,
-            params,
+            &encoder.weights()?,
             prefix,
             tokenizer,
             &ExportNotes {
                 prompts: t.prompts.clone(),
                 matryoshka_dims: t.cfg.loss.matryoshka_dims.clone(),
                 prompt_left_out: !t.prompt_pooled,
+                adapter_of: None,
             },
         )
     }
@@ -694,7 +695,50 @@ pub fn export_run(
     output: &Path,
     side: Side,
 ) -> Result<checkpoint::Resolved> {
+    export_run_as(cfg, checkpoint, output, side, ExportLayout::Merged)
+}
+
+/// What an export of a LoRA run writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportLayout {
+    /// The whole model, adapters merged into their projections (any run).
+    Merged,
+    /// The adapters alone in PEFT's layout (`adapter_config.json`,
+    /// `adapter_model.safetensors`) over the run's pretrained model, with the
+    /// sentence-transformers files beside them.
+    Adapter,
+}
+
+/// [`export_run`] writing `layout`.
+pub fn export_run_as(
+    cfg: &Config,
+    checkpoint: Option<&Path>,
+    output: &Path,
+    side: Side,
+    layout: ExportLayout,
+) -> Result<checkpoint::Resolved> {
     cfg.validate()?;
+    let adapter_of = match layout {
+        ExportLayout::Merged => None,
+        ExportLayout::Adapter if cfg.model.lora.is_none() => {
+            return Err(Error::InvalidArgument {
+                what: "--adapter",
+                value: output.display().to_string(),
+                reason: "the run trains no LoRA adapters ([model.lora]): export the whole \
+                         model without --adapter",
+            })
+        }
+        ExportLayout::Adapter if cfg.model.pretrained.is_empty() => {
+            return Err(Error::InvalidArgument {
+                what: "--adapter",
+                value: output.display().to_string(),
+                reason: "the run's model is fresh (model.pretrained is empty): an adapter \
+                         needs a base model to load onto; export the merged model without \
+                         --adapter",
+            })
+        }
+        ExportLayout::Adapter => Some(cfg.model.pretrained.clone()),
+    };
     let root = cfg.output_dir.join("checkpoints");
     let found = checkpoint::resolve(checkpoint.unwrap_or(&root))?;
     let (dir, state) = (&found.dir, &found.state);
@@ -755,7 +799,7 @@ pub fn export_run(
         format!("{prefix}.")
     };
     let weights = WeightFile::open(&checkpoint::model_file(dir), &file_prefix)?;
-    let store =
+    let mut store =
         ParamStore::new(cfg.seed, DType::F32, &Device::Cpu).with_weights(prefix, Arc::new(weights));
     let head = match &pretrained {
         Some(files) => crate::hub::read_sentence_transformers_config(&files.dir)?,
@@ -773,19 +817,28 @@ pub fn export_run(
         prompts = recorded.prompts;
         prompt_pooled = recorded.include_prompt;
     }
+    // A checkpoint holds the trained weights; the frozen ones are the pretrained model's.
+    if !freeze(cfg).is_empty() && !cfg.model.pretrained.is_empty() {
+        let files = match pretrained {
+            Some(files) => files,
+            None => ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?,
+        };
+        store = with_model_weights(&files, prefix, &options, store, true)?;
+    }
     let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;
     export_bert(
         output,
         &bert,
         &options,
         cfg.loss.similarity,
-        encoder.params(),
+        &encoder.weights()?,
         prefix,
         &tokenizer,
         &ExportNotes {
             prompts,
             matryoshka_dims: cfg.loss.matryoshka_dims.clone(),
             prompt_left_out: !prompt_pooled,
+            adapter_of,
         },
     )?;
     Ok(found)

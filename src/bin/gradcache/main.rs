@@ -22,7 +22,7 @@ use gradcache::train::data::Fields;
 use gradcache::train::formats::read_pairs;
 use gradcache::train::image_text::{export_image_text, ImageTextConfig, ImageTextTrainer};
 use gradcache::train::metrics::evaluate;
-use gradcache::train::{export_run, Config, Quiet, Trainer};
+use gradcache::train::{export_run_as, Config, ExportLayout, Quiet, Trainer};
 use gradcache::{Side, Similarity};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -201,6 +201,11 @@ enum Command {
         /// With two towers: which one.
         #[arg(long, value_enum, default_value_t = TowerArg::Query)]
         tower: TowerArg,
+        /// A LoRA run: write the adapters in PEFT's layout (adapter_config.json,
+        /// adapter_model.safetensors, for `PeftModel.from_pretrained` over the base model)
+        /// instead of the merged model.
+        #[arg(long)]
+        adapter: bool,
     },
     /// Merge trained models of one architecture into one: the weighted average of their
     /// weights (`--method linear`) or the spherical interpolation of two (`slerp`). Writes
@@ -384,6 +389,7 @@ fn run(command: Command) -> Result<()> {
             checkpoint,
             output,
             tower,
+            adapter,
         } => {
             let table = gradcache::train::config::read_table(&config)?;
             if ImageTextConfig::is_image_text(&table) {
@@ -402,7 +408,11 @@ fn run(command: Command) -> Result<()> {
                 TowerArg::Query => Side::Query,
                 TowerArg::Passage => Side::Passage,
             };
-            let found = export_run(&cfg, checkpoint.as_deref(), &output, side)?;
+            let layout = match adapter {
+                true => ExportLayout::Adapter,
+                false => ExportLayout::Merged,
+            };
+            let found = export_run_as(&cfg, checkpoint.as_deref(), &output, side, layout)?;
             for skipped in &found.skipped {
                 tracing::warn!("{skipped}");
             }

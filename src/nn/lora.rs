@@ -1,0 +1,290 @@
+//! LoRA (low-rank adaptation, Hu et al. 2021) as PEFT defines it: a projection
+//! `y = x W^T + b` of a frozen `W` `[out, in]` gains a trainable low-rank update,
+//!
+//! ```text
+//! y = x W^T + b + s (x A^T) B^T        A [r, in], B [out, r]
+//! s = alpha / r   (rsLoRA: alpha / sqrt(r))
+//! ```
+//!
+//! with `A` Kaiming-uniform (PEFT's `a = sqrt(5)`: uniform in `+-1/sqrt(in)`, drawn from
+//! the run's seed) and `B` zero, so training starts from the base model. The adapters are
+//! stored under PEFT's names, `<module>.lora_A.weight` and `<module>.lora_B.weight`.
+//!
+//! Here the update reaches the layer as its effective weight `W + s B A`, computed from
+//! the variables at every forward: the fused layer nodes ([`super::encoder_layer`],
+//! [`super::prenorm_layer`], [`super::decoder_layer`]) run on it unchanged, hand its
+//! gradient `dW'` back through the graph that made it, and candle's autograd gives
+//! `dA = s B^T dW'` and `dB = s dW' A^T`: the same products as PEFT's two-matrix branch,
+//! in another order. The frozen `W` receives nothing.
+
+use candle_core::{DType, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::{Error, Result};
+
+/// The LoRA settings of a run (`[model.lora]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    /// The adapters' rank `r`.
+    pub rank: usize,
+    /// `alpha`: the update is scaled by `alpha / r` (rsLoRA: `alpha / sqrt(r)`).
+    pub alpha: f64,
+    /// Module names as PEFT's `target_modules` matches them (a name matches a module whose
+    /// path is that name or ends with `.` + that name; with `*`, the whole path); empty:
+    /// every linear projection of attention and feed-forward.
+    pub targets: Vec<String>,
+    /// rsLoRA's scale `alpha / sqrt(r)`.
+    pub rslora: bool,
+}
+
+impl LoraSpec {
+    /// The scale `s` of the update.
+    pub fn scale(&self) -> f64 {
+        if self.rslora {
+            self.alpha / (self.rank as f64).sqrt()
+        } else {
+            self.alpha / self.rank as f64
+        }
+    }
+
+    /// Whether the projection at `path` (a module path, with or without its tower's
+    /// prefix) gets an adapter.
+    pub fn targets_module(&self, path: &str) -> bool {
+        let bare = path
+            .strip_prefix("query.")
+            .or_else(|| path.strip_prefix("passage."))
+            .unwrap_or(path);
+        self.targets.is_empty() || self.targets.iter().any(|t| target_matches(t, bare))
+    }
+}
+
+/// Whether PEFT's `target_modules` entry `target` names the module at `path`: the path
+/// itself or its last components (`q_proj` matches `layers.0.self_attn.q_proj`), or with
+/// `*` the whole path (as [`crate::params::pattern_matches`] globs).
+pub fn target_matches(target: &str, path: &str) -> bool {
+    if target.contains('*') {
+        return crate::params::pattern_matches(target, path);
+    }
+    path == target
+        || path
+            .strip_suffix(target)
+            .is_some_and(|head| head.ends_with('.'))
+}
+
+/// Whether the parameter `name` belongs to a LoRA adapter.
+pub fn is_adapter(name: &str) -> bool {
+    name.contains(".lora_A.") || name.contains(".lora_B.") || name.starts_with("lora_")
+}
+
+/// A projection's adapter: `A` `[r, in]`, `B` `[out, r]`, and the scale.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    a: Tensor,
+    b: Tensor,
+    scale: f64,
+}
+
+impl Adapter {
+    /// The adapter of the projection under `vb` (`in` -> `out`) when `spec` targets it:
+    /// `lora_A` Kaiming-uniform from the store's seed (or read from the store's weights),
+    /// `lora_B` zeros. A rank above the projection's narrower side is refused.
+    pub fn build(
+        spec: Option<&LoraSpec>,
+        input: usize,
+        output: usize,
+        vb: &VarBuilder,
+    ) -> Result<Option<Self>> {
+        let Some(spec) = spec else {
+            return Ok(None);
+        };
+        let path = vb.prefix();
+        if !spec.targets_module(&path) {
+            return Ok(None);
+        }
+        if spec.rank == 0 || spec.rank > input.min(output) {
+            return Err(Error::InvalidConfig {
+                field: "model.lora.rank",
+                value: spec.rank.to_string(),
+                reason: if spec.rank == 0 {
+                    "an adapter needs a rank of at least 1"
+                } else {
+                    "exceeds the width of a targeted projection (a rank above min(in, out) \
+                     adds nothing a full update would not)"
+                },
+            });
+        }
+        let bound = 1.0 / (input as f64).sqrt();
+        let a = vb.pp("lora_A").get_with_hints_dtype(
+            (spec.rank, input),
+            "weight",
+            candle_nn::Init::Uniform {
+                lo: -bound,
+                up: bound,
+            },
+            DType::F32,
+        )?;
+        let b = vb.pp("lora_B").get_with_hints_dtype(
+            (output, spec.rank),
+            "weight",
+            candle_nn::init::ZERO,
+            DType::F32,
+        )?;
+        Ok(Some(Self {
+            a,
+            b,
+            scale: spec.scale(),
+        }))
+    }
+
+    /// `W + s B A` in f32 (the base weight widened when it is stored narrower).
+    pub fn merged(&self, base: &Tensor) -> Result<Tensor> {
+        let update = self.b.matmul(&self.a)?.affine(self.scale, 0.0)?;
+        let base = match base.dtype() {
+            DType::F32 | DType::F64 => base.clone(),
+            _ => base.to_dtype(DType::F32)?,
+        };
+        Ok(base.add(&update.to_dtype(base.dtype())?)?)
+    }
+}
+
+/// Folds every adapter of `weights` into its projection (`<m>.weight` becomes
+/// `W + s B A` in W's dtype) and removes the adapters: the model as PEFT's
+/// `merge_and_unload` leaves it.
+pub fn merge_into(
+    weights: &mut std::collections::HashMap<String, Tensor>,
+    spec: &LoraSpec,
+) -> Result<()> {
+    let modules: Vec<String> = weights
+        .keys()
+        .filter_map(|n| n.strip_suffix(".lora_A.weight"))
+        .map(String::from)
+        .collect();
+    for m in modules {
+        let take = |weights: &mut std::collections::HashMap<String, Tensor>, name: String| {
+            weights.remove(&name).ok_or(Error::MissingWeight {
+                name,
+                path: "the run's adapters".into(),
+            })
+        };
+        let a = take(weights, format!("{m}.lora_A.weight"))?;
+        let b = take(weights, format!("{m}.lora_B.weight"))?;
+        let name = format!("{m}.weight");
+        let base = weights.get(&name).ok_or_else(|| Error::MissingWeight {
+            name: name.clone(),
+            path: "the run's weights".into(),
+        })?;
+        let adapter = Adapter {
+            a,
+            b,
+            scale: spec.scale(),
+        };
+        let merged = adapter.merged(base)?.to_dtype(base.dtype())?;
+        weights.insert(name, merged);
+    }
+    Ok(())
+}
+
+/// PEFT's files for the adapters among `weights` (names as the base model's own): the
+/// `adapter_config.json` value and the tensors of `adapter_model.safetensors`, keyed
+/// `base_model.model.<module>.lora_{A,B}.weight`, so that
+/// `PeftModel.from_pretrained(AutoModel.from_pretrained(base), dir)` rebuilds the
+/// adapted model.
+pub fn peft_files(
+    weights: &std::collections::HashMap<String, Tensor>,
+    spec: &LoraSpec,
+    base: &str,
+) -> Result<(serde_json::Value, std::collections::HashMap<String, Tensor>)> {
+    let tensors: std::collections::HashMap<String, Tensor> = weights
+        .iter()
+        .filter(|(n, _)| is_adapter(n))
+        .map(|(n, t)| (format!("base_model.model.{n}"), t.clone()))
+        .collect();
+    let mut modules: Vec<&str> = weights
+        .keys()
+        .filter_map(|n| n.strip_suffix(".lora_A.weight"))
+        .collect();
+    modules.sort_unstable();
+    if modules.is_empty() {
+        return Err(Error::InvalidArgument {
+            what: "--adapter",
+            value: base.to_string(),
+            reason: "the tower holds no LoRA adapter",
+        });
+    }
+    // The modules' last two names (`self_attn.q_proj`, `attention.output.dense`) where
+    // they pick out exactly the adapted projections of the model; else every path.
+    let tail = |m: &str| -> String {
+        let parts: Vec<&str> = m.rsplitn(3, '.').collect();
+        match parts.as_slice() {
+            [last, second, _] => format!("{second}.{last}"),
+            _ => m.to_string(),
+        }
+    };
+    let mut tails: Vec<String> = modules.iter().map(|m| tail(m)).collect();
+    tails.sort_unstable();
+    tails.dedup();
+    let matching = weights
+        .keys()
+        .filter_map(|n| n.strip_suffix(".weight"))
+        .filter(|m| !is_adapter(m) && tails.iter().any(|t| target_matches(t, m)))
+        .count();
+    let targets: Vec<String> = if matching == modules.len() {
+        tails
+    } else {
+        modules.iter().map(|m| m.to_string()).collect()
+    };
+    let config = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "FEATURE_EXTRACTION",
+        "base_model_name_or_path": base,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": 0.0,
+        "use_rslora": spec.rslora,
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "inference_mode": true,
+        "init_lora_weights": true,
+        "modules_to_save": null,
+        "layers_to_transform": null,
+        "layers_pattern": null,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "use_dora": false,
+        "revision": null,
+    });
+    Ok((config, tensors))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_match_as_peft_matches_them() {
+        let path = "encoder.layer.0.attention.self.query";
+        assert!(target_matches("query", path));
+        assert!(target_matches("self.query", path));
+        assert!(target_matches(path, path));
+        assert!(!target_matches("uery", path));
+        assert!(!target_matches("attention", path));
+        assert!(target_matches("encoder.layer.*.query", path));
+        assert!(!target_matches("encoder.layer.1.*", path));
+        assert!(is_adapter("layers.0.mlp.up_proj.lora_A.weight"));
+        assert!(!is_adapter("layers.0.mlp.up_proj.weight"));
+    }
+
+    #[test]
+    fn the_scale_is_alpha_over_rank_or_its_root() {
+        let mut spec = LoraSpec {
+            rank: 16,
+            alpha: 64.0,
+            targets: vec![],
+            rslora: false,
+        };
+        assert_eq!(spec.scale(), 4.0);
+        spec.rslora = true;
+        assert_eq!(spec.scale(), 16.0);
+    }
+}
