@@ -87,6 +87,11 @@ impl WeightFile {
         })
     }
 
+    /// The names of every tensor in the file (its prefix included).
+    pub fn names(&self) -> Vec<String> {
+        self.tensors.tensors().into_iter().map(|(n, _)| n).collect()
+    }
+
     /// Whether the file holds a tensor named exactly `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.get(name).is_ok()

@@ -167,7 +167,13 @@ fn a_lora_run_trains_the_adapters_alone_resumes_exactly_and_exports_both_ways() 
     assert_eq!(
         targets,
         // `output.dense` names both the attention's and the layer's output projection.
-        ["intermediate.dense", "output.dense", "self.key", "self.query", "self.value"]
+        [
+            "intermediate.dense",
+            "output.dense",
+            "self.key",
+            "self.query",
+            "self.value"
+        ]
     );
     let tensors = weights(&adapter.join("adapter_model.safetensors"));
     assert_eq!(tensors.len(), 24);

@@ -12,11 +12,14 @@
 //! cosine similarity). [`EmbeddingModel::settings`] says which was used and why, so the
 //! binary can log it.
 
+pub mod adapter;
 pub mod export;
 pub mod files;
 pub mod merge;
 pub mod sentence_transformers;
 pub mod tokenizer;
+
+use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -122,6 +125,9 @@ pub struct LoadOptions {
     /// Put before passages (default: the model's `document`/`passage`/`corpus` prompt,
     /// else its default prompt).
     pub passage_prompt: Option<String>,
+    /// For a PEFT adapter directory: the base model it adapts (default: the adapter
+    /// config's `base_model_name_or_path`).
+    pub base: Option<String>,
 }
 
 impl Default for LoadOptions {
@@ -134,6 +140,7 @@ impl Default for LoadOptions {
             device: Device::Cpu,
             query_prompt: None,
             passage_prompt: None,
+            base: None,
         }
     }
 }
@@ -171,14 +178,69 @@ fn pick<T: std::fmt::Debug>(
 }
 
 impl EmbeddingModel {
-    /// Loads a model directory or Hub repo id (see [`ModelFiles::resolve`]).
+    /// Loads a model directory or Hub repo id (see [`ModelFiles::resolve`]), or a PEFT
+    /// LoRA adapter directory over its base model (see [`Self::from_adapter`]).
     pub fn load(model: &str, options: &LoadOptions) -> Result<Self> {
+        let path = Path::new(model);
+        if path.is_dir() && adapter::is_adapter_dir(path) {
+            return Self::from_adapter(path, options);
+        }
         let files = ModelFiles::resolve(model, &HubSettings::from_env())?;
         Self::from_files(&files, options)
     }
 
+    /// Loads the LoRA adapter in `dir` over its base model (`options.base`, else the
+    /// adapter config's `base_model_name_or_path`): the base model's weights with the
+    /// adapters on its projections. The sentence-transformers files and tokenizer are the
+    /// adapter directory's where it has them (`gradcache export --adapter` writes them),
+    /// else the base model's.
+    pub fn from_adapter(dir: &Path, options: &LoadOptions) -> Result<Self> {
+        let adapter = adapter::PeftAdapter::read(dir)?;
+        let base = options
+            .base
+            .clone()
+            .or_else(|| adapter.base.clone())
+            .ok_or_else(|| Error::ModelFile {
+                path: dir.join(adapter::ADAPTER_CONFIG),
+                reason: "names no base model (`base_model_name_or_path`): give it with --base"
+                    .into(),
+            })?;
+        let base_files = ModelFiles::resolve(&base, &HubSettings::from_env())?;
+        let own_head = dir.join(export::MODULES).is_file();
+        let tokenizer = dir.join("tokenizer.json");
+        let files = ModelFiles {
+            dir: if own_head {
+                dir.to_path_buf()
+            } else {
+                base_files.dir.clone()
+            },
+            tokenizer: if own_head && tokenizer.is_file() {
+                Some(tokenizer)
+            } else {
+                base_files.tokenizer.clone()
+            },
+            ..base_files
+        };
+        let mut model = Self::build(&files, options, Some(&adapter))?;
+        model.settings += &format!(
+            "; LoRA adapter {} (r {}, alpha {}) over {base}",
+            dir.display(),
+            adapter.spec.rank,
+            adapter.spec.alpha
+        );
+        Ok(model)
+    }
+
     /// Loads a model from its resolved files.
     pub fn from_files(files: &ModelFiles, options: &LoadOptions) -> Result<Self> {
+        Self::build(files, options, None)
+    }
+
+    fn build(
+        files: &ModelFiles,
+        options: &LoadOptions,
+        adapter: Option<&adapter::PeftAdapter>,
+    ) -> Result<Self> {
         let head = read_sentence_transformers_config(&files.dir)?;
         let (pooling, pooling_src) = pick(
             options.pooling,
@@ -240,14 +302,20 @@ impl EmbeddingModel {
             settings += " (left out of the pooling: include_prompt false)";
         }
         let bert_options = BertOptions {
-            lora: None,
+            lora: adapter.map(|a| a.spec.clone()),
             pooling,
             normalize,
             dense: dense.iter().map(DenseLayer::spec).collect(),
             ..Default::default()
         };
-        let store = ParamStore::new(0, DType::F32, &options.device);
+        let mut store = ParamStore::new(0, DType::F32, &options.device);
+        if let Some(adapter) = adapter {
+            store = store.with_fallback_weights("", std::sync::Arc::new(adapter.weight_file()?));
+        }
         let (encoder, config, store) = load_pretrained(files, "", &bert_options, store)?;
+        if let Some(adapter) = adapter {
+            adapter.check_covers(encoder.params(), "")?;
+        }
         let (inner, tokenizer_config) = load_tokenizer(files, &config)?;
         let (limit, limit_src) = tokenizer::model_max_length(&files.dir, config.max_tokens())?;
         let max_len = match options.max_len {

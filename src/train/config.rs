@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use crate::device::DeviceSpec;
 use crate::dist::Backend;
+use crate::hub::adapter::PeftAdapter;
 use crate::loss::Similarity;
 use crate::models::bert::Pooling;
 use crate::precision::{LossScaler, Precision};
@@ -229,44 +230,98 @@ pub struct ModelConfig {
 }
 
 /// `[model.lora]`: low-rank adapters as PEFT builds them.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LoraConfig {
-    /// The adapters' rank `r`.
-    pub rank: usize,
-    /// The update is scaled by `alpha / rank` (`alpha / sqrt(rank)` with `rslora`).
-    pub alpha: f64,
+    /// A PEFT adapter directory to continue training (`adapter_config.json`,
+    /// `adapter_model.safetensors`): its rank, alpha, targets and weights; the settings
+    /// below, where given, must agree with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from: Option<PathBuf>,
+    /// The adapters' rank `r` (default 16).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rank: Option<usize>,
+    /// The update is scaled by `alpha / rank` (`alpha / sqrt(rank)` with `rslora`;
+    /// default 32).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub alpha: Option<f64>,
     /// Dropout on the adapters' input (PEFT's `lora_dropout`); only 0 is supported yet.
     pub dropout: f64,
     /// Module names as PEFT's `target_modules` matches them (`q_proj`, `query`,
-    /// `self_attn.o_proj`, `layers.*.mlp.*`); empty: every linear projection of attention
+    /// `self_attn.o_proj`, `layers.*.mlp.*`); unset: every linear projection of attention
     /// and feed-forward.
-    pub targets: Vec<String>,
-    /// rsLoRA's scale `alpha / sqrt(rank)`.
-    pub rslora: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub targets: Option<Vec<String>>,
+    /// rsLoRA's scale `alpha / sqrt(rank)` (default false).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rslora: Option<bool>,
 }
 
-impl Default for LoraConfig {
-    fn default() -> Self {
-        Self {
-            rank: 16,
-            alpha: 32.0,
-            dropout: 0.0,
-            targets: Vec::new(),
-            rslora: false,
-        }
-    }
-}
+/// The rank of a new adapter when `model.lora.rank` is unset.
+pub const DEFAULT_LORA_RANK: usize = 16;
+/// The alpha of a new adapter when `model.lora.alpha` is unset.
+pub const DEFAULT_LORA_ALPHA: f64 = 32.0;
 
 impl LoraConfig {
-    /// The adapters' settings.
-    pub fn spec(&self) -> crate::nn::lora::LoraSpec {
-        crate::nn::lora::LoraSpec {
-            rank: self.rank,
-            alpha: self.alpha,
-            targets: self.targets.clone(),
-            rslora: self.rslora,
+    /// The adapters' settings: the configured ones, or with `from` the adapter's (which
+    /// configured ones must match), and the adapter read.
+    pub fn spec(&self) -> Result<(crate::nn::lora::LoraSpec, Option<PeftAdapter>)> {
+        let Some(dir) = &self.from else {
+            return Ok((
+                crate::nn::lora::LoraSpec {
+                    rank: self.rank.unwrap_or(DEFAULT_LORA_RANK),
+                    alpha: self.alpha.unwrap_or(DEFAULT_LORA_ALPHA),
+                    targets: self.targets.clone().unwrap_or_default(),
+                    rslora: self.rslora.unwrap_or(false),
+                },
+                None,
+            ));
+        };
+        let adapter = PeftAdapter::read(dir)?;
+        let theirs = &adapter.spec;
+        let differs = |field: &'static str, ours: String, key: &str, theirs: String| {
+            Err(invalid(
+                field,
+                format!(
+                    "{ours} (the adapter's `{key}` is {theirs}: {})",
+                    dir.display()
+                ),
+                "must match the adapter model.lora.from continues; leave it unset",
+            ))
+        };
+        if let Some(rank) = self.rank.filter(|&r| r != theirs.rank) {
+            return differs(
+                "model.lora.rank",
+                rank.to_string(),
+                "r",
+                theirs.rank.to_string(),
+            );
         }
+        if let Some(alpha) = self.alpha.filter(|&a| a != theirs.alpha) {
+            return differs(
+                "model.lora.alpha",
+                alpha.to_string(),
+                "lora_alpha",
+                theirs.alpha.to_string(),
+            );
+        }
+        if let Some(targets) = self.targets.as_ref().filter(|t| **t != theirs.targets) {
+            return differs(
+                "model.lora.targets",
+                format!("{targets:?}"),
+                "target_modules",
+                format!("{:?}", theirs.targets),
+            );
+        }
+        if let Some(rslora) = self.rslora.filter(|&r| r != theirs.rslora) {
+            return differs(
+                "model.lora.rslora",
+                rslora.to_string(),
+                "use_rslora",
+                theirs.rslora.to_string(),
+            );
+        }
+        Ok((adapter.spec.clone(), Some(adapter)))
     }
 }
 
@@ -718,14 +773,25 @@ impl Config {
             }
         }
         if let Some(lora) = &m.lora {
-            if lora.rank == 0 {
+            if lora.rank == Some(0) {
                 return Err(invalid("model.lora.rank", 0, "must be at least 1"));
             }
-            if !(lora.alpha.is_finite() && lora.alpha > 0.0) {
+            if let Some(alpha) = lora.alpha.filter(|a| !(a.is_finite() && *a > 0.0)) {
                 return Err(invalid(
                     "model.lora.alpha",
-                    lora.alpha,
+                    alpha,
                     "must be a finite number greater than 0",
+                ));
+            }
+            if lora.from.is_some() && m.pretrained.is_empty() {
+                return Err(invalid(
+                    "model.lora.from",
+                    lora.from
+                        .as_ref()
+                        .map(|d| d.display().to_string())
+                        .unwrap_or_default(),
+                    "continues an adapter of a pretrained model: set model.pretrained to its \
+                     base model",
                 ));
             }
             if lora.dropout != 0.0 {
@@ -736,7 +802,7 @@ impl Config {
                      merged weight W + s B A, which a dropout on their input would break",
                 ));
             }
-            if let Some(t) = lora.targets.iter().find(|t| t.trim().is_empty()) {
+            if let Some(t) = lora.targets.iter().flatten().find(|t| t.trim().is_empty()) {
                 return Err(invalid(
                     "model.lora.targets",
                     format!("{t:?}"),

@@ -1,6 +1,8 @@
 //! The towers of a text-pair run: what the trainer builds from the config and the memory
 //! budget's probes measure.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device};
 
 use crate::dist::{self, Collective};
@@ -77,8 +79,11 @@ pub(super) fn run_prompts(
 /// The encoder options a configuration asks for, on a pretrained model whose
 /// sentence-transformers files say `head` (the pooling and normalisation it sets none of):
 /// its Dense modules train with it.
-pub(super) fn bert_options(cfg: &Config, head: Option<&SentenceTransformersConfig>) -> BertOptions {
-    BertOptions {
+pub(super) fn bert_options(
+    cfg: &Config,
+    head: Option<&SentenceTransformersConfig>,
+) -> Result<BertOptions> {
+    Ok(BertOptions {
         pooling: cfg
             .model
             .pooling
@@ -94,8 +99,13 @@ pub(super) fn bert_options(cfg: &Config, head: Option<&SentenceTransformersConfi
         dense: head
             .map(|h| h.dense.iter().map(|d| d.spec()).collect())
             .unwrap_or_default(),
-        lora: cfg.model.lora.as_ref().map(|l| l.spec()),
-    }
+        lora: cfg
+            .model
+            .lora
+            .as_ref()
+            .map(|l| l.spec().map(|(spec, _)| spec))
+            .transpose()?,
+    })
 }
 
 /// The towers and tokenizer of a run, fresh or pretrained, checked against the
@@ -153,10 +163,11 @@ fn check_freeze_and_targets(cfg: &Config, store: &ParamStore) -> Result<()> {
             .iter()
             .filter_map(|n| n.strip_suffix(".lora_A.weight"))
             .collect();
-        for target in &lora.targets {
+        let (spec, _) = lora.spec()?;
+        for target in lora.targets.iter().flatten() {
             let spec = crate::nn::lora::LoraSpec {
                 targets: vec![target.clone()],
-                ..lora.spec()
+                ..spec.clone()
             };
             if !modules.iter().any(|m| spec.targets_module(m)) {
                 return Err(Error::InvalidConfig {
@@ -234,7 +245,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
             query_max_len.max(passage_max_len),
         )
     };
-    let options = bert_options(cfg, None);
+    let options = bert_options(cfg, None)?;
     let prompts = run_prompts(cfg, None)?;
     let (query, passage) = if cfg.model.shared {
         (BertEncoder::build(&store, "", &bert, &options)?, None)
@@ -288,10 +299,31 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     tokenizer_config.insert("model_max_length".into(), limit.into());
     let tokenizer_config = Some(tokenizer_config);
     let head = crate::hub::read_sentence_transformers_config(&files.dir)?;
-    let options = bert_options(cfg, head.as_ref());
+    let options = bert_options(cfg, head.as_ref())?;
+    // An adapter to continue: its weights under every tower, checked to fit.
+    let adapter = match &cfg.model.lora {
+        Some(lora) => lora.spec()?.1,
+        None => None,
+    };
+    let prefixes: &[&str] = if cfg.model.shared {
+        &[""]
+    } else {
+        &["query", "passage"]
+    };
+    let mut store = store;
+    if let Some(adapter) = &adapter {
+        for prefix in prefixes {
+            store = store.with_fallback_weights(prefix, Arc::new(adapter.weight_file()?));
+        }
+    }
+    let covered = |encoder: &BertEncoder, prefix: &str| match &adapter {
+        Some(adapter) => adapter.check_covers(crate::Encoder::params(encoder), prefix),
+        None => Ok(()),
+    };
     let (prompts, prompt_pooled) = run_prompts(cfg, head.as_ref())?;
     if cfg.model.shared {
         let (query, bert, store) = load_pretrained(&files, "", &options, store)?;
+        covered(&query, "")?;
         Ok(Model {
             query,
             passage: None,
@@ -309,6 +341,8 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     } else {
         let (query, bert, store) = load_pretrained(&files, "query", &options, store)?;
         let (passage, _, store) = load_pretrained(&files, "passage", &options, store)?;
+        covered(&query, "query")?;
+        covered(&passage, "passage")?;
         Ok(Model {
             query,
             passage: Some(passage),

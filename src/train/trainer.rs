@@ -805,7 +805,7 @@ pub fn export_run_as(
         Some(files) => crate::hub::read_sentence_transformers_config(&files.dir)?,
         None => None,
     };
-    let mut options = bert_options(cfg, head.as_ref());
+    let mut options = bert_options(cfg, head.as_ref())?;
     let recorded = read_dense_modules(&cfg.output_dir)?;
     if !recorded.is_empty() {
         options.dense = recorded;

@@ -71,6 +71,10 @@ struct HeadArgs {
     /// `passage` or `corpus` prompt, else its default prompt; "" for none).
     #[arg(long)]
     passage_prompt: Option<String>,
+    /// With a PEFT LoRA adapter directory as the model: the base model it adapts
+    /// (default: its adapter_config.json's base_model_name_or_path).
+    #[arg(long)]
+    base: Option<String>,
 }
 
 /// How a corpus is searched.
@@ -266,6 +270,7 @@ impl HeadArgs {
             device: self.device.open()?,
             query_prompt: self.query_prompt.clone(),
             passage_prompt: self.passage_prompt.clone(),
+            base: self.base.clone(),
         })
     }
 }
