@@ -808,6 +808,40 @@ fn the_shipped_qwen3_config_runs_and_learns() {
 }
 
 #[test]
+fn the_shipped_qwen3_lora_config_runs_and_learns() {
+    // configs/qwen3-lora.toml as shipped, on the tiny Qwen3 fixture (as the test above):
+    // the adapters alone train, and the model learns.
+    use gradcache::train::{Config, Quiet, Trainer};
+    let _one = serialized();
+    let tmp = tempfile::tempdir().unwrap();
+    let sets = [
+        format!("output_dir=\"{}\"", tmp.path().join("run").display()),
+        format!("model.pretrained=\"{}\"", fixture("qwen3").display()),
+        "model.query_max_len=32".into(),
+        "model.passage_max_len=32".into(),
+        "model.query_prompt=\"Query: \"".into(),
+        "model.lora.rank=4".into(),
+        "model.lora.alpha=8.0".into(),
+        "train.steps=40".into(),
+        "train.batch_size=64".into(),
+        "train.eval_every=0".into(),
+        "train.checkpoint_every=0".into(),
+        "optim.lr=2e-2".into(),
+    ];
+    let cfg = Config::load(Path::new("configs/qwen3-lora.toml"), &sets).unwrap();
+    let mut trainer = Trainer::new(cfg, None).unwrap();
+    assert!(trainer.params().names().all(|n| n.contains(".lora_")));
+    let (before, after) = trainer.run(&mut Quiet).unwrap();
+    let before = before.expect("an evaluation before training");
+    assert!(
+        after.ndcg_at_10 > before.ndcg_at_10 + 0.05,
+        "nDCG@10 {} -> {}",
+        before.ndcg_at_10,
+        after.ndcg_at_10
+    );
+}
+
+#[test]
 fn sentence_transformers_tokenizer_kwargs_win_over_the_tokenizer_config() {
     // `processor_kwargs` (sentence-transformers 6; `tokenizer_args` before) are passed to
     // the tokenizer over its own config: here the padding side and the limit.

@@ -18,6 +18,8 @@ fn every_shipped_config_is_valid() {
         "minilm",
         "two-towers-hard-negatives",
         "distributed-cpu",
+        "qwen3",
+        "qwen3-lora",
     ] {
         let path = format!("configs/{name}.toml");
         let cfg = Config::load(Path::new(&path), &[]).unwrap_or_else(|e| panic!("{path}: {e}"));
