@@ -9,7 +9,12 @@
 //!                                                    # on 2 cores)
 //! cargo bench --bench decoder_memory -- --batch 64   # one batch
 //! cargo bench --bench decoder_memory -- --layers 2   # a quick look (same widths)
+//! cargo bench --bench decoder_memory -- --lora 16     # LoRA r 16 (alpha 32) on every
+//!                                                    # projection, the base frozen
 //! ```
+//!
+//! With `--lora R` the weights column is the frozen base and the adapters, the gradients
+//! and the optimizer state are the adapters' alone.
 //!
 //! The heap is counted by a global allocator and split into what a step must hold and
 //! what it may not keep: the weights (`4 x parameters` bytes), the gradients (one per
@@ -75,16 +80,21 @@ fn main() -> anyhow::Result<()> {
     // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
     unsafe { gradcache::pool::short_spin() };
     let layers = arg("--layers").unwrap_or(28);
+    let lora = arg("--lora");
     let Some(batch) = arg("--batch") else {
         // Each batch in a process of its own, so that its peak resident set is its own.
         for batch in [64, 128] {
+            let mut args = vec![
+                "--batch".to_string(),
+                batch.to_string(),
+                "--layers".into(),
+                layers.to_string(),
+            ];
+            if let Some(rank) = lora {
+                args.extend(["--lora".into(), rank.to_string()]);
+            }
             let status = std::process::Command::new(std::env::current_exe()?)
-                .args([
-                    "--batch",
-                    &batch.to_string(),
-                    "--layers",
-                    &layers.to_string(),
-                ])
+                .args(&args)
                 .arg(if batch == 64 {
                     "--header"
                 } else {
@@ -98,11 +108,18 @@ fn main() -> anyhow::Result<()> {
     let (len, chunk) = (128, 8);
     let (model, vendor) = common::cpu();
     if std::env::args().any(|a| a == "--no-header") {
-        return run(batch, layers, len, chunk);
+        return run(batch, layers, len, chunk, lora);
     }
+    let adapters = match lora {
+        Some(r) => format!(
+            "LoRA r {r} alpha {} on every projection, the base frozen; ",
+            2 * r
+        ),
+        None => String::new(),
+    };
     println!(
-        "# Qwen3-Embedding-0.6B shape, {layers} layers; {len} tokens a text, chunks of \
-         {chunk}, recompute every layer, then AdamW; {} ({vendor}), {} threads",
+        "# Qwen3-Embedding-0.6B shape, {layers} layers; {adapters}{len} tokens a text, chunks \
+         of {chunk}, recompute every layer, then AdamW; {} ({vendor}), {} threads",
         model,
         candle_core::utils::get_num_threads()
     );
@@ -111,17 +128,31 @@ fn main() -> anyhow::Result<()> {
          buffers) | step s | peak RSS |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|");
-    run(batch, layers, len, chunk)
+    run(batch, layers, len, chunk, lora)
 }
 
-/// One step at `batch` pairs: prints its row.
-fn run(batch: usize, layers: usize, len: usize, chunk: usize) -> anyhow::Result<()> {
+/// One step at `batch` pairs (LoRA of rank `lora`, if given): prints its row.
+fn run(
+    batch: usize,
+    layers: usize,
+    len: usize,
+    chunk: usize,
+    lora: Option<usize>,
+) -> anyhow::Result<()> {
     {
         let cfg = qwen3_0_6b(layers);
         let before = current_bytes();
-        let store = ParamStore::new(7, DType::F32, &Device::Cpu);
+        let mut store = ParamStore::new(7, DType::F32, &Device::Cpu);
+        if lora.is_some() {
+            store = store.with_frozen(gradcache::params::Freeze::default().all_but_adapters());
+        }
         let options = BertOptions {
-            lora: None,
+            lora: lora.map(|rank| gradcache::nn::lora::LoraSpec {
+                rank,
+                alpha: 2.0 * rank as f64,
+                targets: vec![],
+                rslora: false,
+            }),
             pooling: Pooling::LastToken,
             normalize: true,
             recompute: Recompute::EveryLayer,
@@ -129,7 +160,16 @@ fn run(batch: usize, layers: usize, len: usize, chunk: usize) -> anyhow::Result<
         };
         let encoder = BertEncoder::build(&store, "", &cfg, &options)?;
         let weights = current_bytes() - before;
-        let params = store.params();
+        // What trains: every parameter, or the adapters alone.
+        let params = gradcache::Encoder::params(&encoder).clone();
+        if lora.is_some() {
+            // B starts at zero: move it, so the step's gradients are those of training.
+            for (name, var) in params.iter() {
+                if name.contains(".lora_B.") {
+                    var.set(&var.as_tensor().ones_like()?.affine(1e-3, 0.0)?)?;
+                }
+            }
+        }
         let loss = InfoNce::new(0.05)?.with_similarity(Similarity::Cosine);
         let gc = GradCache::shared(encoder, chunk, loss)?.with_dropout(false);
         let vocab = (0, cfg.vocab_size - 1000);

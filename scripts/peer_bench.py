@@ -39,17 +39,25 @@ def threads():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 
-def train(model_dir, pairs_path, batch, mini, max_len, symmetric, steps):
+def train(model_dir, pairs_path, batch, mini, max_len, symmetric, steps, lora=0):
     from sentence_transformers import SentenceTransformer, losses
 
     pairs = [json.loads(line) for line in open(pairs_path)]
     model = SentenceTransformer(model_dir, device="cpu")
     model.max_seq_length = max_len
+    if lora:
+        # PEFT LoRA (r, alpha 2r, no dropout) on every attention and feed-forward
+        # projection, the base frozen: what `[model.lora]` builds.
+        import peft
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        config = peft.LoraConfig(r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules=targets)
+        model[0].auto_model = peft.get_peft_model(model[0].auto_model, config)
     model.train()
     cls = (losses.CachedMultipleNegativesSymmetricRankingLoss if symmetric
            else losses.CachedMultipleNegativesRankingLoss)
     loss = cls(model, scale=20.0, mini_batch_size=mini)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     rates = []
     for step in range(steps + 1):
         b = pairs[step * batch:(step + 1) * batch]
@@ -203,7 +211,8 @@ if __name__ == "__main__":
     threads()
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "train":
-        train(args[0], args[1], int(args[2]), int(args[3]), int(args[4]), args[5] == "1", int(args[6]))
+        lora = int(args[7]) if len(args) > 7 else 0
+        train(args[0], args[1], int(args[2]), int(args[3]), int(args[4]), args[5] == "1", int(args[6]), lora)
     elif cmd == "encode":
         encode(args[0], args[1], int(args[2]), int(args[3]))
     elif cmd == "make":

@@ -456,3 +456,33 @@ fn a_decoder_on_two_ranks_follows_the_one_rank_loss_curve() {
     };
     one_and_two_ranks_agree(dir.path(), decoder);
 }
+
+#[test]
+fn lora_adapters_on_two_ranks_follow_the_one_rank_loss_curve() {
+    // The tiny Qwen3 fixture with LoRA adapters (the base frozen) and Qwen3-Embedding's
+    // loss (every direction in one softmax): the adapters' gradients are summed across the
+    // ranks like any parameter's, the loss runs on the gathered batch.
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/qwen3");
+    let adapted = |out: &Path| -> Vec<String> {
+        let mut v = args(&train, &eval, out);
+        for s in [
+            format!("model.pretrained=\"{}\"", model.display()),
+            "model.recompute=\"every_layer\"".into(),
+            "model.query_max_len=32".into(),
+            "model.passage_max_len=32".into(),
+            "model.lora.rank=4".into(),
+            "model.lora.alpha=8.0".into(),
+            "loss.temperature=0.05".into(),
+            "loss.directions=[\"query_to_doc\", \"query_to_query\", \"doc_to_query\", \"doc_to_doc\"]"
+                .into(),
+            "optim.lr=0.01".into(),
+        ] {
+            v.push("--set".into());
+            v.push(s);
+        }
+        v
+    };
+    one_and_two_ranks_agree(dir.path(), adapted);
+}

@@ -20,6 +20,30 @@ use crate::{Error, Result};
 
 pub use matryoshka::Matryoshka;
 
+/// The most logits (2^22, 16 MiB of f32) one row block of the composed loss holds when no
+/// block size is set: one block up to a batch of 2,048 pairs without hard negatives, row
+/// blocks beyond, so that the loss, the one piece of a cached step that grows with the
+/// square of the batch, grows only linearly. A block's forward and backward hold about a
+/// dozen logits-sized temporaries (measured: one block of 4,096 x 4,096 logits, 64 MiB,
+/// peaked at 814 MiB), so a block peaks near 200 MiB. (The CPU kernel holds a block by a
+/// tile whatever the batch.)
+pub const AUTO_BLOCK_LOGITS: usize = 1 << 22;
+
+/// The composed loss's row blocks for `rows` anchors of `candidates` logits each when no
+/// size is set: one block (`None`) while their logits fit in [`AUTO_BLOCK_LOGITS`], else
+/// as many rows as fit (at least one).
+pub fn auto_block_rows(rows: usize, candidates: usize) -> Option<usize> {
+    let candidates = candidates.max(1);
+    if rows.saturating_mul(candidates) <= AUTO_BLOCK_LOGITS {
+        None
+    } else {
+        Some((AUTO_BLOCK_LOGITS / candidates).max(1))
+    }
+}
+
+/// Anchor rows per block of the CPU loss kernel when no size is set.
+pub const KERNEL_BLOCK_ROWS: usize = 256;
+
 /// A loss's value and its gradients with respect to the representations, detached.
 #[derive(Debug, Clone)]
 pub struct LossValue {
@@ -113,6 +137,7 @@ pub struct InfoNce {
     temperature: f64,
     similarity: Similarity,
     symmetric: bool,
+    directions: Directions,
     block_rows: Option<usize>,
     false_negative_margin: Option<f64>,
     guide: Option<Guide>,
@@ -172,6 +197,7 @@ impl InfoNce {
             temperature,
             similarity: Similarity::Dot,
             symmetric: false,
+            directions: Directions::default(),
             block_rows: None,
             false_negative_margin: None,
             guide: None,
@@ -220,8 +246,21 @@ impl InfoNce {
         self
     }
 
+    /// The interactions of the main term's one softmax (sentence-transformers'
+    /// `directions` in its `joint` partition mode, the improved InfoNCE of GTE and
+    /// Qwen3-Embedding): `query_to_doc` always; `query_to_query` adds each query's
+    /// similarities to the other queries, `doc_to_query` its positive's similarities to
+    /// every query, `doc_to_doc` its positive's similarities to the passages of the other
+    /// queries. The false-negative mask applies to every one.
+    pub fn with_directions(mut self, directions: &[LossDirection]) -> Result<Self> {
+        self.directions = Directions::from_list(directions)?;
+        Ok(self)
+    }
+
     /// Computes the loss in blocks of `rows` anchor rows so that at most `rows x P` logits
-    /// exist at once; `None` computes it in one block.
+    /// exist at once (the CPU kernel: `rows x` a tile); `None` chooses: the kernel blocks
+    /// of [`KERNEL_BLOCK_ROWS`], the composed path one block while its logits fit in
+    /// [`AUTO_BLOCK_LOGITS`], else as many rows as fit.
     pub fn with_block_rows(mut self, rows: Option<usize>) -> Result<Self> {
         if rows == Some(0) {
             return Err(Error::InvalidConfig {
@@ -247,120 +286,201 @@ impl InfoNce {
         }
     }
 
-    /// The loss terms over prepared (normalised for cosine) representations `q` and `p`:
-    /// q2p, queries against all passages (target of query `i`: passage `i * group`); and,
-    /// when symmetric, p2q, each query's positive passage against all queries (target
-    /// `i`). Each term is a mean over its anchors.
-    fn terms(&self, q: &Tensor, p: &Tensor) -> Result<Vec<Term>> {
-        let queries = q.rows();
-        let group = group_size(queries, p.rows())?;
-        let weight = if self.symmetric { 0.5 } else { 1.0 } / queries as f64;
-        let guide = match &self.guide {
-            None => None,
-            Some(g) => {
-                let (gq, gp) = g.get().ok_or_else(|| Error::InvalidArgument {
-                    what: "guide",
-                    value: "none".into(),
-                    reason: "the guide's embeddings of this batch were not set before its step",
-                })?;
-                if gq.rows() != queries || gp.rows() != p.rows() {
-                    return Err(Error::InvalidArgument {
-                        what: "guide embeddings",
-                        value: format!("{} queries, {} passages", gq.rows(), gp.rows()),
-                        reason: "the guide's embeddings must cover the batch the loss sees",
-                    });
-                }
-                Some((gq, gp))
-            }
-        };
+    /// The loss terms: the main one, each query against every passage (target: its
+    /// positive, passage `i * group`) and the other interactions of `directions` in one
+    /// softmax; and, when symmetric, each positive passage against every query (target:
+    /// its query). Each term is a mean over its anchors.
+    fn terms(&self) -> Vec<Term> {
+        let weight = if self.symmetric { 0.5 } else { 1.0 };
+        let mut main = vec![Segment {
+            rows: Rows::Queries,
+            columns: Columns::Passages,
+            exclude: Exclude::Nothing,
+        }];
+        if self.directions.query_to_query {
+            main.push(Segment {
+                rows: Rows::Queries,
+                columns: Columns::Queries,
+                exclude: Exclude::Own,
+            });
+        }
+        if self.directions.doc_to_query {
+            main.push(Segment {
+                rows: Rows::Positives,
+                columns: Columns::Queries,
+                exclude: Exclude::Nothing,
+            });
+        }
+        if self.directions.doc_to_doc {
+            main.push(Segment {
+                rows: Rows::Positives,
+                columns: Columns::Passages,
+                exclude: Exclude::OwnGroup,
+            });
+        }
         let mut terms = vec![Term {
-            direction: Direction::QueryToPassage,
-            anchors: q.clone(),
-            candidates: p.clone(),
-            target_stride: group,
+            segments: main,
             weight,
-            guide: guide.clone(),
         }];
         if self.symmetric {
             terms.push(Term {
-                direction: Direction::PassageToQuery,
-                anchors: positives(p, queries, group)?,
-                candidates: q.clone(),
-                target_stride: 1,
+                segments: vec![Segment {
+                    rows: Rows::Positives,
+                    columns: Columns::Queries,
+                    exclude: Exclude::Nothing,
+                }],
                 weight,
-                guide: match &guide {
-                    Some((gq, gp)) => Some((positives(gp, queries, group)?, gq.clone())),
-                    None => None,
-                },
             });
         }
-        Ok(terms)
+        terms
     }
 
-    /// The weighted cross-entropy summed over anchor rows `rows` (absolute row numbers of
-    /// the term) whose representations are `anchors` (`rows.len()` of them).
-    fn block_loss(
+    /// The guide's embeddings of the batch (normalised), when a guide judges the
+    /// false-negative mask, checked to cover it.
+    fn guide_embeddings(
         &self,
-        anchors: &Tensor,
-        candidates: &Tensor,
-        rows: Range<usize>,
-        term: &Term,
-    ) -> Result<Tensor> {
-        let sims = anchors.matmul(&candidates.t()?)?;
+        queries: usize,
+        passages: usize,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let Some(g) = &self.guide else {
+            return Ok(None);
+        };
+        let (gq, gp) = g.get().ok_or_else(|| Error::InvalidArgument {
+            what: "guide",
+            value: "none".into(),
+            reason: "the guide's embeddings of this batch were not set before its step",
+        })?;
+        if gq.rows() != queries || gp.rows() != passages {
+            return Err(Error::InvalidArgument {
+                what: "guide embeddings",
+                value: format!("{} queries, {} passages", gq.rows(), gp.rows()),
+                reason: "the guide's embeddings must cover the batch the loss sees",
+            });
+        }
+        Ok(Some((gq, gp)))
+    }
+
+    /// The weighted cross-entropy of `term` summed over anchor rows `rows`: each
+    /// segment's similarities of the rows' anchors (`anchors`: the queries' and the
+    /// positives' rows) to its candidates, masked, in one softmax per row.
+    fn block_loss(&self, term: &Term, rows: Range<usize>, m: &Matrices) -> Result<Tensor> {
         let start = rows.start;
-        let targets: Vec<u32> = rows.map(|r| (r * term.target_stride) as u32).collect();
-        let n = targets.len();
-        let targets = Tensor::from_vec(targets, (n, 1), sims.device())?;
-        let judge = match &term.guide {
-            // The guide's similarities of these anchor rows.
-            Some((ga, gc)) => Some(ga.narrow(0, start, n)?.matmul(&gc.t()?)?),
-            None => self.false_negative_margin.map(|_| sims.detach()),
+        let n = rows.len();
+        let first = term.segments[0];
+        let stride = m.stride(first.columns);
+        let targets: Vec<u32> = rows.clone().map(|r| (r * stride) as u32).collect();
+        let targets = Tensor::from_vec(targets, (n, 1), m.q.device())?;
+        let masking = m.guide.is_some() || self.false_negative_margin.is_some();
+        // The judge of the false-negative mask: the guide's similarities or the model's
+        // (detached: the mask is a constant of the step); its threshold per row is the
+        // target's score minus the margin.
+        let judge = |seg: &Segment, sims: &Tensor| -> Result<Option<Tensor>> {
+            Ok(match (&m.guide, masking) {
+                (Some(g), _) => {
+                    let a = g.anchors(seg.rows).narrow(0, start, n)?;
+                    Some(a.matmul(&g.columns(seg.columns).t()?)?)
+                }
+                (None, true) => Some(sims.detach()),
+                (None, false) => None,
+            })
         };
-        let logits = match judge {
-            None => (sims / self.temperature)?,
-            Some(s) => {
-                // Judged on detached similarities: the mask is a constant of the step.
-                let margin = self.false_negative_margin.unwrap_or(0.0);
-                let threshold = (s.gather(&targets, D::Minus1)? - margin)?;
-                let above = s.broadcast_gt(&threshold)?;
-                let columns = Tensor::arange(0u32, s.dim(1)? as u32, s.device())?
-                    .unsqueeze(0)?
-                    .broadcast_as(s.shape())?;
-                let other = columns.broadcast_ne(&targets)?;
-                let masked = (above * other)?;
-                let floor = Tensor::full(f32::NEG_INFINITY, s.shape(), s.device())?
-                    .to_dtype(sims.dtype())?;
-                masked.where_cond(&floor, &(sims / self.temperature)?)?
+        let mut logits = Vec::with_capacity(term.segments.len());
+        let mut threshold: Option<Tensor> = None;
+        for (k, seg) in term.segments.iter().enumerate() {
+            let anchors = m.block_anchors(seg.rows);
+            let candidates = m.columns(seg.columns);
+            let sims = anchors.matmul(&candidates.t()?)?;
+            let cols = sims.dim(1)?;
+            let columns = Tensor::arange(0u32, cols as u32, sims.device())?
+                .unsqueeze(0)?
+                .broadcast_as((n, cols))?;
+            let row_ids = Tensor::arange(start as u32, (start + n) as u32, sims.device())?
+                .unsqueeze(1)?
+                .broadcast_as((n, cols))?;
+            // Left out of the softmax: the excluded entries, and (masking) the candidates
+            // the judge scores above the threshold, never the target.
+            let mut out: Option<Tensor> = match seg.exclude {
+                Exclude::Nothing => None,
+                Exclude::Own => Some(columns.eq(&row_ids)?),
+                Exclude::OwnGroup => {
+                    let group = Tensor::full(m.group as u32, (n, cols), sims.device())?;
+                    Some((columns.clone() / group)?.eq(&row_ids)?)
+                }
+            };
+            if let Some(j) = judge(seg, &sims)? {
+                if k == 0 {
+                    let margin = self.false_negative_margin.unwrap_or(0.0);
+                    threshold = Some((j.gather(&targets, D::Minus1)? - margin)?);
+                }
+                if let Some(t) = &threshold {
+                    let mut above = j.broadcast_gt(t)?;
+                    if k == 0 {
+                        above = (above * columns.broadcast_ne(&targets)?)?;
+                    }
+                    // The anchor's own pair seen from its passage is the target's
+                    // similarity again: never masked.
+                    if seg.rows == Rows::Positives && seg.columns == Columns::Queries {
+                        above = (above * columns.ne(&row_ids)?)?;
+                    }
+                    out = Some(match out {
+                        Some(o) => o.maximum(&above)?,
+                        None => above,
+                    });
+                }
             }
-        };
+            let scaled = (sims / self.temperature)?;
+            logits.push(match out {
+                None => scaled,
+                Some(out) => {
+                    let floor = Tensor::full(f32::NEG_INFINITY, (n, cols), scaled.device())?
+                        .to_dtype(scaled.dtype())?;
+                    out.where_cond(&floor, &scaled)?
+                }
+            });
+        }
+        let logits = Tensor::cat(&logits, 1)?;
         let log_probs = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
         let picked = log_probs.gather(&targets, D::Minus1)?;
-        Ok((picked.sum_all()? * (-term.weight))?)
+        Ok((picked.sum_all()? * (-term.weight / m.queries() as f64))?)
     }
 
-    /// One term, `block` anchor rows at a time, on detached values: returns the term's
-    /// loss and its gradients with respect to the anchors and the candidates. Each block
-    /// back-propagates from its own `block x C` logits into its own anchor rows and the
-    /// candidates, and its graph is gone before the next block starts: peak memory is
-    /// one block's logits (and their temporaries) plus the `[rows, d]` gradients, linear
-    /// in the batch.
-    fn term_value_and_grads(&self, term: &Term, block: usize) -> Result<(f64, Tensor, Tensor)> {
-        let candidates = Var::from_tensor(&term.candidates)?;
-        let mut grad_candidates = term.candidates.zeros_like()?;
-        let mut grad_anchors = Vec::new();
+    /// One term, `block` anchor rows at a time, on detached prepared representations:
+    /// returns the term's loss and its gradients with respect to the queries and the
+    /// passages. Each block back-propagates from its own logits into its own anchor rows
+    /// and the candidates, and its graph is gone before the next block starts: peak memory
+    /// is one block's logits (and their temporaries) plus the `[rows, d]` gradients,
+    /// linear in the batch.
+    fn term_value_and_grads(
+        &self,
+        term: &Term,
+        block: usize,
+        q: &Tensor,
+        p: &Tensor,
+        guide: Option<&GuideMatrices>,
+    ) -> Result<(f64, Tensor, Tensor)> {
+        let group = group_size(q.rows(), p.rows())?;
+        let pos = positives(p, q.rows(), group)?;
+        let (qv, pv) = (Var::from_tensor(q)?, Var::from_tensor(p)?);
+        let mut grad_q = q.zeros_like()?;
+        let mut grad_p = p.zeros_like()?;
+        let (mut grad_rows_q, mut grad_rows_pos) = (Vec::new(), Vec::new());
         let mut loss = 0f64;
-        let rows = term.anchors.rows();
+        let rows = q.rows();
         for start in (0..rows).step_by(block) {
             let len = block.min(rows - start);
-            // A leaf of its own, so the block's backward does not pad a gradient of all
+            // Leaves of their own, so the block's backward does not pad a gradient of all
             // anchors with zeros.
-            let anchors = Var::from_tensor(&term.anchors.narrow(0, start, len)?)?;
-            let l = self.block_loss(
-                anchors.as_tensor(),
-                candidates.as_tensor(),
-                start..start + len,
-                term,
-            )?;
+            let aq = Var::from_tensor(&q.narrow(0, start, len)?)?;
+            let apos = Var::from_tensor(&pos.narrow(0, start, len)?)?;
+            let m = Matrices {
+                q: qv.as_tensor(),
+                p: pv.as_tensor(),
+                group,
+                block_queries: aq.as_tensor(),
+                block_positives: apos.as_tensor(),
+                guide,
+            };
+            let l = self.block_loss(term, start..start + len, &m)?;
             loss += f64::from(scalar(&l)?);
             let store = l.backward()?;
             // Gradients carry the graph that computed them: detach before keeping them, or
@@ -371,10 +491,14 @@ impl InfoNce {
                     None => v.as_tensor().zeros_like()?,
                 })
             };
-            grad_anchors.push(grad(&anchors)?);
-            grad_candidates = (grad_candidates + grad(&candidates)?)?.detach();
+            grad_rows_q.push(grad(&aq)?);
+            grad_rows_pos.push(grad(&apos)?);
+            grad_q = (grad_q + grad(&qv)?)?.detach();
+            grad_p = (grad_p + grad(&pv)?)?.detach();
         }
-        Ok((loss, Tensor::cat(&grad_anchors, 0)?, grad_candidates))
+        let grad_q = (grad_q + Tensor::cat(&grad_rows_q, 0)?)?;
+        let grad_p = (grad_p + scatter_positives(&Tensor::cat(&grad_rows_pos, 0)?, group)?)?;
+        Ok((loss, grad_q, grad_p))
     }
 }
 
@@ -398,24 +522,116 @@ fn l2_normalize_backward(x: &Tensor, g: &Tensor) -> Result<Tensor> {
     Ok((g - y.broadcast_mul(&along)?)?.broadcast_div(&clamped)?)
 }
 
-/// Which way a loss term scores.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Direction {
-    /// Queries are anchors, all passages candidates.
-    QueryToPassage,
-    /// Positive passages are anchors, all queries candidates.
-    PassageToQuery,
+pub use crate::nn::infonce::{Columns, Exclude, Rows, Segment, Term};
+
+/// An interaction of InfoNCE's main term, as sentence-transformers'
+/// `MultipleNegativesRankingLoss(directions=...)` names them (`doc` or `passage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LossDirection {
+    /// Each query against every passage (always there).
+    #[serde(alias = "query_to_passage")]
+    QueryToDoc,
+    /// Each query against the other queries.
+    QueryToQuery,
+    /// Each query's positive against every query.
+    #[serde(alias = "passage_to_query")]
+    DocToQuery,
+    /// Each query's positive against the passages of the other queries.
+    #[serde(alias = "passage_to_passage")]
+    DocToDoc,
 }
 
-struct Term {
-    direction: Direction,
-    anchors: Tensor,
-    candidates: Tensor,
-    target_stride: usize,
-    weight: f64,
-    /// The guide's (normalised) embeddings of the anchors and candidates, when a guide
-    /// judges the false-negative mask.
-    guide: Option<(Tensor, Tensor)>,
+/// The interactions besides `query_to_doc`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Directions {
+    query_to_query: bool,
+    doc_to_query: bool,
+    doc_to_doc: bool,
+}
+
+impl Directions {
+    fn from_list(list: &[LossDirection]) -> Result<Self> {
+        if !list.contains(&LossDirection::QueryToDoc) {
+            return Err(Error::InvalidConfig {
+                field: "loss.directions",
+                value: format!("{list:?}"),
+                reason: "the query-to-passage term is the loss: list \"query_to_doc\" first",
+            });
+        }
+        Ok(Self {
+            query_to_query: list.contains(&LossDirection::QueryToQuery),
+            doc_to_query: list.contains(&LossDirection::DocToQuery),
+            doc_to_doc: list.contains(&LossDirection::DocToDoc),
+        })
+    }
+}
+
+/// The guide's embeddings as the segments read them.
+struct GuideMatrices {
+    q: Tensor,
+    p: Tensor,
+    pos: Tensor,
+}
+
+impl GuideMatrices {
+    fn new(q: Tensor, p: Tensor, group: usize) -> Result<Self> {
+        let pos = positives(&p, q.rows(), group)?;
+        Ok(Self { q, p, pos })
+    }
+
+    fn anchors(&self, rows: Rows) -> &Tensor {
+        match rows {
+            Rows::Queries => &self.q,
+            Rows::Positives => &self.pos,
+        }
+    }
+
+    fn columns(&self, columns: Columns) -> &Tensor {
+        match columns {
+            Columns::Queries => &self.q,
+            Columns::Passages => &self.p,
+        }
+    }
+}
+
+/// What a row block of the composed loss reads: the candidates, the block's anchors.
+struct Matrices<'a> {
+    q: &'a Tensor,
+    p: &'a Tensor,
+    group: usize,
+    /// The block's query rows and its queries' positive passages.
+    block_queries: &'a Tensor,
+    block_positives: &'a Tensor,
+    guide: Option<&'a GuideMatrices>,
+}
+
+impl Matrices<'_> {
+    fn queries(&self) -> usize {
+        self.q.dims()[0]
+    }
+
+    fn block_anchors(&self, rows: Rows) -> &Tensor {
+        match rows {
+            Rows::Queries => self.block_queries,
+            Rows::Positives => self.block_positives,
+        }
+    }
+
+    fn columns(&self, columns: Columns) -> &Tensor {
+        match columns {
+            Columns::Queries => self.q,
+            Columns::Passages => self.p,
+        }
+    }
+
+    /// A target's column stride: passage `i * group`, or query `i`.
+    fn stride(&self, columns: Columns) -> usize {
+        match columns {
+            Columns::Queries => 1,
+            Columns::Passages => self.group,
+        }
+    }
 }
 
 /// The positive passage of each of `queries` queries: rows `0, group, 2 group, ...` of `p`.
@@ -445,10 +661,23 @@ fn scatter_positives(g: &Tensor, group: usize) -> Result<Tensor> {
 impl Loss for InfoNce {
     fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
         let (q, p) = (self.prepare(queries)?, self.prepare(passages)?);
+        let group = group_size(q.rows(), p.rows())?;
+        let pos = positives(&p, q.rows(), group)?;
+        let guide = self.guide_embeddings(q.rows(), p.rows())?;
+        let guide = guide
+            .map(|(gq, gp)| GuideMatrices::new(gq, gp, group))
+            .transpose()?;
+        let m = Matrices {
+            q: &q,
+            p: &p,
+            group,
+            block_queries: &q,
+            block_positives: &pos,
+            guide: guide.as_ref(),
+        };
         let mut total: Option<Tensor> = None;
-        for term in self.terms(&q, &p)? {
-            let rows = term.anchors.rows();
-            let l = self.block_loss(&term.anchors, &term.candidates, 0..rows, &term)?;
+        for term in self.terms() {
+            let l = self.block_loss(&term, 0..q.rows(), &m)?;
             total = Some(match total {
                 Some(t) => (t + l)?,
                 None => l,
@@ -459,41 +688,83 @@ impl Loss for InfoNce {
         })
     }
 
-    /// Back-propagates one row block at a time: only `block_rows x P` logits (and their
-    /// graph) exist at once, in both directions of the symmetric loss. The blocks
-    /// back-propagate into the normalised representations; the normalisation's backward
-    /// runs once at the end. Gives the same value and gradients as the one-block form up
-    /// to float summation order.
+    /// Back-propagates one row block at a time: on the CPU in f32 or f64 as one kernel
+    /// with its backward written out ([`crate::nn::infonce`]: the logits a tile of columns
+    /// at a time, an online log-sum-exp, `block x tile` values alive); elsewhere with only
+    /// `block_rows x P` logits (and their graph) at once. The blocks back-propagate into
+    /// the normalised representations; the normalisation's backward runs once at the end.
+    /// Gives the same value and gradients as the one-block form up to float summation
+    /// order.
     fn value_and_grads(&self, queries: &Tensor, passages: &Tensor) -> Result<LossValue> {
-        let (q, p) = (queries.detach(), passages.detach());
-        let (qn, pn) = (self.prepare(&q)?, self.prepare(&p)?);
-        let mut loss = 0f64;
-        let mut grad_qn = qn.zeros_like()?;
-        let mut grad_pn = pn.zeros_like()?;
+        // Contiguous (a Matryoshka prefix is a strided view): the kernel reads rows.
+        let (q, p) = (
+            queries.detach().contiguous()?,
+            passages.detach().contiguous()?,
+        );
+        let (qn, pn) = (self.prepare(&q)?.detach(), self.prepare(&p)?.detach());
         let group = group_size(qn.rows(), pn.rows())?;
-        for term in self.terms(&qn.detach(), &pn.detach())? {
-            let block = self.block_rows.unwrap_or(term.anchors.rows()).max(1);
-            let (l, g_anchors, g_candidates) = self.term_value_and_grads(&term, block)?;
-            loss += l;
-            match term.direction {
-                Direction::QueryToPassage => {
-                    grad_qn = (grad_qn + g_anchors)?;
-                    grad_pn = (grad_pn + g_candidates)?;
+        let guide = self.guide_embeddings(qn.rows(), pn.rows())?;
+        let terms = self.terms();
+        // The composed path's logits per anchor row: every segment's candidates.
+        let width: usize = terms[0]
+            .segments
+            .iter()
+            .map(|s| match s.columns {
+                Columns::Queries => qn.rows(),
+                Columns::Passages => pn.rows(),
+            })
+            .sum();
+        let block = self
+            .block_rows
+            .or_else(|| auto_block_rows(qn.rows(), width))
+            .unwrap_or(qn.rows())
+            .max(1);
+        // The kernel's memory is a block by a tile whatever the batch.
+        let kernel_block = self.block_rows.unwrap_or(KERNEL_BLOCK_ROWS);
+        let cosine = self.similarity == Similarity::Cosine;
+        let tiled = crate::nn::infonce::value_and_grads(&crate::nn::infonce::Plan {
+            q: &qn,
+            p: &pn,
+            group,
+            guide: guide.as_ref().map(|(a, b)| (a, b)),
+            temperature: self.temperature,
+            margin: match (&guide, self.false_negative_margin) {
+                (Some(_), m) => Some(m.unwrap_or(0.0)),
+                (None, m) => m,
+            },
+            block_rows: kernel_block,
+            terms: &terms,
+            // The normalisation's backward in place, in the kernel.
+            unnormalized: cosine.then_some((&q, &p)),
+        })?;
+        let (loss, grad_queries, grad_passages) = match tiled {
+            Some(out) => out,
+            None => {
+                let guide = guide
+                    .map(|(gq, gp)| GuideMatrices::new(gq, gp, group))
+                    .transpose()?;
+                let mut loss = 0f64;
+                let mut grad_qn = qn.zeros_like()?;
+                let mut grad_pn = pn.zeros_like()?;
+                for term in &terms {
+                    let (l, gq, gp) =
+                        self.term_value_and_grads(term, block, &qn, &pn, guide.as_ref())?;
+                    loss += l;
+                    grad_qn = (grad_qn + gq)?;
+                    grad_pn = (grad_pn + gp)?;
                 }
-                Direction::PassageToQuery => {
-                    grad_pn = (grad_pn + scatter_positives(&g_anchors, group)?)?;
-                    grad_qn = (grad_qn + g_candidates)?;
+                match self.similarity {
+                    Similarity::Dot => (loss, grad_qn, grad_pn),
+                    // Through the normalisation, once, in closed form (no graph: autograd
+                    // kept about twenty `[B, d]` temporaries alive here, the peak of a
+                    // large batch).
+                    Similarity::Cosine => (
+                        loss,
+                        l2_normalize_backward(&q, &grad_qn)?,
+                        l2_normalize_backward(&p, &grad_pn)?,
+                    ),
                 }
             }
-        }
-        let (grad_queries, grad_passages) = match self.similarity {
-            Similarity::Dot => (grad_qn, grad_pn),
-            // Through the normalisation, once, in closed form (no graph: autograd kept
-            // about twenty `[B, d]` temporaries alive here, the peak of a large batch).
-            Similarity::Cosine => (
-                l2_normalize_backward(&q, &grad_qn)?,
-                l2_normalize_backward(&p, &grad_pn)?,
-            ),
         };
         Ok(LossValue {
             loss: loss as f32,

@@ -34,6 +34,7 @@ pub mod family_ops;
 pub mod fused;
 mod gated;
 mod gemm;
+pub mod infonce;
 mod layer_norm;
 pub mod lora;
 mod math;

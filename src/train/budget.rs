@@ -454,10 +454,8 @@ pub(super) fn plan_memory(
     let loss = InfoNce::new(cfg.loss.temperature)?
         .with_similarity(cfg.loss.similarity)
         .with_symmetric(cfg.loss.symmetric)
-        .with_block_rows(
-            cfg.loss
-                .effective_block_rows(t.batch_size, t.hard_negatives),
-        )?;
+        .with_directions(&cfg.loss.directions)?
+        .with_block_rows((cfg.loss.block_rows > 0).then_some(cfg.loss.block_rows))?;
     let (_, loss_peak, value) = memory::measure(|| {
         use crate::loss::Loss;
         loss.value_and_grads(&rq, &rp)

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use crate::device::DeviceSpec;
 use crate::dist::Backend;
 use crate::hub::adapter::PeftAdapter;
-use crate::loss::Similarity;
+use crate::loss::{LossDirection, Similarity};
 use crate::models::bert::Pooling;
 use crate::precision::{LossScaler, Precision};
 use crate::recompute::Recompute;
@@ -390,6 +390,12 @@ pub struct LossConfig {
     pub similarity: Similarity,
     /// Add the passage-to-query term.
     pub symmetric: bool,
+    /// The interactions of the loss's one softmax, as sentence-transformers'
+    /// `MultipleNegativesRankingLoss(directions=...)` names them: `query_to_doc` (always),
+    /// `query_to_query`, `doc_to_query`, `doc_to_doc` (`passage` for `doc` also reads).
+    /// Qwen3-Embedding's and GTE's loss: all four.
+    #[serde(skip_serializing_if = "LossConfig::only_query_to_doc")]
+    pub directions: Vec<LossDirection>,
     /// Compute the loss in blocks of this many anchor rows; 0: one block while the
     /// logits fit in [`AUTO_BLOCK_LOGITS`], else blocks that do (see
     /// [`LossConfig::effective_block_rows`]).
@@ -413,15 +419,13 @@ pub struct LossConfig {
     pub false_negative_guide: Option<String>,
 }
 
-/// The most logits (2^22, 16 MiB of f32) one block of the loss holds when
-/// `loss.block_rows = 0`: one block up to a batch of 2,048 pairs without hard negatives,
-/// row blocks beyond, so that the loss, the one piece of a cached step that grows with the
-/// square of the batch, grows only linearly. A block's forward and backward hold about a
-/// dozen logits-sized temporaries (measured: one block of 4,096 x 4,096 logits, 64 MiB,
-/// peaked at 814 MiB), so a block peaks near 200 MiB.
-pub const AUTO_BLOCK_LOGITS: usize = 1 << 22;
+pub use crate::loss::AUTO_BLOCK_LOGITS;
 
 impl LossConfig {
+    fn only_query_to_doc(directions: &[LossDirection]) -> bool {
+        directions == [LossDirection::QueryToDoc]
+    }
+
     /// The row blocks the loss is computed in for a global batch of `batch` pairs with
     /// `hard_negatives` per query: `block_rows` when set, else one block (`None`) while
     /// `batch x batch(1 + hard_negatives)` logits fit in [`AUTO_BLOCK_LOGITS`], else as many
@@ -430,12 +434,7 @@ impl LossConfig {
         if self.block_rows > 0 {
             return Some(self.block_rows);
         }
-        let candidates = batch.saturating_mul(1 + hard_negatives).max(1);
-        if batch.saturating_mul(candidates) <= AUTO_BLOCK_LOGITS {
-            None
-        } else {
-            Some((AUTO_BLOCK_LOGITS / candidates).max(1))
-        }
+        crate::loss::auto_block_rows(batch, batch.saturating_mul(1 + hard_negatives))
     }
 }
 
@@ -445,6 +444,7 @@ impl Default for LossConfig {
             temperature: 0.05,
             similarity: Similarity::Cosine,
             symmetric: false,
+            directions: vec![LossDirection::QueryToDoc],
             block_rows: 0,
             matryoshka_dims: Vec::new(),
             matryoshka_weights: Vec::new(),
@@ -728,6 +728,7 @@ impl Config {
                 "must be a finite number greater than 0",
             ));
         }
+        crate::loss::InfoNce::new(l.temperature)?.with_directions(&l.directions)?;
         let o = &self.optim;
         if !(o.lr.is_finite() && o.lr >= 0.0) {
             return Err(invalid(

@@ -358,12 +358,12 @@ impl Run<TextPairs> {
             .with_config(model.tokenizer_config.clone());
         let export_tokenizer = Tokenizer::new(model.tokenizer.clone(), model.limit)?
             .with_config(model.tokenizer_config.clone());
-        let block = cfg
-            .loss
-            .effective_block_rows(cfg.train.batch_size, cfg.train.hard_negatives);
+        // Unset: the loss chooses (the CPU kernel's blocks, or the composed path's that fit).
+        let block = (cfg.loss.block_rows > 0).then_some(cfg.loss.block_rows);
         let loss = InfoNce::new(cfg.loss.temperature)?
             .with_similarity(cfg.loss.similarity)
             .with_symmetric(cfg.loss.symmetric)
+            .with_directions(&cfg.loss.directions)?
             .with_block_rows(block)?
             .with_false_negative_margin(cfg.loss.false_negative_margin)?;
         let guide = match &cfg.loss.false_negative_guide {
