@@ -314,6 +314,9 @@ impl ParamStore {
 pub struct Freeze {
     patterns: Arc<Vec<String>>,
     all_but_adapters: bool,
+    /// The dtype LoRA's targeted projections' base weights are stored in, and the
+    /// adapters' settings that say which they are.
+    narrow: Option<(DType, Arc<crate::nn::lora::LoraSpec>)>,
 }
 
 impl Freeze {
@@ -322,6 +325,7 @@ impl Freeze {
         Self {
             patterns: Arc::new(patterns.to_vec()),
             all_but_adapters: false,
+            narrow: None,
         }
     }
 
@@ -329,6 +333,20 @@ impl Freeze {
     pub fn all_but_adapters(mut self) -> Self {
         self.all_but_adapters = true;
         self
+    }
+
+    /// Stores the base weights of the projections `lora` targets in `dtype` (bf16 halves
+    /// them); the adapters merge onto them in f32.
+    pub fn narrowing(mut self, dtype: DType, lora: &crate::nn::lora::LoraSpec) -> Self {
+        self.narrow = (dtype != DType::F32).then(|| (dtype, Arc::new(lora.clone())));
+        self
+    }
+
+    /// The dtype the weight `name` is stored in when it is narrowed.
+    fn narrowed(&self, name: &str) -> Option<DType> {
+        let (dtype, lora) = self.narrow.as_ref()?;
+        let module = name.strip_suffix(".weight")?;
+        (self.matches(name) && lora.targets_module(module)).then_some(*dtype)
     }
 
     /// Whether nothing is frozen.
@@ -438,6 +456,11 @@ impl SimpleBackend for ParamStore {
                 file.load(rest, &s, dtype, &self.device)
             }
             _ => self.init(name, &s, h, dtype),
+        };
+        // A LoRA projection's frozen base weight, stored narrower (`model.base_dtype`).
+        let value = match (value, self.frozen.narrowed(name)) {
+            (Ok(v), Some(narrow)) if v.dtype() != narrow => v.to_dtype(narrow).map_err(Error::from),
+            (value, _) => value,
         };
         let value = match value {
             Ok(v) => v,

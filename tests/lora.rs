@@ -292,3 +292,68 @@ fn frozen_weights_get_no_gradient_and_change_no_other() {
         assert!(err <= 1e-5, "`{name}` changed by freezing others: {err:e}");
     }
 }
+
+#[test]
+fn a_bf16_base_stores_the_projections_narrow_and_gives_the_gradients_of_its_values() {
+    let (q, p) = (tokens(7, 6), tokens(8, 6));
+    for family in FAMILIES {
+        let cfg = config(family);
+        let spec = lora(2);
+        let narrow = Freeze::default()
+            .all_but_adapters()
+            .narrowing(DType::BF16, &spec);
+        let store = ParamStore::new(7, DType::F32, &Device::Cpu).with_frozen(narrow);
+        let opts = options(family, Some(spec.clone()), Recompute::EveryLayer);
+        let enc = BertEncoder::build(&store, "", &cfg, &opts).unwrap();
+        let frozen = enc.tower().frozen().clone();
+        let (mut narrowed, mut wide) = (0, 0);
+        for (name, var) in frozen.iter() {
+            let module = name.strip_suffix(".weight").unwrap_or(name);
+            let projection = name.ends_with(".weight") && spec.targets_module(module);
+            let want = if projection { DType::BF16 } else { DType::F32 };
+            assert_eq!(var.dtype(), want, "{family}: `{name}`");
+            if projection {
+                narrowed += 1;
+            } else {
+                wide += 1;
+            }
+        }
+        assert!(
+            narrowed > 0 && wide > 0,
+            "{family}: {narrowed} narrowed, {wide} wide"
+        );
+        let adapters: Vec<(String, Tensor)> = store
+            .params()
+            .iter()
+            .filter(|(n, _)| n.contains(".lora_"))
+            .enumerate()
+            .map(|(i, (n, var))| {
+                let v = common::random(60 + i as u64, var.dims())
+                    .affine(0.3, 0.0)
+                    .unwrap();
+                var.set(&v).unwrap();
+                (n.to_string(), v)
+            })
+            .collect();
+        let got = gc(enc, 3).cache_step(0, &q, &p).unwrap();
+
+        // The same model in f32 holding the bf16 values: the same step.
+        let wide_store = ParamStore::new(7, DType::F32, &Device::Cpu)
+            .with_frozen(Freeze::default().all_but_adapters());
+        let wide_enc = BertEncoder::build(&wide_store, "", &cfg, &opts).unwrap();
+        for (name, var) in frozen.iter() {
+            let f32_value = var.as_tensor().to_dtype(DType::F32).unwrap();
+            wide_store.get(name).unwrap().set(&f32_value).unwrap();
+        }
+        for (name, value) in &adapters {
+            wide_store.get(name).unwrap().set(value).unwrap();
+        }
+        let want = gc(wide_enc, 3).cache_step(0, &q, &p).unwrap();
+        assert!(
+            ((got.loss - want.loss) / want.loss).abs() <= 1e-6,
+            "{family}"
+        );
+        let err = rel_err_with_zeros(&got.grads, &want.grads, &[], 1e-5);
+        assert!(err <= 1e-6, "{family}: adapter gradients off by {err:e}");
+    }
+}

@@ -221,6 +221,13 @@ fn bad_lora_and_freeze_settings_are_refused_before_anything_is_written() {
     assert_eq!(field(&err), "model.freeze");
     assert!(err.to_string().contains("encoder.layer.7"), "{err}");
 
+    // A narrow base without LoRA.
+    let mut cfg = load(&path, &[]);
+    cfg.model.lora = None;
+    cfg.model.base_dtype = gradcache::train::config::BaseDtype::Bf16;
+    let err = cfg.validate().unwrap_err();
+    assert_eq!(field(&err), "model.base_dtype");
+
     // --adapter on a run without LoRA.
     let mut cfg = load(&path, &[]);
     cfg.model.lora = None;
@@ -270,4 +277,30 @@ fn frozen_layers_stay_as_loaded_and_the_export_keeps_them() {
         .params()
         .names()
         .all(|n| !n.starts_with("embeddings.") && !n.starts_with("encoder.layer.0.")));
+}
+
+#[test]
+fn a_bf16_base_trains_and_exports_at_full_width() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = lora_run(dir.path());
+    let cfg = load(&path, &["model.base_dtype=\"bf16\""]);
+    let mut trainer = Trainer::new(cfg.clone(), None).unwrap();
+    let query = trainer
+        .store()
+        .get("encoder.layer.0.attention.self.query.weight")
+        .unwrap();
+    assert_eq!(query.dtype(), candle_core::DType::BF16);
+    let norm = trainer.store().get("embeddings.LayerNorm.weight").unwrap();
+    assert_eq!(norm.dtype(), candle_core::DType::F32);
+    trainer.run(&mut Quiet).unwrap();
+    let out = dir.path().join("merged");
+    export_run(&cfg, None, &out, Side::Query).unwrap();
+    let exported = weights(&out.join("model.safetensors"));
+    assert!(exported
+        .values()
+        .all(|t| t.dtype() == candle_core::DType::F32));
+    EmbeddingModel::load(&out.display().to_string(), &LoadOptions::default())
+        .unwrap()
+        .embed(&["the lord is my shepherd"], 1)
+        .unwrap();
 }

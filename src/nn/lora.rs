@@ -54,9 +54,38 @@ impl LoraSpec {
             .strip_prefix("query.")
             .or_else(|| path.strip_prefix("passage."))
             .unwrap_or(path);
-        self.targets.is_empty() || self.targets.iter().any(|t| target_matches(t, bare))
+        if self.targets.is_empty() {
+            return DEFAULT_TARGETS.iter().any(|t| target_matches(t, bare));
+        }
+        self.targets.iter().any(|t| target_matches(t, bare))
     }
 }
+
+/// Every family's attention and feed-forward projections, as PEFT's `target_modules`
+/// names them: BERT and RoBERTa (`query`, `key`, `value`, the `dense` of
+/// `attention.output`, `intermediate` and `output`), MPNet (`attn.q` .. `attn.o`),
+/// ModernBERT (`Wqkv`, `Wo`, `Wi`) and the decoders (`q_proj` .. `down_proj`). The
+/// default targets.
+pub const DEFAULT_TARGETS: [&str; 18] = [
+    "query",
+    "key",
+    "value",
+    "dense",
+    "attn.q",
+    "attn.k",
+    "attn.v",
+    "attn.o",
+    "Wqkv",
+    "Wo",
+    "Wi",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
 
 /// Whether PEFT's `target_modules` entry `target` names the module at `path`: the path
 /// itself or its last components (`q_proj` matches `layers.0.self_attn.q_proj`), or with
@@ -178,7 +207,8 @@ pub fn merge_into(
             b,
             scale: spec.scale(),
         };
-        let merged = adapter.merged(base)?.to_dtype(base.dtype())?;
+        // In f32 (a base stored narrower for training is exported at full width).
+        let merged = adapter.merged(base)?;
         weights.insert(name, merged);
     }
     Ok(())

@@ -227,6 +227,39 @@ pub struct ModelConfig {
     /// frozen.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lora: Option<LoraConfig>,
+    /// With LoRA: the dtype the adapted projections' frozen base weights are stored in
+    /// (`bf16` halves them; the adapters, their gradients and optimizer state stay f32,
+    /// and the merge runs in f32). Every other weight stays f32.
+    #[serde(skip_serializing_if = "BaseDtype::is_f32")]
+    pub base_dtype: BaseDtype,
+}
+
+/// `model.base_dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BaseDtype {
+    /// Full width.
+    #[default]
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+}
+
+impl BaseDtype {
+    fn is_f32(&self) -> bool {
+        *self == BaseDtype::F32
+    }
+
+    /// The candle dtype.
+    pub fn dtype(self) -> candle_core::DType {
+        match self {
+            BaseDtype::F32 => candle_core::DType::F32,
+            BaseDtype::Bf16 => candle_core::DType::BF16,
+            BaseDtype::F16 => candle_core::DType::F16,
+        }
+    }
 }
 
 /// `[model.lora]`: low-rank adapters as PEFT builds them.
@@ -342,6 +375,7 @@ impl Default for ModelConfig {
             fresh: FreshModel::default(),
             freeze: Vec::new(),
             lora: None,
+            base_dtype: BaseDtype::F32,
         }
     }
 }
@@ -810,6 +844,15 @@ impl Config {
                     "names no module",
                 ));
             }
+        }
+        if m.base_dtype != BaseDtype::F32 && m.lora.is_none() {
+            return Err(invalid(
+                "model.base_dtype",
+                format!("{:?}", m.base_dtype).to_lowercase(),
+                "narrows the frozen base weights of LoRA's projections: set [model.lora], or \
+                 leave it f32 (for a model trained whole, precision = \"bf16\" is the \
+                 compute dtype)",
+            ));
         }
         if let Some(p) = m.freeze.iter().find(|p| p.trim().is_empty()) {
             return Err(invalid(

@@ -116,7 +116,7 @@ pub(super) fn build_model(
     comm: &dyn Collective,
     device: &Device,
 ) -> Result<Model> {
-    let store = ParamStore::new(cfg.seed, DType::F32, device).with_frozen(freeze(cfg));
+    let store = ParamStore::new(cfg.seed, DType::F32, device).with_frozen(freeze(cfg)?);
     let model = if cfg.model.pretrained.is_empty() {
         let tokenizer = dist::from_root(comm, "the tokenizer", || fresh_tokenizer(cfg, texts))?;
         dist::agree(comm, fresh_model(cfg, tokenizer, store))
@@ -127,13 +127,16 @@ pub(super) fn build_model(
     Ok(model)
 }
 
-/// What a run freezes: `model.freeze`, and with LoRA everything but the adapters.
-pub(super) fn freeze(cfg: &Config) -> Freeze {
+/// What a run freezes: `model.freeze`, and with LoRA everything but the adapters (the
+/// adapted projections' base weights stored in `model.base_dtype`).
+pub(super) fn freeze(cfg: &Config) -> Result<Freeze> {
     let freeze = Freeze::patterns(&cfg.model.freeze);
-    match cfg.model.lora {
-        Some(_) => freeze.all_but_adapters(),
+    Ok(match &cfg.model.lora {
+        Some(lora) => freeze
+            .all_but_adapters()
+            .narrowing(cfg.model.base_dtype.dtype(), &lora.spec()?.0),
         None => freeze,
-    }
+    })
 }
 
 /// Every `model.freeze` pattern and every LoRA target names something in the model.

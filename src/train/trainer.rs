@@ -818,7 +818,7 @@ pub fn export_run_as(
         prompt_pooled = recorded.include_prompt;
     }
     // A checkpoint holds the trained weights; the frozen ones are the pretrained model's.
-    if !freeze(cfg).is_empty() && !cfg.model.pretrained.is_empty() {
+    if !freeze(cfg)?.is_empty() && !cfg.model.pretrained.is_empty() {
         let files = match pretrained {
             Some(files) => files,
             None => ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?,
