@@ -133,6 +133,8 @@ pub mod docs_doctests {
     pub struct Benchmarks;
     #[doc = include_str!("../docs/design.md")]
     pub struct Design;
+    #[doc = include_str!("../docs/lora.md")]
+    pub struct Lora;
     #[doc = include_str!("../docs/retrieval.md")]
     pub struct Retrieval;
 }
