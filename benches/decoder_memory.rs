@@ -11,6 +11,8 @@
 //! cargo bench --bench decoder_memory -- --layers 2   # a quick look (same widths)
 //! cargo bench --bench decoder_memory -- --lora 16     # LoRA r 16 (alpha 32) on every
 //!                                                    # projection, the base frozen
+//! cargo bench --bench decoder_memory -- --lora 16 --bf16-base   # ... its projections'
+//!                                                    # base weights in bf16
 //! ```
 //!
 //! With `--lora R` the weights column is the frozen base and the adapters, the gradients
@@ -68,6 +70,11 @@ fn peak_rss() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+/// `--bf16-base`: LoRA's projections' frozen weights in bf16 (`model.base_dtype`).
+fn bf16_base() -> bool {
+    std::env::args().any(|a| a == "--bf16-base")
+}
+
 fn arg(name: &str) -> Option<usize> {
     let args: Vec<String> = std::env::args().collect();
     args.iter()
@@ -93,6 +100,9 @@ fn main() -> anyhow::Result<()> {
             if let Some(rank) = lora {
                 args.extend(["--lora".into(), rank.to_string()]);
             }
+            if bf16_base() {
+                args.push("--bf16-base".into());
+            }
             let status = std::process::Command::new(std::env::current_exe()?)
                 .args(&args)
                 .arg(if batch == 64 {
@@ -112,8 +122,13 @@ fn main() -> anyhow::Result<()> {
     }
     let adapters = match lora {
         Some(r) => format!(
-            "LoRA r {r} alpha {} on every projection, the base frozen; ",
-            2 * r
+            "LoRA r {r} alpha {} on every projection, the base frozen{}; ",
+            2 * r,
+            if bf16_base() {
+                " (the projections' base weights in bf16)"
+            } else {
+                ""
+            }
         ),
         None => String::new(),
     };
@@ -142,17 +157,22 @@ fn run(
     {
         let cfg = qwen3_0_6b(layers);
         let before = current_bytes();
+        let spec = lora.map(|rank| gradcache::nn::lora::LoraSpec {
+            rank,
+            alpha: 2.0 * rank as f64,
+            targets: vec![],
+            rslora: false,
+        });
         let mut store = ParamStore::new(7, DType::F32, &Device::Cpu);
-        if lora.is_some() {
-            store = store.with_frozen(gradcache::params::Freeze::default().all_but_adapters());
+        if let Some(spec) = &spec {
+            let mut frozen = gradcache::params::Freeze::default().all_but_adapters();
+            if bf16_base() {
+                frozen = frozen.narrowing(DType::BF16, spec);
+            }
+            store = store.with_frozen(frozen);
         }
         let options = BertOptions {
-            lora: lora.map(|rank| gradcache::nn::lora::LoraSpec {
-                rank,
-                alpha: 2.0 * rank as f64,
-                targets: vec![],
-                rslora: false,
-            }),
+            lora: spec.clone(),
             pooling: Pooling::LastToken,
             normalize: true,
             recompute: Recompute::EveryLayer,

@@ -19,7 +19,7 @@ use candle_nn::VarBuilder;
 
 use crate::batch::Batch;
 use crate::dropout::Ctx;
-use crate::params::{is_buffer, Gradients, ParamStore, Params, Recorder};
+use crate::params::{is_buffer, Gradients, ParamStore, Params, Recorder, Views};
 use crate::replay::replay;
 use crate::Result;
 
@@ -108,7 +108,11 @@ impl<M> Tower<M> {
         let mut views = params.detached();
         views.extend(buffers.detached());
         views.extend(frozen.detached());
-        let vb = VarBuilder::from_tensors(views, store.dtype(), store.device());
+        let vb = VarBuilder::from_backend(
+            Box::new(Views(views)),
+            store.dtype(),
+            store.device().clone(),
+        );
         let vb = if prefix.is_empty() { vb } else { vb.pp(prefix) };
         let detached = build(vb)?;
         Ok(Self {

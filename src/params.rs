@@ -822,6 +822,43 @@ pub(crate) fn max_abs(t: &Tensor) -> Result<f64> {
 
 /// Used by [`crate::encoder::Tower`]: a backend that serves a store's variables and
 /// records every name requested, so a tower knows exactly which parameters it owns.
+/// Tensors served by name as they are: the detached build of a [`crate::Tower`]. Unlike
+/// candle's map backend it converts no dtype, so a base weight stored narrower
+/// (`model.base_dtype`) is not copied at full width.
+pub(crate) struct Views(pub(crate) std::collections::HashMap<String, Tensor>);
+
+impl SimpleBackend for Views {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: Init,
+        _: DType,
+        _: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let t = self.get_unchecked(name, DType::F32, &Device::Cpu)?;
+        if t.shape() != &s {
+            candle_core::bail!(
+                "parameter `{name}` has shape {:?} but shape {:?} was requested",
+                t.shape(),
+                s
+            );
+        }
+        Ok(t)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        match self.0.get(name) {
+            Some(t) => Ok(t.clone()),
+            None => candle_core::bail!("no parameter named `{name}` in the store"),
+        }
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.contains_key(name)
+    }
+}
+
 pub(crate) struct Recorder {
     pub(crate) store: ParamStore,
     pub(crate) names: Arc<Mutex<Vec<String>>>,
