@@ -165,8 +165,12 @@ impl Adapter {
         }))
     }
 
-    /// `W + s B A` in f32 (the base weight widened when it is stored narrower).
+    /// `W + s B A` in f32 (the base weight widened when it is stored narrower): on the
+    /// CPU one node (see [`Self::merged_on_cpu`]), elsewhere composed ops.
     pub fn merged(&self, base: &Tensor) -> Result<Tensor> {
+        if let Some(w) = self.merged_on_cpu(base)? {
+            return Ok(w);
+        }
         let update = self.b.matmul(&self.a)?.affine(self.scale, 0.0)?;
         let base = match base.dtype() {
             DType::F32 | DType::F64 => base.clone(),
@@ -174,6 +178,101 @@ impl Adapter {
         };
         Ok(base.add(&update.to_dtype(base.dtype())?)?)
     }
+}
+
+impl Adapter {
+    /// `W + s B A` as one node on the CPU (f32 adapters, a frozen base in f32, bf16 or
+    /// f16): the base read in its own dtype straight into the result and `s B A` added by
+    /// one product; the backward turns `dW'` into `dA = s B^T dW'` and `dB = s dW' A^T` by
+    /// two products, into the gradient sink. One `[out, in]` buffer (the result) where the
+    /// composed ops held four (the widened base, `B A`, its scaled copy, the sum) and the
+    /// scaled `dW'` of their backward. `None` where it does not run.
+    fn merged_on_cpu(&self, base: &Tensor) -> Result<Option<Tensor>> {
+        if base.track_op()
+            || !base.device().is_cpu()
+            || !super::fused_ok(&[&self.a, &self.b])
+            || self.a.dtype() != DType::F32
+        {
+            return Ok(None);
+        }
+        let (out, input) = base.dims2()?;
+        let rank = self.a.dim(0)?;
+        let Some(mut w) = widened(base)? else {
+            return Ok(None);
+        };
+        let s = self.scale as f32;
+        let (a, b) = (self.a.detach().contiguous()?, self.b.detach().contiguous()?);
+        let a_vals: Vec<f32> = a.flatten_all()?.to_vec1()?;
+        let b_scaled: Vec<f32> = b
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|v| v * s)
+            .collect();
+        // W' [out, in] += (s B) [out, r] A [r, in]
+        super::gemm::product(
+            (out, input, rank),
+            (&mut w, input),
+            true,
+            (&b_scaled, rank, 1),
+            (&a_vals, input, 1),
+        );
+        let params = [self.a.clone(), self.b.clone()];
+        let backward: super::node::BackwardN = Box::new(move |dw| {
+            let dw = dw.contiguous()?.to_dtype(DType::F32)?;
+            let view = super::packing::View::new(&dw)?;
+            let dw = view.values::<f32>()?;
+            // dA [r, in] = (s B)^T [r, out] dW' [out, in]
+            let mut da = vec![0f32; rank * input];
+            super::gemm::product(
+                (rank, input, out),
+                (&mut da, input),
+                false,
+                (&b_scaled, 1, rank),
+                (dw, input, 1),
+            );
+            // dB [out, r] = dW' [out, in] (s A)^T [in, r]
+            let a_scaled: Vec<f32> = a_vals.iter().map(|v| v * s).collect();
+            let mut db = vec![0f32; out * rank];
+            super::gemm::product(
+                (out, rank, input),
+                (&mut db, rank),
+                false,
+                (dw, input, 1),
+                (&a_scaled, 1, input),
+            );
+            Ok(vec![
+                crate::sink::deposit(&params[0], da)?,
+                crate::sink::deposit(&params[1], db)?,
+            ])
+        });
+        Ok(Some(super::node::node_n_owned(
+            "gradcache-lora-merged",
+            &[&self.a, &self.b],
+            w,
+            (out, input).into(),
+            backward,
+        )?))
+    }
+}
+
+/// A stored base weight's values widened to f32 (a copy), read from its storage whatever
+/// its dtype; `None` for a strided or non-float one.
+fn widened(base: &Tensor) -> Result<Option<Vec<f32>>> {
+    let (storage, layout) = base.storage_and_layout();
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        return Ok(None);
+    };
+    Ok(match &*storage {
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => Some(v[start..end].to_vec()),
+        candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(v)) => {
+            Some(v[start..end].iter().map(|x| x.to_f32()).collect())
+        }
+        candle_core::Storage::Cpu(candle_core::CpuStorage::F16(v)) => {
+            Some(v[start..end].iter().map(|x| x.to_f32()).collect())
+        }
+        _ => None,
+    })
 }
 
 /// Folds every adapter of `weights` into its projection (`<m>.weight` becomes
