@@ -31,6 +31,31 @@ fn every_shipped_config_is_valid() {
 }
 
 #[test]
+fn the_lora_recipe_of_docs_lora_md_parses() {
+    // docs/lora.md's step 3, as a shell passes its --set values.
+    let sets: Vec<String> = [
+        "data.train_file=mined.jsonl",
+        "data.eval_file=my-beir",
+        "data.eval_split=dev",
+        "train.hard_negatives=3",
+        "train.chunk_tokens=2048",
+        "model.base_dtype=bf16",
+        r#"loss.directions=["query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc"]"#,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let cfg = Config::load(Path::new("configs/qwen3-lora.toml"), &sets).unwrap();
+    assert_eq!(
+        cfg.model.base_dtype,
+        gradcache::train::config::BaseDtype::Bf16
+    );
+    assert_eq!(cfg.loss.directions.len(), 4);
+    assert_eq!(cfg.train.chunk_tokens, Some(2048));
+    assert_eq!(cfg.model.lora.as_ref().and_then(|l| l.rank), Some(16));
+}
+
+#[test]
 fn quickstart_config_parses_with_overrides() {
     let cfg = Config::load(Path::new("configs/quickstart.toml"), &[]).unwrap();
     assert_eq!(cfg.train.batch_size, 128);
