@@ -167,7 +167,7 @@ fn run(
         if let Some(spec) = &spec {
             let mut frozen = gradcache::params::Freeze::default().all_but_adapters();
             if bf16_base() {
-                frozen = frozen.narrowing(DType::BF16, spec);
+                frozen = frozen.narrowing(DType::BF16, &spec.targets);
             }
             store = store.with_frozen(frozen);
         }

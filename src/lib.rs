@@ -77,6 +77,7 @@ pub mod hub;
 pub mod loss;
 pub mod memory;
 pub mod models;
+pub mod names;
 pub mod nn;
 pub mod params;
 pub mod pool;

@@ -19,6 +19,7 @@ use candle_nn::init::NormalOrUniform;
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
 
+use crate::names::{is_adapter, pattern_matches, targets_module};
 use crate::rng;
 use crate::{Error, Result};
 
@@ -316,7 +317,7 @@ pub struct Freeze {
     all_but_adapters: bool,
     /// The dtype LoRA's targeted projections' base weights are stored in, and the
     /// adapters' settings that say which they are.
-    narrow: Option<(DType, Arc<crate::nn::lora::LoraSpec>)>,
+    narrow: Option<(DType, Arc<Vec<String>>)>,
 }
 
 impl Freeze {
@@ -335,18 +336,18 @@ impl Freeze {
         self
     }
 
-    /// Stores the base weights of the projections `lora` targets in `dtype` (bf16 halves
-    /// them); the adapters merge onto them in f32.
-    pub fn narrowing(mut self, dtype: DType, lora: &crate::nn::lora::LoraSpec) -> Self {
-        self.narrow = (dtype != DType::F32).then(|| (dtype, Arc::new(lora.clone())));
+    /// Stores the base weights of the projections LoRA's `targets` name (empty: the
+    /// default ones) in `dtype` (bf16 halves them); the adapters merge onto them in f32.
+    pub fn narrowing(mut self, dtype: DType, targets: &[String]) -> Self {
+        self.narrow = (dtype != DType::F32).then(|| (dtype, Arc::new(targets.to_vec())));
         self
     }
 
     /// The dtype the weight `name` is stored in when it is narrowed.
     fn narrowed(&self, name: &str) -> Option<DType> {
-        let (dtype, lora) = self.narrow.as_ref()?;
+        let (dtype, targets) = self.narrow.as_ref()?;
         let module = name.strip_suffix(".weight")?;
-        (self.matches(name) && lora.targets_module(module)).then_some(*dtype)
+        (self.matches(name) && targets_module(targets, module)).then_some(*dtype)
     }
 
     /// Whether nothing is frozen.
@@ -364,50 +365,11 @@ impl Freeze {
         if is_buffer(name) {
             return false;
         }
-        if self.all_but_adapters && !crate::nn::lora::is_adapter(name) {
+        if self.all_but_adapters && !is_adapter(name) {
             return true;
         }
         self.patterns.iter().any(|p| pattern_matches(p, name))
     }
-}
-
-/// Whether `pattern` matches `name` as [`Freeze`] says, tried on the name with and without
-/// its first component (the tower's prefix).
-pub fn pattern_matches(pattern: &str, name: &str) -> bool {
-    let bare = name
-        .strip_prefix("query.")
-        .or_else(|| name.strip_prefix("passage."));
-    [Some(name), bare].into_iter().flatten().any(|n| {
-        if pattern.contains('*') {
-            glob(pattern.as_bytes(), n.as_bytes())
-        } else {
-            n == pattern
-                || n.strip_prefix(pattern)
-                    .is_some_and(|rest| rest.starts_with('.'))
-        }
-    })
-}
-
-/// `*`-only glob matching over the whole text.
-fn glob(pattern: &[u8], text: &[u8]) -> bool {
-    let (mut p, mut t) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while t < text.len() {
-        if p < pattern.len() && pattern[p] == b'*' {
-            star = Some((p, t));
-            p += 1;
-        } else if p < pattern.len() && pattern[p] == text[t] {
-            p += 1;
-            t += 1;
-        } else if let Some((sp, st)) = star {
-            p = sp + 1;
-            t = st + 1;
-            star = Some((sp, st + 1));
-        } else {
-            return false;
-        }
-    }
-    pattern[p..].iter().all(|&c| c == b'*')
 }
 
 impl SimpleBackend for ParamStore {
@@ -452,7 +414,7 @@ impl SimpleBackend for ParamStore {
         };
         let value = match source {
             // A LoRA adapter a pretrained model does not hold starts fresh.
-            Some((rest, file)) if !crate::nn::lora::is_adapter(name) || file.holds(rest) => {
+            Some((rest, file)) if !is_adapter(name) || file.holds(rest) => {
                 file.load(rest, &s, dtype, &self.device)
             }
             _ => self.init(name, &s, h, dtype),

@@ -301,7 +301,7 @@ fn a_bf16_base_stores_the_projections_narrow_and_gives_the_gradients_of_its_valu
         let spec = lora(2);
         let narrow = Freeze::default()
             .all_but_adapters()
-            .narrowing(DType::BF16, &spec);
+            .narrowing(DType::BF16, &spec.targets);
         let store = ParamStore::new(7, DType::F32, &Device::Cpu).with_frozen(narrow);
         let opts = options(family, Some(spec.clone()), Recompute::EveryLayer);
         let enc = BertEncoder::build(&store, "", &cfg, &opts).unwrap();

@@ -30,7 +30,7 @@ fn a_lora_tower_holds_its_weights_once_in_their_stored_dtype() {
         let store = ParamStore::new(3, DType::F32, &Device::Cpu).with_frozen(
             Freeze::default()
                 .all_but_adapters()
-                .narrowing(narrow, &spec),
+                .narrowing(narrow, &spec.targets),
         );
         let options = BertOptions {
             pooling: Pooling::LastToken,

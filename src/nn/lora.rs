@@ -20,6 +20,8 @@
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
+use crate::names::targets_module;
+pub use crate::names::{is_adapter, target_matches, DEFAULT_TARGETS};
 use crate::{Error, Result};
 
 /// The LoRA settings of a run (`[model.lora]`).
@@ -50,59 +52,8 @@ impl LoraSpec {
     /// Whether the projection at `path` (a module path, with or without its tower's
     /// prefix) gets an adapter.
     pub fn targets_module(&self, path: &str) -> bool {
-        let bare = path
-            .strip_prefix("query.")
-            .or_else(|| path.strip_prefix("passage."))
-            .unwrap_or(path);
-        if self.targets.is_empty() {
-            return DEFAULT_TARGETS.iter().any(|t| target_matches(t, bare));
-        }
-        self.targets.iter().any(|t| target_matches(t, bare))
+        targets_module(&self.targets, path)
     }
-}
-
-/// Every family's attention and feed-forward projections, as PEFT's `target_modules`
-/// names them: BERT and RoBERTa (`query`, `key`, `value`, the `dense` of
-/// `attention.output`, `intermediate` and `output`), MPNet (`attn.q` .. `attn.o`),
-/// ModernBERT (`Wqkv`, `Wo`, `Wi`) and the decoders (`q_proj` .. `down_proj`). The
-/// default targets.
-pub const DEFAULT_TARGETS: [&str; 18] = [
-    "query",
-    "key",
-    "value",
-    "dense",
-    "attn.q",
-    "attn.k",
-    "attn.v",
-    "attn.o",
-    "Wqkv",
-    "Wo",
-    "Wi",
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
-
-/// Whether PEFT's `target_modules` entry `target` names the module at `path`: the path
-/// itself or its last components (`q_proj` matches `layers.0.self_attn.q_proj`), or with
-/// `*` the whole path (as [`crate::params::pattern_matches`] globs).
-pub fn target_matches(target: &str, path: &str) -> bool {
-    if target.contains('*') {
-        return crate::params::pattern_matches(target, path);
-    }
-    path == target
-        || path
-            .strip_suffix(target)
-            .is_some_and(|head| head.ends_with('.'))
-}
-
-/// Whether the parameter `name` belongs to a LoRA adapter.
-pub fn is_adapter(name: &str) -> bool {
-    name.contains(".lora_A.") || name.contains(".lora_B.") || name.starts_with("lora_")
 }
 
 /// A projection's adapter: `A` `[r, in]`, `B` `[out, r]`, and the scale.

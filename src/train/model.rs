@@ -9,7 +9,8 @@ use crate::dist::{self, Collective};
 use crate::hub::tokenizer::{model_max_length, read_tokenizer_file, train_wordpiece};
 use crate::hub::{HubSettings, ModelFiles, Prompts, SentenceTransformersConfig};
 use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
-use crate::params::{pattern_matches, Freeze, ParamStore, Params};
+use crate::names::pattern_matches;
+use crate::params::{Freeze, ParamStore, Params};
 use crate::train::config::Config;
 use crate::{Error, Result};
 
@@ -134,7 +135,7 @@ pub(super) fn freeze(cfg: &Config) -> Result<Freeze> {
     Ok(match &cfg.model.lora {
         Some(lora) => freeze
             .all_but_adapters()
-            .narrowing(cfg.model.base_dtype.dtype(), &lora.spec()?.0),
+            .narrowing(cfg.model.base_dtype.dtype(), &lora.spec()?.0.targets),
         None => freeze,
     })
 }
