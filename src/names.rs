@@ -97,3 +97,12 @@ pub fn targets_module(targets: &[String], path: &str) -> bool {
     }
     targets.iter().any(|t| target_matches(t, bare))
 }
+
+/// Whether the variable named `name` is non-trainable state (a *buffer*, in PyTorch's
+/// words): BatchNorm's `running_mean` and `running_var`. Buffers live in the store next to
+/// the parameters (so training checkpoints and exports carry them, under PyTorch's names),
+/// but receive no gradient and no optimizer update: [`crate::Tower`] keeps them out of
+/// its [`crate::params::Params`] and lists them in its buffers instead.
+pub fn is_buffer(name: &str) -> bool {
+    name.ends_with("running_mean") || name.ends_with("running_var")
+}

@@ -19,7 +19,9 @@ use candle_nn::init::NormalOrUniform;
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
 
-use crate::names::{is_adapter, pattern_matches, targets_module};
+pub use crate::freeze::Freeze;
+use crate::names::is_adapter;
+pub use crate::names::is_buffer;
 use crate::rng;
 use crate::{Error, Result};
 
@@ -304,74 +306,6 @@ impl ParamStore {
     }
 }
 
-/// Which parameters a run freezes: those matching a pattern of `model.freeze`, and with
-/// LoRA every parameter but the adapters'.
-///
-/// A pattern matches a parameter name (with or without its tower's `query.` / `passage.`
-/// prefix) when it names the parameter or a module above it (`embeddings`,
-/// `encoder.layer.0`, `layers.3.mlp`), or, with `*` standing for any run of characters,
-/// the whole name (`encoder.layer.*.attention.*`).
-#[derive(Clone, Debug, Default)]
-pub struct Freeze {
-    patterns: Arc<Vec<String>>,
-    all_but_adapters: bool,
-    /// The dtype LoRA's targeted projections' base weights are stored in, and the
-    /// adapters' settings that say which they are.
-    narrow: Option<(DType, Arc<Vec<String>>)>,
-}
-
-impl Freeze {
-    /// Freezes what `patterns` match.
-    pub fn patterns(patterns: &[String]) -> Self {
-        Self {
-            patterns: Arc::new(patterns.to_vec()),
-            all_but_adapters: false,
-            narrow: None,
-        }
-    }
-
-    /// Also freezes everything but the LoRA adapters (`lora_A` / `lora_B`).
-    pub fn all_but_adapters(mut self) -> Self {
-        self.all_but_adapters = true;
-        self
-    }
-
-    /// Stores the base weights of the projections LoRA's `targets` name (empty: the
-    /// default ones) in `dtype` (bf16 halves them); the adapters merge onto them in f32.
-    pub fn narrowing(mut self, dtype: DType, targets: &[String]) -> Self {
-        self.narrow = (dtype != DType::F32).then(|| (dtype, Arc::new(targets.to_vec())));
-        self
-    }
-
-    /// The dtype the weight `name` is stored in when it is narrowed.
-    fn narrowed(&self, name: &str) -> Option<DType> {
-        let (dtype, targets) = self.narrow.as_ref()?;
-        let module = name.strip_suffix(".weight")?;
-        (self.matches(name) && targets_module(targets, module)).then_some(*dtype)
-    }
-
-    /// Whether nothing is frozen.
-    pub fn is_empty(&self) -> bool {
-        self.patterns.is_empty() && !self.all_but_adapters
-    }
-
-    /// The patterns, as given.
-    pub fn pattern_list(&self) -> &[String] {
-        &self.patterns
-    }
-
-    /// Whether the parameter `name` is frozen.
-    pub fn matches(&self, name: &str) -> bool {
-        if is_buffer(name) {
-            return false;
-        }
-        if self.all_but_adapters && !is_adapter(name) {
-            return true;
-        }
-        self.patterns.iter().any(|p| pattern_matches(p, name))
-    }
-}
-
 impl SimpleBackend for ParamStore {
     fn get(
         &self,
@@ -448,15 +382,6 @@ impl SimpleBackend for ParamStore {
     fn contains_tensor(&self, name: &str) -> bool {
         self.lock().contains_key(name)
     }
-}
-
-/// Whether the variable named `name` is non-trainable state (a *buffer*, in PyTorch's
-/// words): BatchNorm's `running_mean` and `running_var`. Buffers live in the store next to
-/// the parameters (so training checkpoints and exports carry them, under PyTorch's names),
-/// but receive no gradient and no optimizer update: [`crate::Tower`] keeps them out of
-/// its [`Params`] and lists them in its buffers instead.
-pub fn is_buffer(name: &str) -> bool {
-    name.ends_with("running_mean") || name.ends_with("running_var")
 }
 
 /// A set of trainable variables sorted by name.

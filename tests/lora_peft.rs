@@ -236,3 +236,67 @@ fn lora_from_continues_the_adapter_and_refuses_one_that_does_not_fit() {
     let err = refused(&format!("from = \"{}\"", bert_adapter.display()));
     assert!(err.to_string().contains("target_modules"), "{err}");
 }
+
+/// A copy of the qwen3 fixture's adapter with `edit` applied to its config.
+fn edited_adapter(dir: &Path, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
+    let from = adapter_dir("qwen3").join("adapter");
+    std::fs::create_dir_all(dir).unwrap();
+    for file in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(from.join(file), dir.join(file)).unwrap();
+    }
+    let path = dir.join("adapter_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(&path, config.to_string()).unwrap();
+    dir.to_path_buf()
+}
+
+#[test]
+fn adapters_this_crate_cannot_run_are_refused_naming_the_setting() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: [(&str, &str, serde_json::Value); 7] = [
+        ("peft_type", "peft_type", "IA3".into()),
+        ("use_dora", "use_dora", true.into()),
+        ("bias", "bias", "all".into()),
+        (
+            "modules_to_save",
+            "modules_to_save",
+            serde_json::json!(["score"]),
+        ),
+        (
+            "rank_pattern",
+            "rank_pattern",
+            serde_json::json!({"q_proj": 8}),
+        ),
+        ("target_modules", "target_modules", ".*proj".into()),
+        ("r", "r", 0.into()),
+    ];
+    for (i, (key, named, value)) in cases.into_iter().enumerate() {
+        let dir = edited_adapter(&tmp.path().join(i.to_string()), |c| c[key] = value.clone());
+        let err = PeftAdapter::read(&dir).unwrap_err();
+        assert!(err.to_string().contains(named), "{key}: {err}");
+    }
+    // An adapter whose weights lack a module its targets name in the model.
+    let dir = edited_adapter(&tmp.path().join("short"), |_| {});
+    let weights = dir.join("adapter_model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&weights, &Device::Cpu).unwrap();
+    tensors.retain(|name, _| !name.contains("layers.1.mlp.up_proj"));
+    candle_core::safetensors::save(&tensors, &weights).unwrap();
+    let options = LoadOptions {
+        base: Some(fixture("qwen3").display().to_string()),
+        ..Default::default()
+    };
+    let err = EmbeddingModel::load(dir.to_str().unwrap(), &options)
+        .err()
+        .expect("an incomplete adapter loaded");
+    assert!(err.to_string().contains("layers.1.mlp.up_proj"), "{err}");
+    // With no base named anywhere.
+    let dir = edited_adapter(&tmp.path().join("baseless"), |c| {
+        c["base_model_name_or_path"] = serde_json::Value::Null
+    });
+    let err = EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default())
+        .err()
+        .expect("an adapter without a base loaded");
+    assert!(err.to_string().contains("--base"), "{err}");
+}

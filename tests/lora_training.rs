@@ -221,6 +221,22 @@ fn bad_lora_and_freeze_settings_are_refused_before_anything_is_written() {
     assert_eq!(field(&err), "model.freeze");
     assert!(err.to_string().contains("encoder.layer.7"), "{err}");
 
+    assert_eq!(
+        field(&refused(&[
+            "model.pretrained=\"\"",
+            "model.lora.from=\"some-adapter\""
+        ])),
+        "model.lora.from"
+    );
+
+    // --adapter on a LoRA run of a fresh model: no base to load the adapter onto.
+    let mut fresh = load(&path, &[]);
+    fresh.model.pretrained.clear();
+    let target = dir.path().join("fresh-adapter");
+    let err = export_run_as(&fresh, None, &target, Side::Query, ExportLayout::Adapter).unwrap_err();
+    assert!(err.to_string().contains("fresh"), "{err}");
+    assert!(!target.exists());
+
     // A narrow base without LoRA.
     let mut cfg = load(&path, &[]);
     cfg.model.lora = None;

@@ -84,20 +84,6 @@ pub(super) struct DecoderAux {
     tables: Vec<(Tensor, Tensor)>,
 }
 
-fn linear(
-    (i, o, bias): (usize, usize, bool),
-    std: f64,
-    lora: Option<&LoraSpec>,
-    vb: VarBuilder,
-) -> Result<Linear> {
-    let plain = if bias {
-        Linear::normal(i, o, std, vb.clone())?
-    } else {
-        Linear::normal_without_bias(i, o, std, vb.clone())?
-    };
-    plain.adapted(lora, &vb)
-}
-
 /// A norm's weight: ones (Gemma's `(1 + w)` form: zeros) for fresh weights.
 fn norm(size: usize, gemma: bool, vb: VarBuilder) -> Result<Tensor> {
     let init = if gemma {
@@ -134,10 +120,10 @@ impl Decoder {
                 let m = l.pp("mlp");
                 Ok(Layer {
                     input_norm: norm(h, g, l.pp("input_layernorm"))?,
-                    q: linear((h, q_width, s.qkv_bias), std, lora, a.pp("q_proj"))?,
-                    k: linear((h, kv_width, s.qkv_bias), std, lora, a.pp("k_proj"))?,
-                    v: linear((h, kv_width, s.qkv_bias), std, lora, a.pp("v_proj"))?,
-                    o: linear((q_width, h, s.output_bias), std, lora, a.pp("o_proj"))?,
+                    q: Linear::projection((h, q_width, s.qkv_bias), std, lora, a.pp("q_proj"))?,
+                    k: Linear::projection((h, kv_width, s.qkv_bias), std, lora, a.pp("k_proj"))?,
+                    v: Linear::projection((h, kv_width, s.qkv_bias), std, lora, a.pp("v_proj"))?,
+                    o: Linear::projection((q_width, h, s.output_bias), std, lora, a.pp("o_proj"))?,
                     q_norm: s
                         .qk_norm
                         .then(|| norm(s.head_dim, g, a.pp("q_norm")))
@@ -154,9 +140,9 @@ impl Decoder {
                     } else {
                         norm(h, g, l.pp("post_attention_layernorm"))?
                     },
-                    gate: linear((h, inter, s.mlp_bias), std, lora, m.pp("gate_proj"))?,
-                    up: linear((h, inter, s.mlp_bias), std, lora, m.pp("up_proj"))?,
-                    down: linear((inter, h, s.mlp_bias), std, lora, m.pp("down_proj"))?,
+                    gate: Linear::projection((h, inter, s.mlp_bias), std, lora, m.pp("gate_proj"))?,
+                    up: Linear::projection((h, inter, s.mlp_bias), std, lora, m.pp("up_proj"))?,
+                    down: Linear::projection((inter, h, s.mlp_bias), std, lora, m.pp("down_proj"))?,
                     post_mlp_norm: g
                         .then(|| norm(h, g, l.pp("post_feedforward_layernorm")))
                         .transpose()?,

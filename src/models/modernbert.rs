@@ -69,20 +69,6 @@ pub(super) struct ModernAux {
     local: (Tensor, Tensor),
 }
 
-fn linear(
-    (i, o, bias): (usize, usize, bool),
-    std: f64,
-    lora: Option<&LoraSpec>,
-    vb: VarBuilder,
-) -> Result<Linear> {
-    let plain = if bias {
-        Linear::normal(i, o, std, vb.clone())?
-    } else {
-        Linear::normal_without_bias(i, o, std, vb.clone())?
-    };
-    plain.adapted(lora, &vb)
-}
-
 fn norm(h: usize, s: &ModernSettings, vb: VarBuilder) -> Result<LayerNorm> {
     if s.norm_bias {
         LayerNorm::new(h, s.norm_eps, vb)
@@ -120,16 +106,31 @@ impl ModernBert {
                     } else {
                         Some(norm(h, s, l.pp("attn_norm"))?)
                     },
-                    wqkv: linear(
+                    wqkv: Linear::projection(
                         (h, 3 * h, s.attention_bias),
                         std,
                         lora,
                         l.pp("attn").pp("Wqkv"),
                     )?,
-                    wo: linear((h, h, s.attention_bias), std, lora, l.pp("attn").pp("Wo"))?,
+                    wo: Linear::projection(
+                        (h, h, s.attention_bias),
+                        std,
+                        lora,
+                        l.pp("attn").pp("Wo"),
+                    )?,
                     mlp_norm: norm(h, s, l.pp("mlp_norm"))?,
-                    wi: linear((h, 2 * inter, s.mlp_bias), std, lora, l.pp("mlp").pp("Wi"))?,
-                    mlp_wo: linear((inter, h, s.mlp_bias), std, lora, l.pp("mlp").pp("Wo"))?,
+                    wi: Linear::projection(
+                        (h, 2 * inter, s.mlp_bias),
+                        std,
+                        lora,
+                        l.pp("mlp").pp("Wi"),
+                    )?,
+                    mlp_wo: Linear::projection(
+                        (inter, h, s.mlp_bias),
+                        std,
+                        lora,
+                        l.pp("mlp").pp("Wo"),
+                    )?,
                     sliding: s.sliding[i],
                 })
             })

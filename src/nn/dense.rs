@@ -191,6 +191,22 @@ impl Linear {
         })
     }
 
+    /// A transformer projection `in -> out`, BERT's initialisation with or without a bias,
+    /// with a LoRA adapter when `lora` targets it (the decoders' and ModernBERT's layers).
+    pub fn projection(
+        (input, output, bias): (usize, usize, bool),
+        std: f64,
+        lora: Option<&super::lora::LoraSpec>,
+        vb: VarBuilder,
+    ) -> crate::Result<Self> {
+        let plain = if bias {
+            Self::normal(input, output, std, vb.clone())?
+        } else {
+            Self::normal_without_bias(input, output, std, vb.clone())?
+        };
+        plain.adapted(lora, &vb)
+    }
+
     /// Gives the layer a LoRA adapter when `spec` targets the module under `vb` (see
     /// [`super::lora`]).
     pub fn adapted(

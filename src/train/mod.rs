@@ -21,6 +21,7 @@ pub mod image_text;
 mod image_text_config;
 mod image_text_towers;
 pub mod lock;
+mod lora_config;
 pub mod metrics;
 mod model;
 pub mod optim;
