@@ -162,6 +162,7 @@ fn run(
             alpha: 2.0 * rank as f64,
             targets: vec![],
             rslora: false,
+            dropout: 0.0,
         });
         let mut store = ParamStore::new(7, DType::F32, &Device::Cpu);
         if let Some(spec) = &spec {

@@ -192,6 +192,24 @@ pub(crate) fn deposit<T: Grad>(
     Tensor::from_vec(grad, param.shape(), &candle_core::Device::Cpu).map(Some)
 }
 
+/// Whether `param` takes a gradient: a variable, or a tensor computed from one (a frozen
+/// weight takes none, and a node need not compute it).
+pub(crate) fn wants(param: &Tensor) -> bool {
+    param.is_variable() || param.track_op()
+}
+
+/// [`deposit`] of a gradient a node computed only where `param` [`wants`] one (`None`:
+/// not computed).
+pub(crate) fn deposit_wanted<T: Grad>(
+    param: &Tensor,
+    grad: Option<Vec<T>>,
+) -> candle_core::Result<Option<Tensor>> {
+    match grad {
+        Some(g) => deposit(param, g),
+        None => Ok(None),
+    }
+}
+
 /// Adds the gradient of an embedding table `param` `[rows, width]` whose row `ids[i]`
 /// received `values[i * width..]`: into the open sink's buffer only the touched rows, in
 /// the order of `ids` (`None`); without a sink the dense gradient for candle (`Some`).

@@ -83,6 +83,10 @@ fn args(train: &Path, eval: &Path, out: &Path) -> Vec<String> {
 fn mpirun(ranks: &[Vec<String>], limit: Duration) -> (bool, String, Duration) {
     let mut cmd = Command::new("mpirun");
     cmd.arg("--allow-run-as-root");
+    if ranks.len() > 2 {
+        // More ranks than these machines' two cores.
+        cmd.arg("--oversubscribe");
+    }
     for (i, a) in ranks.iter().enumerate() {
         if i > 0 {
             cmd.arg(":");
@@ -130,6 +134,15 @@ fn losses(out: &Path) -> Vec<f64> {
 /// [`TOL`] (rank 0 alone writes the metrics); returns the one-rank losses and the 2-rank
 /// run's log.
 fn one_and_two_ranks_agree(dir: &Path, args: impl Fn(&Path) -> Vec<String>) -> (Vec<f64>, String) {
+    one_and_n_ranks_agree(dir, 2, args)
+}
+
+/// [`one_and_two_ranks_agree`] on `n` ranks.
+fn one_and_n_ranks_agree(
+    dir: &Path,
+    n: usize,
+    args: impl Fn(&Path) -> Vec<String>,
+) -> (Vec<f64>, String) {
     let one = dir.join("one");
     let mut single = args(&one);
     single.extend(["--set".into(), "dist.backend=none".into()]);
@@ -141,8 +154,8 @@ fn one_and_two_ranks_agree(dir: &Path, args: impl Fn(&Path) -> Vec<String>) -> (
     );
     let two = dir.join("two");
     let a = args(&two);
-    let (ok, text, _) = mpirun(&[a.clone(), a], Duration::from_secs(300));
-    assert!(ok, "2-rank run failed:\n{text}");
+    let (ok, text, _) = mpirun(&vec![a; n], Duration::from_secs(300));
+    assert!(ok, "{n}-rank run failed:\n{text}");
     let (l1, l2) = (losses(&one), losses(&two));
     assert_eq!(l1.len(), 4);
     assert_eq!(l2.len(), 4, "rank 0 alone writes metrics.jsonl");
@@ -485,4 +498,30 @@ fn lora_adapters_on_two_ranks_follow_the_one_rank_loss_curve() {
         v
     };
     one_and_two_ranks_agree(dir.path(), adapted);
+}
+
+#[test]
+fn lora_adapters_on_four_ranks_follow_the_one_rank_loss_curve() {
+    // The tiny BERT of the distributed config with LoRA adapters on every projection (the
+    // low-rank branch inside the layer nodes, the base frozen), 8 pairs per rank.
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let adapted = |out: &Path| -> Vec<String> {
+        let mut v = args(&train, &eval, out);
+        for s in [
+            "model.lora.rank=4",
+            "model.lora.alpha=8.0",
+            "model.lora.dropout=0.1",
+            "optim.lr=0.01",
+        ] {
+            v.push("--set".into());
+            v.push(s.into());
+        }
+        v
+    };
+    let (_, text) = one_and_n_ranks_agree(dir.path(), 4, adapted);
+    assert!(
+        text.contains("all 4 ranks hold identical weights"),
+        "{text}"
+    );
 }

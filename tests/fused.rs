@@ -799,6 +799,7 @@ fn layer_nodes_refuse_what_does_not_fit() {
         mlp_norm: (&g, None),
         up: (&wi, None),
         down: (&wd, None),
+        lora: Default::default(),
     };
     let spec = PreNormSpec {
         heads,
@@ -827,6 +828,16 @@ fn layer_nodes_refuse_what_does_not_fit() {
     };
     let err = prenorm_layer(&x, &bad, &spec).unwrap_err().to_string();
     assert!(err.contains("do not fit"), "{err}");
+    // An adapter whose A does not take the projection's input.
+    let mut bad = weights.clone();
+    bad.lora[0] = Some(gradcache::nn::lora::LoraInput {
+        a: z(&[2, h + 1]),
+        b: z(&[3 * h, 2]),
+        scale: 1.0,
+        dropout: None,
+    });
+    let err = prenorm_layer(&x, &bad, &spec).unwrap_err().to_string();
+    assert!(err.contains("do not fit"), "{err}");
 
     // BERT's layer node with a score bias for 4 tokens on 5.
     use gradcache::nn::encoder_layer::{encoder_layer, LayerSpec, LayerWeights};
@@ -845,6 +856,7 @@ fn layer_nodes_refuse_what_does_not_fit() {
         intermediate: (&wi4, &bi4),
         output: (&wd4, &b),
         output_norm: (&g, &b),
+        lora: Default::default(),
     };
     let spec = LayerSpec {
         heads,

@@ -53,6 +53,14 @@ fn config(family: &str) -> BertConfig {
     cfg
 }
 
+/// The tests of this binary one at a time: one of them switches the fused kernels for the
+/// whole process, and a test that compares two computations must not see it switch.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serialized() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 const FAMILIES: [&str; 4] = ["bert", "mpnet", "modernbert", "qwen3"];
 
 /// Rows of different lengths, right-padded.
@@ -80,6 +88,7 @@ fn lora(rank: usize) -> LoraSpec {
         alpha: 2.0 * rank as f64,
         targets: vec![],
         rslora: false,
+        dropout: 0.0,
     }
 }
 
@@ -133,6 +142,7 @@ fn gc_without_dropout(
 
 #[test]
 fn adapters_alone_train_and_their_gradients_are_the_chain_rule_through_the_merged_weight() {
+    let _one = serialized();
     let (q, p) = (tokens(1, 6), tokens(2, 6));
     for family in FAMILIES {
         let (store, enc) = adapted(family, Recompute::Off);
@@ -223,6 +233,7 @@ fn adapters_alone_train_and_their_gradients_are_the_chain_rule_through_the_merge
 
 #[test]
 fn cached_and_recomputed_steps_with_adapters_equal_the_full_batch() {
+    let _one = serialized();
     let (q, p) = (tokens(3, 6), tokens(4, 6));
     for family in FAMILIES {
         let (_, enc) = adapted(family, Recompute::Off);
@@ -250,6 +261,7 @@ fn cached_and_recomputed_steps_with_adapters_equal_the_full_batch() {
 
 #[test]
 fn frozen_weights_get_no_gradient_and_change_no_other() {
+    let _one = serialized();
     let cfg = config("bert");
     let (q, p) = (tokens(5, 6), tokens(6, 6));
     let run = |freeze: &[&str]| {
@@ -295,6 +307,7 @@ fn frozen_weights_get_no_gradient_and_change_no_other() {
 
 #[test]
 fn a_bf16_base_stores_the_projections_narrow_and_gives_the_gradients_of_its_values() {
+    let _one = serialized();
     let (q, p) = (tokens(7, 6), tokens(8, 6));
     for family in FAMILIES {
         let cfg = config(family);
@@ -355,5 +368,111 @@ fn a_bf16_base_stores_the_projections_narrow_and_gives_the_gradients_of_its_valu
         );
         let err = rel_err_with_zeros(&got.grads, &want.grads, &[], 1e-5);
         assert!(err <= 1e-6, "{family}: adapter gradients off by {err:e}");
+    }
+}
+
+/// A shared tower with adapters of rank 2 and LoRA dropout `p` on their input (B moved
+/// off zero), built with the fused kernels on or off.
+fn adapted_with_dropout(
+    family: &str,
+    p: f64,
+    recompute: Recompute,
+    fused: bool,
+) -> (ParamStore, BertEncoder) {
+    gradcache::nn::set_fused_kernels(fused);
+    let cfg = config(family);
+    let store = ParamStore::new(7, DType::F32, &Device::Cpu)
+        .with_frozen(Freeze::default().all_but_adapters());
+    let spec = LoraSpec {
+        dropout: p,
+        ..lora(2)
+    };
+    let enc =
+        BertEncoder::build(&store, "", &cfg, &options(family, Some(spec), recompute)).unwrap();
+    for (i, (name, var)) in store.params().iter().enumerate() {
+        if name.contains(".lora_B.") {
+            var.set(
+                &common::random(40 + i as u64, var.dims())
+                    .affine(0.3, 0.0)
+                    .unwrap(),
+            )
+            .unwrap();
+        }
+    }
+    (store, enc)
+}
+
+#[test]
+fn lora_dropout_inside_the_layer_nodes_equals_the_composed_ops() {
+    let _one = serialized();
+    // The nodes draw each adapter's mask at its rows' padded places; the composed ops
+    // (what runs off the CPU) draw it over the padded tensor: the same masks, so the same
+    // step. Dropout 0.5 so that most rows see a different mask from none.
+    let (q, p) = (tokens(9, 6), tokens(10, 6));
+    for family in FAMILIES {
+        let step = |fused: bool, p_drop: f64| {
+            let (_, enc) = adapted_with_dropout(family, p_drop, Recompute::Off, fused);
+            gc(enc, 6).full_batch_step(0, &q, &p).unwrap()
+        };
+        let fused = step(true, 0.5);
+        let composed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(false, 0.5)));
+        gradcache::nn::set_fused_kernels(true);
+        let composed = composed.unwrap_or_else(|e| std::panic::resume_unwind(e));
+        assert!(
+            ((fused.loss - composed.loss) / composed.loss).abs() <= 1e-5,
+            "{family}: loss {} vs {}",
+            fused.loss,
+            composed.loss
+        );
+        let err = rel_err_with_zeros(&fused.grads, &composed.grads, &[], 1e-5);
+        assert!(err <= 1e-4, "{family}: node vs composed off by {err:e}");
+        // The masks act: without them the step differs.
+        let plain = step(true, 0.0);
+        assert!(
+            (plain.loss - fused.loss).abs() > 1e-4,
+            "{family}: LoRA dropout changed nothing ({} vs {})",
+            plain.loss,
+            fused.loss
+        );
+        for (name, g) in fused.grads.iter() {
+            assert!(max_abs(g) > 1e-7, "{family}: `{name}` got a zero gradient");
+        }
+    }
+}
+
+#[test]
+fn lora_dropout_is_replayed_bit_for_bit_in_the_cache_and_under_recompute() {
+    let _one = serialized();
+    let (q, p) = (tokens(11, 6), tokens(12, 6));
+    for family in FAMILIES {
+        let cached = |recompute: Recompute| {
+            let (_, enc) = adapted_with_dropout(family, 0.1, recompute, true);
+            gc(enc, 2).cache_step(0, &q, &p).unwrap()
+        };
+        // The representation pass and the replay draw the same masks: two runs of the
+        // same step agree bit for bit, and recomputing every layer in the backward (a
+        // third forward per chunk) changes no bit either.
+        let first = cached(Recompute::Off);
+        let again = cached(Recompute::Off);
+        let recomputed = cached(Recompute::EveryLayer);
+        for (other, what) in [(&again, "again"), (&recomputed, "recomputed")] {
+            assert_eq!(
+                first.loss.to_bits(),
+                other.loss.to_bits(),
+                "{family} {what}"
+            );
+            for (name, g) in first.grads.iter() {
+                let o = other.grads.get(name).unwrap();
+                let diff = max_abs(&(g - o).unwrap());
+                assert_eq!(diff, 0.0, "{family} {what}: `{name}` differs by {diff:e}");
+            }
+        }
+        // Evaluation applies no mask: the same embeddings as without LoRA dropout.
+        let (_, with) = adapted_with_dropout(family, 0.5, Recompute::Off, true);
+        let (_, without) = adapted_with_dropout(family, 0.0, Recompute::Off, true);
+        let eval = gradcache::Ctx::eval();
+        let e1 = with.encode(&q, &eval).unwrap();
+        let e2 = without.encode(&q, &eval).unwrap();
+        assert_eq!(max_abs(&(e1 - e2).unwrap()), 0.0, "{family}: eval masked");
     }
 }

@@ -24,6 +24,7 @@ fn a_lora_tower_holds_its_weights_once_in_their_stored_dtype() {
         alpha: 16.0,
         targets: vec![],
         rslora: false,
+        dropout: 0.0,
     };
     for narrow in [DType::F32, DType::BF16] {
         let before = current_bytes();

@@ -210,7 +210,7 @@ fn bad_lora_and_freeze_settings_are_refused_before_anything_is_written() {
     assert_eq!(field(&refused(&["model.lora.rank=9"])), "model.lora.rank");
     assert_eq!(field(&refused(&["model.lora.rank=0"])), "model.lora.rank");
     assert_eq!(
-        field(&refused(&["model.lora.dropout=0.1"])),
+        field(&refused(&["model.lora.dropout=1.0"])),
         "model.lora.dropout"
     );
     assert_eq!(
@@ -319,4 +319,91 @@ fn a_bf16_base_trains_and_exports_at_full_width() {
         .unwrap()
         .embed(&["the lord is my shepherd"], 1)
         .unwrap();
+}
+
+#[test]
+fn checkpoints_of_a_lora_run_merge_through_the_cli_with_the_runs_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = lora_run(dir.path());
+    let cfg = load(&path, &[]);
+    Trainer::new(cfg.clone(), None)
+        .unwrap()
+        .run(&mut Quiet)
+        .unwrap();
+    let ckpt = |step: u32| dir.path().join(format!("run/checkpoints/step-{step:08}"));
+    let gradcache = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gradcache"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (two, four) = (ckpt(2).display().to_string(), ckpt(4).display().to_string());
+    let config = path.display().to_string();
+    let out = dir.path().join("merged");
+    let out_arg = out.display().to_string();
+
+    // Without the run's config a checkpoint is refused, naming the way out.
+    let (ok, stderr) = gradcache(&[
+        "merge", "--model", &two, "--model", &four, "--output", &out_arg,
+    ]);
+    assert!(!ok && stderr.contains("--config"), "{stderr}");
+    assert!(!out.exists());
+
+    // With it: each checkpoint exported (the merged LoRA model), then slerp'd.
+    let (ok, stderr) = gradcache(&[
+        "merge", "--config", &config, "--model", &two, "--model", &four, "--method", "slerp",
+        "--output", &out_arg,
+    ]);
+    assert!(ok, "{stderr}");
+    let leftovers: Vec<_> = fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".export"))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "temporary exports left: {leftovers:?}"
+    );
+    let merged = weights(&out.join("model.safetensors"));
+    assert!(merged.keys().all(|n| !n.contains("lora_")));
+    // Between the two exports, tensor by tensor: each merged weight lies within the
+    // range the two checkpoints span (slerp of two weights stays between them in norm).
+    let (e2, e4) = (dir.path().join("e2"), dir.path().join("e4"));
+    export_run(&cfg, Some(&ckpt(2)), &e2, Side::Query).unwrap();
+    export_run(&cfg, Some(&ckpt(4)), &e4, Side::Query).unwrap();
+    let (w2, w4) = (
+        weights(&e2.join("model.safetensors")),
+        weights(&e4.join("model.safetensors")),
+    );
+    let norm = |t: &candle_core::Tensor| {
+        let t = t.to_dtype(candle_core::DType::F32).unwrap();
+        t.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt()
+    };
+    let mut moved = 0;
+    for (name, m) in &merged {
+        let (a, b) = (&w2[name], &w4[name]);
+        let (na, nb, nm) = (norm(a), norm(b), norm(m));
+        assert!(
+            nm <= na.max(nb) * (1.0 + 1e-5),
+            "`{name}`: {nm} outside {na}..{nb}"
+        );
+        if max_diff(a, b) > 0.0 {
+            let (da, db) = (max_diff(m, a), max_diff(m, b));
+            assert!(da > 0.0 && db > 0.0, "`{name}` is one of the two");
+            moved += 1;
+        }
+    }
+    assert!(moved > 0, "the two checkpoints hold the same model");
+    let model = EmbeddingModel::load(&out_arg, &LoadOptions::default()).unwrap();
+    assert!(model.embed(&["the lord is my shepherd"], 1).is_ok());
 }

@@ -143,6 +143,10 @@ impl PeftAdapter {
                 alpha,
                 targets,
                 rslora: flag("use_rslora"),
+                dropout: c["lora_dropout"]
+                    .as_f64()
+                    .filter(|p| (0.0..1.0).contains(p))
+                    .unwrap_or(0.0),
             },
             base: c["base_model_name_or_path"]
                 .as_str()

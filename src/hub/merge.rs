@@ -134,8 +134,8 @@ fn check_inputs(models: &[PathBuf], weights: &[f64], method: MergeMethod) -> Res
             return Err(Error::InvalidArgument {
                 what: "--model",
                 value: m.display().to_string(),
-                reason: "is a training checkpoint: export it first (gradcache export \
-                         --checkpoint DIR), then merge the exports",
+                reason: "is a training checkpoint: give the run's --config to merge its \
+                         checkpoints (or export it first with gradcache export --checkpoint)",
             });
         }
         if !m.join("config.json").is_file() {

@@ -358,7 +358,9 @@ impl Bert {
             recompute: ctx.recompute.recomputes(SITE_ATTENTION_PROBS),
             window: None,
         };
-        let projections = [&layer.query, &layer.key, &layer.value];
+        let at = |l: &Linear, p: u32| l.at(ctx, layer_id(i), crate::nn::lora::site(p));
+        let (q, k, v) = (at(&layer.query, 0), at(&layer.key, 1), at(&layer.value, 2));
+        let projections = [&q, &k, &v];
         match (&self.relative_bias, &aux.buckets) {
             (Some(relative), Some(buckets)) => {
                 let bias = relative.scores_bias(buckets, x.dim(1)?)?;
@@ -394,24 +396,31 @@ impl Bert {
         let id = layer_id(i);
         let head_dim = x.dim(2)? / self.heads;
         let recompute = |site: usize| ctx.recompute.recomputes(site);
-        let (wq, wk, wv) = (
-            layer.query.weight()?,
-            layer.key.weight()?,
-            layer.value.weight()?,
-        );
-        let (wo, wi, wd) = (
-            layer.attention_output.weight()?,
-            layer.intermediate.weight()?,
-            layer.output.weight()?,
-        );
+        // The projections with their adapters' masks of this forward: each adapter's
+        // low-rank branch runs inside the node, beside its frozen base weight.
+        let projections = [
+            &layer.query,
+            &layer.key,
+            &layer.value,
+            &layer.attention_output,
+            &layer.intermediate,
+            &layer.output,
+        ];
+        let lora = std::array::from_fn(|p| {
+            projections[p]
+                .at(ctx, id, crate::nn::lora::site(p as u32))
+                .lora_input()
+        });
+        let [q, k, v, o, up, down] = projections;
         let weights = crate::nn::encoder_layer::LayerWeights {
-            qkv: [&wq, &wk, &wv],
+            qkv: [q.base_weight(), k.base_weight(), v.base_weight()],
             qkv_bias: [bq, bk, bv],
-            attention_output: (&wo, bo),
+            attention_output: (o.base_weight(), bo),
             attention_norm: (layer.attention_norm.weight(), layer.attention_norm.bias()),
-            intermediate: (&wi, bi),
-            output: (&wd, bd),
+            intermediate: (up.base_weight(), bi),
+            output: (down.base_weight(), bd),
             output_norm: (layer.output_norm.weight(), layer.output_norm.bias()),
+            lora,
         };
         let spec = crate::nn::encoder_layer::LayerSpec {
             heads: self.heads,
@@ -673,9 +682,9 @@ impl LayerStack for Bert {
                 crate::nn::add_norm(x, residual, norm, mask)
             }
         };
-        let attended = layer
-            .attention_output
-            .forward(&self.self_attention(i, x, aux, ctx)?)?;
+        let at = |l: &Linear, p: u32| l.at(ctx, id, crate::nn::lora::site(p));
+        let attended =
+            at(&layer.attention_output, 3).forward(&self.self_attention(i, x, aux, ctx)?)?;
         let x = add_norm(
             &attended,
             x,
@@ -685,9 +694,9 @@ impl LayerStack for Bert {
         )?;
         let out = crate::nn::feed_forward(
             &x,
-            &layer.intermediate,
+            &at(&layer.intermediate, 4),
             self.activation.fused(),
-            &layer.output,
+            &at(&layer.output, 5),
             recompute(SITE_INTERMEDIATE),
         )?;
         add_norm(

@@ -284,32 +284,48 @@ impl Decoder {
             rotary: (cos.clone(), sin.clone()),
             last_token_only,
         };
-        let affine = |l: &'_ Linear| -> Result<_> { Ok((l.weight()?, l.bias().cloned())) };
+        // The projections with their adapters' masks of this forward: each adapter's
+        // low-rank branch runs inside the node, beside its frozen base weight.
+        let all = [
+            &layer.q,
+            &layer.k,
+            &layer.v,
+            &layer.o,
+            &layer.gate,
+            &layer.up,
+            &layer.down,
+        ];
+        let projections: [Linear; 7] =
+            std::array::from_fn(|p| all[p].at(ctx, i as u32 + 1, crate::nn::lora::site(p as u32)));
+        let affine = |l: &Linear| (l.base_weight().clone(), l.bias().cloned());
+        let [q, k, v, o, gate, up, down] = &projections;
         let weights = DecoderWeights {
             input_norm: &layer.input_norm,
-            q: affine(&layer.q)?,
-            k: affine(&layer.k)?,
-            v: affine(&layer.v)?,
-            o: affine(&layer.o)?,
+            q: affine(q),
+            k: affine(k),
+            v: affine(v),
+            o: affine(o),
             q_norm: layer.q_norm.as_ref(),
             k_norm: layer.k_norm.as_ref(),
             post_attention_norm: layer.post_attention_norm.as_ref(),
             mlp_norm: &layer.mlp_norm,
-            gate: affine(&layer.gate)?,
-            up: affine(&layer.up)?,
-            down: affine(&layer.down)?,
+            gate: affine(gate),
+            up: affine(up),
+            down: affine(down),
             post_mlp_norm: layer.post_mlp_norm.as_ref(),
+            lora: std::array::from_fn(|p| projections[p].lora_input()),
         };
         if let Some(y) = crate::nn::decoder_layer(x, &weights, &spec)? {
             return Ok(y);
         }
-        self.composed_layer(layer, x, &spec, &aux.positions)
+        self.composed_layer(layer, &projections, x, &spec, &aux.positions)
     }
 
     /// The layer op by op (any device and dtype).
     fn composed_layer(
         &self,
         layer: &Layer,
+        [q_proj, k_proj, v_proj, o_proj, gate, up, down]: &[Linear; 7],
         x: &Tensor,
         spec: &DecoderSpec,
         positions: &Tensor,
@@ -326,9 +342,9 @@ impl Decoder {
             };
             Ok(t.transpose(1, 2)?.contiguous()?)
         };
-        let q = heads(&layer.q, self.s.heads, layer.q_norm.as_ref())?;
-        let k = heads(&layer.k, self.s.kv_heads, layer.k_norm.as_ref())?;
-        let v = heads(&layer.v, self.s.kv_heads, None)?;
+        let q = heads(q_proj, self.s.heads, layer.q_norm.as_ref())?;
+        let k = heads(k_proj, self.s.kv_heads, layer.k_norm.as_ref())?;
+        let v = heads(v_proj, self.s.kv_heads, None)?;
         // Each token's rotary row: its position's, `[n, 1, s, d]`.
         let (cos, sin) = &spec.rotary;
         let at = |t: &Tensor| -> Result<Tensor> {
@@ -357,16 +373,16 @@ impl Decoder {
         let attended = attended
             .transpose(1, 2)?
             .reshape((n, s, self.s.heads * d))?;
-        let a = layer.o.forward(&attended)?;
+        let a = o_proj.forward(&attended)?;
         let a = match &layer.post_attention_norm {
             Some(w) => rms(&a, w)?,
             None => a,
         };
         let x1 = (x + a)?;
         let m_in = rms(&x1, &layer.mlp_norm)?;
-        let up = Tensor::cat(&[layer.gate.forward(&m_in)?, layer.up.forward(&m_in)?], 2)?;
+        let up = Tensor::cat(&[gate.forward(&m_in)?, up.forward(&m_in)?], 2)?;
         let gated = crate::nn::glu_composed(&up, spec.act)?;
-        let m = layer.down.forward(&gated)?;
+        let m = down.forward(&gated)?;
         let m = match &layer.post_mlp_norm {
             Some(w) => rms(&m, w)?,
             None => m,

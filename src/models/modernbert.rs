@@ -229,10 +229,8 @@ impl ModernBert {
             Some(norm) => norm.forward(x)?,
             None => x.clone(),
         };
-        let qkv = layer
-            .wqkv
-            .forward(&normed)?
-            .reshape((n, s, 3, self.heads, d))?;
+        let [wqkv, wo, wi, mlp_wo] = self.projections(i, ctx);
+        let qkv = wqkv.forward(&normed)?.reshape((n, s, 3, self.heads, d))?;
         let part = |k: usize| -> Result<Tensor> {
             Ok(qkv
                 .narrow(2, k, 1)?
@@ -247,17 +245,25 @@ impl ModernBert {
         let spec = self.attention_spec(i, d, key_bias, recompute_probs, ctx);
         let attended = crate::nn::attention(&q, &k, &v, &spec)?;
         let attended = attended.transpose(1, 2)?.reshape((n, s, h))?;
-        let out = layer.wo.forward(&attended)?;
+        let out = wo.forward(&attended)?;
         let out = self
             .attention_dropout
             .forward(&out, ctx, id, site::ATTENTION_OUTPUT)?;
         let x = (x + out)?;
-        let up = layer.wi.forward(&layer.mlp_norm.forward(&x)?)?;
+        let up = wi.forward(&layer.mlp_norm.forward(&x)?)?;
         let gated = crate::nn::glu(&up, self.activation.fused())?;
         let hidden = self
             .mlp_dropout
             .forward(&gated, ctx, id, site::FEED_FORWARD)?;
-        Ok((x + layer.mlp_wo.forward(&hidden)?)?)
+        Ok((x + mlp_wo.forward(&hidden)?)?)
+    }
+
+    /// Layer `i`'s projections (`Wqkv`, `Wo`, `Wi`, the feed-forward's `Wo`) with their
+    /// adapters' dropout masks of this forward.
+    fn projections(&self, i: usize, ctx: &Ctx) -> [Linear; 4] {
+        let layer = &self.layers[i];
+        let all = [&layer.wqkv, &layer.wo, &layer.wi, &layer.mlp_wo];
+        std::array::from_fn(|p| all[p].at(ctx, i as u32 + 1, crate::nn::lora::site(p as u32)))
     }
 
     /// The rotary tables of layer `i`'s type.
@@ -304,19 +310,20 @@ impl ModernBert {
         let layer = &self.layers[i];
         let id = i as u32 + 1;
         let d = x.dim(2)? / self.heads;
-        let (qkv, wo, wi, mlp_wo) = (
-            layer.wqkv.weight()?,
-            layer.wo.weight()?,
-            layer.wi.weight()?,
-            layer.mlp_wo.weight()?,
-        );
+        // Each adapter's low-rank branch runs inside the node, beside its frozen base.
+        let projections = self.projections(i, ctx);
+        let [qkv, wo, wi, mlp_wo] = &projections;
+        fn affine(l: &Linear) -> (&Tensor, Option<&Tensor>) {
+            (l.base_weight(), l.bias())
+        }
         let weights = PreNormWeights {
             attention_norm: layer.attn_norm.as_ref().map(|n| (n.weight(), n.shift())),
-            qkv: (&qkv, layer.wqkv.bias()),
-            attention_output: (&wo, layer.wo.bias()),
+            qkv: affine(qkv),
+            attention_output: affine(wo),
             mlp_norm: (layer.mlp_norm.weight(), layer.mlp_norm.shift()),
-            up: (&wi, layer.wi.bias()),
-            down: (&mlp_wo, layer.mlp_wo.bias()),
+            up: affine(wi),
+            down: affine(mlp_wo),
+            lora: std::array::from_fn(|p| projections[p].lora_input()),
         };
         let (cos, sin) = self.rotary_tables(i, aux);
         let spec = PreNormSpec {

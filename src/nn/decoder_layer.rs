@@ -28,8 +28,9 @@ use candle_core::{DType, Tensor};
 
 use super::attention_grouped::{self as grouped, Grouped, Pattern, Sequences};
 use super::blocks::Float;
-use super::decoder_passes::{backward, forward, Chunk, Shape, SLOTS};
+use super::decoder_passes::{backward, forward, Adapters, Chunk, Shape, SLOTS};
 use super::fused::AttentionSpec;
+use super::lora_branch::{Held, LoraInput};
 use super::math::Act;
 use super::packing::{packed_layer, Packing, View};
 
@@ -65,6 +66,10 @@ pub struct DecoderWeights<'a> {
     pub down: Projection,
     /// Gemma's RMSNorm of the feed-forward output `[h]`.
     pub post_mlp_norm: Option<&'a Tensor>,
+    /// LoRA adapters of the q, k, v, o, gate, up and down projections (the low-rank
+    /// branch inside the node, see [`super::lora_branch`]); their base weights above are
+    /// then the stored ones, frozen, read widened where stored narrower.
+    pub lora: [Option<LoraInput>; 7],
 }
 
 /// A projection's weight and bias, borrowed.
@@ -73,6 +78,22 @@ fn parts(x: &Projection) -> (&Tensor, Option<&Tensor>) {
 }
 
 impl DecoderWeights<'_> {
+    /// The projections' shapes `(in, out)` in the order of [`Self::lora`].
+    fn projection_shapes(dims: Shape) -> [(usize, usize); 7] {
+        let (h, i, qd, kd) = (dims.h, dims.inter, dims.qd(), dims.kd());
+        [(h, qd), (h, kd), (h, kd), (qd, h), (h, i), (h, i), (i, h)]
+    }
+
+    /// The node's weights: the slots, then each adapter's `A` and `B` (absent where the
+    /// projection has none).
+    fn inputs(&self) -> Vec<Option<&Tensor>> {
+        let mut all = self.slots().to_vec();
+        for l in &self.lora {
+            all.extend([l.as_ref().map(|l| &l.a), l.as_ref().map(|l| &l.b)]);
+        }
+        all
+    }
+
     fn slots(&self) -> [Option<&Tensor>; SLOTS] {
         let (q, k, v, o) = (
             parts(&self.q),
@@ -167,7 +188,11 @@ pub fn decoder_layer(
             .enumerate()
             .all(|(i, t)| t.is_none_or(|t| t.elem_count() == dims.slot_len(i)))
         && w.q.0.dims() == [dims.qd(), h]
-        && w.down.0.dims() == [h, inter];
+        && w.down.0.dims() == [h, inter]
+        && w.lora
+            .iter()
+            .zip(DecoderWeights::projection_shapes(dims))
+            .all(|(l, (i, o))| l.as_ref().is_none_or(|l| l.fits(i, o)));
     if !fits {
         candle_core::bail!(
             "decoder layer: hidden size {h}, {heads} query and {kv_heads} key-value heads of \
@@ -175,7 +200,7 @@ pub fn decoder_layer(
             spec.rotary.0.dims()
         );
     }
-    let tracked = x.track_op() || w.slots().iter().flatten().any(|t| t.track_op());
+    let tracked = x.track_op() || w.inputs().iter().flatten().any(|t| t.track_op());
     Ok(Some(match x.dtype() {
         DType::F32 => layer::<f32>(x, w, spec, dims, tracked)?,
         DType::F64 => layer::<f64>(x, w, spec, dims, tracked)?,
@@ -183,27 +208,43 @@ pub fn decoder_layer(
     }))
 }
 
-/// The weights, detached and contiguous (views of the variables: no copy).
-struct Weights([Option<Tensor>; SLOTS]);
+/// The weights, detached and contiguous in the layer's dtype (views of the variables: no
+/// copy; a base stored narrower is widened), which of them take a gradient, and the
+/// adapters' values.
+struct Weights<T> {
+    slots: [Option<Tensor>; SLOTS],
+    wants: [bool; SLOTS],
+    lora: [Option<Held<T>>; 7],
+}
 
-impl Weights {
+impl<T: Float> Weights<T> {
     fn new(w: &DecoderWeights) -> candle_core::Result<Self> {
-        let mut out: [Option<Tensor>; SLOTS] = Default::default();
-        for (o, t) in out.iter_mut().zip(w.slots()) {
-            *o = t.map(|t| t.detach().contiguous()).transpose()?;
+        let mut slots: [Option<Tensor>; SLOTS] = Default::default();
+        for (o, t) in slots.iter_mut().zip(w.slots()) {
+            *o = t
+                .map(|t| t.detach().to_dtype(T::DTYPE)?.contiguous())
+                .transpose()?;
         }
-        Ok(Self(out))
+        let mut lora: [Option<Held<T>>; 7] = Default::default();
+        for (held, input) in lora.iter_mut().zip(&w.lora) {
+            *held = input.as_ref().map(|l| l.values()).transpose()?;
+        }
+        Ok(Self {
+            slots,
+            wants: w.slots().map(|t| t.is_some_and(crate::sink::wants)),
+            lora,
+        })
     }
 
-    /// Runs `f` on the weights' values; a missing bias reads as zeros (a missing norm is
-    /// not read).
-    fn read<T: Float, R>(
+    /// Runs `f` on the weights' values (a missing bias reads as zeros, a missing norm is
+    /// not read) and the adapters.
+    fn read<R>(
         &self,
         dims: Shape,
-        f: impl FnOnce(&[&[T]; SLOTS]) -> candle_core::Result<R>,
+        f: impl FnOnce(&[&[T]; SLOTS], &Adapters<T>) -> candle_core::Result<R>,
     ) -> candle_core::Result<R> {
         let views = self
-            .0
+            .slots
             .iter()
             .map(|t| t.as_ref().map(View::new).transpose())
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -216,7 +257,11 @@ impl Weights {
                 None => &zeros[..dims.slot_len(slot)],
             };
         }
-        f(&v)
+        let adapters = Adapters {
+            branches: std::array::from_fn(|p| self.lora[p].as_ref().map(Held::branch)),
+            wants: self.wants,
+        };
+        f(&v, &adapters)
     }
 }
 
@@ -227,7 +272,7 @@ fn layer<T: Float>(
     dims: Shape,
     tracked: bool,
 ) -> candle_core::Result<Tensor> {
-    let weights = Weights::new(w)?;
+    let weights = Weights::<T>::new(w)?;
     let bias = spec.attention.bias.to_dtype(x.dtype())?.contiguous()?;
     let packing = Packing::real(View::new(&bias)?.values::<T>()?, dims.n, dims.s);
     let rows = &packing.rows;
@@ -293,19 +338,23 @@ fn layer<T: Float>(
     packed_layer(
         "gradcache-decoder-layer",
         x,
-        &w.slots(),
+        &w.inputs(),
         packing,
         |xp, packing| {
             let (weights, chunk) = &*shared;
-            weights.read::<T, _>(dims, |wv| {
-                Ok(forward(xp, wv, (packing, chunk), dims, tracked))
+            weights.read(dims, |wv, ad| {
+                Ok(forward(xp, (wv, ad), (packing, chunk), dims, tracked))
             })
         },
         move |xp, dyp, packing, kept| {
             let (weights, chunk) = &*owned;
-            weights.read::<T, _>(dims, |wv| {
-                let grads = backward(xp, dyp, wv, (packing, chunk), dims, kept);
-                Ok((grads.dx, grads.slots.into()))
+            weights.read(dims, |wv, ad| {
+                let grads = backward(xp, dyp, (wv, ad), (packing, chunk), dims, kept);
+                let mut all: Vec<Vec<T>> = grads.slots.into();
+                for g in grads.lora {
+                    all.extend(g.unwrap_or_default());
+                }
+                Ok((grads.dx, all))
             })
         },
     )

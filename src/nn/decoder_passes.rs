@@ -9,9 +9,28 @@ use super::attention_grouped::{self as grouped, Sequences};
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{bias_rows, column_sums, linear, product, product_new};
+use super::lora_branch::Branch;
 use super::math::Act;
 use super::packing::Packing;
 use super::rows::{rms, rms_backward, rms_heads, rms_heads_backward};
+
+/// The layer's adapters (in the order of [`super::decoder_layer::DecoderWeights::lora`])
+/// and which slots take a gradient (a frozen weight's is not computed).
+pub(super) struct Adapters<'a, T> {
+    pub(super) branches: [Option<Branch<'a, T>>; 7],
+    pub(super) wants: [bool; SLOTS],
+}
+
+/// Indices into [`Adapters::branches`].
+pub(super) mod lora {
+    pub const Q: usize = 0;
+    pub const K: usize = 1;
+    pub const V: usize = 2;
+    pub const O: usize = 3;
+    pub const GATE: usize = 4;
+    pub const UP: usize = 5;
+    pub const DOWN: usize = 6;
+}
 
 /// Slots of the weights, in node-input order.
 pub(super) const SLOTS: usize = 20;
@@ -119,6 +138,14 @@ pub(super) struct Chunk<T> {
 }
 
 impl<T: Float> Chunk<T> {
+    /// The padded places (dropout-mask rows) of the [`Self::wanted`] rows.
+    fn wanted_places<'a>(&self, padded: &'a [usize]) -> Cow<'a, [usize]> {
+        match &self.pooled {
+            None => Cow::Borrowed(padded),
+            Some(rows) => Cow::Owned(rows.iter().map(|&r| padded[r]).collect()),
+        }
+    }
+
     /// The rows of `t` (rows of `width`) whose output is wanted: all of them, or the
     /// pooled ones gathered.
     fn wanted<'a>(&self, t: &'a [T], width: usize) -> Cow<'a, [T]> {
@@ -149,15 +176,22 @@ impl<T: Float> Chunk<T> {
 }
 
 /// The query-key-value projections of the packed rows `n1` `[rows, h]`, side by side in
-/// one `[rows, (heads + 2 kv_heads) d]` buffer, biases pre-filled.
-fn project<T: Float>(n1: &[T], w: &[&[T]; SLOTS], dims: Shape, rows: usize) -> Vec<T> {
+/// one `[rows, (heads + 2 kv_heads) d]` buffer, biases pre-filled (and the adapters'
+/// branches, `places` the rows' padded places).
+fn project<T: Float>(
+    n1: &[T],
+    (w, ad): (&[&[T]; SLOTS], &Adapters<T>),
+    dims: Shape,
+    places: &[usize],
+) -> Vec<T> {
     let (h, qd, kd) = (dims.h, dims.qd(), dims.kd());
+    let rows = places.len();
     let width = dims.grouped.width();
     let mut qkv = bias_rows(&[w[slot::WQ + 1], w[slot::WK + 1], w[slot::WV + 1]], rows);
-    for (col, (wp, out)) in [
-        (0, (w[slot::WQ], qd)),
-        (qd, (w[slot::WK], kd)),
-        (qd + kd, (w[slot::WV], kd)),
+    for (col, (wp, out), p) in [
+        (0, (w[slot::WQ], qd), lora::Q),
+        (qd, (w[slot::WK], kd), lora::K),
+        (qd + kd, (w[slot::WV], kd), lora::V),
     ] {
         product(
             (rows, out, h),
@@ -166,6 +200,9 @@ fn project<T: Float>(n1: &[T], w: &[&[T]; SLOTS], dims: Shape, rows: usize) -> V
             (n1, h, 1),
             (wp, 1, h),
         );
+        if let Some(branch) = &ad.branches[p] {
+            branch.forward(n1, h, places, (&mut qkv[col..], width));
+        }
     }
     qkv
 }
@@ -216,15 +253,15 @@ fn added<T: Float>(a: &[T], b: &[T]) -> Vec<T> {
 /// The forward pass: the output rows and, when `keep`, what the backward reads.
 pub(super) fn forward<T: Float>(
     x: &[T],
-    w: &[&[T]; SLOTS],
+    (w, ad): (&[&[T]; SLOTS], &Adapters<T>),
     (packing, chunk): (&Packing, &Chunk<T>),
     dims: Shape,
     keep: bool,
 ) -> (Vec<T>, Option<Kept<T>>) {
-    let (rows, h, i, qd) = (packing.total(), dims.h, dims.inter, dims.qd());
+    let (h, i, qd) = (dims.h, dims.inter, dims.qd());
     let (eps, off) = (chunk.eps, T::of(chunk.offset));
     let n1 = rms(x, w[slot::IN_NORM], eps, off);
-    let mut qkv = project(&n1, w, dims, rows);
+    let mut qkv = project(&n1, (w, ad), dims, &packing.padded);
     drop(n1);
     let raw = keep.then(|| qkv.clone());
     prepared(&mut qkv, w, chunk, dims);
@@ -239,7 +276,11 @@ pub(super) fn forward<T: Float>(
     let ctx = chunk.wanted(&ctx, qd).into_owned();
     let xs = chunk.wanted(x, h);
     let rows = xs.len() / h;
-    let a = linear(&ctx, w[slot::WO], w[slot::WO + 1], rows, qd);
+    let places = chunk.wanted_places(&packing.padded);
+    let mut a = linear(&ctx, w[slot::WO], w[slot::WO + 1], rows, qd);
+    if let Some(branch) = &ad.branches[lora::O] {
+        branch.forward(&ctx, qd, &places, (&mut a, h));
+    }
     let (x1, a) = if chunk.post_norms {
         let normed = rms(&a, w[slot::POST_ATTN], eps, off);
         (added(&xs, &normed), Some(a))
@@ -249,7 +290,7 @@ pub(super) fn forward<T: Float>(
     drop(xs);
     let n2 = rms(&x1, w[slot::MLP_NORM], eps, off);
     let mut up = bias_rows(&[w[slot::WG + 1], w[slot::WU + 1]], rows);
-    for (col, wp) in [(0, w[slot::WG]), (i, w[slot::WU])] {
+    for (col, wp, p) in [(0, w[slot::WG], lora::GATE), (i, w[slot::WU], lora::UP)] {
         product(
             (rows, i, h),
             (&mut up[col..], 2 * i),
@@ -257,10 +298,16 @@ pub(super) fn forward<T: Float>(
             (&n2, h, 1),
             (wp, 1, h),
         );
+        if let Some(branch) = &ad.branches[p] {
+            branch.forward(&n2, h, &places, (&mut up[col..], 2 * i));
+        }
     }
     drop(n2);
     let g = glu_rows(&up, chunk.act, i);
-    let m = linear(&g, w[slot::WD], w[slot::WD + 1], rows, i);
+    let mut m = linear(&g, w[slot::WD], w[slot::WD + 1], rows, i);
+    if let Some(branch) = &ad.branches[lora::DOWN] {
+        branch.forward(&g, i, &places, (&mut m, h));
+    }
     drop(g);
     let (y, m) = if chunk.post_norms {
         let normed = rms(&m, w[slot::POST_MLP], eps, off);
@@ -281,17 +328,19 @@ pub(super) fn forward<T: Float>(
     (y, kept)
 }
 
-/// Every gradient: of the input and of the slots (a missing one's is unused).
+/// Every gradient: of the input, of the slots (a missing or frozen one's is empty and
+/// unused) and the adapters' `(dA, dB)` in the order of [`Adapters::branches`].
 pub(super) struct Grads<T> {
     pub(super) dx: Vec<T>,
     pub(super) slots: [Vec<T>; SLOTS],
+    pub(super) lora: [Option<[Vec<T>; 2]>; 7],
 }
 
 /// The backward pass from `dy`.
 pub(super) fn backward<T: Float>(
     x: &[T],
     dy: &[T],
-    w: &[&[T]; SLOTS],
+    (w, ad): (&[&[T]; SLOTS], &Adapters<T>),
     (packing, chunk): (&Packing, &Chunk<T>),
     dims: Shape,
     kept: &Kept<T>,
@@ -300,11 +349,22 @@ pub(super) fn backward<T: Float>(
     let (eps, off) = (chunk.eps, T::of(chunk.offset));
     let width = dims.grouped.width();
     let mut slots: [Vec<T>; SLOTS] = Default::default();
+    let wants = |slot: usize| ad.wants[slot];
+    let mut lora_grads: [Option<[Vec<T>; 2]>; 7] = Default::default();
+    // The branch of adapter `p` from its output's gradient (an operand) into `dx`.
+    let mut branch_backward =
+        |p: usize, x: &[T], input: usize, places: &[usize], dout: (&[T], usize), dx: &mut [T]| {
+            if let Some(branch) = &ad.branches[p] {
+                let (da, db) = branch.backward(x, input, places, dout, dx);
+                lora_grads[p] = Some([da, db]);
+            }
+        };
     // Up to the attention, the rows whose output is wanted (all, or the pooled ones).
     let dy_all = dy;
     let dy = chunk.wanted(dy_all, h);
     let dy = &dy[..];
     let rows = dy.len() / h;
+    let places = chunk.wanted_places(&packing.padded);
     // The feed-forward: y = x1 + norm(act(g) u W_d^T + b_d).
     let dm: Cow<[T]> = match &kept.m {
         Some(m) => {
@@ -316,19 +376,24 @@ pub(super) fn backward<T: Float>(
     };
     slots[slot::WD + 1] = column_sums(&dm, h);
     let g = glu_rows(&kept.up, chunk.act, i);
-    slots[slot::WD] = product_new((h, i, rows), (&dm, 1, h), (&g, i, 1));
-    drop(g);
-    let dg = product_new((rows, i, h), (&dm, h, 1), (w[slot::WD], i, 1));
-    drop(dm);
+    if wants(slot::WD) {
+        slots[slot::WD] = product_new((h, i, rows), (&dm, 1, h), (&g, i, 1));
+    }
+    let mut dg = product_new((rows, i, h), (&dm, h, 1), (w[slot::WD], i, 1));
+    branch_backward(lora::DOWN, &g, i, &places, (&dm, h), &mut dg);
+    drop((g, dm));
     let dup = glu_rows_backward(&kept.up, &dg, chunk.act, i);
     drop(dg);
     let sums = column_sums(&dup, 2 * i);
     slots[slot::WG + 1] = sums[..i].to_vec();
     slots[slot::WU + 1] = sums[i..].to_vec();
     let n2 = rms(&kept.x1, w[slot::MLP_NORM], eps, off);
-    slots[slot::WG] = product_new((i, h, rows), (&dup, 1, 2 * i), (&n2, h, 1));
-    slots[slot::WU] = product_new((i, h, rows), (&dup[i..], 1, 2 * i), (&n2, h, 1));
-    drop(n2);
+    if wants(slot::WG) {
+        slots[slot::WG] = product_new((i, h, rows), (&dup, 1, 2 * i), (&n2, h, 1));
+    }
+    if wants(slot::WU) {
+        slots[slot::WU] = product_new((i, h, rows), (&dup[i..], 1, 2 * i), (&n2, h, 1));
+    }
     let mut dn2 = product_new((rows, h, i), (&dup, 2 * i, 1), (w[slot::WG], h, 1));
     product(
         (rows, h, i),
@@ -337,7 +402,9 @@ pub(super) fn backward<T: Float>(
         (&dup[i..], 2 * i, 1),
         (w[slot::WU], h, 1),
     );
-    drop(dup);
+    branch_backward(lora::GATE, &n2, h, &places, (&dup, 2 * i), &mut dn2);
+    branch_backward(lora::UP, &n2, h, &places, (&dup[i..], 2 * i), &mut dn2);
+    drop((n2, dup));
     let (dx1_norm, dw) = rms_backward(&kept.x1, w[slot::MLP_NORM], &dn2, eps, off);
     slots[slot::MLP_NORM] = dw;
     drop(dn2);
@@ -353,8 +420,11 @@ pub(super) fn backward<T: Float>(
         None => Cow::Borrowed(&dx1),
     };
     slots[slot::WO + 1] = column_sums(&da, h);
-    slots[slot::WO] = product_new((h, qd, rows), (&da, 1, h), (&kept.ctx, qd, 1));
-    let dctx = product_new((rows, qd, h), (&da, h, 1), (w[slot::WO], qd, 1));
+    if wants(slot::WO) {
+        slots[slot::WO] = product_new((h, qd, rows), (&da, 1, h), (&kept.ctx, qd, 1));
+    }
+    let mut dctx = product_new((rows, qd, h), (&da, h, 1), (w[slot::WO], qd, 1));
+    branch_backward(lora::O, &kept.ctx, qd, &places, (&da, h), &mut dctx);
     drop(da);
     let dctx = chunk.put_back(dctx, || vec![T::zero(); all * qd], qd);
     // The residual gradient of every row: a row that passed its input through gets its
@@ -387,16 +457,17 @@ pub(super) fn backward<T: Float>(
     slots[slot::WV + 1] = sums[qd + kd..].to_vec();
     let n1 = rms(x, w[slot::IN_NORM], eps, off);
     let parts = [
-        (slot::WQ, 0, qd),
-        (slot::WK, qd, kd),
-        (slot::WV, qd + kd, kd),
+        (slot::WQ, 0, qd, lora::Q),
+        (slot::WK, qd, kd, lora::K),
+        (slot::WV, qd + kd, kd, lora::V),
     ];
-    for (s, col, out) in parts {
-        slots[s] = product_new((out, h, all), (&dqkv[col..], 1, width), (&n1, h, 1));
+    for (s, col, out, _) in parts {
+        if wants(s) {
+            slots[s] = product_new((out, h, all), (&dqkv[col..], 1, width), (&n1, h, 1));
+        }
     }
-    drop(n1);
     let mut dn1 = vec![T::zero(); all * h];
-    for (s, col, out) in parts {
+    for (s, col, out, p) in parts {
         product(
             (all, h, out),
             (&mut dn1, h),
@@ -404,10 +475,15 @@ pub(super) fn backward<T: Float>(
             (&dqkv[col..], width, 1),
             (w[s], h, 1),
         );
+        branch_backward(p, &n1, h, &packing.padded, (&dqkv[col..], width), &mut dn1);
     }
-    drop(dqkv);
+    drop((n1, dqkv));
     let (dxn, dw) = rms_backward(x, w[slot::IN_NORM], &dn1, eps, off);
     slots[slot::IN_NORM] = dw;
     let dx = added(&dx1, &dxn);
-    Grads { dx, slots }
+    Grads {
+        dx,
+        slots,
+        lora: lora_grads,
+    }
 }

@@ -219,10 +219,36 @@ impl Linear {
         Ok(self)
     }
 
+    /// This layer for one forward of layer `layer` of a chunk: its adapter (if any) with
+    /// the dropout mask of its input at `site` (see [`super::lora::site`]).
+    pub fn at(&self, ctx: &crate::dropout::Ctx, layer: u32, site: u32) -> Self {
+        Self {
+            lora: self.lora.as_ref().map(|a| a.at(ctx, layer, site)),
+            ..self.clone()
+        }
+    }
+
+    /// Whether the layer is a plain product with [`Self::weight`] this forward: no
+    /// adapter, or one without a dropout mask (merged into the weight).
+    pub fn merges(&self) -> bool {
+        self.lora.as_ref().is_none_or(|a| a.merges())
+    }
+
+    /// The adapter as a layer node takes it, if the layer has one.
+    pub fn lora_input(&self) -> Option<super::lora::LoraInput> {
+        self.lora.as_ref().map(|a| a.input())
+    }
+
     /// The effective weight `[out, in]`: the weight, or with an adapter `W + s B A`
-    /// computed from the adapter's current values (tracked when they are).
+    /// computed from the adapter's current values (tracked when they are). An adapter
+    /// with a dropout mask this forward has none (see [`Self::merges`]).
     pub fn weight(&self) -> crate::Result<Tensor> {
         match &self.lora {
+            Some(adapter) if !adapter.merges() => {
+                Err(crate::Error::Candle(candle_core::Error::Msg(
+                    "a LoRA projection with dropout on its input has no merged weight".into(),
+                )))
+            }
             Some(adapter) => adapter.merged(&self.weight),
             None => Ok(self.weight.clone()),
         }
@@ -238,20 +264,41 @@ impl Linear {
         self.bias.as_ref()
     }
 
-    /// `x W^T + b` over the last dimension of `x`.
+    /// `x W^T + b` over the last dimension of `x` (with an adapter masked this forward,
+    /// `x W^T + b + s (dropout(x) A^T) B^T`).
     pub fn forward(&self, x: &Tensor) -> crate::Result<Tensor> {
-        super::linear(x, &self.weight()?, self.bias.as_ref())
+        match self.branch(x)? {
+            Some((base, branch)) => {
+                let y = super::linear(x, &base, self.bias.as_ref())?;
+                Ok((y + branch)?)
+            }
+            None => super::linear(x, &self.weight()?, self.bias.as_ref()),
+        }
     }
 
     /// `act(x W^T + b)`, the bias added inside the fused activation.
     pub fn forward_activated(&self, x: &Tensor, act: Act) -> crate::Result<Tensor> {
-        let y = super::linear(x, &self.weight()?, None)?;
+        let y = match self.branch(x)? {
+            Some((base, branch)) => (super::linear(x, &base, None)? + branch)?,
+            None => super::linear(x, &self.weight()?, None)?,
+        };
         match &self.bias {
             Some(b) => super::bias_activation(&y, b, act),
             None => {
                 let zero = Tensor::zeros(y.dim(candle_core::D::Minus1)?, y.dtype(), y.device())?;
                 super::bias_activation(&y, &zero, act)
             }
+        }
+    }
+
+    /// Where the adapter is not merged this forward: the base weight in `x`'s dtype and
+    /// the adapter's branch on `x`.
+    fn branch(&self, x: &Tensor) -> crate::Result<Option<(Tensor, Tensor)>> {
+        match &self.lora {
+            Some(adapter) if !adapter.merges() => {
+                Ok(Some((self.weight.to_dtype(x.dtype())?, adapter.branch(x)?)))
+            }
+            _ => Ok(None),
         }
     }
 }

@@ -41,6 +41,7 @@ use super::attention::{self as kernel, KeyMask};
 use super::blocks::Float;
 use super::fused::AttentionSpec;
 use super::gemm::{bias_rows, column_sums, linear, product, product_new};
+use super::lora_branch::{Branch, Held, LoraInput};
 use super::math::Act;
 use super::node::node_n_owned;
 use super::packed_attention::{attend, attention_backward};
@@ -67,6 +68,15 @@ pub struct LayerWeights<'a> {
     pub output: (&'a Tensor, &'a Tensor),
     /// LayerNorm after the feed-forward: scale and shift `[h]`.
     pub output_norm: (&'a Tensor, &'a Tensor),
+    /// LoRA adapters of the query, key, value, attention output, up and down projections
+    /// (the low-rank branch inside the node, see [`super::lora_branch`]); their base
+    /// weights above are then the stored ones, frozen.
+    pub lora: [Option<LoraInput>; 6],
+}
+
+/// The projections' shapes `(in, out)` in the order of [`LayerWeights::lora`].
+fn projection_shapes(h: usize, inter: usize) -> [(usize, usize); 6] {
+    [(h, h), (h, h), (h, h), (h, h), (h, inter), (inter, h)]
 }
 
 impl<'a> LayerWeights<'a> {
@@ -148,7 +158,11 @@ pub fn encoder_layer(
             ])
             .chain([&w.output.1, &w.output_norm.0, &w.output_norm.1])
             .all(|t| t.dims() == [h])
-        && w.intermediate.1.dims() == [inter];
+        && w.intermediate.1.dims() == [inter]
+        && w.lora
+            .iter()
+            .zip(projection_shapes(h, inter))
+            .all(|(l, (i, o))| l.as_ref().is_none_or(|l| l.fits(i, o)));
     if !fits {
         candle_core::bail!(
             "encoder layer: hidden size {h}, {heads} heads and the weights ({:?} up, {:?} down) do not fit",
@@ -175,6 +189,10 @@ pub fn encoder_layer(
     }
     let tracked = x.track_op()
         || w.all().iter().any(|t| t.track_op())
+        || w.lora
+            .iter()
+            .flatten()
+            .any(|l| l.a.track_op() || l.b.track_op())
         || spec.score_bias.as_ref().is_some_and(|t| t.track_op());
     match x.dtype() {
         DType::F32 => layer::<f32>(x, w, spec, dims, tracked),
@@ -211,34 +229,47 @@ impl Shape {
     }
 }
 
-/// The sixteen weights, detached and contiguous (views of the variables: no copy).
-struct Weights([Tensor; 16]);
+/// The sixteen weights, detached and contiguous in the layer's dtype (views of the
+/// variables: no copy; a base stored narrower is widened), which of them take a gradient,
+/// and the adapters' values.
+struct Weights<T> {
+    all: [Tensor; 16],
+    wants: [bool; 16],
+    lora: [Option<Held<T>>; 6],
+}
 
-impl Weights {
+impl<T: Float> Weights<T> {
     fn new(w: &LayerWeights) -> candle_core::Result<Self> {
         let all = w.all();
         let mut out = Vec::with_capacity(16);
         for t in all {
-            out.push(t.detach().contiguous()?);
+            out.push(t.detach().to_dtype(T::DTYPE)?.contiguous()?);
         }
         let out: [Tensor; 16] = out
             .try_into()
             .map_err(|_| candle_core::Error::Msg("encoder layer: sixteen weights".into()))?;
-        Ok(Self(out))
+        let mut lora: [Option<Held<T>>; 6] = Default::default();
+        for (held, input) in lora.iter_mut().zip(&w.lora) {
+            *held = input.as_ref().map(|l| l.values()).transpose()?;
+        }
+        Ok(Self {
+            all: out,
+            wants: all.map(crate::sink::wants),
+            lora,
+        })
     }
 
     /// Runs `f` on the weights' values.
-    fn read<T: Float, R>(
-        &self,
-        f: impl FnOnce(&W<T>) -> candle_core::Result<R>,
-    ) -> candle_core::Result<R> {
+    fn read<R>(&self, f: impl FnOnce(&W<T>) -> candle_core::Result<R>) -> candle_core::Result<R> {
         let views = self
-            .0
+            .all
             .iter()
             .map(View::new)
             .collect::<candle_core::Result<Vec<_>>>()?;
         let v = |i: usize| views[i].values::<T>();
         let w = W {
+            wants: self.wants,
+            lora: std::array::from_fn(|p| self.lora[p].as_ref().map(Held::branch)),
             wqkv: [v(0)?, v(1)?, v(2)?],
             bqkv: [v(3)?, v(4)?, v(5)?],
             wo: v(6)?,
@@ -256,6 +287,10 @@ impl Weights {
 
 /// The weights' values.
 struct W<'a, T> {
+    /// Which weights take a gradient (a frozen one's is not computed).
+    wants: [bool; 16],
+    /// The adapters' branches, in the order of [`LayerWeights::lora`].
+    lora: [Option<Branch<'a, T>>; 6],
     wqkv: [&'a [T]; 3],
     bqkv: [&'a [T]; 3],
     wo: &'a [T],
@@ -286,7 +321,7 @@ fn layer<T: Float>(
     tracked: bool,
 ) -> candle_core::Result<Tensor> {
     let xd = x.detach().contiguous()?;
-    let weights = Weights::new(w)?;
+    let weights = Weights::<T>::new(w)?;
     let bias = spec.attention.bias.contiguous()?;
     if bias.elem_count() != dims.n * dims.s {
         candle_core::bail!(
@@ -307,7 +342,7 @@ fn layer<T: Float>(
         ..dims
     };
     let padded_rows = dims.n * dims.s;
-    let (out, kept) = weights.read::<T, _>(|wv| {
+    let (out, kept) = weights.read(|wv| {
         let xv = View::new(&xd)?;
         let xp = packing.gather(xv.values::<T>()?, dims.h);
         forward(&xp, wv, &mask, &packing, spec, dims, tracked)
@@ -318,11 +353,18 @@ fn layer<T: Float>(
         return Tensor::from_vec(out, shape, x.device());
     };
     let params: Vec<Tensor> = w.all().into_iter().cloned().collect();
+    let adapters: Vec<Tensor> = w
+        .lora
+        .iter()
+        .flatten()
+        .flat_map(|l| [l.a.clone(), l.b.clone()])
+        .collect();
     let mut inputs = vec![x];
     inputs.extend(w.all());
     if let Some(scores) = &spec.score_bias {
         inputs.push(scores);
     }
+    inputs.extend(w.lora.iter().flatten().flat_map(|l| [&l.a, &l.b]));
     let score_bias = spec.score_bias.clone();
     let spec = spec.clone();
     node_n_owned(
@@ -332,7 +374,7 @@ fn layer<T: Float>(
         shape.into(),
         Box::new(move |dy| {
             let dy = dy.contiguous()?;
-            let grads = weights.read::<T, _>(|wv| {
+            let grads = weights.read(|wv| {
                 let (xv, dyv) = (View::new(&xd)?, View::new(&dy)?);
                 let xp = packing.gather(xv.values::<T>()?, dims.h);
                 let dyp = packing.gather(dyv.values::<T>()?, dims.h);
@@ -347,25 +389,46 @@ fn layer<T: Float>(
             let [dwq, dwk, dwv] = grads.dwqkv;
             let [dbq, dbk, dbv] = grads.dbqkv;
             let all = [
-                dwq, dwk, dwv, dbq, dbk, dbv, grads.dwo, grads.dbo, grads.dg1, grads.db1,
-                grads.dwi, grads.dbi, grads.dwd, grads.dbd, grads.dg2, grads.db2,
+                dwq,
+                dwk,
+                dwv,
+                Some(dbq),
+                Some(dbk),
+                Some(dbv),
+                grads.dwo,
+                Some(grads.dbo),
+                Some(grads.dg1),
+                Some(grads.db1),
+                grads.dwi,
+                Some(grads.dbi),
+                grads.dwd,
+                Some(grads.dbd),
+                Some(grads.dg2),
+                Some(grads.db2),
             ];
             // Into the open gradient sink, or to candle when none is open.
             for (param, g) in params.iter().zip(all) {
-                out.push(crate::sink::deposit(param, g)?);
+                out.push(crate::sink::deposit_wanted(param, g)?);
             }
             if let (Some(scores), Some(g)) = (&score_bias, grads.dscores) {
                 // Not a variable: the gradient goes back through the graph that made it.
                 let g = Tensor::from_vec(g, scores.shape(), &candle_core::Device::Cpu)?;
                 out.push(Some(g.to_dtype(scores.dtype())?));
             }
+            for (param, g) in adapters
+                .iter()
+                .zip(grads.lora.into_iter().flatten().flatten())
+            {
+                out.push(crate::sink::deposit(param, g)?);
+            }
             Ok(out)
         }),
     )
 }
 
-/// The packed `[rows, 3h]` queries, keys and values: `x W_p^T + b_p` side by side.
-fn qkv<T: Float>(x: &[T], w: &W<T>, rows: usize, h: usize) -> Vec<T> {
+/// The packed `[rows, 3h]` queries, keys and values: `x W_p^T + b_p` side by side (and
+/// the adapters' branches).
+fn qkv<T: Float>(x: &[T], w: &W<T>, rows: usize, h: usize, places: &[usize]) -> Vec<T> {
     let mut y = bias_rows(&w.bqkv, rows);
     for (p, wp) in w.wqkv.iter().enumerate() {
         product(
@@ -375,27 +438,70 @@ fn qkv<T: Float>(x: &[T], w: &W<T>, rows: usize, h: usize) -> Vec<T> {
             (x, h, 1),
             (wp, 1, h),
         );
+        if let Some(branch) = &w.lora[p] {
+            branch.forward(x, h, places, (&mut y[p * h..], 3 * h));
+        }
+    }
+    y
+}
+
+/// `x W^T + b` of the projection `lora` (an index of [`LayerWeights::lora`]) with its
+/// adapter's branch.
+#[allow(clippy::too_many_arguments)]
+fn projected<T: Float>(
+    x: &[T],
+    (weight, bias): (&[T], &[T]),
+    w: &W<T>,
+    lora: usize,
+    rows: usize,
+    input: usize,
+    places: &[usize],
+) -> Vec<T> {
+    let mut y = linear(x, weight, bias, rows, input);
+    if let Some(branch) = &w.lora[lora] {
+        branch.forward(x, input, places, (&mut y, bias.len()));
     }
     y
 }
 
 /// The feed-forward half from `y1`: `u`, and the output `o = act(u) W_d^T + b_d`.
-fn feed_forward<T: Float>(y1: &[T], w: &W<T>, spec: &LayerSpec, dims: Shape) -> (Vec<T>, Vec<T>) {
+fn feed_forward<T: Float>(
+    y1: &[T],
+    w: &W<T>,
+    spec: &LayerSpec,
+    dims: Shape,
+    places: &[usize],
+) -> (Vec<T>, Vec<T>) {
     let (rows, h, i) = (dims.rows(), dims.h, dims.inter);
-    let u = linear(y1, w.wi, w.bi, rows, h);
+    let u = projected(y1, (w.wi, w.bi), w, lora::UP, rows, h, places);
     let g = activate(&u, spec.act, i);
-    let o = linear(&g, w.wd, w.bd, rows, i);
+    let o = projected(&g, (w.wd, w.bd), w, lora::DOWN, rows, i, places);
     (u, o)
 }
 
 /// The output of [`feed_forward`] alone, for a forward that does not keep `u`
 /// (inference, or the `intermediate` site recomputed): the activation overwrites `u` in
 /// place, so the layer's largest buffer (`[rows, I]`) exists once, not twice.
-fn feed_forward_output<T: Float>(y1: &[T], w: &W<T>, spec: &LayerSpec, dims: Shape) -> Vec<T> {
+fn feed_forward_output<T: Float>(
+    y1: &[T],
+    w: &W<T>,
+    spec: &LayerSpec,
+    dims: Shape,
+    places: &[usize],
+) -> Vec<T> {
     let (rows, h, i) = (dims.rows(), dims.h, dims.inter);
-    let mut u = linear(y1, w.wi, w.bi, rows, h);
+    let mut u = projected(y1, (w.wi, w.bi), w, lora::UP, rows, h, places);
     activate_in_place(&mut u, spec.act, i);
-    linear(&u, w.wd, w.bd, rows, i)
+    projected(&u, (w.wd, w.bd), w, lora::DOWN, rows, i, places)
+}
+
+/// Indices into [`LayerWeights::lora`] and, for the weights, into their node-input order.
+mod lora {
+    pub const OUTPUT: usize = 3;
+    pub const UP: usize = 4;
+    pub const DOWN: usize = 5;
+    /// The weights' own indices among the sixteen: `W_q, W_k, W_v, W_o, W_i, W_d`.
+    pub const WEIGHT: [usize; 6] = [0, 1, 2, 6, 10, 12];
 }
 
 /// The forward pass: the output rows and, when `keep`, what the backward reads.
@@ -410,7 +516,7 @@ fn forward<T: Float>(
 ) -> candle_core::Result<(Vec<T>, Option<Kept<T>>)> {
     let (rows, h) = (dims.rows(), dims.h);
     let places = &packing.padded;
-    let qkv = qkv(x, w, rows, h);
+    let qkv = qkv(x, w, rows, h, places);
     let (ctx, probs) = attend(
         &qkv,
         (mask, &packing.rows),
@@ -419,15 +525,15 @@ fn forward<T: Float>(
         keep,
     );
     let qkv = keep.then_some(qkv);
-    let a = linear(&ctx, w.wo, w.bo, rows, h);
+    let a = projected(&ctx, (w.wo, w.bo), w, lora::OUTPUT, rows, h, places);
     let ctx = keep.then_some(ctx);
     let (sum1, y1) = add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps, places);
     drop(a);
     let (u, o) = if keep && !spec.recompute_intermediate {
-        let (u, o) = feed_forward(&y1, w, spec, dims);
+        let (u, o) = feed_forward(&y1, w, spec, dims, places);
         (Some(u), o)
     } else {
-        (None, feed_forward_output(&y1, w, spec, dims))
+        (None, feed_forward_output(&y1, w, spec, dims, places))
     };
     let (sum2, y) = add_norm(&o, &y1, spec.output_dropout, w.n2, spec.eps, places);
     let kept = qkv.zip(ctx).map(|(qkv, ctx)| Kept {
@@ -441,23 +547,25 @@ fn forward<T: Float>(
     Ok((y, kept))
 }
 
-/// Every gradient of the layer.
+/// Every gradient of the layer (`None`: a frozen weight's, not computed).
 struct Grads<T> {
     dx: Vec<T>,
-    dwqkv: [Vec<T>; 3],
+    dwqkv: [Option<Vec<T>>; 3],
     dbqkv: [Vec<T>; 3],
-    dwo: Vec<T>,
+    dwo: Option<Vec<T>>,
     dbo: Vec<T>,
     dg1: Vec<T>,
     db1: Vec<T>,
-    dwi: Vec<T>,
+    dwi: Option<Vec<T>>,
     dbi: Vec<T>,
-    dwd: Vec<T>,
+    dwd: Option<Vec<T>>,
     dbd: Vec<T>,
     dg2: Vec<T>,
     db2: Vec<T>,
     /// The score bias's, `[heads, s, s]`, when the layer has one.
     dscores: Option<Vec<T>>,
+    /// The adapters' `(dA, dB)`, in the order of [`LayerWeights::lora`].
+    lora: [Option<[Vec<T>; 2]>; 6],
 }
 
 /// The backward pass from `dy`.
@@ -475,11 +583,21 @@ fn backward<T: Float>(
     use std::borrow::Cow;
     let (rows, h, i) = (dims.rows(), dims.h, dims.inter);
     let places = &packing.padded;
+    let wants = |p: usize| w.wants[lora::WEIGHT[p]];
+    let mut lora_grads: [Option<[Vec<T>; 2]>; 6] = Default::default();
+    // The branch of adapter `p` from its output's gradient (operand `dout`) into `dx`.
+    let mut branch_backward =
+        |p: usize, x: &[T], input: usize, dout: (&[T], usize), dx: &mut [T]| {
+            if let Some(branch) = &w.lora[p] {
+                let (da, db) = branch.backward(x, input, places, dout, dx);
+                lora_grads[p] = Some([da, db]);
+            }
+        };
     // What the forward did not keep, recomputed with its own arithmetic.
     let sum1 = match &kept.sum1 {
         Some(s) => Cow::Borrowed(s.as_slice()),
         None => {
-            let a = linear(&kept.ctx, w.wo, w.bo, rows, h);
+            let a = projected(&kept.ctx, (w.wo, w.bo), w, lora::OUTPUT, rows, h, places);
             Cow::Owned(add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps, places).0)
         }
     };
@@ -487,7 +605,7 @@ fn backward<T: Float>(
     let (u, sum2) = match (&kept.u, &kept.sum2) {
         (Some(u), Some(s)) => (Cow::Borrowed(u.as_slice()), Cow::Borrowed(s.as_slice())),
         (u_kept, sum_kept) => {
-            let (u, o) = feed_forward(&y1, w, spec, dims);
+            let (u, o) = feed_forward(&y1, w, spec, dims, places);
             let sum2 = match sum_kept {
                 Some(s) => Cow::Borrowed(s.as_slice()),
                 None => {
@@ -509,25 +627,27 @@ fn backward<T: Float>(
     let (g, slope) = activate_with_slope(&u, spec.act, i);
     drop(u);
     // dW_d [h, I] = d_o^T g ; dg [rows, I] = d_o W_d
-    let dwd = product_new((h, i, rows), (&d_o, 1, h), (&g, i, 1));
-    drop(g);
+    let dwd = wants(lora::DOWN).then(|| product_new((h, i, rows), (&d_o, 1, h), (&g, i, 1)));
     let mut du = product_new((rows, i, h), (&d_o, h, 1), (w.wd, i, 1));
-    drop(d_o);
+    branch_backward(lora::DOWN, &g, i, (&d_o, h), &mut du);
+    drop((g, d_o));
     let dbi = times_slope(&slope, &mut du, i);
     drop(slope);
     // dW_i [I, h] = du^T y1 ; dy1 = dsum2 + du W_i
-    let dwi = product_new((i, h, rows), (&du, 1, i), (&y1, h, 1));
-    drop(y1);
+    let dwi = wants(lora::UP).then(|| product_new((i, h, rows), (&du, 1, i), (&y1, h, 1)));
     let mut dy1 = dsum2;
     product((rows, h, i), (&mut dy1, h), true, (&du, i, 1), (w.wi, h, 1));
-    drop(du);
+    branch_backward(lora::UP, &y1, h, (&du, i), &mut dy1);
+    drop((du, y1));
     // First LayerNorm.
     let (dsum1, dg1, db1) = norm_backward(&sum1, w.n1.0, &dy1, spec.eps);
     drop((sum1, dy1));
     let d_a = dropped(&dsum1, spec.attention_output_dropout, h, Some(places));
     let dbo = column_sums(&d_a, h);
-    let dwo = product_new((h, h, rows), (&d_a, 1, h), (&kept.ctx, h, 1));
-    let dctx = product_new((rows, h, h), (&d_a, h, 1), (w.wo, h, 1));
+    let dwo =
+        wants(lora::OUTPUT).then(|| product_new((h, h, rows), (&d_a, 1, h), (&kept.ctx, h, 1)));
+    let mut dctx = product_new((rows, h, h), (&d_a, h, 1), (w.wo, h, 1));
+    branch_backward(lora::OUTPUT, &kept.ctx, h, (&d_a, h), &mut dctx);
     drop(d_a);
     // Attention.
     let (dqkv, dscores) = attention_backward(
@@ -543,7 +663,9 @@ fn backward<T: Float>(
     let sums = column_sums(&dqkv, 3 * h);
     let dbqkv = [0, 1, 2].map(|p| sums[p * h..(p + 1) * h].to_vec());
     // dW_p [h, h] = dqkv_p^T x ; dx = dsum1 + sum_p dqkv_p W_p
-    let dwqkv = [0, 1, 2].map(|p| product_new((h, h, rows), (&dqkv[p * h..], 1, 3 * h), (x, h, 1)));
+    let dwqkv = [0, 1, 2].map(|p| {
+        wants(p).then(|| product_new((h, h, rows), (&dqkv[p * h..], 1, 3 * h), (x, h, 1)))
+    });
     let mut dx = dsum1;
     for (p, wp) in w.wqkv.iter().enumerate() {
         product(
@@ -553,6 +675,7 @@ fn backward<T: Float>(
             (&dqkv[p * h..], 3 * h, 1),
             (wp, h, 1),
         );
+        branch_backward(p, x, h, (&dqkv[p * h..], 3 * h), &mut dx);
     }
     Ok(Grads {
         dx,
@@ -569,5 +692,6 @@ fn backward<T: Float>(
         dg2,
         db2,
         dscores,
+        lora: lora_grads,
     })
 }

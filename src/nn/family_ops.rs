@@ -142,17 +142,18 @@ pub fn prenorm_layer(
         None => (None, None),
     };
     all.extend(n1.into_iter().chain(b1));
-    for (w, b) in [
+    all.push(weights.mlp_norm.0);
+    all.extend(weights.mlp_norm.1);
+    let projections = [
         weights.qkv,
         weights.attention_output,
-        weights.mlp_norm,
         weights.up,
         weights.down,
-    ] {
-        all.push(w);
-        all.extend(b);
-    }
-    if !fused_ok(&all) || x.rank() != 3 {
+    ];
+    all.extend(projections.iter().filter_map(|(_, b)| *b));
+    let bases: Vec<&Tensor> = projections.iter().map(|(w, _)| *w).collect();
+    let lora: Vec<_> = weights.lora.iter().collect();
+    if !fused_ok(&all) || !super::frozen_base_ok(x, &bases, &lora) || x.rank() != 3 {
         return Ok(None);
     }
     Ok(Some(super::prenorm_layer::prenorm_layer(x, weights, spec)?))
@@ -172,7 +173,7 @@ pub fn decoder_layer(
         weights.input_norm,
         weights.mlp_norm,
     ];
-    for (w, b) in [
+    let projections = [
         &weights.q,
         &weights.k,
         &weights.v,
@@ -180,10 +181,10 @@ pub fn decoder_layer(
         &weights.gate,
         &weights.up,
         &weights.down,
-    ] {
-        all.push(w);
-        all.extend(b);
-    }
+    ];
+    all.extend(projections.iter().filter_map(|(_, b)| b.as_ref()));
+    let bases: Vec<&Tensor> = projections.iter().map(|(w, _)| w).collect();
+    let lora: Vec<_> = weights.lora.iter().collect();
     all.extend(
         [
             weights.q_norm,
@@ -194,7 +195,7 @@ pub fn decoder_layer(
         .into_iter()
         .flatten(),
     );
-    if !fused_ok(&all) || x.rank() != 3 {
+    if !fused_ok(&all) || !super::frozen_base_ok(x, &bases, &lora) || x.rank() != 3 {
         return Ok(None);
     }
     Ok(super::decoder_layer::decoder_layer(x, weights, spec)?)

@@ -2,24 +2,32 @@
 //! `y = x W^T + b` of a frozen `W` `[out, in]` gains a trainable low-rank update,
 //!
 //! ```text
-//! y = x W^T + b + s (x A^T) B^T        A [r, in], B [out, r]
+//! y = x W^T + b + s (dropout(x) A^T) B^T        A [r, in], B [out, r]
 //! s = alpha / r   (rsLoRA: alpha / sqrt(r))
 //! ```
 //!
 //! with `A` Kaiming-uniform (PEFT's `a = sqrt(5)`: uniform in `+-1/sqrt(in)`, drawn from
 //! the run's seed) and `B` zero, so training starts from the base model. The adapters are
-//! stored under PEFT's names, `<module>.lora_A.weight` and `<module>.lora_B.weight`.
+//! stored under PEFT's names, `<module>.lora_A.weight` and `<module>.lora_B.weight`. The
+//! dropout (PEFT's `lora_dropout`) is seeded like every dropout here: one mask per
+//! projection, layer and chunk, drawn again bit for bit by every replay.
 //!
-//! Here the update reaches the layer as its effective weight `W + s B A`, computed from
-//! the variables at every forward: the fused layer nodes ([`super::encoder_layer`],
-//! [`super::prenorm_layer`], [`super::decoder_layer`]) run on it unchanged, hand its
-//! gradient `dW'` back through the graph that made it, and candle's autograd gives
-//! `dA = s B^T dW'` and `dB = s dW' A^T`: the same products as PEFT's two-matrix branch,
-//! in another order. The frozen `W` receives nothing.
+//! How it runs. On the CPU the fused layer nodes ([`super::encoder_layer`],
+//! [`super::prenorm_layer`], [`super::decoder_layer`]) take the frozen `W` as stored (a
+//! bf16 or f16 base read widened) and each adapter beside it: the low-rank branch
+//! `s (dropout(x) A^T) B^T` is added inside the node and its backward written out
+//! ([`super::lora_branch`]: `dB = s dy^T t`, `dA = (s dy B)^T dropout(x)`), and the frozen
+//! `W`'s own gradient is never computed. Elsewhere (off the CPU, or a node that does not
+//! take the layer) the projection runs as composed ops: without a dropout mask on the
+//! merged weight `W + s B A` (on the CPU one node, [`Adapter::merged`]), whose gradient
+//! `dW'` candle's autograd turns into `dA = s B^T dW'` and `dB = s dW' A^T`; with one,
+//! `x W^T + b` plus the branch on the masked input. Both draw the mask of an adapter's
+//! input at the same element places ([`site`] names it), so they give the same step.
 
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
+pub use super::lora_branch::LoraInput;
 use crate::names::targets_module;
 pub use crate::names::{is_adapter, target_matches, DEFAULT_TARGETS};
 use crate::{Error, Result};
@@ -37,6 +45,9 @@ pub struct LoraSpec {
     pub targets: Vec<String>,
     /// rsLoRA's scale `alpha / sqrt(r)`.
     pub rslora: bool,
+    /// Dropout on the adapters' input (PEFT's `lora_dropout`), in `[0, 1)`: seeded like
+    /// every dropout here, one mask per projection and chunk (see [`site`]).
+    pub dropout: f64,
 }
 
 impl LoraSpec {
@@ -56,12 +67,21 @@ impl LoraSpec {
     }
 }
 
-/// A projection's adapter: `A` `[r, in]`, `B` `[out, r]`, and the scale.
+/// The dropout site (of a mask seed) of the adapter on a layer's `projection`-th
+/// projection (in the order of the layer's module list), above every other site.
+pub fn site(projection: u32) -> u32 {
+    16 + projection
+}
+
+/// A projection's adapter: `A` `[r, in]`, `B` `[out, r]`, the scale, its dropout, and
+/// the mask of this forward (set by [`super::Linear::at`]).
 #[derive(Debug, Clone)]
 pub struct Adapter {
     a: Tensor,
     b: Tensor,
     scale: f64,
+    dropout: f64,
+    mask: Option<(u64, f32)>,
 }
 
 impl Adapter {
@@ -113,7 +133,53 @@ impl Adapter {
             a,
             b,
             scale: spec.scale(),
+            dropout: spec.dropout,
+            mask: None,
         }))
+    }
+
+    /// This adapter with the dropout mask of `(layer, site)` in the context's chunk (none
+    /// in evaluation or without dropout).
+    pub fn at(&self, ctx: &crate::dropout::Ctx, layer: u32, site: u32) -> Self {
+        let mask = match ctx.dropout {
+            Some(seed) if self.dropout > 0.0 => {
+                Some((seed.mask_seed(layer, site), self.dropout as f32))
+            }
+            _ => None,
+        };
+        Self {
+            mask,
+            ..self.clone()
+        }
+    }
+
+    /// Whether the adapter reaches the layer as a merged weight `W + s B A` this forward
+    /// (no dropout mask on its input).
+    pub fn merges(&self) -> bool {
+        self.mask.is_none()
+    }
+
+    /// The adapter as a layer node takes it (the low-rank branch inside the node).
+    pub fn input(&self) -> super::lora_branch::LoraInput {
+        super::lora_branch::LoraInput {
+            a: self.a.clone(),
+            b: self.b.clone(),
+            scale: self.scale,
+            dropout: self.mask,
+        }
+    }
+
+    /// The branch `s (dropout(x) A^T) B^T` as composed ops (any device and dtype; the
+    /// mask is the layer nodes' element for element).
+    pub fn branch(&self, x: &Tensor) -> Result<Tensor> {
+        let x = match self.mask {
+            Some((seed, p)) => super::dropout(x, seed, p)?,
+            None => x.clone(),
+        };
+        let a = self.a.to_dtype(x.dtype())?;
+        let b = self.b.to_dtype(x.dtype())?;
+        let t = super::linear(&x, &a, None)?;
+        Ok(super::linear(&t, &b, None)?.affine(self.scale, 0.0)?)
     }
 
     /// `W + s B A` in f32 (the base weight widened when it is stored narrower): on the
@@ -256,6 +322,8 @@ pub fn merge_into(
             a,
             b,
             scale: spec.scale(),
+            dropout: 0.0,
+            mask: None,
         };
         // In f32 (a base stored narrower for training is exported at full width).
         let merged = adapter.merged(base)?;
@@ -319,7 +387,7 @@ pub fn peft_files(
         "base_model_name_or_path": base,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
-        "lora_dropout": 0.0,
+        "lora_dropout": spec.dropout,
         "use_rslora": spec.rslora,
         "target_modules": targets,
         "bias": "none",
@@ -362,6 +430,7 @@ mod tests {
             alpha: 64.0,
             targets: vec![],
             rslora: false,
+            dropout: 0.0,
         };
         assert_eq!(spec.scale(), 4.0);
         spec.rslora = true;

@@ -37,6 +37,7 @@ mod gemm;
 pub mod infonce;
 mod layer_norm;
 pub mod lora;
+mod lora_branch;
 mod math;
 mod node;
 mod norm;
@@ -55,6 +56,7 @@ pub use family_ops::{
     self_attention_biased, token_embeddings, window_bias,
 };
 pub use layer_norm::LayerNorm;
+use lora::LoraInput;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -83,6 +85,22 @@ pub(crate) fn fused_ok(ts: &[&Tensor]) -> bool {
     FUSED.load(Ordering::Relaxed)
         && matches!(dtype, DType::F32 | DType::F64)
         && ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dtype)
+}
+
+/// Whether a layer node that runs in `x`'s dtype (see [`fused_ok`]) takes these projection
+/// weights: in that dtype, or frozen base weights stored narrower on the CPU (bf16, f16:
+/// the node reads them widened), and LoRA adapters on the CPU.
+pub(crate) fn frozen_base_ok(x: &Tensor, bases: &[&Tensor], lora: &[&Option<LoraInput>]) -> bool {
+    let cpu = |t: &Tensor| t.device().is_cpu();
+    bases.iter().all(|t| {
+        cpu(t)
+            && (t.dtype() == x.dtype()
+                || (matches!(t.dtype(), DType::BF16 | DType::F16) && !t.track_op()))
+    }) && lora
+        .iter()
+        .copied()
+        .flatten()
+        .all(|l| cpu(&l.a) && cpu(&l.b))
 }
 
 /// `t` in `dtype`: a tracked cast, or `t` itself when it already is.
@@ -205,18 +223,26 @@ pub fn encoder_layer(
     spec: &encoder_layer::LayerSpec,
 ) -> Result<Option<Tensor>> {
     let mut all = vec![x, &spec.attention.bias];
-    all.extend(weights.qkv);
     all.extend(weights.qkv_bias);
-    for (a, b) in [
-        weights.attention_output,
-        weights.attention_norm,
-        weights.intermediate,
-        weights.output,
-        weights.output_norm,
-    ] {
+    for (a, b) in [weights.attention_norm, weights.output_norm] {
         all.extend([a, b]);
     }
-    if !fused_ok(&all) || x.rank() != 3 {
+    all.extend([
+        weights.attention_output.1,
+        weights.intermediate.1,
+        weights.output.1,
+    ]);
+    let [wq, wk, wv] = weights.qkv;
+    let bases = [
+        wq,
+        wk,
+        wv,
+        weights.attention_output.0,
+        weights.intermediate.0,
+        weights.output.0,
+    ];
+    let lora: Vec<_> = weights.lora.iter().collect();
+    if !fused_ok(&all) || !frozen_base_ok(x, &bases, &lora) || x.rank() != 3 {
         return Ok(None);
     }
     Ok(Some(encoder_layer::encoder_layer(x, weights, spec)?))
@@ -233,7 +259,8 @@ pub fn feed_forward(
     down: &Linear,
     recompute: bool,
 ) -> Result<Tensor> {
-    if !recompute {
+    if !recompute || !up.merges() || !down.merges() {
+        // (An adapter with dropout on its input has no merged weight to recompute with.)
         return down.forward(&up.forward_activated(x, act)?);
     }
     let (up_weight, down_weight) = (up.weight()?, down.weight()?);
@@ -520,7 +547,8 @@ pub fn self_attention(
     heads: usize,
     spec: &fused::AttentionSpec,
 ) -> Result<Tensor> {
-    if let (Some(bq), Some(bk), Some(bv)) = (&query.bias, &key.bias, &value.bias) {
+    let merged = query.merges() && key.merges() && value.merges();
+    if let (Some(bq), Some(bk), Some(bv), true) = (&query.bias, &key.bias, &value.bias, merged) {
         let (wq, wk, wv) = (query.weight()?, key.weight()?, value.weight()?);
         let ts = [x, &wq, &wk, &wv, bq, bk, bv, &spec.bias];
         if fused_ok(&ts) && x.rank() == 3 {

@@ -26,6 +26,7 @@ use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::fused::AttentionSpec;
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{column_sums, linear, product, product_new};
+use super::lora_branch::{Branch, Held, LoraInput};
 use super::math::Act;
 use super::packed_attention::{attend, attention_backward};
 use super::packing::{packed_layer, Packing, View};
@@ -49,12 +50,32 @@ pub struct PreNormWeights<'a> {
     pub up: Affine<'a>,
     /// The feed-forward down projection `[h, I]`.
     pub down: Affine<'a>,
+    /// LoRA adapters of the query-key-value, attention output, up and down projections
+    /// (the low-rank branch inside the node, see [`super::lora_branch`]); their base
+    /// weights above are then the stored ones, frozen, read widened where stored narrower.
+    pub lora: [Option<LoraInput>; 4],
 }
 
 /// Slots of the weights: two per part (weight or scale, then bias or shift).
 const SLOTS: usize = 12;
+mod slot {
+    pub const WQKV: usize = 2;
+    pub const WO: usize = 4;
+    pub const WI: usize = 8;
+    pub const WD: usize = 10;
+}
 
 impl<'a> PreNormWeights<'a> {
+    /// The node's weights: the slots, then each adapter's `A` and `B` (absent where the
+    /// projection has none).
+    fn inputs(&self) -> Vec<Option<&Tensor>> {
+        let mut all = self.slots().to_vec();
+        for l in &self.lora {
+            all.extend([l.as_ref().map(|l| &l.a), l.as_ref().map(|l| &l.b)]);
+        }
+        all
+    }
+
     fn slots(&self) -> [Option<&'a Tensor>; SLOTS] {
         let (n1, b1) = match self.attention_norm {
             Some((g, b)) => (Some(g), b),
@@ -127,7 +148,11 @@ pub fn prenorm_layer(
         && w.down.0.dims() == [h, inter]
         && vector(w.down.1, h)
         && spec.rotary.0.dims() == [s, d]
-        && spec.rotary.1.dims() == [s, d];
+        && spec.rotary.1.dims() == [s, d]
+        && w.lora
+            .iter()
+            .zip([(h, 3 * h), (h, h), (h, up), (inter, h)])
+            .all(|(l, (i, o))| l.as_ref().is_none_or(|l| l.fits(i, o)));
     if !fits {
         candle_core::bail!(
             "pre-norm layer: hidden size {h}, {heads} heads, the weights ({:?} up, {:?} down) and the rotary tables {:?} do not fit",
@@ -144,7 +169,7 @@ pub fn prenorm_layer(
         heads,
         d,
     };
-    let tracked = x.track_op() || w.slots().iter().flatten().any(|t| t.track_op());
+    let tracked = x.track_op() || w.inputs().iter().flatten().any(|t| t.track_op());
     match x.dtype() {
         DType::F32 => layer::<f32>(x, w, spec, dims, tracked),
         DType::F64 => layer::<f64>(x, w, spec, dims, tracked),
@@ -192,26 +217,42 @@ impl Shape {
     }
 }
 
-/// The weights, detached and contiguous (views of the variables: no copy).
-struct Weights([Option<Tensor>; SLOTS]);
+/// The weights, detached and contiguous in the layer's dtype (views of the variables: no
+/// copy; a base stored narrower is widened), which of them take a gradient, and the
+/// adapters' values.
+struct Weights<T> {
+    slots: [Option<Tensor>; SLOTS],
+    wants: [bool; SLOTS],
+    lora: [Option<Held<T>>; 4],
+}
 
-impl Weights {
+impl<T: Float> Weights<T> {
     fn new(w: &PreNormWeights) -> candle_core::Result<Self> {
-        let mut out: [Option<Tensor>; SLOTS] = Default::default();
-        for (o, t) in out.iter_mut().zip(w.slots()) {
-            *o = t.map(|t| t.detach().contiguous()).transpose()?;
+        let mut slots: [Option<Tensor>; SLOTS] = Default::default();
+        for (o, t) in slots.iter_mut().zip(w.slots()) {
+            *o = t
+                .map(|t| t.detach().to_dtype(T::DTYPE)?.contiguous())
+                .transpose()?;
         }
-        Ok(Self(out))
+        let mut lora: [Option<Held<T>>; 4] = Default::default();
+        for (held, input) in lora.iter_mut().zip(&w.lora) {
+            *held = input.as_ref().map(|l| l.values()).transpose()?;
+        }
+        Ok(Self {
+            slots,
+            wants: w.slots().map(|t| t.is_some_and(crate::sink::wants)),
+            lora,
+        })
     }
 
     /// Runs `f` on the weights' values; a missing bias or shift reads as zeros.
-    fn read<T: Float, R>(
+    fn read<R>(
         &self,
         dims: Shape,
         f: impl FnOnce(&W<T>) -> candle_core::Result<R>,
     ) -> candle_core::Result<R> {
         let views = self
-            .0
+            .slots
             .iter()
             .map(|t| t.as_ref().map(View::new).transpose())
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -224,7 +265,9 @@ impl Weights {
             });
         }
         let w = W {
-            n1: self.0[0].is_some().then_some((v[0], v[1])),
+            wants: self.wants,
+            lora: std::array::from_fn(|p| self.lora[p].as_ref().map(Held::branch)),
+            n1: self.slots[0].is_some().then_some((v[0], v[1])),
             wqkv: v[2],
             bqkv: v[3],
             wo: v[4],
@@ -241,6 +284,10 @@ impl Weights {
 
 /// The weights' values.
 struct W<'a, T> {
+    /// Which slots take a gradient (a frozen weight's is not computed).
+    wants: [bool; SLOTS],
+    /// The adapters' branches, in the order of [`PreNormWeights::lora`].
+    lora: [Option<Branch<'a, T>>; 4],
     n1: Option<(&'a [T], &'a [T])>,
     wqkv: &'a [T],
     bqkv: &'a [T],
@@ -276,7 +323,7 @@ fn layer<T: Float>(
     dims: Shape,
     tracked: bool,
 ) -> candle_core::Result<Tensor> {
-    let weights = Weights::new(w)?;
+    let weights = Weights::<T>::new(w)?;
     let bias = spec.attention.bias.contiguous()?;
     if bias.elem_count() != dims.n * dims.s {
         candle_core::bail!(
@@ -302,11 +349,11 @@ fn layer<T: Float>(
     packed_layer(
         "gradcache-prenorm-layer",
         x,
-        &w.slots(),
+        &w.inputs(),
         packing,
         |xp, packing| {
             let (weights, mask, rotary, spec) = &*shared;
-            weights.read::<T, _>(dims, |wv| {
+            weights.read(dims, |wv| {
                 Ok(forward(
                     xp,
                     wv,
@@ -319,9 +366,13 @@ fn layer<T: Float>(
         },
         move |xp, dyp, packing, kept| {
             let (weights, mask, rotary, spec) = &*owned;
-            weights.read::<T, _>(dims, |wv| {
+            weights.read(dims, |wv| {
                 let grads = backward(xp, dyp, wv, (mask, packing, rotary), spec, dims, kept);
-                Ok((grads.dx, grads.slots.into()))
+                let mut all: Vec<Vec<T>> = grads.slots.into();
+                for g in grads.lora {
+                    all.extend(g.unwrap_or_default());
+                }
+                Ok((grads.dx, all))
             })
         },
     )
@@ -363,7 +414,9 @@ fn forward<T: Float>(
 ) -> (Vec<T>, Option<Kept<T>>) {
     let (rows, h, i) = (packing.total(), dims.h, dims.inter);
     let places = &packing.padded;
-    let mut qkv = linear(&first_norm(x, w, spec.eps), w.wqkv, w.bqkv, rows, h);
+    let n1 = first_norm(x, w, spec.eps);
+    let mut qkv = projected(&n1, (w.wqkv, w.bqkv), w, lora::QKV, h, places);
+    drop(n1);
     rotate_qk(&mut qkv, rotary, dims, false);
     let (ctx, probs) = attend(
         &qkv,
@@ -372,7 +425,7 @@ fn forward<T: Float>(
         dims.kernel(),
         keep,
     );
-    let a = linear(&ctx, w.wo, w.bo, rows, h);
+    let a = projected(&ctx, (w.wo, w.bo), w, lora::OUTPUT, h, places);
     let mut x1 = vec![T::zero(); rows * h];
     for_blocks(&mut x1, h, |blk, chunk| {
         let first = blk * BLOCK_ROWS;
@@ -389,7 +442,14 @@ fn forward<T: Float>(
         }
     });
     drop(a);
-    let up = linear(&norm(&x1, w.n2, spec.eps), w.wi, w.bi, rows, h);
+    let up = projected(
+        &norm(&x1, w.n2, spec.eps),
+        (w.wi, w.bi),
+        w,
+        lora::UP,
+        h,
+        places,
+    );
     let g = glu_rows(&up, spec.act, i);
     let g = dropped(&g, spec.mlp_dropout, i, Some(places));
     let mut y = x1.clone();
@@ -399,6 +459,9 @@ fn forward<T: Float>(
         }
     }
     product((rows, h, i), (&mut y, h), true, (&g, i, 1), (w.wd, 1, i));
+    if let Some(branch) = &w.lora[lora::DOWN] {
+        branch.forward(&g, i, places, (&mut y, h));
+    }
     let kept = keep.then_some(Kept {
         qkv,
         probs,
@@ -409,10 +472,37 @@ fn forward<T: Float>(
     (y, kept)
 }
 
-/// Every gradient: of the input and of the twelve slots (a missing one's is unused).
+/// `x W^T + b` of the projection `lora` (an index of [`PreNormWeights::lora`]) with its
+/// adapter's branch, `places` the rows' padded places.
+fn projected<T: Float>(
+    x: &[T],
+    (weight, bias): (&[T], &[T]),
+    w: &W<T>,
+    lora: usize,
+    input: usize,
+    places: &[usize],
+) -> Vec<T> {
+    let mut y = linear(x, weight, bias, places.len(), input);
+    if let Some(branch) = &w.lora[lora] {
+        branch.forward(x, input, places, (&mut y, bias.len()));
+    }
+    y
+}
+
+/// Indices into [`PreNormWeights::lora`].
+mod lora {
+    pub const QKV: usize = 0;
+    pub const OUTPUT: usize = 1;
+    pub const UP: usize = 2;
+    pub const DOWN: usize = 3;
+}
+
+/// Every gradient: of the input, of the twelve slots (a missing or frozen one's is empty
+/// and unused) and the adapters' `(dA, dB)` in the order of [`PreNormWeights::lora`].
 struct Grads<T> {
     dx: Vec<T>,
     slots: [Vec<T>; SLOTS],
+    lora: [Option<[Vec<T>; 2]>; 4],
 }
 
 /// The backward pass from `dy`.
@@ -427,22 +517,39 @@ fn backward<T: Float>(
 ) -> Grads<T> {
     let (rows, h, i) = (packing.total(), dims.h, dims.inter);
     let places = &packing.padded;
+    let wants = |slot: usize| w.wants[slot];
+    let product_if =
+        |slot: usize, f: &dyn Fn() -> Vec<T>| if wants(slot) { f() } else { Vec::new() };
+    let mut lora_grads: [Option<[Vec<T>; 2]>; 4] = Default::default();
+    // The branch of adapter `p` from its output's gradient (an operand) into `dx`.
+    let mut branch_backward =
+        |p: usize, x: &[T], input: usize, dout: (&[T], usize), dx: &mut [T]| {
+            if let Some(branch) = &w.lora[p] {
+                let (da, db) = branch.backward(x, input, places, dout, dx);
+                lora_grads[p] = Some([da, db]);
+            }
+        };
     // The feed-forward: y = x1 + dropout(glu(up)) W_d^T + b_d.
     let dbd = column_sums(dy, h);
     let g = glu_rows(&kept.up, spec.act, i);
     let g = dropped(&g, spec.mlp_dropout, i, Some(places));
-    let dwd = product_new((h, i, rows), (dy, 1, h), (&g, i, 1));
+    let dwd = product_if(slot::WD, &|| {
+        product_new((h, i, rows), (dy, 1, h), (&g, i, 1))
+    });
+    let mut dg = product_new((rows, i, h), (dy, h, 1), (w.wd, i, 1));
+    branch_backward(lora::DOWN, &g, i, (dy, h), &mut dg);
     drop(g);
-    let dg = product_new((rows, i, h), (dy, h, 1), (w.wd, i, 1));
     let dg = dropped(&dg, spec.mlp_dropout, i, Some(places));
     let dup = glu_rows_backward(&kept.up, &dg, spec.act, i);
     drop(dg);
     let dbi = column_sums(&dup, 2 * i);
     let n2 = norm(&kept.x1, w.n2, spec.eps);
-    let dwi = product_new((2 * i, h, rows), (&dup, 1, 2 * i), (&n2, h, 1));
-    drop(n2);
-    let dn2 = product_new((rows, h, 2 * i), (&dup, 2 * i, 1), (w.wi, h, 1));
-    drop(dup);
+    let dwi = product_if(slot::WI, &|| {
+        product_new((2 * i, h, rows), (&dup, 1, 2 * i), (&n2, h, 1))
+    });
+    let mut dn2 = product_new((rows, h, 2 * i), (&dup, 2 * i, 1), (w.wi, h, 1));
+    branch_backward(lora::UP, &n2, h, (&dup, 2 * i), &mut dn2);
+    drop((n2, dup));
     let (mut dx1, dg2, db2) = norm_backward(&kept.x1, w.n2.0, &dn2, spec.eps);
     drop(dn2);
     for (a, &b) in dx1.iter_mut().zip(dy) {
@@ -451,8 +558,11 @@ fn backward<T: Float>(
     // The attention: x1 = x + dropout(ctx W_o^T + b_o).
     let da = dropped(&dx1, spec.attention_output_dropout, h, Some(places));
     let dbo = column_sums(&da, h);
-    let dwo = product_new((h, h, rows), (&da, 1, h), (&kept.ctx, h, 1));
-    let dctx = product_new((rows, h, h), (&da, h, 1), (w.wo, h, 1));
+    let dwo = product_if(slot::WO, &|| {
+        product_new((h, h, rows), (&da, 1, h), (&kept.ctx, h, 1))
+    });
+    let mut dctx = product_new((rows, h, h), (&da, h, 1), (w.wo, h, 1));
+    branch_backward(lora::OUTPUT, &kept.ctx, h, (&da, h), &mut dctx);
     drop(da);
     let (mut dqkv, _) = attention_backward(
         &kept.qkv,
@@ -467,11 +577,14 @@ fn backward<T: Float>(
     rotate_qk(&mut dqkv, rotary, dims, true);
     let dbqkv = column_sums(&dqkv, 3 * h);
     let n1 = first_norm(x, w, spec.eps);
-    let dwqkv = product_new((3 * h, h, rows), (&dqkv, 1, 3 * h), (&n1, h, 1));
-    drop(n1);
+    let dwqkv = product_if(slot::WQKV, &|| {
+        product_new((3 * h, h, rows), (&dqkv, 1, 3 * h), (&n1, h, 1))
+    });
     let (dx, dg1, db1) = match w.n1 {
         Some((g1, _)) => {
-            let dn1 = product_new((rows, h, 3 * h), (&dqkv, 3 * h, 1), (w.wqkv, h, 1));
+            let mut dn1 = product_new((rows, h, 3 * h), (&dqkv, 3 * h, 1), (w.wqkv, h, 1));
+            branch_backward(lora::QKV, &n1, h, (&dqkv, 3 * h), &mut dn1);
+            drop(n1);
             let (mut dx, dg1, db1) = norm_backward(x, g1, &dn1, spec.eps);
             for (a, &b) in dx.iter_mut().zip(&dx1) {
                 *a += b;
@@ -487,6 +600,7 @@ fn backward<T: Float>(
                 (&dqkv, 3 * h, 1),
                 (w.wqkv, h, 1),
             );
+            branch_backward(lora::QKV, &n1, h, (&dqkv, 3 * h), &mut dx);
             (dx, Vec::new(), Vec::new())
         }
     };
@@ -495,5 +609,6 @@ fn backward<T: Float>(
         slots: [
             dg1, db1, dwqkv, dbqkv, dwo, dbo, dg2, db2, dwi, dbi, dwd, dbd,
         ],
+        lora: lora_grads,
     }
 }

@@ -706,12 +706,11 @@ impl Config {
                      base model",
                 ));
             }
-            if lora.dropout != 0.0 {
+            if let Some(p) = lora.dropout.filter(|p| !(0.0..1.0).contains(p)) {
                 return Err(invalid(
                     "model.lora.dropout",
-                    lora.dropout,
-                    "only 0 is supported yet: the adapters reach the fused layers as the \
-                     merged weight W + s B A, which a dropout on their input would break",
+                    p,
+                    "the drop probability must be in [0, 1)",
                 ));
             }
             if let Some(t) = lora.targets.iter().flatten().find(|t| t.trim().is_empty()) {

@@ -50,8 +50,10 @@ pub struct LoraConfig {
     /// default 32).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub alpha: Option<f64>,
-    /// Dropout on the adapters' input (PEFT's `lora_dropout`); only 0 is supported yet.
-    pub dropout: f64,
+    /// Dropout on the adapters' input (PEFT's `lora_dropout`), in `[0, 1)`; unset: 0, or
+    /// with `from` the adapter's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dropout: Option<f64>,
     /// Module names as PEFT's `target_modules` matches them (`q_proj`, `query`,
     /// `self_attn.o_proj`, `layers.*.mlp.*`); unset: every linear projection of attention
     /// and feed-forward.
@@ -78,6 +80,7 @@ impl LoraConfig {
                     alpha: self.alpha.unwrap_or(DEFAULT_LORA_ALPHA),
                     targets: self.targets.clone().unwrap_or_default(),
                     rslora: self.rslora.unwrap_or(false),
+                    dropout: self.dropout.unwrap_or(0.0),
                 },
                 None,
             ));
@@ -126,6 +129,11 @@ impl LoraConfig {
                 theirs.rslora.to_string(),
             );
         }
-        Ok((adapter.spec.clone(), Some(adapter)))
+        let mut spec = adapter.spec.clone();
+        // A training setting, not the adapter's: the configured one where given.
+        if let Some(p) = self.dropout {
+            spec.dropout = p;
+        }
+        Ok((spec, Some(adapter)))
     }
 }

@@ -1,0 +1,178 @@
+//! A LoRA adapter inside the layer nodes: the low-rank branch of a projection,
+//!
+//! ```text
+//! y  += s t B^T              t = dropout(x) A^T   [rows, r]
+//! dB  = s dy^T t             dt = s dy B           [rows, r]
+//! dA  = dt^T dropout(x)      dx += mask (dt A)
+//! ```
+//!
+//! on the node's packed rows, the dropout mask of each row that of its place in the padded
+//! `[n s, in]` input (the composed branch's mask, element for element). The forward keeps
+//! nothing: the backward draws the mask again and recomputes `t` (`rows x in x r`, a
+//! small product) with the forward's arithmetic, so its values are the forward's bit for
+//! bit. The frozen base weight's own gradient `dy^T x`, the largest product of a
+//! projection's backward, is not computed at all.
+
+use candle_core::Tensor;
+
+use super::blocks::Float;
+use super::gemm::{product, product_new, Operand};
+use super::packing::View;
+use super::rows::dropped;
+
+/// An adapter as a node takes it: `A` `[r, in]` and `B` `[out, r]` (variables: the node
+/// deposits their gradients), the scale, and the dropout mask of its input this forward.
+#[derive(Debug, Clone)]
+pub struct LoraInput {
+    /// `lora_A` `[r, in]`.
+    pub a: Tensor,
+    /// `lora_B` `[out, r]`.
+    pub b: Tensor,
+    /// `alpha / r` (or rsLoRA's `alpha / sqrt(r)`).
+    pub scale: f64,
+    /// The seed and drop probability of the mask on the adapter's input, `None` without
+    /// dropout.
+    pub dropout: Option<(u64, f32)>,
+}
+
+impl LoraInput {
+    /// Whether the adapter fits a projection `in -> out`.
+    pub(super) fn fits(&self, input: usize, output: usize) -> bool {
+        match (self.a.dims2(), self.b.dims2()) {
+            (Ok((r, i)), Ok((o, r2))) => r == r2 && i == input && o == output,
+            _ => false,
+        }
+    }
+
+    /// The adapter's values, copied (`r (in + out)` numbers: the node's own, whatever
+    /// happens to the variables before its backward).
+    pub(super) fn values<T: Float>(&self) -> candle_core::Result<Held<T>> {
+        let read = |t: &Tensor| -> candle_core::Result<Vec<T>> {
+            let t = t.detach().to_dtype(T::DTYPE)?.contiguous()?;
+            let view = View::new(&t)?;
+            Ok(view.values::<T>()?.to_vec())
+        };
+        Ok(Held {
+            a: read(&self.a)?,
+            b: read(&self.b)?,
+            rank: self.a.dim(0)?,
+            scale: self.scale,
+            dropout: self.dropout,
+        })
+    }
+}
+
+/// An adapter's values held by a node between its forward and backward.
+pub(super) struct Held<T> {
+    a: Vec<T>,
+    b: Vec<T>,
+    rank: usize,
+    scale: f64,
+    dropout: Option<(u64, f32)>,
+}
+
+impl<T: Float> Held<T> {
+    /// The branch on the held values.
+    pub(super) fn branch(&self) -> Branch<'_, T> {
+        Branch {
+            a: &self.a,
+            b: &self.b,
+            rank: self.rank,
+            scale: T::of(self.scale),
+            dropout: self.dropout,
+        }
+    }
+}
+
+/// The low-rank branch of one projection on a node's values.
+pub(super) struct Branch<'a, T> {
+    a: &'a [T],
+    b: &'a [T],
+    rank: usize,
+    scale: T,
+    dropout: Option<(u64, f32)>,
+}
+
+impl<T: Float> Branch<'_, T> {
+    /// `t = dropout(x) A^T` `[rows, r]` for `x` `[rows, in]` (`places[row]`: each row's
+    /// padded place), with the dropped input when the backward wants it.
+    fn down(&self, x: &[T], input: usize, places: &[usize]) -> Vec<T> {
+        let rows = x.len() / input.max(1);
+        let xd = dropped(x, self.dropout, input, Some(places));
+        product_new(
+            (rows, self.rank, input),
+            (&xd, input, 1),
+            (self.a, 1, input),
+        )
+    }
+
+    /// Adds `s dropout(x) A^T B^T` to `dst` `[rows, out]` (row stride `dst_rs`).
+    pub(super) fn forward(
+        &self,
+        x: &[T],
+        input: usize,
+        places: &[usize],
+        (dst, dst_rs): (&mut [T], usize),
+    ) {
+        let rows = x.len() / input.max(1);
+        let out = self.b.len() / self.rank;
+        let t = self.down(x, input, places);
+        let sb: Vec<T> = self.b.iter().map(|&v| v * self.scale).collect();
+        product(
+            (rows, out, self.rank),
+            (dst, dst_rs),
+            true,
+            (&t, self.rank, 1),
+            (&sb, 1, self.rank),
+        );
+    }
+
+    /// The backward from `dy` `[rows, out]` (an operand: values and row stride): adds the
+    /// input's gradient into `dx` `[rows, in]` and returns `(dA, dB)`.
+    pub(super) fn backward(
+        &self,
+        x: &[T],
+        input: usize,
+        places: &[usize],
+        (dy, dy_rs): (&[T], usize),
+        dx: &mut [T],
+    ) -> (Vec<T>, Vec<T>) {
+        let rows = x.len() / input.max(1);
+        let (r, out) = (self.rank, self.b.len() / self.rank);
+        let dy: Operand<T> = (dy, dy_rs, 1);
+        let t = self.down(x, input, places);
+        // dB [out, r] = s dy^T t
+        let mut db = product_new((out, r, rows), (dy.0, 1, dy_rs), (&t, r, 1));
+        for v in &mut db {
+            *v *= self.scale;
+        }
+        drop(t);
+        // dt [rows, r] = s dy B
+        let mut dt = product_new((rows, r, out), dy, (self.b, r, 1));
+        for v in &mut dt {
+            *v *= self.scale;
+        }
+        // dA [r, in] = dt^T dropout(x)
+        let xd = dropped(x, self.dropout, input, Some(places));
+        let da = product_new((r, input, rows), (&dt, 1, r), (&xd, input, 1));
+        drop(xd);
+        // dx += mask (dt A)
+        match self.dropout.filter(|&(_, p)| p > 0.0) {
+            None => product(
+                (rows, input, r),
+                (dx, input),
+                true,
+                (&dt, r, 1),
+                (self.a, input, 1),
+            ),
+            Some(mask) => {
+                let dxd = product_new((rows, input, r), (&dt, r, 1), (self.a, input, 1));
+                let masked = dropped(&dxd, Some(mask), input, Some(places));
+                for (d, &m) in dx.iter_mut().zip(masked.iter()) {
+                    *d += m;
+                }
+            }
+        }
+        (da, db)
+    }
+}
