@@ -46,12 +46,16 @@ def train(model_dir, pairs_path, batch, mini, max_len, symmetric, steps, lora=0)
     model = SentenceTransformer(model_dir, device="cpu")
     model.max_seq_length = max_len
     if lora:
-        # PEFT LoRA (r, alpha 2r, no dropout) on every attention and feed-forward
-        # projection, the base frozen: what `[model.lora]` builds.
+        # PEFT LoRA (r, alpha 2r, dropout $LORA_DROPOUT or none) on every attention and
+        # feed-forward projection, the base frozen: what `[model.lora]` builds.
+        import os
+
         import peft
 
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        config = peft.LoraConfig(r=lora, lora_alpha=2 * lora, lora_dropout=0.0, target_modules=targets)
+        dropout = float(os.environ.get("LORA_DROPOUT", "0"))
+        config = peft.LoraConfig(r=lora, lora_alpha=2 * lora, lora_dropout=dropout,
+                                 target_modules=targets)
         model[0].auto_model = peft.get_peft_model(model[0].auto_model, config)
     model.train()
     cls = (losses.CachedMultipleNegativesSymmetricRankingLoss if symmetric

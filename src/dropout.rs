@@ -79,6 +79,11 @@ pub enum NormStats {
 }
 
 impl Ctx {
+    /// The seed of the mask at `(layer, site)` of this chunk, `None` in evaluation.
+    pub fn mask_seed(&self, layer: u32, site: u32) -> Option<u64> {
+        self.dropout.map(|seed| seed.mask_seed(layer, site))
+    }
+
     /// Evaluation: no dropout.
     pub fn eval() -> Self {
         Self::default()

@@ -358,7 +358,7 @@ impl Bert {
             recompute: ctx.recompute.recomputes(SITE_ATTENTION_PROBS),
             window: None,
         };
-        let at = |l: &Linear, p: u32| l.at(ctx, layer_id(i), crate::nn::lora::site(p));
+        let at = |l: &Linear, p: u32| l.at(ctx.mask_seed(layer_id(i), crate::nn::lora::site(p)));
         let (q, k, v) = (at(&layer.query, 0), at(&layer.key, 1), at(&layer.value, 2));
         let projections = [&q, &k, &v];
         match (&self.relative_bias, &aux.buckets) {
@@ -408,7 +408,7 @@ impl Bert {
         ];
         let lora = std::array::from_fn(|p| {
             projections[p]
-                .at(ctx, id, crate::nn::lora::site(p as u32))
+                .at(ctx.mask_seed(id, crate::nn::lora::site(p as u32)))
                 .lora_input()
         });
         let [q, k, v, o, up, down] = projections;
@@ -682,7 +682,7 @@ impl LayerStack for Bert {
                 crate::nn::add_norm(x, residual, norm, mask)
             }
         };
-        let at = |l: &Linear, p: u32| l.at(ctx, id, crate::nn::lora::site(p));
+        let at = |l: &Linear, p: u32| l.at(ctx.mask_seed(id, crate::nn::lora::site(p)));
         let attended =
             at(&layer.attention_output, 3).forward(&self.self_attention(i, x, aux, ctx)?)?;
         let x = add_norm(

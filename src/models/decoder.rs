@@ -295,8 +295,9 @@ impl Decoder {
             &layer.up,
             &layer.down,
         ];
-        let projections: [Linear; 7] =
-            std::array::from_fn(|p| all[p].at(ctx, i as u32 + 1, crate::nn::lora::site(p as u32)));
+        let projections: [Linear; 7] = std::array::from_fn(|p| {
+            all[p].at(ctx.mask_seed(i as u32 + 1, crate::nn::lora::site(p as u32)))
+        });
         let affine = |l: &Linear| (l.base_weight().clone(), l.bias().cloned());
         let [q, k, v, o, gate, up, down] = &projections;
         let weights = DecoderWeights {

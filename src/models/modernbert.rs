@@ -263,7 +263,9 @@ impl ModernBert {
     fn projections(&self, i: usize, ctx: &Ctx) -> [Linear; 4] {
         let layer = &self.layers[i];
         let all = [&layer.wqkv, &layer.wo, &layer.wi, &layer.mlp_wo];
-        std::array::from_fn(|p| all[p].at(ctx, i as u32 + 1, crate::nn::lora::site(p as u32)))
+        std::array::from_fn(|p| {
+            all[p].at(ctx.mask_seed(i as u32 + 1, crate::nn::lora::site(p as u32)))
+        })
     }
 
     /// The rotary tables of layer `i`'s type.

@@ -219,11 +219,12 @@ impl Linear {
         Ok(self)
     }
 
-    /// This layer for one forward of layer `layer` of a chunk: its adapter (if any) with
-    /// the dropout mask of its input at `site` (see [`super::lora::site`]).
-    pub fn at(&self, ctx: &crate::dropout::Ctx, layer: u32, site: u32) -> Self {
+    /// This layer for one forward of a chunk: its adapter (if any) with the dropout mask
+    /// of `seed` on its input (the chunk's seed at the layer and the adapter's
+    /// [`super::lora::site`], `None` in evaluation).
+    pub fn at(&self, seed: Option<u64>) -> Self {
         Self {
-            lora: self.lora.as_ref().map(|a| a.at(ctx, layer, site)),
+            lora: self.lora.as_ref().map(|a| a.at(seed)),
             ..self.clone()
         }
     }

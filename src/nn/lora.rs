@@ -138,15 +138,12 @@ impl Adapter {
         }))
     }
 
-    /// This adapter with the dropout mask of `(layer, site)` in the context's chunk (none
-    /// in evaluation or without dropout).
-    pub fn at(&self, ctx: &crate::dropout::Ctx, layer: u32, site: u32) -> Self {
-        let mask = match ctx.dropout {
-            Some(seed) if self.dropout > 0.0 => {
-                Some((seed.mask_seed(layer, site), self.dropout as f32))
-            }
-            _ => None,
-        };
+    /// This adapter with the dropout mask of `seed` (the chunk's seed of its layer and
+    /// [`site`]; `None` in evaluation: no mask).
+    pub fn at(&self, seed: Option<u64>) -> Self {
+        let mask = seed
+            .filter(|_| self.dropout > 0.0)
+            .map(|seed| (seed, self.dropout as f32));
         Self {
             mask,
             ..self.clone()
