@@ -108,22 +108,7 @@ fn options(family: &str, lora: Option<LoraSpec>, recompute: Recompute) -> BertOp
 
 /// A shared tower with adapters of rank 2 (B moved off zero, so A gets a gradient too).
 fn adapted(family: &str, recompute: Recompute) -> (ParamStore, BertEncoder) {
-    let cfg = config(family);
-    let store = ParamStore::new(7, DType::F32, &Device::Cpu)
-        .with_frozen(Freeze::default().all_but_adapters());
-    let enc =
-        BertEncoder::build(&store, "", &cfg, &options(family, Some(lora(2)), recompute)).unwrap();
-    for (i, (name, var)) in store.params().iter().enumerate() {
-        if name.contains(".lora_B.") {
-            var.set(
-                &common::random(40 + i as u64, var.dims())
-                    .affine(0.3, 0.0)
-                    .unwrap(),
-            )
-            .unwrap();
-        }
-    }
-    (store, enc)
+    adapted_with_dropout(family, 0.0, recompute, true)
 }
 
 fn gc(enc: BertEncoder, chunk: usize) -> GradCache<BertEncoder, BertEncoder, InfoNce> {
