@@ -30,7 +30,7 @@ use super::attention_grouped::{self as grouped, Grouped, Pattern, Sequences};
 use super::blocks::Float;
 use super::decoder_passes::{backward, forward, Adapters, Chunk, Shape, SLOTS};
 use super::fused::AttentionSpec;
-use super::lora_branch::{Held, LoraInput};
+use super::lora_branch::{node_inputs, LoraInput, NodeWeights};
 use super::math::Act;
 use super::packing::{packed_layer, Packing, View};
 
@@ -84,14 +84,9 @@ impl DecoderWeights<'_> {
         [(h, qd), (h, kd), (h, kd), (qd, h), (h, i), (h, i), (i, h)]
     }
 
-    /// The node's weights: the slots, then each adapter's `A` and `B` (absent where the
-    /// projection has none).
+    /// The node's weights: the slots, then the adapters'.
     fn inputs(&self) -> Vec<Option<&Tensor>> {
-        let mut all = self.slots().to_vec();
-        for l in &self.lora {
-            all.extend([l.as_ref().map(|l| &l.a), l.as_ref().map(|l| &l.b)]);
-        }
-        all
+        node_inputs(&self.slots(), &self.lora)
     }
 
     fn slots(&self) -> [Option<&Tensor>; SLOTS] {
@@ -208,32 +203,12 @@ pub fn decoder_layer(
     }))
 }
 
-/// The weights, detached and contiguous in the layer's dtype (views of the variables: no
-/// copy; a base stored narrower is widened), which of them take a gradient, and the
-/// adapters' values.
-struct Weights<T> {
-    slots: [Option<Tensor>; SLOTS],
-    wants: [bool; SLOTS],
-    lora: [Option<Held<T>>; 7],
-}
+/// The weights held by the node.
+struct Weights<T>(NodeWeights<T, SLOTS, 7>);
 
 impl<T: Float> Weights<T> {
     fn new(w: &DecoderWeights) -> candle_core::Result<Self> {
-        let mut slots: [Option<Tensor>; SLOTS] = Default::default();
-        for (o, t) in slots.iter_mut().zip(w.slots()) {
-            *o = t
-                .map(|t| t.detach().to_dtype(T::DTYPE)?.contiguous())
-                .transpose()?;
-        }
-        let mut lora: [Option<Held<T>>; 7] = Default::default();
-        for (held, input) in lora.iter_mut().zip(&w.lora) {
-            *held = input.as_ref().map(|l| l.values()).transpose()?;
-        }
-        Ok(Self {
-            slots,
-            wants: w.slots().map(|t| t.is_some_and(crate::sink::wants)),
-            lora,
-        })
+        Ok(Self(NodeWeights::new(w.slots(), &w.lora)?))
     }
 
     /// Runs `f` on the weights' values (a missing bias reads as zeros, a missing norm is
@@ -244,6 +219,7 @@ impl<T: Float> Weights<T> {
         f: impl FnOnce(&[&[T]; SLOTS], &Adapters<T>) -> candle_core::Result<R>,
     ) -> candle_core::Result<R> {
         let views = self
+            .0
             .slots
             .iter()
             .map(|t| t.as_ref().map(View::new).transpose())
@@ -258,8 +234,8 @@ impl<T: Float> Weights<T> {
             };
         }
         let adapters = Adapters {
-            branches: std::array::from_fn(|p| self.lora[p].as_ref().map(Held::branch)),
-            wants: self.wants,
+            branches: self.0.branches(),
+            wants: self.0.wants,
         };
         f(&v, &adapters)
     }
@@ -350,10 +326,7 @@ fn layer<T: Float>(
             let (weights, chunk) = &*owned;
             weights.read(dims, |wv, ad| {
                 let grads = backward(xp, dyp, (wv, ad), (packing, chunk), dims, kept);
-                let mut all: Vec<Vec<T>> = grads.slots.into();
-                for g in grads.lora {
-                    all.extend(g.unwrap_or_default());
-                }
+                let all = grads.slots.into_iter().chain(grads.lora.flat()).collect();
                 Ok((grads.dx, all))
             })
         },

@@ -9,7 +9,7 @@ use super::attention_grouped::{self as grouped, Sequences};
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{bias_rows, column_sums, linear, product, product_new};
-use super::lora_branch::Branch;
+use super::lora_branch::{AdapterGrads, Branches};
 use super::math::Act;
 use super::packing::Packing;
 use super::rows::{rms, rms_backward, rms_heads, rms_heads_backward};
@@ -17,7 +17,7 @@ use super::rows::{rms, rms_backward, rms_heads, rms_heads_backward};
 /// The layer's adapters (in the order of [`super::decoder_layer::DecoderWeights::lora`])
 /// and which slots take a gradient (a frozen weight's is not computed).
 pub(super) struct Adapters<'a, T> {
-    pub(super) branches: [Option<Branch<'a, T>>; 7],
+    pub(super) branches: Branches<'a, T, 7>,
     pub(super) wants: [bool; SLOTS],
 }
 
@@ -200,9 +200,8 @@ fn project<T: Float>(
             (n1, h, 1),
             (wp, 1, h),
         );
-        if let Some(branch) = &ad.branches[p] {
-            branch.forward(n1, h, places, (&mut qkv[col..], width));
-        }
+        ad.branches
+            .forward(p, (n1, h), places, (&mut qkv[col..], width));
     }
     qkv
 }
@@ -278,9 +277,8 @@ pub(super) fn forward<T: Float>(
     let rows = xs.len() / h;
     let places = chunk.wanted_places(&packing.padded);
     let mut a = linear(&ctx, w[slot::WO], w[slot::WO + 1], rows, qd);
-    if let Some(branch) = &ad.branches[lora::O] {
-        branch.forward(&ctx, qd, &places, (&mut a, h));
-    }
+    ad.branches
+        .forward(lora::O, (&ctx, qd), &places, (&mut a, h));
     let (x1, a) = if chunk.post_norms {
         let normed = rms(&a, w[slot::POST_ATTN], eps, off);
         (added(&xs, &normed), Some(a))
@@ -298,16 +296,14 @@ pub(super) fn forward<T: Float>(
             (&n2, h, 1),
             (wp, 1, h),
         );
-        if let Some(branch) = &ad.branches[p] {
-            branch.forward(&n2, h, &places, (&mut up[col..], 2 * i));
-        }
+        ad.branches
+            .forward(p, (&n2, h), &places, (&mut up[col..], 2 * i));
     }
     drop(n2);
     let g = glu_rows(&up, chunk.act, i);
     let mut m = linear(&g, w[slot::WD], w[slot::WD + 1], rows, i);
-    if let Some(branch) = &ad.branches[lora::DOWN] {
-        branch.forward(&g, i, &places, (&mut m, h));
-    }
+    ad.branches
+        .forward(lora::DOWN, (&g, i), &places, (&mut m, h));
     drop(g);
     let (y, m) = if chunk.post_norms {
         let normed = rms(&m, w[slot::POST_MLP], eps, off);
@@ -333,7 +329,7 @@ pub(super) fn forward<T: Float>(
 pub(super) struct Grads<T> {
     pub(super) dx: Vec<T>,
     pub(super) slots: [Vec<T>; SLOTS],
-    pub(super) lora: [Option<[Vec<T>; 2]>; 7],
+    pub(super) lora: AdapterGrads<T, 7>,
 }
 
 /// The backward pass from `dy`.
@@ -350,15 +346,7 @@ pub(super) fn backward<T: Float>(
     let width = dims.grouped.width();
     let mut slots: [Vec<T>; SLOTS] = Default::default();
     let wants = |slot: usize| ad.wants[slot];
-    let mut lora_grads: [Option<[Vec<T>; 2]>; 7] = Default::default();
-    // The branch of adapter `p` from its output's gradient (an operand) into `dx`.
-    let mut branch_backward =
-        |p: usize, x: &[T], input: usize, places: &[usize], dout: (&[T], usize), dx: &mut [T]| {
-            if let Some(branch) = &ad.branches[p] {
-                let (da, db) = branch.backward(x, input, places, dout, dx);
-                lora_grads[p] = Some([da, db]);
-            }
-        };
+    let mut lora_grads = AdapterGrads::default();
     // Up to the attention, the rows whose output is wanted (all, or the pooled ones).
     let dy_all = dy;
     let dy = chunk.wanted(dy_all, h);
@@ -380,7 +368,13 @@ pub(super) fn backward<T: Float>(
         slots[slot::WD] = product_new((h, i, rows), (&dm, 1, h), (&g, i, 1));
     }
     let mut dg = product_new((rows, i, h), (&dm, h, 1), (w[slot::WD], i, 1));
-    branch_backward(lora::DOWN, &g, i, &places, (&dm, h), &mut dg);
+    ad.branches.backward(
+        lora::DOWN,
+        (&g, i),
+        &places,
+        ((&dm, h), &mut dg),
+        &mut lora_grads,
+    );
     drop((g, dm));
     let dup = glu_rows_backward(&kept.up, &dg, chunk.act, i);
     drop(dg);
@@ -402,8 +396,20 @@ pub(super) fn backward<T: Float>(
         (&dup[i..], 2 * i, 1),
         (w[slot::WU], h, 1),
     );
-    branch_backward(lora::GATE, &n2, h, &places, (&dup, 2 * i), &mut dn2);
-    branch_backward(lora::UP, &n2, h, &places, (&dup[i..], 2 * i), &mut dn2);
+    ad.branches.backward(
+        lora::GATE,
+        (&n2, h),
+        &places,
+        ((&dup, 2 * i), &mut dn2),
+        &mut lora_grads,
+    );
+    ad.branches.backward(
+        lora::UP,
+        (&n2, h),
+        &places,
+        ((&dup[i..], 2 * i), &mut dn2),
+        &mut lora_grads,
+    );
     drop((n2, dup));
     let (dx1_norm, dw) = rms_backward(&kept.x1, w[slot::MLP_NORM], &dn2, eps, off);
     slots[slot::MLP_NORM] = dw;
@@ -424,7 +430,13 @@ pub(super) fn backward<T: Float>(
         slots[slot::WO] = product_new((h, qd, rows), (&da, 1, h), (&kept.ctx, qd, 1));
     }
     let mut dctx = product_new((rows, qd, h), (&da, h, 1), (w[slot::WO], qd, 1));
-    branch_backward(lora::O, &kept.ctx, qd, &places, (&da, h), &mut dctx);
+    ad.branches.backward(
+        lora::O,
+        (&kept.ctx, qd),
+        &places,
+        ((&da, h), &mut dctx),
+        &mut lora_grads,
+    );
     drop(da);
     let dctx = chunk.put_back(dctx, || vec![T::zero(); all * qd], qd);
     // The residual gradient of every row: a row that passed its input through gets its
@@ -475,7 +487,13 @@ pub(super) fn backward<T: Float>(
             (&dqkv[col..], width, 1),
             (w[s], h, 1),
         );
-        branch_backward(p, &n1, h, &packing.padded, (&dqkv[col..], width), &mut dn1);
+        ad.branches.backward(
+            p,
+            (&n1, h),
+            &packing.padded,
+            ((&dqkv[col..], width), &mut dn1),
+            &mut lora_grads,
+        );
     }
     drop((n1, dqkv));
     let (dxn, dw) = rms_backward(x, w[slot::IN_NORM], &dn1, eps, off);

@@ -41,7 +41,7 @@ use super::attention::{self as kernel, KeyMask};
 use super::blocks::Float;
 use super::fused::AttentionSpec;
 use super::gemm::{bias_rows, column_sums, linear, product, product_new};
-use super::lora_branch::{Branch, Held, LoraInput};
+use super::lora_branch::{node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights};
 use super::math::Act;
 use super::node::node_n_owned;
 use super::packed_attention::{attend, attention_backward};
@@ -229,47 +229,27 @@ impl Shape {
     }
 }
 
-/// The sixteen weights, detached and contiguous in the layer's dtype (views of the
-/// variables: no copy; a base stored narrower is widened), which of them take a gradient,
-/// and the adapters' values.
-struct Weights<T> {
-    all: [Tensor; 16],
-    wants: [bool; 16],
-    lora: [Option<Held<T>>; 6],
-}
+/// The sixteen weights and the adapters, held by the node.
+struct Weights<T>(NodeWeights<T, 16, 6>);
 
 impl<T: Float> Weights<T> {
     fn new(w: &LayerWeights) -> candle_core::Result<Self> {
-        let all = w.all();
-        let mut out = Vec::with_capacity(16);
-        for t in all {
-            out.push(t.detach().to_dtype(T::DTYPE)?.contiguous()?);
-        }
-        let out: [Tensor; 16] = out
-            .try_into()
-            .map_err(|_| candle_core::Error::Msg("encoder layer: sixteen weights".into()))?;
-        let mut lora: [Option<Held<T>>; 6] = Default::default();
-        for (held, input) in lora.iter_mut().zip(&w.lora) {
-            *held = input.as_ref().map(|l| l.values()).transpose()?;
-        }
-        Ok(Self {
-            all: out,
-            wants: all.map(crate::sink::wants),
-            lora,
-        })
+        Ok(Self(NodeWeights::new(w.all().map(Some), &w.lora)?))
     }
 
     /// Runs `f` on the weights' values.
     fn read<R>(&self, f: impl FnOnce(&W<T>) -> candle_core::Result<R>) -> candle_core::Result<R> {
         let views = self
-            .all
+            .0
+            .slots
             .iter()
+            .flatten()
             .map(View::new)
             .collect::<candle_core::Result<Vec<_>>>()?;
         let v = |i: usize| views[i].values::<T>();
         let w = W {
-            wants: self.wants,
-            lora: std::array::from_fn(|p| self.lora[p].as_ref().map(Held::branch)),
+            wants: self.0.wants,
+            lora: self.0.branches(),
             wqkv: [v(0)?, v(1)?, v(2)?],
             bqkv: [v(3)?, v(4)?, v(5)?],
             wo: v(6)?,
@@ -290,7 +270,7 @@ struct W<'a, T> {
     /// Which weights take a gradient (a frozen one's is not computed).
     wants: [bool; 16],
     /// The adapters' branches, in the order of [`LayerWeights::lora`].
-    lora: [Option<Branch<'a, T>>; 6],
+    lora: Branches<'a, T, 6>,
     wqkv: [&'a [T]; 3],
     bqkv: [&'a [T]; 3],
     wo: &'a [T],
@@ -353,18 +333,16 @@ fn layer<T: Float>(
         return Tensor::from_vec(out, shape, x.device());
     };
     let params: Vec<Tensor> = w.all().into_iter().cloned().collect();
-    let adapters: Vec<Tensor> = w
-        .lora
-        .iter()
-        .flatten()
-        .flat_map(|l| [l.a.clone(), l.b.clone()])
+    let adapters: Vec<Option<Tensor>> = node_inputs(&[], &w.lora)
+        .into_iter()
+        .map(|t| t.cloned())
         .collect();
     let mut inputs = vec![x];
     inputs.extend(w.all());
     if let Some(scores) = &spec.score_bias {
         inputs.push(scores);
     }
-    inputs.extend(w.lora.iter().flatten().flat_map(|l| [&l.a, &l.b]));
+    inputs.extend(node_inputs(&[], &w.lora).into_iter().flatten());
     let score_bias = spec.score_bias.clone();
     let spec = spec.clone();
     node_n_owned(
@@ -415,11 +393,10 @@ fn layer<T: Float>(
                 let g = Tensor::from_vec(g, scores.shape(), &candle_core::Device::Cpu)?;
                 out.push(Some(g.to_dtype(scores.dtype())?));
             }
-            for (param, g) in adapters
-                .iter()
-                .zip(grads.lora.into_iter().flatten().flatten())
-            {
-                out.push(crate::sink::deposit(param, g)?);
+            for (param, g) in adapters.iter().zip(grads.lora.flat()) {
+                if let Some(param) = param {
+                    out.push(crate::sink::deposit(param, g)?);
+                }
             }
             Ok(out)
         }),
@@ -438,9 +415,7 @@ fn qkv<T: Float>(x: &[T], w: &W<T>, rows: usize, h: usize, places: &[usize]) -> 
             (x, h, 1),
             (wp, 1, h),
         );
-        if let Some(branch) = &w.lora[p] {
-            branch.forward(x, h, places, (&mut y[p * h..], 3 * h));
-        }
+        w.lora.forward(p, (x, h), places, (&mut y[p * h..], 3 * h));
     }
     y
 }
@@ -458,9 +433,8 @@ fn projected<T: Float>(
     places: &[usize],
 ) -> Vec<T> {
     let mut y = linear(x, weight, bias, rows, input);
-    if let Some(branch) = &w.lora[lora] {
-        branch.forward(x, input, places, (&mut y, bias.len()));
-    }
+    w.lora
+        .forward(lora, (x, input), places, (&mut y, bias.len()));
     y
 }
 
@@ -565,7 +539,7 @@ struct Grads<T> {
     /// The score bias's, `[heads, s, s]`, when the layer has one.
     dscores: Option<Vec<T>>,
     /// The adapters' `(dA, dB)`, in the order of [`LayerWeights::lora`].
-    lora: [Option<[Vec<T>; 2]>; 6],
+    lora: AdapterGrads<T, 6>,
 }
 
 /// The backward pass from `dy`.
@@ -584,15 +558,7 @@ fn backward<T: Float>(
     let (rows, h, i) = (dims.rows(), dims.h, dims.inter);
     let places = &packing.padded;
     let wants = |p: usize| w.wants[lora::WEIGHT[p]];
-    let mut lora_grads: [Option<[Vec<T>; 2]>; 6] = Default::default();
-    // The branch of adapter `p` from its output's gradient (operand `dout`) into `dx`.
-    let mut branch_backward =
-        |p: usize, x: &[T], input: usize, dout: (&[T], usize), dx: &mut [T]| {
-            if let Some(branch) = &w.lora[p] {
-                let (da, db) = branch.backward(x, input, places, dout, dx);
-                lora_grads[p] = Some([da, db]);
-            }
-        };
+    let mut lora_grads = AdapterGrads::default();
     // What the forward did not keep, recomputed with its own arithmetic.
     let sum1 = match &kept.sum1 {
         Some(s) => Cow::Borrowed(s.as_slice()),
@@ -629,7 +595,13 @@ fn backward<T: Float>(
     // dW_d [h, I] = d_o^T g ; dg [rows, I] = d_o W_d
     let dwd = wants(lora::DOWN).then(|| product_new((h, i, rows), (&d_o, 1, h), (&g, i, 1)));
     let mut du = product_new((rows, i, h), (&d_o, h, 1), (w.wd, i, 1));
-    branch_backward(lora::DOWN, &g, i, (&d_o, h), &mut du);
+    w.lora.backward(
+        lora::DOWN,
+        (&g, i),
+        places,
+        ((&d_o, h), &mut du),
+        &mut lora_grads,
+    );
     drop((g, d_o));
     let dbi = times_slope(&slope, &mut du, i);
     drop(slope);
@@ -637,7 +609,13 @@ fn backward<T: Float>(
     let dwi = wants(lora::UP).then(|| product_new((i, h, rows), (&du, 1, i), (&y1, h, 1)));
     let mut dy1 = dsum2;
     product((rows, h, i), (&mut dy1, h), true, (&du, i, 1), (w.wi, h, 1));
-    branch_backward(lora::UP, &y1, h, (&du, i), &mut dy1);
+    w.lora.backward(
+        lora::UP,
+        (&y1, h),
+        places,
+        ((&du, i), &mut dy1),
+        &mut lora_grads,
+    );
     drop((du, y1));
     // First LayerNorm.
     let (dsum1, dg1, db1) = norm_backward(&sum1, w.n1.0, &dy1, spec.eps);
@@ -647,7 +625,13 @@ fn backward<T: Float>(
     let dwo =
         wants(lora::OUTPUT).then(|| product_new((h, h, rows), (&d_a, 1, h), (&kept.ctx, h, 1)));
     let mut dctx = product_new((rows, h, h), (&d_a, h, 1), (w.wo, h, 1));
-    branch_backward(lora::OUTPUT, &kept.ctx, h, (&d_a, h), &mut dctx);
+    w.lora.backward(
+        lora::OUTPUT,
+        (&kept.ctx, h),
+        places,
+        ((&d_a, h), &mut dctx),
+        &mut lora_grads,
+    );
     drop(d_a);
     // Attention.
     let (dqkv, dscores) = attention_backward(
@@ -675,7 +659,13 @@ fn backward<T: Float>(
             (&dqkv[p * h..], 3 * h, 1),
             (wp, h, 1),
         );
-        branch_backward(p, x, h, (&dqkv[p * h..], 3 * h), &mut dx);
+        w.lora.backward(
+            p,
+            (x, h),
+            places,
+            ((&dqkv[p * h..], 3 * h), &mut dx),
+            &mut lora_grads,
+        );
     }
     Ok(Grads {
         dx,

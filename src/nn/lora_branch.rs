@@ -176,3 +176,107 @@ impl<T: Float> Branch<'_, T> {
         (da, db)
     }
 }
+
+/// A layer node's weights, held from its forward to its backward: `S` slots (detached,
+/// contiguous, in the node's dtype: views of the variables, a base stored narrower read
+/// widened), which of them take a gradient (a frozen one's is not computed), and the
+/// values of its `P` projections' adapters.
+pub(super) struct NodeWeights<T, const S: usize, const P: usize> {
+    pub(super) slots: [Option<Tensor>; S],
+    pub(super) wants: [bool; S],
+    lora: [Option<Held<T>>; P],
+}
+
+impl<T: Float, const S: usize, const P: usize> NodeWeights<T, S, P> {
+    pub(super) fn new(
+        slots: [Option<&Tensor>; S],
+        lora: &[Option<LoraInput>; P],
+    ) -> candle_core::Result<Self> {
+        let mut held: [Option<Tensor>; S] = std::array::from_fn(|_| None);
+        for (o, t) in held.iter_mut().zip(slots) {
+            *o = t
+                .map(|t| t.detach().to_dtype(T::DTYPE)?.contiguous())
+                .transpose()?;
+        }
+        let mut adapters: [Option<Held<T>>; P] = std::array::from_fn(|_| None);
+        for (a, input) in adapters.iter_mut().zip(lora) {
+            *a = input.as_ref().map(|l| l.values()).transpose()?;
+        }
+        Ok(Self {
+            slots: held,
+            wants: slots.map(|t| t.is_some_and(crate::sink::wants)),
+            lora: adapters,
+        })
+    }
+
+    /// The adapters' branches.
+    pub(super) fn branches(&self) -> Branches<'_, T, P> {
+        Branches(std::array::from_fn(|p| {
+            self.lora[p].as_ref().map(Held::branch)
+        }))
+    }
+}
+
+/// A node's inputs after `x`: its slots, then each adapter's `A` and `B` (absent where the
+/// projection has none).
+pub(super) fn node_inputs<'a>(
+    slots: &[Option<&'a Tensor>],
+    lora: &'a [Option<LoraInput>],
+) -> Vec<Option<&'a Tensor>> {
+    let mut all = slots.to_vec();
+    for l in lora {
+        all.extend([l.as_ref().map(|l| &l.a), l.as_ref().map(|l| &l.b)]);
+    }
+    all
+}
+
+/// The branches of a node's `P` projections (`None` where a projection has no adapter).
+pub(super) struct Branches<'a, T, const P: usize>([Option<Branch<'a, T>>; P]);
+
+impl<T: Float, const P: usize> Branches<'_, T, P> {
+    /// [`Branch::forward`] of projection `p`'s adapter, if it has one.
+    pub(super) fn forward(
+        &self,
+        p: usize,
+        (x, input): (&[T], usize),
+        places: &[usize],
+        dst: (&mut [T], usize),
+    ) {
+        if let Some(branch) = &self.0[p] {
+            branch.forward(x, input, places, dst);
+        }
+    }
+
+    /// [`Branch::backward`] of projection `p`'s adapter, if it has one, its `(dA, dB)`
+    /// into `grads`.
+    pub(super) fn backward(
+        &self,
+        p: usize,
+        (x, input): (&[T], usize),
+        places: &[usize],
+        (dout, dx): ((&[T], usize), &mut [T]),
+        grads: &mut AdapterGrads<T, P>,
+    ) {
+        if let Some(branch) = &self.0[p] {
+            let (da, db) = branch.backward(x, input, places, dout, dx);
+            grads.0[p] = Some([da, db]);
+        }
+    }
+}
+
+/// The adapters' `(dA, dB)` of a node's backward, by projection.
+pub(super) struct AdapterGrads<T, const P: usize>([Option<[Vec<T>; 2]>; P]);
+
+impl<T, const P: usize> Default for AdapterGrads<T, P> {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| None))
+    }
+}
+
+impl<T, const P: usize> AdapterGrads<T, P> {
+    /// Two gradients per projection in the order of [`node_inputs`] (empty where it has
+    /// no adapter).
+    pub(super) fn flat(self) -> impl Iterator<Item = Vec<T>> {
+        self.0.into_iter().flat_map(|g| g.unwrap_or_default())
+    }
+}

@@ -26,7 +26,7 @@ use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::fused::AttentionSpec;
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{column_sums, linear, product, product_new};
-use super::lora_branch::{Branch, Held, LoraInput};
+use super::lora_branch::{node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights};
 use super::math::Act;
 use super::packed_attention::{attend, attention_backward};
 use super::packing::{packed_layer, Packing, View};
@@ -66,14 +66,9 @@ mod slot {
 }
 
 impl<'a> PreNormWeights<'a> {
-    /// The node's weights: the slots, then each adapter's `A` and `B` (absent where the
-    /// projection has none).
+    /// The node's weights: the slots, then the adapters'.
     fn inputs(&self) -> Vec<Option<&Tensor>> {
-        let mut all = self.slots().to_vec();
-        for l in &self.lora {
-            all.extend([l.as_ref().map(|l| &l.a), l.as_ref().map(|l| &l.b)]);
-        }
-        all
+        node_inputs(&self.slots(), &self.lora)
     }
 
     fn slots(&self) -> [Option<&'a Tensor>; SLOTS] {
@@ -217,32 +212,12 @@ impl Shape {
     }
 }
 
-/// The weights, detached and contiguous in the layer's dtype (views of the variables: no
-/// copy; a base stored narrower is widened), which of them take a gradient, and the
-/// adapters' values.
-struct Weights<T> {
-    slots: [Option<Tensor>; SLOTS],
-    wants: [bool; SLOTS],
-    lora: [Option<Held<T>>; 4],
-}
+/// The weights held by the node.
+struct Weights<T>(NodeWeights<T, SLOTS, 4>);
 
 impl<T: Float> Weights<T> {
     fn new(w: &PreNormWeights) -> candle_core::Result<Self> {
-        let mut slots: [Option<Tensor>; SLOTS] = Default::default();
-        for (o, t) in slots.iter_mut().zip(w.slots()) {
-            *o = t
-                .map(|t| t.detach().to_dtype(T::DTYPE)?.contiguous())
-                .transpose()?;
-        }
-        let mut lora: [Option<Held<T>>; 4] = Default::default();
-        for (held, input) in lora.iter_mut().zip(&w.lora) {
-            *held = input.as_ref().map(|l| l.values()).transpose()?;
-        }
-        Ok(Self {
-            slots,
-            wants: w.slots().map(|t| t.is_some_and(crate::sink::wants)),
-            lora,
-        })
+        Ok(Self(NodeWeights::new(w.slots(), &w.lora)?))
     }
 
     /// Runs `f` on the weights' values; a missing bias or shift reads as zeros.
@@ -252,6 +227,7 @@ impl<T: Float> Weights<T> {
         f: impl FnOnce(&W<T>) -> candle_core::Result<R>,
     ) -> candle_core::Result<R> {
         let views = self
+            .0
             .slots
             .iter()
             .map(|t| t.as_ref().map(View::new).transpose())
@@ -265,9 +241,9 @@ impl<T: Float> Weights<T> {
             });
         }
         let w = W {
-            wants: self.wants,
-            lora: std::array::from_fn(|p| self.lora[p].as_ref().map(Held::branch)),
-            n1: self.slots[0].is_some().then_some((v[0], v[1])),
+            wants: self.0.wants,
+            lora: self.0.branches(),
+            n1: self.0.slots[0].is_some().then_some((v[0], v[1])),
             wqkv: v[2],
             bqkv: v[3],
             wo: v[4],
@@ -287,7 +263,7 @@ struct W<'a, T> {
     /// Which slots take a gradient (a frozen weight's is not computed).
     wants: [bool; SLOTS],
     /// The adapters' branches, in the order of [`PreNormWeights::lora`].
-    lora: [Option<Branch<'a, T>>; 4],
+    lora: Branches<'a, T, 4>,
     n1: Option<(&'a [T], &'a [T])>,
     wqkv: &'a [T],
     bqkv: &'a [T],
@@ -368,10 +344,7 @@ fn layer<T: Float>(
             let (weights, mask, rotary, spec) = &*owned;
             weights.read(dims, |wv| {
                 let grads = backward(xp, dyp, wv, (mask, packing, rotary), spec, dims, kept);
-                let mut all: Vec<Vec<T>> = grads.slots.into();
-                for g in grads.lora {
-                    all.extend(g.unwrap_or_default());
-                }
+                let all = grads.slots.into_iter().chain(grads.lora.flat()).collect();
                 Ok((grads.dx, all))
             })
         },
@@ -459,9 +432,7 @@ fn forward<T: Float>(
         }
     }
     product((rows, h, i), (&mut y, h), true, (&g, i, 1), (w.wd, 1, i));
-    if let Some(branch) = &w.lora[lora::DOWN] {
-        branch.forward(&g, i, places, (&mut y, h));
-    }
+    w.lora.forward(lora::DOWN, (&g, i), places, (&mut y, h));
     let kept = keep.then_some(Kept {
         qkv,
         probs,
@@ -483,9 +454,8 @@ fn projected<T: Float>(
     places: &[usize],
 ) -> Vec<T> {
     let mut y = linear(x, weight, bias, places.len(), input);
-    if let Some(branch) = &w.lora[lora] {
-        branch.forward(x, input, places, (&mut y, bias.len()));
-    }
+    w.lora
+        .forward(lora, (x, input), places, (&mut y, bias.len()));
     y
 }
 
@@ -502,7 +472,7 @@ mod lora {
 struct Grads<T> {
     dx: Vec<T>,
     slots: [Vec<T>; SLOTS],
-    lora: [Option<[Vec<T>; 2]>; 4],
+    lora: AdapterGrads<T, 4>,
 }
 
 /// The backward pass from `dy`.
@@ -520,15 +490,7 @@ fn backward<T: Float>(
     let wants = |slot: usize| w.wants[slot];
     let product_if =
         |slot: usize, f: &dyn Fn() -> Vec<T>| if wants(slot) { f() } else { Vec::new() };
-    let mut lora_grads: [Option<[Vec<T>; 2]>; 4] = Default::default();
-    // The branch of adapter `p` from its output's gradient (an operand) into `dx`.
-    let mut branch_backward =
-        |p: usize, x: &[T], input: usize, dout: (&[T], usize), dx: &mut [T]| {
-            if let Some(branch) = &w.lora[p] {
-                let (da, db) = branch.backward(x, input, places, dout, dx);
-                lora_grads[p] = Some([da, db]);
-            }
-        };
+    let mut lora_grads = AdapterGrads::default();
     // The feed-forward: y = x1 + dropout(glu(up)) W_d^T + b_d.
     let dbd = column_sums(dy, h);
     let g = glu_rows(&kept.up, spec.act, i);
@@ -537,7 +499,13 @@ fn backward<T: Float>(
         product_new((h, i, rows), (dy, 1, h), (&g, i, 1))
     });
     let mut dg = product_new((rows, i, h), (dy, h, 1), (w.wd, i, 1));
-    branch_backward(lora::DOWN, &g, i, (dy, h), &mut dg);
+    w.lora.backward(
+        lora::DOWN,
+        (&g, i),
+        places,
+        ((dy, h), &mut dg),
+        &mut lora_grads,
+    );
     drop(g);
     let dg = dropped(&dg, spec.mlp_dropout, i, Some(places));
     let dup = glu_rows_backward(&kept.up, &dg, spec.act, i);
@@ -548,7 +516,13 @@ fn backward<T: Float>(
         product_new((2 * i, h, rows), (&dup, 1, 2 * i), (&n2, h, 1))
     });
     let mut dn2 = product_new((rows, h, 2 * i), (&dup, 2 * i, 1), (w.wi, h, 1));
-    branch_backward(lora::UP, &n2, h, (&dup, 2 * i), &mut dn2);
+    w.lora.backward(
+        lora::UP,
+        (&n2, h),
+        places,
+        ((&dup, 2 * i), &mut dn2),
+        &mut lora_grads,
+    );
     drop((n2, dup));
     let (mut dx1, dg2, db2) = norm_backward(&kept.x1, w.n2.0, &dn2, spec.eps);
     drop(dn2);
@@ -562,7 +536,13 @@ fn backward<T: Float>(
         product_new((h, h, rows), (&da, 1, h), (&kept.ctx, h, 1))
     });
     let mut dctx = product_new((rows, h, h), (&da, h, 1), (w.wo, h, 1));
-    branch_backward(lora::OUTPUT, &kept.ctx, h, (&da, h), &mut dctx);
+    w.lora.backward(
+        lora::OUTPUT,
+        (&kept.ctx, h),
+        places,
+        ((&da, h), &mut dctx),
+        &mut lora_grads,
+    );
     drop(da);
     let (mut dqkv, _) = attention_backward(
         &kept.qkv,
@@ -583,7 +563,13 @@ fn backward<T: Float>(
     let (dx, dg1, db1) = match w.n1 {
         Some((g1, _)) => {
             let mut dn1 = product_new((rows, h, 3 * h), (&dqkv, 3 * h, 1), (w.wqkv, h, 1));
-            branch_backward(lora::QKV, &n1, h, (&dqkv, 3 * h), &mut dn1);
+            w.lora.backward(
+                lora::QKV,
+                (&n1, h),
+                places,
+                ((&dqkv, 3 * h), &mut dn1),
+                &mut lora_grads,
+            );
             drop(n1);
             let (mut dx, dg1, db1) = norm_backward(x, g1, &dn1, spec.eps);
             for (a, &b) in dx.iter_mut().zip(&dx1) {
@@ -600,7 +586,13 @@ fn backward<T: Float>(
                 (&dqkv, 3 * h, 1),
                 (w.wqkv, h, 1),
             );
-            branch_backward(lora::QKV, &n1, h, (&dqkv, 3 * h), &mut dx);
+            w.lora.backward(
+                lora::QKV,
+                (&n1, h),
+                places,
+                ((&dqkv, 3 * h), &mut dx),
+                &mut lora_grads,
+            );
             (dx, Vec::new(), Vec::new())
         }
     };
