@@ -255,7 +255,7 @@ fn edited_adapter(dir: &Path, edit: impl Fn(&mut serde_json::Value)) -> PathBuf 
 #[test]
 fn adapters_this_crate_cannot_run_are_refused_naming_the_setting() {
     let tmp = tempfile::tempdir().unwrap();
-    let cases: [(&str, &str, serde_json::Value); 7] = [
+    let cases: [(&str, &str, serde_json::Value); 8] = [
         ("peft_type", "peft_type", "IA3".into()),
         ("use_dora", "use_dora", true.into()),
         ("bias", "bias", "all".into()),
@@ -271,12 +271,19 @@ fn adapters_this_crate_cannot_run_are_refused_naming_the_setting() {
         ),
         ("target_modules", "target_modules", ".*proj".into()),
         ("r", "r", 0.into()),
+        ("lora_dropout", "lora_dropout", 1.5.into()),
     ];
     for (i, (key, named, value)) in cases.into_iter().enumerate() {
         let dir = edited_adapter(&tmp.path().join(i.to_string()), |c| c[key] = value.clone());
         let err = PeftAdapter::read(&dir).unwrap_err();
         assert!(err.to_string().contains(named), "{key}: {err}");
     }
+    // A PEFT adapter trained with dropout brings it (a training setting of the run that
+    // continues it).
+    let dir = edited_adapter(&tmp.path().join("dropout"), |c| {
+        c["lora_dropout"] = 0.1.into()
+    });
+    assert_eq!(PeftAdapter::read(&dir).unwrap().spec.dropout, 0.1);
     // An adapter whose weights lack a module its targets name in the model.
     let dir = edited_adapter(&tmp.path().join("short"), |_| {});
     let weights = dir.join("adapter_model.safetensors");

@@ -75,6 +75,17 @@ impl PeftAdapter {
                     c["lora_alpha"]
                 ))
             })?;
+        let dropout = match &c["lora_dropout"] {
+            serde_json::Value::Null => 0.0,
+            value => value
+                .as_f64()
+                .filter(|p| (0.0..1.0).contains(p))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "`lora_dropout` is {value}, not a drop probability in [0, 1)"
+                    ))
+                })?,
+        };
         let flag = |key: &str| c[key].as_bool().unwrap_or(false);
         let empty = |key: &str| match &c[key] {
             serde_json::Value::Null => true,
@@ -143,10 +154,7 @@ impl PeftAdapter {
                 alpha,
                 targets,
                 rslora: flag("use_rslora"),
-                dropout: c["lora_dropout"]
-                    .as_f64()
-                    .filter(|p| (0.0..1.0).contains(p))
-                    .unwrap_or(0.0),
+                dropout,
             },
             base: c["base_model_name_or_path"]
                 .as_str()

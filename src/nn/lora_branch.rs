@@ -13,6 +13,8 @@
 //! bit. The frozen base weight's own gradient `dy^T x`, the largest product of a
 //! projection's backward, is not computed at all.
 
+use std::borrow::Cow;
+
 use candle_core::Tensor;
 
 use super::blocks::Float;
@@ -94,16 +96,16 @@ pub(super) struct Branch<'a, T> {
 }
 
 impl<T: Float> Branch<'_, T> {
-    /// `t = dropout(x) A^T` `[rows, r]` for `x` `[rows, in]` (`places[row]`: each row's
-    /// padded place), with the dropped input when the backward wants it.
-    fn down(&self, x: &[T], input: usize, places: &[usize]) -> Vec<T> {
-        let rows = x.len() / input.max(1);
-        let xd = dropped(x, self.dropout, input, Some(places));
-        product_new(
-            (rows, self.rank, input),
-            (&xd, input, 1),
-            (self.a, 1, input),
-        )
+    /// `t = dropout(x) A^T` `[rows, r]` from the dropped input `xd` `[rows, in]`.
+    fn down(&self, xd: &[T], input: usize) -> Vec<T> {
+        let rows = xd.len() / input.max(1);
+        product_new((rows, self.rank, input), (xd, input, 1), (self.a, 1, input))
+    }
+
+    /// `dropout(x)` for `x` `[rows, in]`, each row's mask that of its padded place
+    /// `places[row]` (`x` itself without dropout).
+    fn dropped<'x>(&self, x: &'x [T], input: usize, places: &[usize]) -> Cow<'x, [T]> {
+        dropped(x, self.dropout, input, Some(places))
     }
 
     /// Adds `s dropout(x) A^T B^T` to `dst` `[rows, out]` (row stride `dst_rs`).
@@ -116,7 +118,7 @@ impl<T: Float> Branch<'_, T> {
     ) {
         let rows = x.len() / input.max(1);
         let out = self.b.len() / self.rank;
-        let t = self.down(x, input, places);
+        let t = self.down(&self.dropped(x, input, places), input);
         let sb: Vec<T> = self.b.iter().map(|&v| v * self.scale).collect();
         product(
             (rows, out, self.rank),
@@ -140,7 +142,8 @@ impl<T: Float> Branch<'_, T> {
         let rows = x.len() / input.max(1);
         let (r, out) = (self.rank, self.b.len() / self.rank);
         let dy: Operand<T> = (dy, dy_rs, 1);
-        let t = self.down(x, input, places);
+        let xd = self.dropped(x, input, places);
+        let t = self.down(&xd, input);
         // dB [out, r] = s dy^T t
         let mut db = product_new((out, r, rows), (dy.0, 1, dy_rs), (&t, r, 1));
         for v in &mut db {
@@ -153,7 +156,6 @@ impl<T: Float> Branch<'_, T> {
             *v *= self.scale;
         }
         // dA [r, in] = dt^T dropout(x)
-        let xd = dropped(x, self.dropout, input, Some(places));
         let da = product_new((r, input, rows), (&dt, 1, r), (&xd, input, 1));
         drop(xd);
         // dx += mask (dt A)
