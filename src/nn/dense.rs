@@ -269,10 +269,7 @@ impl Linear {
     /// `x W^T + b + s (dropout(x) A^T) B^T`).
     pub fn forward(&self, x: &Tensor) -> crate::Result<Tensor> {
         match self.branch(x)? {
-            Some((base, branch)) => {
-                let y = super::linear(x, &base, self.bias.as_ref())?;
-                Ok((y + branch)?)
-            }
+            Some(branch) => Ok((super::linear(x, &self.weight, self.bias.as_ref())? + branch)?),
             None => super::linear(x, &self.weight()?, self.bias.as_ref()),
         }
     }
@@ -280,7 +277,7 @@ impl Linear {
     /// `act(x W^T + b)`, the bias added inside the fused activation.
     pub fn forward_activated(&self, x: &Tensor, act: Act) -> crate::Result<Tensor> {
         let y = match self.branch(x)? {
-            Some((base, branch)) => (super::linear(x, &base, None)? + branch)?,
+            Some(branch) => (super::linear(x, &self.weight, None)? + branch)?,
             None => super::linear(x, &self.weight()?, None)?,
         };
         match &self.bias {
@@ -292,13 +289,11 @@ impl Linear {
         }
     }
 
-    /// Where the adapter is not merged this forward: the base weight in `x`'s dtype and
-    /// the adapter's branch on `x`.
-    fn branch(&self, x: &Tensor) -> crate::Result<Option<(Tensor, Tensor)>> {
+    /// The adapter's branch on `x` where it is not merged this forward (beside the base
+    /// weight, which [`super::linear`] reads in `x`'s dtype).
+    fn branch(&self, x: &Tensor) -> crate::Result<Option<Tensor>> {
         match &self.lora {
-            Some(adapter) if !adapter.merges() => {
-                Ok(Some((self.weight.to_dtype(x.dtype())?, adapter.branch(x)?)))
-            }
+            Some(adapter) if !adapter.merges() => Ok(Some(adapter.branch(x)?)),
             _ => Ok(None),
         }
     }

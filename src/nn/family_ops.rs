@@ -152,8 +152,7 @@ pub fn prenorm_layer(
     ];
     all.extend(projections.iter().filter_map(|(_, b)| *b));
     let bases: Vec<&Tensor> = projections.iter().map(|(w, _)| *w).collect();
-    let lora: Vec<_> = weights.lora.iter().collect();
-    if !fused_ok(&all) || !super::frozen_base_ok(x, &bases, &lora) || x.rank() != 3 {
+    if !fused_ok(&all) || !super::frozen_base_ok(x, &bases, &weights.lora) || x.rank() != 3 {
         return Ok(None);
     }
     Ok(Some(super::prenorm_layer::prenorm_layer(x, weights, spec)?))
@@ -184,7 +183,6 @@ pub fn decoder_layer(
     ];
     all.extend(projections.iter().filter_map(|(_, b)| b.as_ref()));
     let bases: Vec<&Tensor> = projections.iter().map(|(w, _)| w).collect();
-    let lora: Vec<_> = weights.lora.iter().collect();
     all.extend(
         [
             weights.q_norm,
@@ -195,7 +193,7 @@ pub fn decoder_layer(
         .into_iter()
         .flatten(),
     );
-    if !fused_ok(&all) || !super::frozen_base_ok(x, &bases, &lora) || x.rank() != 3 {
+    if !fused_ok(&all) || !super::frozen_base_ok(x, &bases, &weights.lora) || x.rank() != 3 {
         return Ok(None);
     }
     Ok(super::decoder_layer::decoder_layer(x, weights, spec)?)

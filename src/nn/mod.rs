@@ -90,17 +90,13 @@ pub(crate) fn fused_ok(ts: &[&Tensor]) -> bool {
 /// Whether a layer node that runs in `x`'s dtype (see [`fused_ok`]) takes these projection
 /// weights: in that dtype, or frozen base weights stored narrower on the CPU (bf16, f16:
 /// the node reads them widened), and LoRA adapters on the CPU.
-pub(crate) fn frozen_base_ok(x: &Tensor, bases: &[&Tensor], lora: &[&Option<LoraInput>]) -> bool {
+pub(crate) fn frozen_base_ok(x: &Tensor, bases: &[&Tensor], lora: &[Option<LoraInput>]) -> bool {
     let cpu = |t: &Tensor| t.device().is_cpu();
     bases.iter().all(|t| {
         cpu(t)
             && (t.dtype() == x.dtype()
                 || (matches!(t.dtype(), DType::BF16 | DType::F16) && !t.track_op()))
-    }) && lora
-        .iter()
-        .copied()
-        .flatten()
-        .all(|l| cpu(&l.a) && cpu(&l.b))
+    }) && lora.iter().flatten().all(|l| cpu(&l.a) && cpu(&l.b))
 }
 
 /// `t` in `dtype`: a tracked cast, or `t` itself when it already is.
@@ -241,8 +237,7 @@ pub fn encoder_layer(
         weights.intermediate.0,
         weights.output.0,
     ];
-    let lora: Vec<_> = weights.lora.iter().collect();
-    if !fused_ok(&all) || !frozen_base_ok(x, &bases, &lora) || x.rank() != 3 {
+    if !fused_ok(&all) || !frozen_base_ok(x, &bases, &weights.lora) || x.rank() != 3 {
         return Ok(None);
     }
     Ok(Some(encoder_layer::encoder_layer(x, weights, spec)?))
