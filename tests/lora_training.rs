@@ -12,24 +12,11 @@ use gradcache::train::{export_run, export_run_as, Config, ExportLayout, Quiet, T
 use gradcache::{Error, Side};
 
 mod common;
-use common::{bits, max_diff, write_bert_dir, TINY_BERT};
+use common::{bits, max_diff, vocab_pairs, write_bert_dir, TINY_BERT};
 
 fn load(path: &Path, sets: &[&str]) -> Config {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
     Config::load(path, &sets).unwrap()
-}
-
-/// Pairs over the tiny tokenizer's words.
-fn vocab_pairs(path: &Path) {
-    let words = ["the", "lord", "is", "my", "shepherd", "light", "lords"];
-    let mut lines = Vec::new();
-    for i in 0..24 {
-        let pick = |k: usize| words[(i * k + k) % words.len()];
-        let query = format!("{} {} {}", pick(1), pick(2), pick(3));
-        let positive = format!("{}, {} {}", pick(1), pick(2), pick(5));
-        lines.push(serde_json::json!({"query": query, "positive": positive}).to_string());
-    }
-    fs::write(path, lines.join("\n")).unwrap();
 }
 
 /// A LoRA run of 4 steps on a tiny pretrained BERT (checkpoints every 2 steps).

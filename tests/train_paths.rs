@@ -12,7 +12,7 @@ use gradcache::train::{export_run, Config, Quiet, Trainer};
 use gradcache::{Error, Side, Similarity};
 
 mod common;
-use common::{max_diff, write_bert_dir, write_tiny_run, TINY_BERT};
+use common::{max_diff, vocab_pairs, write_bert_dir, write_tiny_run, TINY_BERT};
 
 fn load(path: &Path, sets: &[&str]) -> Config {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
@@ -98,19 +98,6 @@ fn two_towers_with_hard_negatives_start_alike_and_learn_below_chance() {
         })
         .fold(0.0, f64::max);
     assert!(moved > 0.0, "the towers are still identical");
-}
-
-/// Pairs over the tiny tokenizer's words, 24 of them.
-fn vocab_pairs(path: &Path) {
-    let words = ["the", "lord", "is", "my", "shepherd", "light", "lords"];
-    let mut lines = Vec::new();
-    for i in 0..24 {
-        let pick = |k: usize| words[(i * k + k) % words.len()];
-        let query = format!("{} {} {}", pick(1), pick(2), pick(3));
-        let positive = format!("{}, {} {}", pick(1), pick(2), pick(5));
-        lines.push(serde_json::json!({"query": query, "positive": positive}).to_string());
-    }
-    fs::write(path, lines.join("\n")).unwrap();
 }
 
 fn pretrained_run(dir: &Path) -> PathBuf {

@@ -253,3 +253,16 @@ warmup_steps = 1
     fs::write(&path, config).unwrap();
     path
 }
+
+/// Pairs over the tiny tokenizer's words ([`TINY_BERT`]), 24 of them, as JSONL.
+pub fn vocab_pairs(path: &Path) {
+    let words = ["the", "lord", "is", "my", "shepherd", "light", "lords"];
+    let mut lines = Vec::new();
+    for i in 0..24 {
+        let pick = |k: usize| words[(i * k + k) % words.len()];
+        let query = format!("{} {} {}", pick(1), pick(2), pick(3));
+        let positive = format!("{}, {} {}", pick(1), pick(2), pick(5));
+        lines.push(serde_json::json!({"query": query, "positive": positive}).to_string());
+    }
+    fs::write(path, lines.join("\n")).unwrap();
+}
