@@ -133,6 +133,23 @@ pub struct TokenBatch {
     /// attended to): the special token and prompt of a model whose pooling has
     /// `include_prompt = false`, as sentence-transformers does. 0: pool every real token.
     pub pool_from: usize,
+    /// A multi-vector (late-interaction) batch: which token vectors are kept and how
+    /// many the output is padded to. `None` for a pooled (single-vector) batch.
+    pub vectors: Option<TokenVectors>,
+}
+
+/// What a multi-vector (ColBERT) batch keeps of its tokens.
+///
+/// A kept token whose attention mask is 0 is a query-expansion token that the others do
+/// not attend to (PyLate's `attend_to_expansion_tokens = false`): it is computed, attends
+/// to the real tokens, and is scored.
+#[derive(Debug, Clone)]
+pub struct TokenVectors {
+    /// 1 for a token whose vector is kept (and scored), 0 for padding and skiplisted
+    /// document tokens, `[rows, seq_len]`, u32.
+    pub keep: Tensor,
+    /// The token vectors a row's output is padded to (the query or document length).
+    pub width: usize,
 }
 
 impl TokenBatch {
@@ -155,6 +172,35 @@ impl TokenBatch {
             attention_mask,
             token_type_ids,
             pool_from: 0,
+            vectors: None,
+        })
+    }
+
+    /// The same batch as a multi-vector batch keeping the tokens `keep` marks (`[rows,
+    /// seq_len]`), its output padded to `width` token vectors.
+    pub fn with_vectors(mut self, keep: Tensor, width: usize) -> Result<Self> {
+        if keep.shape() != self.input_ids.shape() {
+            return Err(Error::Concat(format!(
+                "a multi-vector batch's kept tokens {:?} must have the shape of its ids {:?}",
+                keep.dims(),
+                self.input_ids.dims()
+            )));
+        }
+        if self.seq_len() > width {
+            return Err(Error::Concat(format!(
+                "a multi-vector batch of {} tokens does not fit its {width} token vectors",
+                self.seq_len()
+            )));
+        }
+        self.vectors = Some(TokenVectors { keep, width });
+        Ok(self)
+    }
+
+    /// The tokens that take part in the encoder: attended or kept (`[rows, seq_len]`).
+    fn used(&self) -> Result<Tensor> {
+        Ok(match &self.vectors {
+            Some(v) => self.attention_mask.maximum(&v.keep)?,
+            None => self.attention_mask.clone(),
         })
     }
 
@@ -172,10 +218,7 @@ impl TokenBatch {
     /// Drops the columns at either end where every row is padding (attention mask 0), so
     /// the batch is as long as its longest sequence, whichever side it is padded on.
     pub fn trim_padding(&self) -> Result<Self> {
-        let used = self
-            .attention_mask
-            .max(0)?
-            .to_dtype(candle_core::DType::U32)?;
+        let used = self.used()?.max(0)?.to_dtype(candle_core::DType::U32)?;
         let used = used.to_vec1::<u32>()?;
         let end = used.iter().rposition(|&m| m != 0).map_or(0, |i| i + 1);
         let start = used.iter().position(|&m| m != 0).unwrap_or(0).min(end);
@@ -188,6 +231,13 @@ impl TokenBatch {
             attention_mask: self.attention_mask.narrow(1, start, len)?,
             token_type_ids: self.token_type_ids.narrow(1, start, len)?,
             pool_from: self.pool_from,
+            vectors: match &self.vectors {
+                Some(v) => Some(TokenVectors {
+                    keep: v.keep.narrow(1, start, len)?,
+                    width: v.width,
+                }),
+                None => None,
+            },
         })
     }
 
@@ -198,7 +248,7 @@ impl TokenBatch {
         if s == 0 {
             return Ok(false);
         }
-        let mask = self.attention_mask.to_dtype(candle_core::DType::U32)?;
+        let mask = self.used()?.to_dtype(candle_core::DType::U32)?;
         let first = mask.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<u32>()?;
         let last = mask.narrow(1, s - 1, 1)?.flatten_all()?.to_vec1::<u32>()?;
         Ok(first.iter().zip(&last).any(|(&f, &l)| f == 0 && l != 0))
@@ -221,6 +271,13 @@ impl TokenBatch {
             attention_mask: side(&self.attention_mask)?,
             token_type_ids: side(&self.token_type_ids)?,
             pool_from: self.pool_from,
+            vectors: match &self.vectors {
+                Some(v) => Some(TokenVectors {
+                    keep: side(&v.keep)?,
+                    width: v.width,
+                }),
+                None => None,
+            },
         })
     }
 }
@@ -247,6 +304,13 @@ impl Batch for TokenBatch {
             attention_mask: self.attention_mask.narrow(0, start, len)?,
             token_type_ids: self.token_type_ids.narrow(0, start, len)?,
             pool_from: self.pool_from,
+            vectors: match &self.vectors {
+                Some(v) => Some(TokenVectors {
+                    keep: v.keep.narrow(0, start, len)?,
+                    width: v.width,
+                }),
+                None => None,
+            },
         }
         .trim_padding()
     }
@@ -275,11 +339,30 @@ impl Batch for TokenBatch {
                 "token batches that pool from different positions (different prompts)".into(),
             ));
         }
+        let vectors = match padded
+            .iter()
+            .map(|p| p.vectors.as_ref())
+            .collect::<Option<Vec<_>>>()
+        {
+            Some(v) if v.iter().all(|t| t.width == v[0].width) => Some(TokenVectors {
+                keep: Tensor::cat(&v.iter().map(|t| t.keep.clone()).collect::<Vec<_>>(), 0)?,
+                width: v[0].width,
+            }),
+            None if padded.iter().all(|p| p.vectors.is_none()) => None,
+            _ => {
+                return Err(Error::Concat(
+                    "token batches of single- and multi-vector rows, or of different token \
+                     widths"
+                        .into(),
+                ))
+            }
+        };
         Ok(Self {
             input_ids: field(|b| &b.input_ids)?,
             attention_mask: field(|b| &b.attention_mask)?,
             token_type_ids: field(|b| &b.token_type_ids)?,
             pool_from: padded[0].pool_from,
+            vectors,
         })
     }
 }

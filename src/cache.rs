@@ -180,19 +180,27 @@ impl<'a> Representations<'a> {
         comm: &dyn Collective,
     ) -> Result<GradientCache<'a>> {
         let _flush = crate::denormal::flush();
-        let (q, p) = dist::agree(comm, self.local_reps())?;
+        let (q, p) = dist::agree(comm, self.local_reps(loss.requires_equal_widths()))?;
         let (rows_q, rows_p) = (q.dim(0)?, p.dim(0)?);
         let (all_q, all_p) = if comm.world_size() == 1 {
             (q, p)
         } else {
-            // One collective for both sides: rank r's block is [queries_r; passages_r].
-            let all = comm.all_gather(&Tensor::cat(&[&q, &p], 0)?)?;
-            let block = rows_q + rows_p;
+            // One collective for both sides: rank r's block is [queries_r; passages_r],
+            // flattened when the two are of different widths (token matrices of a
+            // multi-vector model, each padded to its side's token count).
+            let (wq, wp) = (q.dim(1)?, p.dim(1)?);
+            let flat = |t: &Tensor| -> Result<Tensor> { Ok(t.flatten_all()?.unsqueeze(1)?) };
+            let all = comm.all_gather(&Tensor::cat(&[&flat(&q)?, &flat(&p)?], 0)?)?;
+            let (size_q, size_p) = (rows_q * wq, rows_p * wp);
+            let block = size_q + size_p;
             let mut qs = Vec::with_capacity(comm.world_size());
             let mut ps = Vec::with_capacity(comm.world_size());
             for r in 0..comm.world_size() {
-                qs.push(all.narrow(0, r * block, rows_q)?);
-                ps.push(all.narrow(0, r * block + rows_q, rows_p)?);
+                qs.push(all.narrow(0, r * block, size_q)?.reshape((rows_q, wq))?);
+                ps.push(
+                    all.narrow(0, r * block + size_q, size_p)?
+                        .reshape((rows_p, wp))?,
+                );
             }
             (Tensor::cat(&qs, 0)?, Tensor::cat(&ps, 0)?)
         };
@@ -238,12 +246,12 @@ impl<'a> Representations<'a> {
     }
 
     /// This process's query and passage representations, checked for shape.
-    fn local_reps(&self) -> Result<(Tensor, Tensor)> {
+    fn local_reps(&self, equal_widths: bool) -> Result<(Tensor, Tensor)> {
         let q = self.queries()?;
         let p = self.passages()?;
         group_size(q.dim(0)?, p.dim(0)?)?;
         let (qw, pw) = (q.dim(1)?, p.dim(1)?);
-        if qw != pw {
+        if equal_widths && qw != pw {
             return Err(Error::WidthMismatch {
                 query: qw,
                 passage: pw,

@@ -94,7 +94,7 @@ pub mod train;
 
 pub use train::budget;
 
-pub use batch::{Batch, Chunking, TokenBatch};
+pub use batch::{Batch, Chunking, TokenBatch, TokenVectors};
 pub use cache::{
     cached, cat_reps, GradCache, GradientCache, Representations, StepOutput, StepPeaks, StepTimes,
 };
@@ -103,7 +103,7 @@ pub use dist::{Collective, ReduceOp, Single};
 pub use dropout::{ChunkSeed, Ctx, Dropout, NormStats};
 pub use encoder::{Encoder, Network, Tower};
 pub use error::{Error, Result, Side};
-pub use loss::{ClipLoss, FnLoss, InfoNce, Loss, LossValue, Similarity};
+pub use loss::{ClipLoss, FnLoss, InfoNce, Loss, LossValue, MaxSim, Similarity};
 pub use models::{bert, lstm, resnet, toy};
 pub use params::{Gradients, ParamStore, Params};
 pub use precision::{LossScaler, Precision};

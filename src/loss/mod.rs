@@ -9,6 +9,7 @@
 //! loss, like the `loss_fn` of the reference GradCache.
 
 pub mod matryoshka;
+pub mod maxsim;
 
 use std::ops::Range;
 
@@ -19,6 +20,7 @@ use crate::params::{Gradients, ParamStore, Params};
 use crate::{Error, Result};
 
 pub use matryoshka::Matryoshka;
+pub use maxsim::MaxSim;
 
 /// The most logits (2^22, 16 MiB of f32) one row block of the composed loss holds when no
 /// block size is set: one block up to a batch of 2,048 pairs without hard negatives, row
@@ -91,6 +93,12 @@ pub trait Loss {
             grad_passages: grad(&p)?,
             params: self.params().grads_from(&store),
         })
+    }
+
+    /// Whether queries and passages must be rows of one width (single vectors); a
+    /// multi-vector loss scores token matrices of different lengths.
+    fn requires_equal_widths(&self) -> bool {
+        true
     }
 }
 

@@ -159,6 +159,9 @@ pub struct BertAux {
     first: Vec<usize>,
     /// MPNet's relative position bucket of every (query, key) pair `[s s]`.
     buckets: Option<Tensor>,
+    /// A multi-vector batch: the kept tokens `[n, s]` (in the head's dtype) and the token
+    /// vectors each row's output is padded to.
+    vectors: Option<(Tensor, usize)>,
 }
 
 fn embedding(rows: usize, width: usize, std: f64, vb: VarBuilder) -> Result<Embedding> {
@@ -372,6 +375,33 @@ impl Bert {
 }
 
 impl Bert {
+    /// A multi-vector (ColBERT) head: every token's state through the `Dense` modules,
+    /// L2-normalised per token (with `normalize`), the tokens `keep` `[n, s]` drops set to
+    /// zero vectors, padded with zero vectors to `width` tokens and flattened to `[n,
+    /// width * dim]` (the layout [`crate::loss::MaxSim`] scores).
+    fn token_vectors(&self, x: &Tensor, keep: &Tensor, width: usize) -> Result<Tensor> {
+        let mut y = x.clone();
+        for dense in &self.dense {
+            y = dense.forward(&y)?;
+        }
+        if self.options.normalize {
+            y = crate::loss::l2_normalize(&y)?;
+        }
+        let y = y.broadcast_mul(&keep.unsqueeze(2)?)?;
+        let (n, s, d) = y.dims3()?;
+        let y = match width.checked_sub(s) {
+            Some(0) => y,
+            Some(pad) => Tensor::cat(
+                &[&y, &Tensor::zeros((n, pad, d), y.dtype(), y.device())?],
+                1,
+            )?,
+            None => {
+                return Err(Error::SequenceTooLong { len: s, max: width });
+            }
+        };
+        Ok(y.reshape((n, width * d))?)
+    }
+
     /// Layer `i` as one node with its backward written out
     /// ([`crate::nn::encoder_layer`]), where the fused kernels run: the same arithmetic as
     /// the op-by-op layer, without an autograd graph inside it. `None` elsewhere.
@@ -541,9 +571,21 @@ impl LayerStack for Bert {
         let mask = input.attention_mask.to_dtype(dtype)?;
         // -10000 for padding, 0 for real tokens: finite in f16, bf16 and f32, and exp()
         // of it underflows to exactly 0 next to any real score.
-        let bias = ((mask.ones_like()? - &mask)? * -10000.0)?
-            .unsqueeze(1)?
-            .unsqueeze(1)?;
+        let unattended = (mask.ones_like()? - &mask)?;
+        let mut bias = (&unattended * crate::nn::MASKED_BIAS)?;
+        let vectors = match &input.vectors {
+            Some(v) => {
+                let keep = v.keep.to_dtype(dtype)?;
+                // A kept token no one attends to (query expansion): a key bias that
+                // still underflows to an exact 0 weight, above the padding's, so its row
+                // is computed (see `crate::nn::UNATTENDED_BIAS`).
+                let lift = crate::nn::UNATTENDED_BIAS - crate::nn::MASKED_BIAS;
+                bias = (bias + ((&keep * &unattended)? * lift)?)?;
+                Some((keep, v.width))
+            }
+            None => None,
+        };
+        let bias = bias.unsqueeze(1)?.unsqueeze(1)?;
         let modern = match &self.modern {
             Some(m) => Some(m.aux(&bias)?),
             None => None,
@@ -587,11 +629,14 @@ impl LayerStack for Bert {
         Ok(BertAux {
             bias,
             mask,
-            last_token_only: decoder.is_some() && self.options.pooling == Pooling::LastToken,
+            last_token_only: decoder.is_some()
+                && self.options.pooling == Pooling::LastToken
+                && vectors.is_none(),
             modern,
             decoder,
             first,
             buckets,
+            vectors,
         })
     }
 
@@ -718,6 +763,9 @@ impl LayerStack for Bert {
     fn head(&self, x: &Tensor, aux: &BertAux, _: &Ctx) -> Result<Tensor> {
         let x = &x.to_dtype(aux.mask.dtype())?;
         let x = &self.final_norm(x)?;
+        if let Some((keep, width)) = &aux.vectors {
+            return self.token_vectors(x, keep, *width);
+        }
         let pooling = self.options.pooling;
         if self.dense.is_empty() {
             return pooling.pool(x, &aux.mask, &aux.first, self.options.normalize);

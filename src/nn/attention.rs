@@ -29,7 +29,7 @@
 //! `heads * s * L` per sequence) or recomputes them from `Q` and `K` with the same
 //! arithmetic, bit for bit (selective recompute keeps nothing of size `s x s`).
 
-pub use super::attention_layout::{Dims, HeadLayout, KeyMask, Rows, MASKED_BIAS};
+pub use super::attention_layout::{Dims, HeadLayout, KeyMask, Rows, MASKED_BIAS, UNATTENDED_BIAS};
 use super::blocks::{parallel_ranges, with_wide_vectors, Float, SharedConst, SharedMut};
 use super::math::exp;
 

@@ -9,6 +9,13 @@ use super::blocks::Float;
 /// `-10000`; PyTorch's `finfo.min` and `-inf` count too).
 pub const MASKED_BIAS: f64 = -1e4;
 
+/// The key bias of a token that no other attends to but whose own row is computed (a
+/// ColBERT query's expansion tokens with `attend_to_expansion_tokens = false`): above
+/// [`MASKED_BIAS`], so the packed kernels compute its row, and like it far enough below
+/// any real score that its weight `exp(score + bias - max)` is exactly 0 in f32, f16 and
+/// bf16 (as the `finfo.min` mask of Hugging Face's attention).
+pub const UNATTENDED_BIAS: f64 = -9e3;
+
 /// Where the heads of a batch lie in a flat buffer: element `c` of row `i` of head `h` of
 /// sequence `b` is at `offset + start(b) + h * head + i * row + c`, where `start(b)` is
 /// `b * seq` for a layout with a sequence stride, else the sequence's first row times

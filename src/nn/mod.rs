@@ -66,6 +66,7 @@ use crate::precision::is_half;
 use crate::Result;
 
 pub use crate::loss::l2_normalize;
+pub use attention::{MASKED_BIAS, UNATTENDED_BIAS};
 pub use blocks::serial;
 pub use fused::{Act, AttentionSpec};
 

@@ -1,0 +1,348 @@
+//! Late interaction (ColBERT) under the gradient cache: the blocked MaxSim loss against
+//! autograd and a plain loop, and a multi-vector BERT tower whose cached steps equal a
+//! full-batch step for every chunking, with hard negatives, uneven lengths, query
+//! expansion tokens no one attends to and skiplisted document tokens.
+
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Tensor, Var};
+use gradcache::bert::{BertConfig, BertEncoder, BertOptions, DenseActivation, DenseSpec};
+use gradcache::recompute::Recompute;
+use gradcache::{Ctx, Encoder, GradCache, Loss, MaxSim, ParamStore, TokenBatch};
+
+mod common;
+use common::{max_abs, max_diff, random, rel_err_with_zeros};
+
+/// Tests that switch the fused kernels off run one at a time.
+static FUSED: Mutex<()> = Mutex::new(());
+
+const DIM: usize = 6;
+
+/// `rows` token matrices of `tokens` vectors, some of them zero (absent), row `r`
+/// keeping its first `3 + r % (tokens - 2)` tokens less every fifth.
+fn token_matrices(seed: u64, rows: usize, tokens: usize) -> Tensor {
+    let x = random(seed, &[rows, tokens, DIM]);
+    let keep: Vec<f32> = (0..rows)
+        .flat_map(|r| {
+            (0..tokens)
+                .map(move |t| f32::from(u8::from(t < 3 + r % (tokens - 2) && (t + r) % 5 != 4)))
+        })
+        .collect();
+    let keep = Tensor::from_vec(keep, (rows, tokens, 1), &Device::Cpu).unwrap();
+    x.broadcast_mul(&keep)
+        .unwrap()
+        .reshape((rows, tokens * DIM))
+        .unwrap()
+}
+
+/// The MaxSim score written as loops.
+fn loop_scores(q: &Tensor, p: &Tensor) -> Vec<Vec<f32>> {
+    let split = |x: &Tensor| -> Vec<Vec<Vec<f32>>> {
+        let (rows, width) = x.dims2().unwrap();
+        x.reshape((rows, width / DIM, DIM))
+            .unwrap()
+            .to_vec3()
+            .unwrap()
+    };
+    let (q, p) = (split(q), split(p));
+    let kept = |v: &Vec<f32>| v.iter().any(|&x| x != 0.0);
+    q.iter()
+        .map(|qi| {
+            p.iter()
+                .map(|pj| {
+                    qi.iter()
+                        .filter(|s| kept(s))
+                        .map(|s| {
+                            pj.iter()
+                                .filter(|t| kept(t))
+                                .map(|t| s.iter().zip(t).map(|(a, b)| a * b).sum::<f32>())
+                                .fold(None, |m: Option<f32>, v| Some(m.map_or(v, |m| m.max(v))))
+                                .unwrap_or(0.0)
+                        })
+                        .sum()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn maxsim_scores_equal_a_loop() {
+    let (q, p) = (token_matrices(1, 5, 4), token_matrices(2, 10, 7));
+    for block in [1, 40, 1 << 22] {
+        let loss = MaxSim::new(DIM).unwrap().with_block_similarities(block);
+        let got = loss.scores(&q, &p).unwrap().to_vec2::<f32>().unwrap();
+        let want = loop_scores(&q, &p);
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert!((g - w).abs() <= 1e-5, "block {block}: score {g} vs {w}");
+        }
+    }
+    // A passage with no kept token scores 0, and a negative best similarity is kept (the
+    // absent tokens take no part in the max).
+    let q = Tensor::new(&[[1f32, 0., 0., 0., 0., 0.]], &Device::Cpu).unwrap();
+    let p = Tensor::new(
+        &[
+            [-1f32, 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0.],
+            [0.; 12],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let s = MaxSim::new(DIM).unwrap().scores(&q, &p).unwrap();
+    assert_eq!(s.to_vec2::<f32>().unwrap(), vec![vec![-1.0, 0.0]]);
+}
+
+#[test]
+fn maxsim_gradients_equal_autograd_in_every_blocking() {
+    for (group, temperature) in [(1, 1.0), (3, 0.05)] {
+        let (q, p) = (token_matrices(3, 6, 5), token_matrices(4, 6 * group, 8));
+        let reference = MaxSim::new(DIM)
+            .unwrap()
+            .with_temperature(temperature)
+            .unwrap();
+        let (qv, pv) = (Var::from_tensor(&q).unwrap(), Var::from_tensor(&p).unwrap());
+        let loss = reference.forward(qv.as_tensor(), pv.as_tensor()).unwrap();
+        let store = loss.backward().unwrap();
+        let want_q = store.get(qv.as_tensor()).unwrap();
+        let want_p = store.get(pv.as_tensor()).unwrap();
+        let want = loss.to_scalar::<f32>().unwrap();
+        for block in [1, 40, 1 << 22] {
+            let got = reference
+                .clone()
+                .with_block_similarities(block)
+                .value_and_grads(&q, &p)
+                .unwrap();
+            assert!(
+                ((got.loss - want) / want).abs() <= 1e-5,
+                "{} vs {want}",
+                got.loss
+            );
+            let scale = max_abs(want_q).max(max_abs(want_p));
+            assert!(max_diff(&got.grad_queries, want_q) <= 1e-5 * scale);
+            assert!(max_diff(&got.grad_passages, want_p) <= 1e-5 * scale);
+            // Absent tokens get no gradient.
+            let absent = q
+                .abs()
+                .unwrap()
+                .eq(0.0)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap();
+            let leak = max_abs(&got.grad_queries.mul(&absent).unwrap());
+            assert!(leak <= 1e-7 * scale, "group {group} block {block}: {leak}");
+        }
+    }
+}
+
+const CONFIG: &str = r#"{
+  "architectures": ["BertModel"],
+  "model_type": "bert",
+  "vocab_size": 60,
+  "hidden_size": 16,
+  "num_hidden_layers": 3,
+  "num_attention_heads": 2,
+  "intermediate_size": 24,
+  "hidden_act": "gelu",
+  "hidden_dropout_prob": 0.0,
+  "attention_probs_dropout_prob": 0.0,
+  "max_position_embeddings": 32,
+  "type_vocab_size": 2,
+  "initializer_range": 0.2,
+  "layer_norm_eps": 1e-12,
+  "pad_token_id": 0
+}"#;
+
+const MASK_ID: u32 = 4;
+const QUERY_LENGTH: usize = 8;
+const DOCUMENT_LENGTH: usize = 11;
+
+/// Queries of 3..6 real tokens, expanded with the mask token to the query length: the
+/// expansion tokens are kept and scored but not attended to.
+fn queries(seed: u64, rows: usize) -> TokenBatch {
+    let mut ids = vec![];
+    let mut mask = vec![];
+    for r in 0..rows {
+        let real = 3 + (r * 5 + seed as usize) % 4;
+        for c in 0..QUERY_LENGTH {
+            let id = 5 + ((r * 31 + c * 17 + seed as usize * 13) % 55) as u32;
+            ids.push(if c < real { id } else { MASK_ID });
+            mask.push(u32::from(c < real));
+        }
+    }
+    let t = |v: Vec<u32>| Tensor::from_vec(v, (rows, QUERY_LENGTH), &Device::Cpu).unwrap();
+    let keep = t(vec![1; rows * QUERY_LENGTH]);
+    TokenBatch::new(t(ids.clone()), t(mask), t(vec![0; ids.len()]))
+        .unwrap()
+        .with_vectors(keep, QUERY_LENGTH)
+        .unwrap()
+}
+
+/// Documents of 3..9 real tokens, right-padded to the longest; tokens whose id is a
+/// multiple of 7 are skiplisted (attended to, not kept).
+fn documents(seed: u64, rows: usize) -> TokenBatch {
+    let len = 9;
+    let (mut ids, mut mask, mut keep) = (vec![], vec![], vec![]);
+    for r in 0..rows {
+        let real = 3 + (r * 7 + seed as usize) % (len - 2);
+        for c in 0..len {
+            let id = 5 + ((r * 29 + c * 11 + seed as usize * 7) % 55) as u32;
+            ids.push(if c < real { id } else { 0 });
+            mask.push(u32::from(c < real));
+            keep.push(u32::from(c < real && id % 7 != 0));
+        }
+    }
+    let t = |v: Vec<u32>| Tensor::from_vec(v, (rows, len), &Device::Cpu).unwrap();
+    TokenBatch::new(t(ids), t(mask), t(vec![0; rows * len]))
+        .unwrap()
+        .with_vectors(t(keep), DOCUMENT_LENGTH)
+        .unwrap()
+}
+
+fn colbert_options(recompute: Recompute) -> BertOptions {
+    BertOptions {
+        normalize: true,
+        recompute,
+        dense: vec![DenseSpec {
+            path: "1_Dense".into(),
+            in_features: 16,
+            out_features: DIM,
+            bias: false,
+            activation: DenseActivation::Identity,
+        }],
+        ..Default::default()
+    }
+}
+
+fn tower(seed: u64, recompute: Recompute) -> (ParamStore, BertEncoder) {
+    let cfg: BertConfig = serde_json::from_str(CONFIG).unwrap();
+    let store = ParamStore::new(seed, DType::F32, &Device::Cpu);
+    let encoder = BertEncoder::build(&store, "", &cfg, &colbert_options(recompute)).unwrap();
+    (store, encoder)
+}
+
+#[test]
+fn the_head_writes_normalised_kept_token_vectors_padded_to_the_side_width() {
+    let (_store, enc) = tower(7, Recompute::Off);
+    let q = queries(1, 3);
+    let reps = enc.encode(&q, &Ctx::eval()).unwrap();
+    assert_eq!(reps.dims(), &[3, QUERY_LENGTH * DIM]);
+    let norms = reps
+        .reshape((3, QUERY_LENGTH, DIM))
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum(2)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    // Every query token, expansion tokens included, is a unit vector.
+    assert!(
+        norms.iter().flatten().all(|n| (n - 1.0).abs() <= 1e-5),
+        "{norms:?}"
+    );
+    let d = documents(2, 4);
+    let reps = enc.encode(&d, &Ctx::eval()).unwrap();
+    assert_eq!(reps.dims(), &[4, DOCUMENT_LENGTH * DIM]);
+    let norms = reps
+        .reshape((4, DOCUMENT_LENGTH, DIM))
+        .unwrap()
+        .sqr()
+        .unwrap()
+        .sum(2)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let keep = d.vectors.as_ref().unwrap().keep.to_vec2::<u32>().unwrap();
+    for (r, row) in norms.iter().enumerate() {
+        for (t, n) in row.iter().enumerate() {
+            let kept = keep[r].get(t).copied().unwrap_or(0) == 1;
+            let want = if kept { 1.0 } else { 0.0 };
+            assert!(
+                (n - want).abs() <= 1e-5,
+                "doc {r} token {t}: norm {n}, kept {kept}"
+            );
+        }
+    }
+}
+
+#[test]
+fn expansion_tokens_are_computed_and_change_no_real_token() {
+    let _serial = FUSED.lock().unwrap_or_else(|p| p.into_inner());
+    let (_store, enc) = tower(8, Recompute::Off);
+    let q = queries(3, 4);
+    // The same queries without their expansion tokens (padding instead).
+    let plain = TokenBatch::new(
+        q.input_ids.clone(),
+        q.attention_mask.clone(),
+        q.token_type_ids.clone(),
+    )
+    .unwrap()
+    .with_vectors(q.attention_mask.clone(), QUERY_LENGTH)
+    .unwrap();
+    let expanded = enc.encode(&q, &Ctx::eval()).unwrap();
+    let alone = enc.encode(&plain, &Ctx::eval()).unwrap();
+    let real = q
+        .attention_mask
+        .to_dtype(DType::F32)
+        .unwrap()
+        .unsqueeze(2)
+        .unwrap()
+        .broadcast_as((4, QUERY_LENGTH, DIM))
+        .unwrap()
+        .reshape((4, QUERY_LENGTH * DIM))
+        .unwrap();
+    let diff = max_diff(&expanded.mul(&real).unwrap(), &alone);
+    assert!(diff <= 1e-6, "real tokens moved by {diff:e}");
+    // The packed kernels and the op-by-op layers give the expansion tokens the same
+    // vectors.
+    gradcache::nn::set_fused_kernels(false);
+    let composed = enc.encode(&q, &Ctx::eval());
+    gradcache::nn::set_fused_kernels(true);
+    let diff = max_diff(&expanded, &composed.unwrap());
+    assert!(diff <= 1e-5, "fused vs composed: {diff:e}");
+}
+
+#[test]
+fn cached_multi_vector_steps_equal_a_full_batch_step() {
+    let b = 6;
+    let (q, p) = (queries(5, b), documents(6, 2 * b));
+    for recompute in [Recompute::Off, Recompute::EveryLayer] {
+        let (store, enc) = tower(9, recompute.clone());
+        let loss = MaxSim::new(DIM).unwrap().with_temperature(0.5).unwrap();
+        let mut gc = GradCache::shared(enc, 1, loss).unwrap();
+        let reference = gc.full_batch_step(0, &q, &p).unwrap();
+        assert_eq!(reference.grads.len(), store.params().len());
+        for (qc, pc) in [(1, 1), (2, 5), (3, 4), (b, 2 * b), (100, 100)] {
+            gc = gc.with_chunk_sizes(qc, pc).unwrap();
+            let cached = gc.cache_step(0, &q, &p).unwrap();
+            let rel = ((cached.loss - reference.loss) / reference.loss).abs();
+            assert!(rel <= 1e-5, "{recompute:?} chunks {qc}/{pc}: loss {rel:e}");
+            let zero: Vec<String> = (0..3)
+                .map(|i| format!("encoder.layer.{i}.attention.self.key.bias"))
+                .collect();
+            let zero: Vec<&str> = zero.iter().map(String::as_str).collect();
+            let err = rel_err_with_zeros(&cached.grads, &reference.grads, &zero, 1e-5);
+            assert!(
+                err <= 1e-5,
+                "{recompute:?} chunks {qc}/{pc}: gradients {err:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn recompute_changes_no_bit_of_a_multi_vector_step() {
+    let (q, p) = (queries(7, 4), documents(8, 8));
+    let step = |recompute| {
+        let (_store, enc) = tower(10, recompute);
+        let loss = MaxSim::new(DIM).unwrap();
+        let gc = GradCache::shared(enc, 2, loss).unwrap();
+        gc.cache_step(0, &q, &p).unwrap()
+    };
+    let (off, on) = (step(Recompute::Off), step(Recompute::EveryLayer));
+    assert_eq!(off.loss.to_bits(), on.loss.to_bits());
+    for (name, g) in off.grads.iter() {
+        let other = on.grads.get(name).unwrap();
+        assert_eq!(common::bits(g), common::bits(other), "{name}");
+    }
+}
