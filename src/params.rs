@@ -102,7 +102,27 @@ impl WeightFile {
 
     /// Whether the file serves `name` (its prefix prepended).
     fn holds(&self, name: &str) -> bool {
-        self.contains(&format!("{}{name}", self.prefix))
+        self.contains(&self.stored_name(name))
+    }
+
+    /// The name `name` is stored under: its prefix prepended, and a LayerNorm's
+    /// `weight` / `bias` under the older `gamma` / `beta` where only those are there (as
+    /// older BERT checkpoints and PyLate's saves have them; transformers reads both).
+    fn stored_name(&self, name: &str) -> String {
+        let full = format!("{}{name}", self.prefix);
+        if self.contains(&full) || !full.contains("LayerNorm.") {
+            return full;
+        }
+        let legacy = match full.rsplit_once('.') {
+            Some((module, "weight")) => format!("{module}.gamma"),
+            Some((module, "bias")) => format!("{module}.beta"),
+            _ => return full,
+        };
+        if self.contains(&legacy) {
+            legacy
+        } else {
+            full
+        }
     }
 
     /// The file's path.
@@ -111,7 +131,7 @@ impl WeightFile {
     }
 
     fn load(&self, name: &str, shape: &Shape, dtype: DType, device: &Device) -> Result<Tensor> {
-        let full = format!("{}{name}", self.prefix);
+        let full = self.stored_name(name);
         let view = self.tensors.get(&full).map_err(|_| Error::MissingWeight {
             name: full.clone(),
             path: self.path.clone(),

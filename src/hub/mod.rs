@@ -16,6 +16,7 @@ pub mod adapter;
 pub mod export;
 pub mod files;
 pub mod merge;
+pub mod multi_vector;
 pub mod sentence_transformers;
 pub mod tokenizer;
 
@@ -26,6 +27,7 @@ use candle_core::{DType, Device, Tensor};
 pub use crate::models::bert::DenseActivation;
 pub use export::export_bert;
 pub use files::{HubSettings, ModelFiles};
+pub use multi_vector::{MultiVectorConfig, MultiVectorModel};
 pub use sentence_transformers::{
     read_sentence_transformers_config, DenseLayer, Prompts, SentenceTransformersConfig,
 };

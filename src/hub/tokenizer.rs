@@ -34,6 +34,23 @@ pub struct Tokenizer {
     exclude_prompt: bool,
     /// The model's `tokenizer_config.json`, written back by an export.
     config: Option<serde_json::Map<String, serde_json::Value>>,
+    /// A multi-vector (ColBERT) model's side: batches keep token vectors, padded to
+    /// `max_len`.
+    vectors: Option<VectorSide>,
+}
+
+/// What a multi-vector (ColBERT) tokenizer does to one side's batches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VectorSide {
+    /// Queries: with `expansion`, padded to the query length with that token id (the
+    /// mask token), kept and scored, attended to only with `attend`; without, the real
+    /// tokens alone.
+    Query {
+        expansion: Option<u32>,
+        attend: bool,
+    },
+    /// Documents: every real token but those of the skiplist (punctuation).
+    Document { skiplist: Vec<u32> },
 }
 
 impl Tokenizer {
@@ -82,7 +99,20 @@ impl Tokenizer {
             prompt: String::new(),
             exclude_prompt: false,
             config: None,
+            vectors: None,
         })
+    }
+
+    /// The same tokenizer making multi-vector batches of one side (see [`VectorSide`]),
+    /// their token vectors padded to the maximum length.
+    pub fn with_vectors(mut self, side: VectorSide) -> Self {
+        self.vectors = Some(side);
+        self
+    }
+
+    /// The multi-vector side, if the tokenizer makes multi-vector batches.
+    pub fn vectors(&self) -> Option<&VectorSide> {
+        self.vectors.as_ref()
     }
 
     /// The same tokenizer carrying the model's `tokenizer_config.json` (an export writes
@@ -178,19 +208,75 @@ impl Tokenizer {
         .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let rows = encodings.len();
         let len = encodings.first().map_or(0, |e| e.len());
-        let field = |f: fn(&tokenizers::Encoding) -> &[u32]| -> Result<Tensor> {
-            let flat: Vec<u32> = encodings
+        let field = |f: fn(&tokenizers::Encoding) -> &[u32]| -> Vec<u32> {
+            encodings
                 .iter()
                 .flat_map(|e| f(e).iter().copied())
-                .collect();
-            Ok(Tensor::from_vec(flat, (rows, len), device)?)
+                .collect()
         };
-        Ok(TokenBatch::new(
-            field(|e| e.get_ids())?,
-            field(|e| e.get_attention_mask())?,
-            field(|e| e.get_type_ids())?,
-        )?
-        .with_pool_from(self.pool_from()?))
+        let (ids, mask, types) = (
+            field(|e| e.get_ids()),
+            field(|e| e.get_attention_mask()),
+            field(|e| e.get_type_ids()),
+        );
+        let tensor = |v: Vec<u32>, len: usize| Tensor::from_vec(v, (rows, len), device);
+        let Some(side) = &self.vectors else {
+            return Ok(TokenBatch::new(
+                tensor(ids, len)?,
+                tensor(mask, len)?,
+                tensor(types, len)?,
+            )?
+            .with_pool_from(self.pool_from()?));
+        };
+        let (ids, mask, types, keep, len) =
+            vector_rows(side, [ids, mask, types], len, self.max_len);
+        TokenBatch::new(tensor(ids, len)?, tensor(mask, len)?, tensor(types, len)?)?
+            .with_vectors(tensor(keep, len)?, self.max_len)
+    }
+}
+
+/// A multi-vector side's rows from a padded batch `[rows, len]` of ids, attention mask and
+/// token types: `(ids, mask, types, keep, len)`. Queries with expansion are padded to
+/// `width` with the expansion token, kept, attended to with `attend`; documents keep their
+/// real tokens but the skiplist's.
+fn vector_rows(
+    side: &VectorSide,
+    [ids, mask, types]: [Vec<u32>; 3],
+    len: usize,
+    width: usize,
+) -> (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>, usize) {
+    match side {
+        VectorSide::Query {
+            expansion: Some(token),
+            attend,
+        } => {
+            let rows = ids.len() / len.max(1);
+            let (mut out_ids, mut out_mask, mut out_types) = (vec![], vec![], vec![]);
+            for r in 0..rows {
+                for t in 0..width {
+                    let real = t < len && mask[r * len + t] != 0;
+                    out_ids.push(if real { ids[r * len + t] } else { *token });
+                    out_mask.push(u32::from(real || *attend));
+                    out_types.push(if real { types[r * len + t] } else { 0 });
+                }
+            }
+            let keep = vec![1; out_ids.len()];
+            (out_ids, out_mask, out_types, keep, width)
+        }
+        VectorSide::Query {
+            expansion: None, ..
+        } => {
+            let keep = mask.clone();
+            (ids, mask, types, keep, len)
+        }
+        VectorSide::Document { skiplist } => {
+            let keep = ids
+                .iter()
+                .zip(&mask)
+                .map(|(id, &m)| u32::from(m != 0 && !skiplist.contains(id)))
+                .collect();
+            (ids, mask, types, keep, len)
+        }
     }
 }
 

@@ -521,7 +521,7 @@ pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
 /// last dimension): `(g - y (g . y)) / ||x||` with `y` the normalised rows, and `g / 1e-12`
 /// on rows whose norm was clamped (the clamp is a constant there), as autograd through
 /// [`l2_normalize`] gives it.
-fn l2_normalize_backward(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+pub(crate) fn l2_normalize_backward(x: &Tensor, g: &Tensor) -> Result<Tensor> {
     let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?;
     let clamped = norm.maximum(1e-12)?;
     let y = x.broadcast_div(&clamped)?;

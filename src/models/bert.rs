@@ -385,7 +385,7 @@ impl Bert {
             y = dense.forward(&y)?;
         }
         if self.options.normalize {
-            y = crate::loss::l2_normalize(&y)?;
+            y = crate::nn::l2_normalize_rows(&y)?;
         }
         let y = y.broadcast_mul(&keep.unsqueeze(2)?)?;
         let (n, s, d) = y.dims3()?;

@@ -612,3 +612,23 @@ pub fn attention_composed(
     };
     Ok(probs.matmul(v)?)
 }
+
+/// [`l2_normalize`] over the last dimension as one node with its backward written out
+/// (as autograd through `x / max(||x||, 1e-12)` gives it): a row of zeros (a masked
+/// token of a multi-vector head, a padding row the packed kernels left at 0) gets the
+/// clamped gradient `g / 1e-12`, where the composed ops' `sqrt` has an infinite
+/// derivative at 0 and gives NaN.
+pub fn l2_normalize_rows(x: &Tensor) -> crate::Result<Tensor> {
+    let xd = x.detach();
+    let y = l2_normalize(&xd)?;
+    Ok(node::node(
+        "gradcache-l2-normalize",
+        [x, x, x],
+        y,
+        Box::new(move |g| {
+            let dx = crate::loss::l2_normalize_backward(&xd, g)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            Ok([Some(dx), None, None])
+        }),
+    )?)
+}

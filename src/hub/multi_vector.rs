@@ -1,0 +1,380 @@
+//! Multi-vector (ColBERT) model directories, as PyLate and sentence-transformers 6 write
+//! them, and [`MultiVectorModel`]: a loaded ColBERT that embeds queries and documents as
+//! token matrices.
+//!
+//! PyLate (`config_sentence_transformers.json` with `model_type: ColBERT`): modules
+//! Transformer and `pylate.models.Dense.Dense`; the settings `query_prefix`,
+//! `document_prefix`, `query_length`, `document_length`, `do_query_expansion`,
+//! `attend_to_expansion_tokens`, `skiplist_words` in that file; token vectors always
+//! L2-normalised. sentence-transformers 6 (`model_type: MultiVectorEncoder`): modules
+//! Transformer, Dense, `MultiVectorMask` (the skiplist), Normalize; the prefixes as the
+//! `query` / `document` prompts; `document_length` and `query_expansion` in
+//! `sentence_bert_config.json`. A skiplist word that is not one token of the vocabulary
+//! is left out, as sentence-transformers does (PyLate would skip every `[UNK]` instead).
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::Value;
+
+use super::files::{read_modules, MODULES, SENTENCE_BERT_CONFIG, SENTENCE_TRANSFORMERS_CONFIG};
+use super::sentence_transformers::{read_dense, DenseLayer};
+use super::tokenizer::{Tokenizer, VectorSide};
+use super::{load_tokenizer, HubSettings, ModelFiles};
+use crate::encoder::Encoder;
+use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
+use crate::params::ParamStore;
+use crate::{Error, Result};
+
+/// Punctuation, the skiplist of PyLate and Stanford ColBERT (Python's
+/// `string.punctuation`).
+pub const PUNCTUATION: &str = "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~";
+
+/// Which package's layout a multi-vector directory has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// PyLate's `ColBERT`.
+    PyLate,
+    /// sentence-transformers 6's `MultiVectorEncoder`.
+    SentenceTransformers,
+}
+
+/// A ColBERT's settings: prefixes, lengths, query expansion, skiplist, projection.
+#[derive(Debug, Clone)]
+pub struct MultiVectorConfig {
+    /// The layout the directory had.
+    pub layout: Layout,
+    /// Put before every query (`[Q] `): one token of the vocabulary.
+    pub query_prefix: String,
+    /// Put before every document (`[D] `).
+    pub document_prefix: String,
+    /// Query tokens, special tokens and prefix included (the query vectors' count with
+    /// expansion).
+    pub query_length: usize,
+    /// The most document tokens.
+    pub document_length: usize,
+    /// Pad queries to `query_length` with the mask token, kept and scored.
+    pub query_expansion: bool,
+    /// Whether the other tokens attend to the expansion tokens.
+    pub attend_to_expansion_tokens: bool,
+    /// Document tokens left out of the scoring (punctuation by default).
+    pub skiplist_words: Vec<String>,
+    /// The projections after the transformer (PyLate's Dense: no bias, to 128 or fewer).
+    pub dense: Vec<DenseLayer>,
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> Error {
+    Error::ModelFile {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// Whether the directory holds a multi-vector model (its
+/// `config_sentence_transformers.json` says `ColBERT` or `MultiVectorEncoder`).
+pub fn is_multi_vector_dir(dir: &Path) -> bool {
+    let path = dir.join(SENTENCE_TRANSFORMERS_CONFIG);
+    path.is_file()
+        && read_json(&path).is_ok_and(|c| {
+            matches!(
+                c["model_type"].as_str(),
+                Some("ColBERT" | "MultiVectorEncoder")
+            )
+        })
+}
+
+impl MultiVectorConfig {
+    /// Reads the settings of a PyLate or sentence-transformers 6 multi-vector directory.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let st_path = dir.join(SENTENCE_TRANSFORMERS_CONFIG);
+        let st = read_json(&st_path)?;
+        let layout = match st["model_type"].as_str() {
+            Some("ColBERT") => Layout::PyLate,
+            Some("MultiVectorEncoder") => Layout::SentenceTransformers,
+            other => {
+                return Err(bad(
+                    &st_path,
+                    format!("`model_type` {other:?} is not a multi-vector model (ColBERT, MultiVectorEncoder)"),
+                ))
+            }
+        };
+        let modules_path = dir.join(MODULES);
+        let mut dense = Vec::new();
+        let mut skiplist = None;
+        for (i, (ty, path)) in read_modules(&modules_path)?.into_iter().enumerate() {
+            let class = ty.rsplit('.').next().unwrap_or(&ty).to_string();
+            match (i, class.as_str()) {
+                (0, "Transformer") => {}
+                (i, "Dense") if i > 0 => {
+                    let cfg = read_json(&dir.join(&path).join("config.json"))?;
+                    if cfg["use_residual"].as_bool() == Some(true) {
+                        return Err(bad(&dir.join(&path).join("config.json"), "a Dense with `use_residual` is not supported"));
+                    }
+                    dense.push(read_dense(&dir.join(&path))?)
+                }
+                (i, "MultiVectorMask") if i > 0 => {
+                    let path = dir.join(&path).join("config.json");
+                    let cfg = read_json(&path)?;
+                    let tasks: Vec<&str> = match &cfg["skiplist_tasks"] {
+                        Value::Null => vec!["document"],
+                        Value::String(s) => vec![s.as_str()],
+                        Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
+                        _ => vec![],
+                    };
+                    if tasks != ["document"] || !cfg["keep_only_token_ids"].is_null() {
+                        return Err(bad(&path, "only a document skiplist is supported (`skiplist_tasks: [\"document\"]`, no `keep_only_token_ids`)"));
+                    }
+                    skiplist = Some(words(&cfg["skiplist_words"]));
+                }
+                (i, "Normalize") if i > 0 => {}
+                _ => {
+                    return Err(Error::UnsupportedConfig {
+                        field: "modules",
+                        value: ty,
+                        supported: "a multi-vector model of Transformer, Dense (PyLate's or sentence-transformers'), MultiVectorMask, Normalize",
+                        path: modules_path,
+                    })
+                }
+            }
+        }
+        let count = |v: &Value, key: &str, path: &Path| -> Result<usize> {
+            v[key]
+                .as_u64()
+                .map(|n| n as usize)
+                .ok_or_else(|| bad(path, format!("`{key}` is missing or not a count")))
+        };
+        let config = match layout {
+            Layout::PyLate => Self {
+                layout,
+                query_prefix: st["query_prefix"].as_str().unwrap_or("[Q] ").to_string(),
+                document_prefix: st["document_prefix"].as_str().unwrap_or("[D] ").to_string(),
+                query_length: count(&st, "query_length", &st_path)?,
+                document_length: count(&st, "document_length", &st_path)?,
+                query_expansion: st["do_query_expansion"].as_bool().unwrap_or(true),
+                attend_to_expansion_tokens: st["attend_to_expansion_tokens"]
+                    .as_bool()
+                    .unwrap_or(false),
+                skiplist_words: match &st["skiplist_words"] {
+                    Value::Null => PUNCTUATION.chars().map(String::from).collect(),
+                    v => words(v),
+                },
+                dense,
+            },
+            Layout::SentenceTransformers => {
+                let sb_path = dir.join(SENTENCE_BERT_CONFIG);
+                let sb = read_json(&sb_path)?;
+                let prompt =
+                    |name: &str| st["prompts"][name].as_str().unwrap_or_default().to_string();
+                let expansion = &sb["query_expansion"];
+                let (query_expansion, attend, query_length) = match expansion {
+                    Value::Null => (false, false, count(&sb, "max_seq_length", &sb_path)?),
+                    e => {
+                        if e["strategy"].as_str().is_some_and(|s| s != "fixed")
+                            || !e["token"].is_null()
+                        {
+                            return Err(bad(&sb_path, "only `query_expansion` with strategy `fixed` and the mask token (`token: null`) is supported"));
+                        }
+                        (
+                            true,
+                            e["attend"].as_bool().unwrap_or(false),
+                            count(e, "length", &sb_path)?,
+                        )
+                    }
+                };
+                Self {
+                    layout,
+                    query_prefix: prompt("query"),
+                    document_prefix: prompt("document"),
+                    query_length,
+                    document_length: count(&sb, "document_length", &sb_path)?,
+                    query_expansion,
+                    attend_to_expansion_tokens: attend,
+                    skiplist_words: skiplist.unwrap_or_default(),
+                    dense,
+                }
+            }
+        };
+        Ok(config)
+    }
+
+    /// The token vectors' width (the last projection's output, else `hidden`).
+    pub fn dim(&self, hidden: usize) -> usize {
+        self.dense.last().map_or(hidden, DenseLayer::out_features)
+    }
+
+    /// The query and document tokenizers of this model over `base` (the model's
+    /// tokenizer): prefixes as prompts, the lengths, expansion with the mask token, the
+    /// skiplist's token ids. Refuses a prefix that is not one token of the vocabulary and
+    /// a query length without room for the special tokens, the prefix and one token.
+    pub fn tokenizers(
+        &self,
+        base: &tokenizers::Tokenizer,
+        dir: &Path,
+    ) -> Result<(Tokenizer, Tokenizer)> {
+        let path = dir.join(SENTENCE_TRANSFORMERS_CONFIG);
+        for prefix in [&self.query_prefix, &self.document_prefix] {
+            if !prefix.is_empty() && base.token_to_id(prefix).is_none() {
+                return Err(bad(&path, format!("the prefix {prefix:?} is not a token of the tokenizer (PyLate adds it to the vocabulary)")));
+            }
+        }
+        let specials = 2 + usize::from(!self.query_prefix.is_empty());
+        if self.query_length <= specials || self.document_length <= specials {
+            return Err(Error::InvalidConfig {
+                field: "query_length",
+                value: format!("{} (documents {})", self.query_length, self.document_length),
+                reason: "a query and a document need room for the special tokens, the prefix and one token",
+            });
+        }
+        let expansion = match self.query_expansion {
+            true => Some(
+                ["[MASK]", "<mask>"]
+                    .iter()
+                    .find_map(|t| base.token_to_id(t))
+                    .ok_or_else(|| bad(&path, "query expansion needs a mask token (`[MASK]` or `<mask>`) in the tokenizer"))?,
+            ),
+            false => None,
+        };
+        let skiplist = self
+            .skiplist_words
+            .iter()
+            .filter_map(|w| base.token_to_id(w))
+            .collect();
+        let query = Tokenizer::new(base.clone(), self.query_length)?
+            .with_prompt(&self.query_prefix)
+            .with_vectors(VectorSide::Query {
+                expansion,
+                attend: self.attend_to_expansion_tokens,
+            });
+        let document = Tokenizer::new(base.clone(), self.document_length)?
+            .with_prompt(&self.document_prefix)
+            .with_vectors(VectorSide::Document { skiplist });
+        Ok((query, document))
+    }
+}
+
+fn words(v: &Value) -> Vec<String> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A multi-vector model loaded for inference: a token matrix per text.
+pub struct MultiVectorModel {
+    encoder: BertEncoder,
+    config: MultiVectorConfig,
+    bert: BertConfig,
+    query: Tokenizer,
+    document: Tokenizer,
+    device: Device,
+    _store: ParamStore,
+}
+
+impl MultiVectorModel {
+    /// Loads a PyLate or sentence-transformers 6 multi-vector model from a directory or
+    /// the Hub cache.
+    pub fn load(model: &str, device: &Device) -> Result<Self> {
+        let files = ModelFiles::resolve(model, &HubSettings::from_env())?;
+        let config = MultiVectorConfig::read(&files.dir)?;
+        let options = BertOptions {
+            normalize: true,
+            dense: config.dense.iter().map(DenseLayer::spec).collect(),
+            ..Default::default()
+        };
+        let store = ParamStore::new(0, DType::F32, device);
+        let (encoder, bert, store) = load_pretrained(&files, "", &options, store)?;
+        let (inner, _) = load_tokenizer(&files, &bert)?;
+        let (query, document) = config.tokenizers(&inner, &files.dir)?;
+        Ok(Self {
+            encoder,
+            config,
+            bert,
+            query,
+            document,
+            device: device.clone(),
+            _store: store,
+        })
+    }
+
+    /// The model's settings.
+    pub fn config(&self) -> &MultiVectorConfig {
+        &self.config
+    }
+
+    /// The transformer's config.
+    pub fn bert_config(&self) -> &BertConfig {
+        &self.bert
+    }
+
+    /// The encoder (a multi-vector head over the transformer).
+    pub fn encoder(&self) -> &BertEncoder {
+        &self.encoder
+    }
+
+    /// The encoder for training, with the store that holds its variables.
+    pub fn into_encoder(self) -> (BertEncoder, ParamStore) {
+        (self.encoder, self._store)
+    }
+
+    /// The query and document tokenizers.
+    pub fn tokenizers(&self) -> (&Tokenizer, &Tokenizer) {
+        (&self.query, &self.document)
+    }
+
+    /// The token vectors' width.
+    pub fn dim(&self) -> usize {
+        self.config.dim(self.bert.hidden_size)
+    }
+
+    /// Each query's token matrix `[kept tokens, dim]` (with expansion, `query_length`).
+    pub fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
+        self.embed(&self.query, texts, chunk)
+    }
+
+    /// Each document's token matrix `[kept tokens, dim]`: its real tokens but the
+    /// skiplist's, in order.
+    pub fn embed_documents(&self, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
+        self.embed(&self.document, texts, chunk)
+    }
+
+    fn embed(&self, tokenizer: &Tokenizer, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
+        let _flush = crate::denormal::flush();
+        let dim = self.dim();
+        let mut out = Vec::with_capacity(texts.len());
+        for part in texts.chunks(chunk.max(1)) {
+            let batch = tokenizer.encode(part, &self.device)?;
+            let reps = self.encoder.encode(&batch, &crate::dropout::Ctx::eval())?;
+            let rows = reps.dim(0)?;
+            let reps = reps.reshape((rows, (), dim))?;
+            let keep = batch
+                .vectors
+                .as_ref()
+                .map(|v| v.keep.to_vec2::<u32>())
+                .transpose()?
+                .unwrap_or_default();
+            for (r, kept) in keep.iter().enumerate() {
+                let idx: Vec<u32> = kept
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, &k)| k != 0)
+                    .map(|(t, _)| t as u32)
+                    .collect();
+                let idx = Tensor::new(idx.as_slice(), &self.device)?;
+                out.push(reps.get(r)?.index_select(&idx, 0)?);
+            }
+        }
+        Ok(out)
+    }
+}
