@@ -83,8 +83,8 @@ fn token_embeddings_match_pylate_and_sentence_transformers() {
         for (side, key) in [("query", "query_texts"), ("document", "document_texts")] {
             let texts = r.texts(key);
             let got = match side {
-                "query" => model.embed_queries(&refs(&texts), 3).unwrap(),
-                _ => model.embed_documents(&refs(&texts), 3).unwrap(),
+                "query" => model.query_vectors(&refs(&texts), 3).unwrap(),
+                _ => model.document_vectors(&refs(&texts), 3).unwrap(),
             };
             for (i, g) in got.iter().enumerate() {
                 let want = &r.tensors[&format!("{side}.{i}")];

@@ -107,6 +107,38 @@ pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
     Ok(Tensor::cat(&parts, 0)?)
 }
 
+/// A model that retrieves: it embeds queries and passages, and says how they are scored
+/// (one vector each with a similarity, or token matrices by MaxSim). `gradcache eval`
+/// and `gradcache mine` run on either kind through it.
+pub trait Retriever {
+    /// How embeddings are scored.
+    fn scoring(&self) -> crate::retrieval::Scoring;
+    /// Query embeddings (`[texts, width]`, or token matrices `[texts, tokens, width]`).
+    fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Tensor>;
+    /// Passage embeddings, as the queries'.
+    fn embed_passages(&self, texts: &[&str], chunk: usize) -> Result<Tensor>;
+    /// The texts put before queries and passages.
+    fn prompts(&self) -> Prompts;
+}
+
+impl Retriever for EmbeddingModel {
+    fn scoring(&self) -> crate::retrieval::Scoring {
+        self.similarity().into()
+    }
+
+    fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+        EmbeddingModel::embed_queries(self, texts, chunk)
+    }
+
+    fn embed_passages(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+        EmbeddingModel::embed_passages(self, texts, chunk)
+    }
+
+    fn prompts(&self) -> Prompts {
+        EmbeddingModel::prompts(self).clone()
+    }
+}
+
 /// How to load a model for inference. `None` means: what the model's
 /// sentence-transformers files say, else the plain-model default.
 #[derive(Debug, Clone)]

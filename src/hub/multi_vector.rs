@@ -91,6 +91,16 @@ pub fn is_multi_vector_dir(dir: &Path) -> bool {
         })
 }
 
+/// Whether `model` (a directory, or a Hub id already in the local cache) is a
+/// multi-vector model.
+pub fn is_multi_vector_model(model: &str) -> bool {
+    let path = Path::new(model);
+    if path.is_dir() {
+        return is_multi_vector_dir(path);
+    }
+    ModelFiles::resolve(model, &HubSettings::from_env()).is_ok_and(|f| is_multi_vector_dir(&f.dir))
+}
+
 impl MultiVectorConfig {
     /// Reads the settings of a PyLate or sentence-transformers 6 multi-vector directory.
     pub fn read(dir: &Path) -> Result<Self> {
@@ -282,6 +292,27 @@ pub struct MultiVectorModel {
     _store: ParamStore,
 }
 
+impl super::Retriever for MultiVectorModel {
+    fn scoring(&self) -> crate::retrieval::Scoring {
+        crate::retrieval::Scoring::MaxSim
+    }
+
+    fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+        self.matrices(&self.query, texts, chunk)
+    }
+
+    fn embed_passages(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+        self.matrices(&self.document, texts, chunk)
+    }
+
+    fn prompts(&self) -> super::Prompts {
+        super::Prompts {
+            query: self.config.query_prefix.clone(),
+            passage: self.config.document_prefix.clone(),
+        }
+    }
+}
+
 impl MultiVectorModel {
     /// Loads a PyLate or sentence-transformers 6 multi-vector model from a directory or
     /// the Hub cache.
@@ -338,32 +369,45 @@ impl MultiVectorModel {
         self.config.dim(self.bert.hidden_size)
     }
 
-    /// Each query's token matrix `[kept tokens, dim]` (with expansion, `query_length`).
-    pub fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
-        self.embed(&self.query, texts, chunk)
+    /// Each query's token vectors `[kept tokens, dim]` (with expansion, `query_length`).
+    pub fn query_vectors(&self, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
+        self.kept(&self.query, texts, chunk)
     }
 
-    /// Each document's token matrix `[kept tokens, dim]`: its real tokens but the
+    /// Each document's token vectors `[kept tokens, dim]`: its real tokens but the
     /// skiplist's, in order.
-    pub fn embed_documents(&self, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
-        self.embed(&self.document, texts, chunk)
+    pub fn document_vectors(&self, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
+        self.kept(&self.document, texts, chunk)
     }
 
-    fn embed(&self, tokenizer: &Tokenizer, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
+    /// The token matrices `[texts, width, dim]` of `texts` (`width` the side's length;
+    /// absent tokens zero vectors), `chunk` texts at a time: what MaxSim scores.
+    pub fn matrices(&self, tokenizer: &Tokenizer, texts: &[&str], chunk: usize) -> Result<Tensor> {
         let _flush = crate::denormal::flush();
-        let dim = self.dim();
-        let mut out = Vec::with_capacity(texts.len());
+        let mut parts = Vec::new();
         for part in texts.chunks(chunk.max(1)) {
             let batch = tokenizer.encode(part, &self.device)?;
             let reps = self.encoder.encode(&batch, &crate::dropout::Ctx::eval())?;
             let rows = reps.dim(0)?;
-            let reps = reps.reshape((rows, (), dim))?;
-            let keep = batch
-                .vectors
-                .as_ref()
-                .map(|v| v.keep.to_vec2::<u32>())
-                .transpose()?
-                .unwrap_or_default();
+            parts.push(reps.reshape((rows, (), self.dim()))?);
+        }
+        if parts.is_empty() {
+            return Err(Error::EmptyBatch {
+                side: crate::Side::Query,
+            });
+        }
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    fn kept(&self, tokenizer: &Tokenizer, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
+        let mut out = Vec::with_capacity(texts.len());
+        for part in texts.chunks(chunk.max(1)) {
+            let batch = tokenizer.encode(part, &self.device)?;
+            let reps = self.matrices(tokenizer, part, part.len())?;
+            let keep = match &batch.vectors {
+                Some(v) => v.keep.to_vec2::<u32>()?,
+                None => Vec::new(),
+            };
             for (r, kept) in keep.iter().enumerate() {
                 let idx: Vec<u32> = kept
                     .iter()

@@ -14,8 +14,7 @@ use rand::seq::IndexedRandom;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::loss::Similarity;
-use crate::retrieval::search::{prepare, search, Hit, SearchOptions};
+use crate::retrieval::search::{search, Hit, Scoring, SearchOptions};
 use crate::rng::derive_seed;
 use crate::{Error, Result};
 
@@ -155,7 +154,7 @@ pub fn mine(
     queries: &Tensor,
     positives: &[Vec<usize>],
     corpus_len: usize,
-    similarity: Similarity,
+    scoring: impl Into<Scoring>,
     options: &MineOptions,
     corpus_block: usize,
     mut embed: impl FnMut(Range<usize>) -> Result<Tensor>,
@@ -176,8 +175,9 @@ pub fn mine(
             reason: "is beyond the corpus",
         });
     }
+    let scoring = scoring.into();
     // The first positive of each query: scored as its block goes by.
-    let q = prepare(queries, similarity)?;
+    let q = scoring.prepare(queries)?;
     let mut first_of: Vec<Vec<usize>> = vec![Vec::new(); corpus_len];
     for (i, p) in positives.iter().enumerate() {
         first_of[p[0]].push(i);
@@ -189,9 +189,9 @@ pub fn mine(
         corpus_block,
         ..SearchOptions::default()
     };
-    let hits = search(queries, corpus_len, similarity, search_options, |range| {
+    let hits = search(queries, corpus_len, scoring, search_options, |range| {
         let docs = embed(range.clone())?;
-        let prepared = prepare(&docs, similarity)?;
+        let prepared = scoring.prepare(&docs)?;
         let (mut query_rows, mut doc_rows) = (Vec::new(), Vec::new());
         for (j, doc) in range.clone().enumerate() {
             for &i in &first_of[doc] {
@@ -203,8 +203,11 @@ pub fn mine(
             let device = prepared.device();
             let pick_q = Tensor::new(query_rows.as_slice(), device)?;
             let pick_d = Tensor::new(doc_rows.as_slice(), device)?;
-            let scores = (q.index_select(&pick_q, 0)? * prepared.index_select(&pick_d, 0)?)?
-                .sum(1)?
+            let scores = scoring
+                .pair_scores(
+                    &q.index_select(&pick_q, 0)?,
+                    &prepared.index_select(&pick_d, 0)?,
+                )?
                 .to_vec1::<f32>()?;
             for (&i, s) in query_rows.iter().zip(scores) {
                 positive_scores[i as usize] = s;

@@ -20,9 +20,8 @@ use candle_core::Tensor;
 pub use beir::{BeirSet, Document, Qrels, Query};
 pub use metrics::{corpus_metrics, trec_order, trec_run, CorpusMetrics, Ranking};
 pub use mine::{mine, MineOptions, Mined, MinedRow, MiningSet, Sampling};
-pub use search::{search, Hit, SearchOptions};
+pub use search::{search, Hit, Scoring, SearchOptions};
 
-use crate::loss::Similarity;
 use crate::Result;
 
 /// A corpus evaluation: the measures and the run they were computed from.
@@ -58,12 +57,13 @@ impl Default for CorpusEvalOptions {
 }
 
 /// Evaluates retrieval on `set`: every query against the whole corpus (exact top-k,
-/// blocked), then the measures of [`metrics`]. `embed_queries` embeds the query texts,
+/// blocked), then the measures of [`metrics`], scored by a similarity or MaxSim
+/// ([`Scoring`]). `embed_queries` embeds the query texts,
 /// `embed_documents` a block of document texts (title and text joined by
 /// `options.title_separator`).
 pub fn evaluate_corpus(
     set: &BeirSet,
-    similarity: Similarity,
+    similarity: impl Into<Scoring>,
     options: &CorpusEvalOptions,
     embed_queries: impl FnOnce(&[&str]) -> Result<Tensor>,
     mut embed_documents: impl FnMut(&[&str]) -> Result<Tensor>,

@@ -53,22 +53,88 @@ impl Default for SearchOptions {
     }
 }
 
-pub(crate) fn prepare(x: &Tensor, similarity: Similarity) -> Result<Tensor> {
-    let x = x.detach().to_dtype(DType::F32)?;
-    Ok(match similarity {
-        Similarity::Dot => x,
-        Similarity::Cosine => crate::loss::l2_normalize(&x)?,
-    })
+/// How a query and a document are scored: one vector each with a similarity, or token
+/// matrices by MaxSim (late interaction, ColBERT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    /// One embedding per text `[n, d]`, compared by `similarity`.
+    Vectors(Similarity),
+    /// A token matrix per text `[n, tokens, d]` (absent tokens zero vectors), scored by
+    /// `sum_s max_t <q_s, d_t>` ([`crate::loss::MaxSim::scores`]).
+    MaxSim,
+}
+
+impl From<Similarity> for Scoring {
+    fn from(similarity: Similarity) -> Self {
+        Scoring::Vectors(similarity)
+    }
+}
+
+impl Scoring {
+    /// The name sentence-transformers gives it (`similarity_fn_name`): `cosine`, `dot`,
+    /// `MaxSim`.
+    pub fn sentence_transformers_name(self) -> &'static str {
+        match self {
+            Scoring::Vectors(s) => s.sentence_transformers_name(),
+            Scoring::MaxSim => "MaxSim",
+        }
+    }
+
+    /// The embeddings as this scoring reads them, f32: normalised for cosine, token
+    /// matrices checked to be `[n, tokens, d]`.
+    pub(crate) fn prepare(self, x: &Tensor) -> Result<Tensor> {
+        let x = x.detach().to_dtype(DType::F32)?;
+        match (self, x.rank()) {
+            (Scoring::Vectors(Similarity::Dot), 2) => Ok(x),
+            (Scoring::Vectors(Similarity::Cosine), 2) => crate::loss::l2_normalize(&x),
+            (Scoring::MaxSim, 3) => Ok(x),
+            _ => Err(Error::InvalidArgument {
+                what: "embeddings",
+                value: format!("{:?}", x.dims()),
+                reason: "single vectors are [texts, width], token matrices [texts, tokens, width]",
+            }),
+        }
+    }
+
+    /// The scores `[n]` of row-aligned pairs of prepared queries and documents.
+    pub(crate) fn pair_scores(self, queries: &Tensor, docs: &Tensor) -> Result<Tensor> {
+        match self {
+            Scoring::Vectors(_) => Ok((queries * docs)?.sum(1)?),
+            Scoring::MaxSim => {
+                let pairs = (0..queries.dim(0)?)
+                    .map(|i| {
+                        let one = |x: &Tensor| x.narrow(0, i, 1);
+                        Ok(self.scores(&one(queries)?, &one(docs)?)?.flatten_all()?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::cat(&pairs, 0)?)
+            }
+        }
+    }
+
+    /// Scores `[q, d]` of prepared queries against prepared documents.
+    pub(crate) fn scores(self, queries: &Tensor, docs: &Tensor) -> Result<Tensor> {
+        match self {
+            Scoring::Vectors(_) => Ok(queries.matmul(&docs.t()?)?),
+            Scoring::MaxSim => {
+                let (q, lq, d) = queries.dims3()?;
+                let (n, ld, _) = docs.dims3()?;
+                crate::loss::MaxSim::new(d)?
+                    .scores(&queries.reshape((q, lq * d))?, &docs.reshape((n, ld * d))?)
+            }
+        }
+    }
 }
 
 /// The best `options.top_k` documents of each query, best first. `queries` are the
 /// query embeddings `[Q, d]`; `embed(range)` returns the embeddings `[range.len(), d]` of
-/// corpus documents `range` (called once per block, in order). Scores are `similarity`
-/// of the embeddings, in f32.
+/// corpus documents `range` (called once per block, in order). Scores are `scoring` of
+/// the embeddings (a [`Similarity`], or MaxSim of token matrices `[Q, tokens, d]` and
+/// `[range.len(), tokens, d]`), in f32.
 pub fn search(
     queries: &Tensor,
     corpus_len: usize,
-    similarity: Similarity,
+    scoring: impl Into<Scoring>,
     options: SearchOptions,
     mut embed: impl FnMut(Range<usize>) -> Result<Tensor>,
 ) -> Result<Vec<Vec<Hit>>> {
@@ -79,24 +145,25 @@ pub fn search(
             reason: "top_k, corpus_block and query_block must be at least 1",
         });
     }
-    let q = prepare(queries, similarity)?;
-    let (rows, width) = q.dims2()?;
+    let scoring = scoring.into();
+    let q = scoring.prepare(queries)?;
+    let (rows, width) = (q.dim(0)?, *q.dims().last().unwrap_or(&0));
     let k = options.top_k.min(corpus_len);
     let mut best: Vec<Vec<Hit>> = vec![Vec::with_capacity(2 * k); rows];
     for start in (0..corpus_len).step_by(options.corpus_block) {
         let range = start..(start + options.corpus_block).min(corpus_len);
-        let docs = prepare(&embed(range.clone())?, similarity)?;
-        if docs.dims2()? != (range.len(), width) {
+        let docs = scoring.prepare(&embed(range.clone())?)?;
+        if docs.dim(0)? != range.len() || docs.dims().last() != Some(&width) {
             return Err(Error::InvalidArgument {
                 what: "corpus block embeddings",
                 value: format!("{:?}", docs.dims()),
                 reason: "need one row per document, as wide as the query embeddings",
             });
         }
-        let docs_t = docs.t()?.contiguous()?;
+        let docs = docs.contiguous()?;
         for q_start in (0..rows).step_by(options.query_block) {
             let q_len = options.query_block.min(rows - q_start);
-            let scores = q.narrow(0, q_start, q_len)?.matmul(&docs_t)?;
+            let scores = scoring.scores(&q.narrow(0, q_start, q_len)?, &docs)?;
             let scores = scores.flatten_all()?.to_vec1::<f32>()?;
             let cols = range.len();
             best[q_start..q_start + q_len]

@@ -4,7 +4,6 @@
 
 use candle_core::Tensor;
 
-use crate::loss::Similarity;
 use crate::{Error, Result};
 
 /// Retrieval metrics, each a mean over queries in `[0, 1]`.
@@ -91,9 +90,10 @@ pub fn evaluate(
     queries: &Tensor,
     passages: &Tensor,
     targets: &[usize],
-    similarity: Similarity,
+    scoring: impl Into<crate::retrieval::Scoring>,
     block_rows: usize,
 ) -> Result<RetrievalMetrics> {
+    let scoring = scoring.into();
     let (q_rows, p_rows) = (queries.dim(0)?, passages.dim(0)?);
     if targets.len() != q_rows {
         return Err(Error::InvalidArgument {
@@ -109,13 +109,16 @@ pub fn evaluate(
             reason: "a target passage index is beyond the passages",
         });
     }
-    let prepare = |x: &Tensor| crate::retrieval::search::prepare(x, similarity);
-    let (q, p) = (prepare(queries)?, prepare(passages)?);
-    let pt = p.t()?.contiguous()?;
+    let (q, p) = (
+        scoring.prepare(queries)?,
+        scoring.prepare(passages)?.contiguous()?,
+    );
     let mut ranks = Vec::with_capacity(q_rows);
     for start in (0..q_rows).step_by(block_rows.max(1)) {
         let rows = block_rows.max(1).min(q_rows - start);
-        let scores = q.narrow(0, start, rows)?.matmul(&pt)?.to_vec2::<f32>()?;
+        let scores = scoring
+            .scores(&q.narrow(0, start, rows)?, &p)?
+            .to_vec2::<f32>()?;
         for (i, row) in scores.iter().enumerate() {
             ranks.push(rank_of(row, targets[start + i]));
         }

@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use gradcache::bert::Pooling;
 use gradcache::dist::{self, Backend, Collective};
-use gradcache::hub::{EmbeddingModel, LoadOptions};
+use gradcache::hub::{EmbeddingModel, LoadOptions, Retriever};
 use gradcache::memory::CountingAllocator;
 use gradcache::train::data::Fields;
 use gradcache::train::formats::read_pairs;
@@ -364,8 +364,8 @@ fn run(command: Command) -> Result<()> {
                         title_separator: search.title_separator,
                         ignore_identical_ids,
                     };
-                    let model = load_model(&model, &options)?;
-                    retrieval::eval_beir(&model, &dir, &split, &eval_options, chunk, &outputs)
+                    let model = load_retriever(&model, &options)?;
+                    retrieval::eval_beir(&*model, &dir, &split, &eval_options, chunk, &outputs)
                 }
                 (Some(data), None) => eval(&model, &data, chunk, &options),
                 (None, None) => bail!("give --data or --beir"),
@@ -603,17 +603,103 @@ fn load_model(model: &str, options: &LoadOptions) -> Result<EmbeddingModel> {
     Ok(loaded)
 }
 
+/// Refuses the single-vector head options on the multi-vector model `model`, by name.
+fn refuse_single_vector_options(model: &str, options: &LoadOptions) -> Result<()> {
+    let refused = [
+        ("--pooling", options.pooling.is_some()),
+        ("--normalize", options.normalize.is_some()),
+        ("--similarity", options.similarity.is_some()),
+        ("--max-len", options.max_len.is_some()),
+        ("--query-prompt", options.query_prompt.is_some()),
+        ("--passage-prompt", options.passage_prompt.is_some()),
+        ("--base", options.base.is_some()),
+    ];
+    if let Some((flag, _)) = refused.iter().find(|(_, given)| *given) {
+        bail!(
+            "{model} is a multi-vector (ColBERT) model: {flag} is a single-vector setting; its \
+             lengths, prefixes and normalisation come from its own files"
+        );
+    }
+    Ok(())
+}
+
+/// A model for evaluation or mining: a multi-vector (ColBERT) model scored by MaxSim,
+/// else a single-vector one with the head `options` set. On a multi-vector model the
+/// single-vector head options are refused by name.
+fn load_retriever(model: &str, options: &LoadOptions) -> Result<Box<dyn Retriever>> {
+    if !gradcache::hub::multi_vector::is_multi_vector_model(model) {
+        return Ok(Box::new(load_model(model, options)?));
+    }
+    refuse_single_vector_options(model, options)?;
+    let loaded = gradcache::hub::MultiVectorModel::load(model, &options.device)?;
+    let c = loaded.config();
+    tracing::info!(
+        "{model}: multi-vector ({:?} layout), token vectors of {} values, queries {} tokens \
+         (expansion {}, attended {}), documents {} tokens, prefixes {:?} / {:?}, {} skiplist \
+         words; scored by MaxSim",
+        c.layout,
+        loaded.dim(),
+        c.query_length,
+        c.query_expansion,
+        c.attend_to_expansion_tokens,
+        c.document_length,
+        c.query_prefix,
+        c.document_prefix,
+        c.skiplist_words.len()
+    );
+    Ok(Box::new(loaded))
+}
+
 fn eval(model: &str, data: &Path, chunk: usize, options: &LoadOptions) -> Result<()> {
-    let model = load_model(model, options)?;
+    let model = load_retriever(model, options)?;
     let pairs = read_pairs(data, &Fields::default(), "train", " ")?;
     let queries: Vec<&str> = pairs.iter().map(|p| p.query.as_str()).collect();
     let passages: Vec<&str> = pairs.iter().map(|p| p.positive.as_str()).collect();
     let q = model.embed_queries(&queries, chunk)?;
     let p = model.embed_passages(&passages, chunk)?;
     let targets: Vec<usize> = (0..pairs.len()).collect();
-    let m = evaluate(&q, &p, &targets, model.similarity(), 256)?;
+    let m = evaluate(&q, &p, &targets, model.scoring(), 256)?;
     println!("{}", serde_json::to_string(&m)?);
     tracing::info!("{}", describe(&m));
+    Ok(())
+}
+
+/// `encode` on a multi-vector (ColBERT) model: one JSONL line per text with its kept
+/// token vectors in order, `{"text", "embeddings": [[...], ...]}`; documents unless
+/// `--side query`. The model's own lengths, prefixes and normalisation are used: the
+/// single-vector head options are refused.
+fn encode_token_vectors(
+    model: &str,
+    texts: &[String],
+    output: Option<&Path>,
+    side: Option<TowerArg>,
+    options: &LoadOptions,
+) -> Result<()> {
+    refuse_single_vector_options(model, options)?;
+    let model = gradcache::hub::MultiVectorModel::load(model, &options.device)?;
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let start = std::time::Instant::now();
+    let matrices = match side {
+        Some(TowerArg::Query) => model.query_vectors(&refs, 32)?,
+        _ => model.document_vectors(&refs, 32)?,
+    };
+    tracing::info!(
+        "encoded {} texts as token vectors in {:.2} s",
+        texts.len(),
+        start.elapsed().as_secs_f64()
+    );
+    let mut lines = String::new();
+    for (text, m) in texts.iter().zip(matrices) {
+        let embeddings = m.to_vec2::<f32>()?;
+        lines += &format!(
+            "{}\n",
+            serde_json::json!({"text": text, "embeddings": embeddings})
+        );
+    }
+    match output {
+        Some(path) => gradcache::durable::write(path, lines)?,
+        None => std::io::stdout().lock().write_all(lines.as_bytes())?,
+    }
     Ok(())
 }
 
@@ -645,6 +731,9 @@ fn encode(
     }
     if texts.is_empty() {
         bail!("nothing to encode: give --text or --input");
+    }
+    if gradcache::hub::multi_vector::is_multi_vector_model(model) {
+        return encode_token_vectors(model, &texts, output, side, options);
     }
     let model = load_model(model, options)?;
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Result};
 use clap::ValueEnum;
 
-use crate::{load_model, HeadArgs, SearchArgs};
-use gradcache::hub::EmbeddingModel;
+use crate::{load_retriever, HeadArgs, SearchArgs};
+use gradcache::hub::Retriever;
 use gradcache::retrieval::beir::read_corpus;
 use gradcache::retrieval::{
     evaluate_corpus, mine, trec_run, BeirSet, CorpusEvalOptions, CorpusMetrics, MineOptions,
@@ -129,9 +129,9 @@ pub fn mine_command(args: MineArgs) -> Result<()> {
         (Some(data), None) => MineSource::Pairs { data, corpus },
         (None, None) => bail!("give --data or --beir"),
     };
-    let model = load_model(&model, &head.load_options(max_len)?)?;
+    let model = load_retriever(&model, &head.load_options(max_len)?)?;
     mine_negatives(
-        &model,
+        &*model,
         &source,
         &mine_options,
         chunk,
@@ -168,7 +168,7 @@ pub fn describe_corpus(m: &CorpusMetrics) -> String {
 
 /// `gradcache eval --beir DIR`: every judged query of `split` against the whole corpus.
 pub fn eval_beir(
-    model: &EmbeddingModel,
+    model: &dyn Retriever,
     dir: &Path,
     split: &str,
     options: &CorpusEvalOptions,
@@ -185,7 +185,7 @@ pub fn eval_beir(
     let start = std::time::Instant::now();
     let evaluation = evaluate_corpus(
         &set,
-        model.similarity(),
+        model.scoring(),
         options,
         |texts| model.embed_queries(texts, chunk),
         |texts| model.embed_passages(texts, chunk),
@@ -202,7 +202,7 @@ pub fn eval_beir(
         "documents": set.corpus.len(),
         "top_k": options.search.top_k,
         "ignore_identical_ids": options.ignore_identical_ids,
-        "similarity": model.similarity().sentence_transformers_name(),
+        "similarity": model.scoring().sentence_transformers_name(),
         "prompts": model.prompts(),
         "metrics": m,
     });
@@ -232,7 +232,7 @@ pub enum MineSource {
 
 /// `gradcache mine`: writes JSONL training pairs with mined negatives to `output`.
 pub fn mine_negatives(
-    model: &EmbeddingModel,
+    model: &dyn Retriever,
     source: &MineSource,
     options: &MineOptions,
     chunk: usize,
@@ -290,7 +290,7 @@ pub fn mine_negatives(
         &queries,
         &set.positives,
         set.corpus.len(),
-        model.similarity(),
+        model.scoring(),
         options,
         corpus_block,
         |range| {
