@@ -196,6 +196,25 @@ impl TokenBatch {
         Ok(self)
     }
 
+    /// Rows `rows` of the batch, in that order (the kept tokens with them).
+    pub fn select_rows(&self, rows: &[u32]) -> Result<Self> {
+        let idx = Tensor::new(rows, self.input_ids.device())?;
+        let pick = |t: &Tensor| t.index_select(&idx, 0);
+        Ok(Self {
+            input_ids: pick(&self.input_ids)?,
+            attention_mask: pick(&self.attention_mask)?,
+            token_type_ids: pick(&self.token_type_ids)?,
+            pool_from: self.pool_from,
+            vectors: match &self.vectors {
+                Some(v) => Some(TokenVectors {
+                    keep: pick(&v.keep)?,
+                    width: v.width,
+                }),
+                None => None,
+            },
+        })
+    }
+
     /// The tokens that take part in the encoder: attended or kept (`[rows, seq_len]`).
     fn used(&self) -> Result<Tensor> {
         Ok(match &self.vectors {

@@ -104,6 +104,7 @@ fn encoder(
         recompute,
         precision,
         dense: Vec::new(),
+        multi_vector: false,
     };
     BertEncoder::build(store, prefix, &cfg, &options)
 }

@@ -207,6 +207,7 @@ fn prompts_round_trip_and_are_put_before_the_texts() {
             matryoshka_dims: vec![8, 4],
             prompt_left_out: false,
             adapter_of: None,
+            multi_vector: None,
         },
     )
     .unwrap();

@@ -192,6 +192,7 @@ fn an_export_loads_back_to_the_same_embeddings_and_family() {
                 matryoshka_dims: Vec::new(),
                 prompt_left_out: false,
                 adapter_of: None,
+                multi_vector: None,
             },
         )
         .unwrap();

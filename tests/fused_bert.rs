@@ -76,6 +76,7 @@ fn step_in(family: &str, fused: bool, recompute: Recompute, precision: Precision
         recompute: recompute.clone(),
         precision,
         dense: Vec::new(),
+        multi_vector: false,
     };
     let q = BertEncoder::build(&store, "query", &cfg, &options(Pooling::Cls)).unwrap();
     let p = BertEncoder::build(&store, "passage", &cfg, &options(Pooling::Mean)).unwrap();

@@ -201,6 +201,7 @@ fn documents(seed: u64, rows: usize) -> TokenBatch {
 fn colbert_options(recompute: Recompute) -> BertOptions {
     BertOptions {
         normalize: true,
+        multi_vector: true,
         recompute,
         dense: vec![DenseSpec {
             path: "1_Dense".into(),

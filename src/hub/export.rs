@@ -48,6 +48,10 @@ pub struct ExportNotes {
     /// Export a LoRA run's adapters in PEFT's layout over this base model (its Hub id or
     /// directory, `base_model_name_or_path`) instead of the merged model; `None`: merged.
     pub adapter_of: Option<String>,
+    /// A multi-vector (ColBERT) model: written in PyLate's layout (Transformer and its
+    /// projections, `model_type: ColBERT` with these settings; sentence-transformers 6
+    /// reads it too), with no pooling.
+    pub multi_vector: Option<crate::hub::multi_vector::MultiVectorHead>,
 }
 
 /// Writes `tensors` to `path` with the permissions of `sibling` (the safetensors writer
@@ -177,8 +181,12 @@ pub fn export_bert(
 
     let tmp = crate::durable::temporary_dir(dir, "export")?;
     let written = (|| -> Result<()> {
-    let pooling_dir = tmp.join("1_Pooling");
-    fs::create_dir_all(&pooling_dir).map_err(|e| Error::io("create", &pooling_dir, e))?;
+    fs::create_dir_all(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    let colbert = notes.multi_vector.as_ref();
+    if colbert.is_none() {
+        let pooling_dir = tmp.join("1_Pooling");
+        fs::create_dir_all(&pooling_dir).map_err(|e| Error::io("create", &pooling_dir, e))?;
+    }
 
     let shared = match &peft {
         Some((adapter_config, adapters)) => {
@@ -236,19 +244,54 @@ pub fn export_bert(
 
     let mut modules = vec![
         json!({"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}),
-        json!({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}),
     ];
+    if colbert.is_none() {
+        modules.push(json!({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}));
+    }
     for (spec, own) in options.dense.iter().zip(&dense_weights) {
         let idx = modules.len();
         let module_dir = tmp.join(&spec.path);
         fs::create_dir_all(&module_dir).map_err(|e| Error::io("create", &module_dir, e))?;
-        write_json(&module_dir.join("config.json"), &spec.config())?;
+        let mut config = spec.config();
+        if colbert.is_some() {
+            config["use_residual"] = json!(false);
+        }
+        write_json(&module_dir.join("config.json"), &config)?;
         let module_weights = module_dir.join("model.safetensors");
         candle_core::safetensors::save(own, &module_weights)
             .map_err(|e| Error::io("write", &module_weights, e))?;
         fs::set_permissions(&module_weights, shared.clone())
             .map_err(|e| Error::io("set permissions of", &module_weights, e))?;
-        modules.push(json!({"idx": idx, "name": idx.to_string(), "path": spec.path, "type": "sentence_transformers.models.Dense"}));
+        let class = match colbert {
+            Some(_) => "pylate.models.Dense.Dense",
+            None => "sentence_transformers.models.Dense",
+        };
+        modules.push(json!({"idx": idx, "name": idx.to_string(), "path": spec.path, "type": class}));
+    }
+    if let Some(c) = colbert {
+        // PyLate normalises every token vector itself: no Normalize module.
+        write_json(&tmp.join(MODULES), &json!(modules))?;
+        write_json(
+            &tmp.join("sentence_bert_config.json"),
+            &json!({"max_seq_length": tokenizer.max_len(), "do_lower_case": false}),
+        )?;
+        write_json(
+            &tmp.join(SENTENCE_TRANSFORMERS_CONFIG),
+            &json!({
+                "model_type": "ColBERT",
+                "similarity_fn_name": "MaxSim",
+                "prompts": {"query": "", "document": ""},
+                "default_prompt_name": null,
+                "query_prefix": c.query_prefix,
+                "document_prefix": c.document_prefix,
+                "query_length": c.query_length,
+                "document_length": c.document_length,
+                "do_query_expansion": c.query_expansion,
+                "attend_to_expansion_tokens": c.attend_to_expansion_tokens,
+                "skiplist_words": c.skiplist_words,
+            }),
+        )?;
+        return Ok(());
     }
     if options.normalize {
         let idx = modules.len();

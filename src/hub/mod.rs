@@ -75,14 +75,7 @@ pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
         for (position, &i) in order.iter().enumerate() {
             inverse[i as usize] = position as u32;
         }
-        let order = Tensor::new(order.as_slice(), device)?;
-        let pick = |t: &Tensor| t.index_select(&order, 0);
-        let sorted = TokenBatch::new(
-            pick(&batch.input_ids)?,
-            pick(&batch.attention_mask)?,
-            pick(&batch.token_type_ids)?,
-        )?
-        .with_pool_from(batch.pool_from);
+        let sorted = batch.select_rows(&order)?;
         let pieces = crate::batch::Batch::chunks(&sorted, chunk)?;
         let reps = if device.is_cpu() {
             use rayon::prelude::*;

@@ -78,6 +78,45 @@ fn bad(path: &Path, reason: impl Into<String>) -> Error {
     }
 }
 
+/// A multi-vector model's settings without its weights: what a run trains with (each
+/// configured, else the pretrained model's, else PyLate's) and an export writes.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MultiVectorHead {
+    /// Token vector width.
+    pub dim: usize,
+    /// Query length.
+    pub query_length: usize,
+    /// Document length.
+    pub document_length: usize,
+    /// Query prefix.
+    pub query_prefix: String,
+    /// Document prefix.
+    pub document_prefix: String,
+    /// Query expansion.
+    pub query_expansion: bool,
+    /// Attention to the expansion tokens.
+    pub attend_to_expansion_tokens: bool,
+    /// The document skiplist.
+    pub skiplist_words: Vec<String>,
+}
+
+impl MultiVectorHead {
+    /// The settings as a multi-vector model's (for its tokenizers), without projections.
+    pub fn config(&self) -> MultiVectorConfig {
+        MultiVectorConfig {
+            layout: Layout::PyLate,
+            query_prefix: self.query_prefix.clone(),
+            document_prefix: self.document_prefix.clone(),
+            query_length: self.query_length,
+            document_length: self.document_length,
+            query_expansion: self.query_expansion,
+            attend_to_expansion_tokens: self.attend_to_expansion_tokens,
+            skiplist_words: self.skiplist_words.clone(),
+            dense: Vec::new(),
+        }
+    }
+}
+
 /// Whether the directory holds a multi-vector model (its
 /// `config_sentence_transformers.json` says `ColBERT` or `MultiVectorEncoder`).
 pub fn is_multi_vector_dir(dir: &Path) -> bool {
@@ -321,6 +360,7 @@ impl MultiVectorModel {
         let config = MultiVectorConfig::read(&files.dir)?;
         let options = BertOptions {
             normalize: true,
+            multi_vector: true,
             dense: config.dense.iter().map(DenseLayer::spec).collect(),
             ..Default::default()
         };

@@ -61,6 +61,9 @@ pub struct BertOptions {
     /// LoRA adapters on the attention and feed-forward projections (the store freezes the
     /// rest: [`crate::params::Freeze::all_but_adapters`]).
     pub lora: Option<crate::nn::lora::LoraSpec>,
+    /// A multi-vector (ColBERT) head: a token vector per kept token instead of a pooled
+    /// vector; its batches must be multi-vector ones ([`crate::batch::TokenVectors`]).
+    pub multi_vector: bool,
 }
 
 /// The sites of BERT that selective recompute can recompute instead of keeping (Hugging
@@ -763,8 +766,17 @@ impl LayerStack for Bert {
     fn head(&self, x: &Tensor, aux: &BertAux, _: &Ctx) -> Result<Tensor> {
         let x = &x.to_dtype(aux.mask.dtype())?;
         let x = &self.final_norm(x)?;
-        if let Some((keep, width)) = &aux.vectors {
-            return self.token_vectors(x, keep, *width);
+        match (&aux.vectors, self.options.multi_vector) {
+            (Some((keep, width)), true) => return self.token_vectors(x, keep, *width),
+            (None, false) => {}
+            (vectors, _) => {
+                return Err(Error::InvalidArgument {
+                    what: "token batch",
+                    value: format!("multi-vector rows: {}", vectors.is_some()),
+                    reason: "a multi-vector (ColBERT) model takes multi-vector batches (a \
+                             tokenizer with_vectors) and a pooled model plain ones",
+                })
+            }
         }
         let pooling = self.options.pooling;
         if self.dense.is_empty() {

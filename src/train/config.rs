@@ -231,9 +231,14 @@ pub struct ModelConfig {
     /// and the merge runs in f32). Every other weight stays f32.
     #[serde(skip_serializing_if = "BaseDtype::is_f32")]
     pub base_dtype: BaseDtype,
+    /// A multi-vector (ColBERT, late interaction) model: a token vector per token, scored
+    /// by MaxSim.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub multi_vector: Option<MultiVectorSettings>,
 }
 
 pub use super::lora_config::{BaseDtype, LoraConfig, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK};
+pub use super::multi_vector_config::MultiVectorSettings;
 
 impl Default for ModelConfig {
     fn default() -> Self {
@@ -253,6 +258,7 @@ impl Default for ModelConfig {
             freeze: Vec::new(),
             lora: None,
             base_dtype: BaseDtype::F32,
+            multi_vector: None,
         }
     }
 }
@@ -554,7 +560,7 @@ impl Default for DistConfig {
     }
 }
 
-fn invalid(field: &'static str, value: impl ToString, reason: &'static str) -> Error {
+pub(super) fn invalid(field: &'static str, value: impl ToString, reason: &'static str) -> Error {
     Error::InvalidConfig {
         field,
         value: value.to_string(),
@@ -685,41 +691,10 @@ impl Config {
             }
         }
         if let Some(lora) = &m.lora {
-            if lora.rank == Some(0) {
-                return Err(invalid("model.lora.rank", 0, "must be at least 1"));
-            }
-            if let Some(alpha) = lora.alpha.filter(|a| !(a.is_finite() && *a > 0.0)) {
-                return Err(invalid(
-                    "model.lora.alpha",
-                    alpha,
-                    "must be a finite number greater than 0",
-                ));
-            }
-            if lora.from.is_some() && m.pretrained.is_empty() {
-                return Err(invalid(
-                    "model.lora.from",
-                    lora.from
-                        .as_ref()
-                        .map(|d| d.display().to_string())
-                        .unwrap_or_default(),
-                    "continues an adapter of a pretrained model: set model.pretrained to its \
-                     base model",
-                ));
-            }
-            if let Some(p) = lora.dropout.filter(|p| !(0.0..1.0).contains(p)) {
-                return Err(invalid(
-                    "model.lora.dropout",
-                    p,
-                    "the drop probability must be in [0, 1)",
-                ));
-            }
-            if let Some(t) = lora.targets.iter().flatten().find(|t| t.trim().is_empty()) {
-                return Err(invalid(
-                    "model.lora.targets",
-                    format!("{t:?}"),
-                    "names no module",
-                ));
-            }
+            lora.validate(&m.pretrained)?;
+        }
+        if let Some(mv) = &m.multi_vector {
+            mv.validate(self)?;
         }
         if m.base_dtype != BaseDtype::F32 && m.lora.is_none() {
             return Err(invalid(

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use super::config::invalid;
 use crate::hub::adapter::PeftAdapter;
 use crate::{Error, Result};
 
@@ -70,6 +71,46 @@ pub const DEFAULT_LORA_RANK: usize = 16;
 pub const DEFAULT_LORA_ALPHA: f64 = 32.0;
 
 impl LoraConfig {
+    /// Checks the settings that need no file (`pretrained`: the run's `model.pretrained`).
+    pub(super) fn validate(&self, pretrained: &str) -> Result<()> {
+        if self.rank == Some(0) {
+            return Err(invalid("model.lora.rank", 0, "must be at least 1"));
+        }
+        if let Some(alpha) = self.alpha.filter(|a| !(a.is_finite() && *a > 0.0)) {
+            return Err(invalid(
+                "model.lora.alpha",
+                alpha,
+                "must be a finite number greater than 0",
+            ));
+        }
+        if self.from.is_some() && pretrained.is_empty() {
+            return Err(invalid(
+                "model.lora.from",
+                self.from
+                    .as_ref()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_default(),
+                "continues an adapter of a pretrained model: set model.pretrained to its \
+                 base model",
+            ));
+        }
+        if let Some(p) = self.dropout.filter(|p| !(0.0..1.0).contains(p)) {
+            return Err(invalid(
+                "model.lora.dropout",
+                p,
+                "the drop probability must be in [0, 1)",
+            ));
+        }
+        if let Some(t) = self.targets.iter().flatten().find(|t| t.trim().is_empty()) {
+            return Err(invalid(
+                "model.lora.targets",
+                format!("{t:?}"),
+                "names no module",
+            ));
+        }
+        Ok(())
+    }
+
     /// The adapters' settings: the configured ones, or with `from` the adapter's (which
     /// configured ones must match), and the adapter read.
     pub fn spec(&self) -> Result<(crate::nn::lora::LoraSpec, Option<PeftAdapter>)> {

@@ -24,12 +24,15 @@ pub mod lock;
 mod lora_config;
 pub mod metrics;
 mod model;
+mod multi_vector_config;
 pub mod optim;
 pub mod report;
 pub mod run;
 pub mod shapes;
 pub mod stream;
 mod text_data;
+mod text_loss;
+pub use text_loss::TextLoss;
 pub mod trainer;
 
 pub use config::Config;

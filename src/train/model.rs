@@ -6,9 +6,13 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 
 use crate::dist::{self, Collective};
+use crate::hub::multi_vector::MultiVectorHead;
+use crate::hub::multi_vector::{is_multi_vector_dir, MultiVectorConfig};
 use crate::hub::tokenizer::{model_max_length, read_tokenizer_file, train_wordpiece};
 use crate::hub::{HubSettings, ModelFiles, Prompts, SentenceTransformersConfig};
-use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions};
+use crate::models::bert::{
+    with_model_weights, BertConfig, BertEncoder, BertOptions, DenseActivation, DenseSpec,
+};
 use crate::names::pattern_matches;
 use crate::params::{Freeze, ParamStore, Params};
 use crate::train::config::Config;
@@ -55,7 +59,61 @@ pub(super) struct Model {
     pub(super) prompts: Prompts,
     /// Whether the prompts' tokens are pooled.
     pub(super) prompt_pooled: bool,
+    /// A multi-vector (ColBERT) run's settings.
+    pub(super) multi_vector: Option<MultiVectorHead>,
     pub(super) store: ParamStore,
+}
+
+/// The path of the projection a multi-vector run adds to a model without one.
+pub const COLBERT_DENSE: &str = "1_Dense";
+
+/// A multi-vector run's encoder options over `base`: token vectors normalised, the
+/// pretrained multi-vector model's projections (`own`), else a projection without bias
+/// from the hidden size to `dim` (PyLate's Dense). A `dim` the pretrained projection
+/// does not give is refused.
+fn multi_vector_options(
+    head: &MultiVectorHead,
+    own: Option<&MultiVectorConfig>,
+    hidden: usize,
+    base: BertOptions,
+) -> Result<BertOptions> {
+    let dense = match own {
+        Some(own) if !own.dense.is_empty() => {
+            if own.dim(hidden) != head.dim {
+                return Err(Error::InvalidConfig {
+                    field: "model.multi_vector.dim",
+                    value: format!(
+                        "{} (the pretrained projection gives {})",
+                        head.dim,
+                        own.dim(hidden)
+                    ),
+                    reason: "a pretrained multi-vector model keeps its projection: leave dim unset",
+                });
+            }
+            own.dense.iter().map(|d| d.spec()).collect()
+        }
+        _ => vec![DenseSpec {
+            path: COLBERT_DENSE.into(),
+            in_features: hidden,
+            out_features: head.dim,
+            bias: false,
+            activation: DenseActivation::Identity,
+        }],
+    };
+    Ok(BertOptions {
+        normalize: true,
+        dense,
+        ..base
+    })
+}
+
+/// The query and document tokenizers of a multi-vector run over `tokenizer`.
+pub(super) fn multi_vector_tokenizers(
+    head: &MultiVectorHead,
+    tokenizer: &tokenizers::Tokenizer,
+    dir: &std::path::Path,
+) -> Result<(crate::hub::Tokenizer, crate::hub::Tokenizer)> {
+    head.config().tokenizers(tokenizer, dir)
 }
 
 /// The prompts of a run (the configured ones, else the pretrained model's `head`) and
@@ -106,6 +164,7 @@ pub(super) fn bert_options(
             .as_ref()
             .map(|l| l.spec().map(|(spec, _)| spec))
             .transpose()?,
+        multi_vector: cfg.model.multi_vector.is_some(),
     })
 }
 
@@ -227,7 +286,21 @@ fn fresh_tokenizer(cfg: &Config, texts: &[String]) -> Result<tokenizers::Tokeniz
         return read_tokenizer_file(&path);
     }
     let f = &cfg.model.fresh;
-    train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase)
+    let mut tokenizer =
+        train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase)?;
+    // A multi-vector run's prefixes become tokens of the vocabulary, as PyLate adds them.
+    if let Some(mv) = &cfg.model.multi_vector {
+        let head = mv.resolve(None, f.hidden_size);
+        let prefixes: Vec<tokenizers::AddedToken> = [head.query_prefix, head.document_prefix]
+            .into_iter()
+            .filter(|p| !p.is_empty())
+            .map(|p| tokenizers::AddedToken::from(p, false).normalized(false))
+            .collect();
+        tokenizer
+            .add_tokens(prefixes)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    }
+    Ok(tokenizer)
 }
 
 /// A BERT of the configured size with fresh weights. Two towers start from one
@@ -235,8 +308,18 @@ fn fresh_tokenizer(cfg: &Config, texts: &[String]) -> Result<tokenizers::Tokeniz
 /// train apart: two towers drawn independently share nothing to align.
 fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore) -> Result<Model> {
     let f = &cfg.model.fresh;
-    let query_max_len = cfg.model.query_max_len.unwrap_or(FRESH_MAX_LEN);
-    let passage_max_len = cfg.model.passage_max_len.unwrap_or(FRESH_MAX_LEN);
+    let multi_vector = cfg
+        .model
+        .multi_vector
+        .as_ref()
+        .map(|m| m.resolve(None, f.hidden_size));
+    let (query_max_len, passage_max_len) = match &multi_vector {
+        Some(head) => (head.query_length, head.document_length),
+        None => (
+            cfg.model.query_max_len.unwrap_or(FRESH_MAX_LEN),
+            cfg.model.passage_max_len.unwrap_or(FRESH_MAX_LEN),
+        ),
+    };
     let bert = BertConfig {
         hidden_dropout_prob: f.dropout_prob,
         attention_probs_dropout_prob: f.dropout_prob,
@@ -249,7 +332,10 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
             query_max_len.max(passage_max_len),
         )
     };
-    let options = bert_options(cfg, None)?;
+    let options = match &multi_vector {
+        Some(head) => multi_vector_options(head, None, f.hidden_size, bert_options(cfg, None)?)?,
+        None => bert_options(cfg, None)?,
+    };
     let prompts = run_prompts(cfg, None)?;
     let (query, passage) = if cfg.model.shared {
         (BertEncoder::build(&store, "", &bert, &options)?, None)
@@ -271,6 +357,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         limit: query_max_len.max(passage_max_len),
         prompts: prompts.0,
         prompt_pooled: prompts.1,
+        multi_vector,
         store,
     })
 }
@@ -296,14 +383,71 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     let bert = BertConfig::from_file(&files.config)?;
     let (tokenizer, tokenizer_config) = crate::hub::load_tokenizer(&files, &bert)?;
     let (limit, source) = model_limit(&files.dir, &bert)?;
-    let (query_max_len, passage_max_len) = max_lens(cfg, (limit, &source))?;
+    let own = match is_multi_vector_dir(&files.dir) {
+        true => Some(MultiVectorConfig::read(&files.dir)?),
+        false => None,
+    };
+    let multi_vector = match (&cfg.model.multi_vector, &own) {
+        (Some(mv), own) => Some(mv.resolve(own.as_ref(), bert.hidden_size)),
+        (None, Some(_)) => {
+            return Err(Error::InvalidConfig {
+                field: "model.pretrained",
+                value: cfg.model.pretrained.clone(),
+                reason: "is a multi-vector (ColBERT) model: train it with [model.multi_vector] \
+                         (its settings are the model's own when left unset)",
+            })
+        }
+        (None, None) => None,
+    };
+    let (query_max_len, passage_max_len) = match &multi_vector {
+        Some(head) => {
+            for (field, len) in [
+                ("model.multi_vector.query_length", head.query_length),
+                ("model.multi_vector.document_length", head.document_length),
+            ] {
+                if len > limit {
+                    return Err(Error::InvalidConfig {
+                        field,
+                        value: format!("{len} (the model's limit is {limit} tokens: {source})"),
+                        reason: "exceeds the longest input the model takes",
+                    });
+                }
+            }
+            (head.query_length, head.document_length)
+        }
+        None => max_lens(cfg, (limit, &source))?,
+    };
     // The run's copy of the tokenizer config records the model's limit, wherever it came
     // from, so an export from the run directory knows it.
     let mut tokenizer_config = tokenizer_config.unwrap_or_default();
     tokenizer_config.insert("model_max_length".into(), limit.into());
     let tokenizer_config = Some(tokenizer_config);
-    let head = crate::hub::read_sentence_transformers_config(&files.dir)?;
+    // A multi-vector run reads no single-vector head: its projection is the
+    // multi-vector model's own, else a new one.
+    let head = match multi_vector {
+        Some(_) => None,
+        None => crate::hub::read_sentence_transformers_config(&files.dir)?,
+    };
     let options = bert_options(cfg, head.as_ref())?;
+    let options = match &multi_vector {
+        Some(mv) => multi_vector_options(mv, own.as_ref(), bert.hidden_size, options)?,
+        None => options,
+    };
+    // Weights come from the model's files: the transformer's and its own projections'
+    // (a projection a multi-vector run adds starts from the seed).
+    let from_files = BertOptions {
+        dense: match &own {
+            Some(own) => own.dense.iter().map(|d| d.spec()).collect(),
+            None if multi_vector.is_some() => Vec::new(),
+            None => options.dense.clone(),
+        },
+        ..options.clone()
+    };
+    let load = |prefix: &str, store: ParamStore| -> Result<(BertEncoder, BertConfig, ParamStore)> {
+        let store = with_model_weights(&files, prefix, &from_files, store, false)?;
+        let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;
+        Ok((encoder, bert.clone(), store))
+    };
     // An adapter to continue: its weights under every tower, checked to fit.
     let adapter = match &cfg.model.lora {
         Some(lora) => lora.spec()?.1,
@@ -326,7 +470,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     };
     let (prompts, prompt_pooled) = run_prompts(cfg, head.as_ref())?;
     if cfg.model.shared {
-        let (query, bert, store) = load_pretrained(&files, "", &options, store)?;
+        let (query, bert, store) = load("", store)?;
         covered(&query, "")?;
         Ok(Model {
             query,
@@ -340,11 +484,12 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             limit,
             prompts: prompts.clone(),
             prompt_pooled,
+            multi_vector: multi_vector.clone(),
             store,
         })
     } else {
-        let (query, bert, store) = load_pretrained(&files, "query", &options, store)?;
-        let (passage, _, store) = load_pretrained(&files, "passage", &options, store)?;
+        let (query, bert, store) = load("query", store)?;
+        let (passage, _, store) = load("passage", store)?;
         covered(&query, "query")?;
         covered(&passage, "passage")?;
         Ok(Model {
@@ -359,6 +504,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             limit,
             prompts: prompts.clone(),
             prompt_pooled,
+            multi_vector: multi_vector.clone(),
             store,
         })
     }

@@ -25,14 +25,15 @@ use crate::cache::GradCache;
 use crate::dist::{self, Backend, Collective};
 use crate::durable;
 use crate::hub::export::ExportNotes;
+use crate::hub::multi_vector::{is_multi_vector_dir, MultiVectorConfig, MultiVectorHead};
 use crate::hub::tokenizer::read_tokenizer_file;
 use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Prompts, Tokenizer};
 use crate::hub::{EmbeddingModel, LoadOptions};
-use crate::loss::{Guide, InfoNce, Matryoshka};
+use crate::loss::{Guide, InfoNce, Matryoshka, MaxSim};
 use crate::models::bert::{with_model_weights, BertConfig, BertEncoder, BertOptions, DenseSpec};
 use crate::params::{ParamStore, WeightFile};
 use crate::precision::Precision;
-use crate::retrieval::{evaluate_corpus, CorpusEvalOptions};
+use crate::retrieval::{evaluate_corpus, CorpusEvalOptions, Scoring};
 use crate::train::budget::plan_memory;
 use crate::train::checkpoint;
 use crate::train::config::Config;
@@ -40,11 +41,12 @@ use crate::train::data::{Loader, Position, TextBatch};
 use crate::train::formats::Layout;
 use crate::train::metrics::{evaluate, RetrievalMetrics};
 use crate::train::model::{
-    bert_options, build_model, freeze, max_lens, model_limit, read_model_tokenizer, run_prompts,
-    Model,
+    bert_options, build_model, freeze, max_lens, model_limit, multi_vector_tokenizers,
+    read_model_tokenizer, run_prompts, Model,
 };
 use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
 use crate::train::text_data::{load_data, EvalData, RunData};
+use crate::train::TextLoss;
 use crate::{Error, Result, Side};
 
 pub use super::model::{
@@ -83,12 +85,14 @@ pub struct TextPairs {
     /// With `loss.false_negative_guide`: the frozen guide model and the cell the loss
     /// reads its embeddings of each batch from.
     guide: Option<(EmbeddingModel, Guide)>,
+    /// A multi-vector (ColBERT) run's settings.
+    multi_vector: Option<MultiVectorHead>,
 }
 
 impl Task for TextPairs {
     type Query = BertEncoder;
     type Passage = BertEncoder;
-    type Loss = Matryoshka<InfoNce>;
+    type Loss = TextLoss;
     type Batch = TextBatch;
     type Config = Config;
 
@@ -197,23 +201,34 @@ impl Task for TextPairs {
     /// BEIR split against its whole corpus (dropout off).
     fn evaluate(&self, gc: &TaskCache<Self>) -> Result<RetrievalMetrics> {
         let t = &self.cfg.train;
+        // A multi-vector model's rows are token matrices, scored by MaxSim.
+        let (scoring, dim): (Scoring, Option<usize>) = match gc.loss().maxsim() {
+            Some(l) => (Scoring::MaxSim, Some(l.dim())),
+            None => (self.cfg.loss.similarity.into(), None),
+        };
+        let shaped = |x: Tensor| -> Result<Tensor> {
+            match dim {
+                Some(d) => Ok(x.reshape((x.dim(0)?, (), d))?),
+                None => Ok(x),
+            }
+        };
         let embed_queries = |texts: &[&str]| {
-            embed(
+            shaped(embed(
                 gc.query_encoder(),
                 &self.query_tokenizer,
                 texts,
                 t.query_chunk,
                 &self.device,
-            )
+            )?)
         };
         let embed_passages = |texts: &[&str]| {
-            embed(
+            shaped(embed(
                 gc.passage_encoder(),
                 &self.passage_tokenizer,
                 texts,
                 t.passage_chunk,
                 &self.device,
-            )
+            )?)
         };
         match &self.eval {
             EvalData::Pairs(pairs) => {
@@ -222,20 +237,15 @@ impl Task for TextPairs {
                 let q = embed_queries(&queries)?;
                 let p = embed_passages(&passages)?;
                 let targets: Vec<usize> = (0..queries.len()).collect();
-                evaluate(&q, &p, &targets, self.cfg.loss.similarity, 256)
+                evaluate(&q, &p, &targets, scoring, 256)
             }
             EvalData::Corpus(set) => {
                 let options = CorpusEvalOptions {
                     title_separator: self.cfg.data.title_separator.clone(),
                     ..CorpusEvalOptions::default()
                 };
-                let evaluation = evaluate_corpus(
-                    set,
-                    self.cfg.loss.similarity,
-                    &options,
-                    embed_queries,
-                    embed_passages,
-                )?;
+                let evaluation =
+                    evaluate_corpus(set, scoring, &options, embed_queries, embed_passages)?;
                 Ok(RetrievalMetrics::from(&evaluation.metrics))
             }
         }
@@ -348,14 +358,25 @@ impl Run<TextPairs> {
         fingerprint: String,
     ) -> Result<Self> {
         let m = &cfg.model;
-        let query_tokenizer = Tokenizer::new(model.tokenizer.clone(), model.query_max_len)?
-            .with_prompt(&model.prompts.query)
-            .with_prompt_pooled(model.prompt_pooled)
-            .with_config(model.tokenizer_config.clone());
-        let passage_tokenizer = Tokenizer::new(model.tokenizer.clone(), model.passage_max_len)?
-            .with_prompt(&model.prompts.passage)
-            .with_prompt_pooled(model.prompt_pooled)
-            .with_config(model.tokenizer_config.clone());
+        let (query_tokenizer, passage_tokenizer) = match &model.multi_vector {
+            Some(head) => {
+                let (q, p) = multi_vector_tokenizers(head, &model.tokenizer, &cfg.output_dir)?;
+                (
+                    q.with_config(model.tokenizer_config.clone()),
+                    p.with_config(model.tokenizer_config.clone()),
+                )
+            }
+            None => (
+                Tokenizer::new(model.tokenizer.clone(), model.query_max_len)?
+                    .with_prompt(&model.prompts.query)
+                    .with_prompt_pooled(model.prompt_pooled)
+                    .with_config(model.tokenizer_config.clone()),
+                Tokenizer::new(model.tokenizer.clone(), model.passage_max_len)?
+                    .with_prompt(&model.prompts.passage)
+                    .with_prompt_pooled(model.prompt_pooled)
+                    .with_config(model.tokenizer_config.clone()),
+            ),
+        };
         let export_tokenizer = Tokenizer::new(model.tokenizer.clone(), model.limit)?
             .with_config(model.tokenizer_config.clone());
         // Unset: the loss chooses (the CPU kernel's blocks, or the composed path's that fit).
@@ -378,11 +399,16 @@ impl Run<TextPairs> {
             }
         };
         let loss = loss.with_guide(guide.as_ref().map(|(_, cell)| cell.clone()));
-        let loss = Matryoshka::new(
-            loss,
-            cfg.loss.matryoshka_dims.clone(),
-            cfg.loss.matryoshka_weights.clone(),
-        )?;
+        let loss = match &model.multi_vector {
+            Some(head) => {
+                TextLoss::MaxSim(MaxSim::new(head.dim)?.with_temperature(cfg.loss.temperature)?)
+            }
+            None => TextLoss::InfoNce(Matryoshka::new(
+                loss,
+                cfg.loss.matryoshka_dims.clone(),
+                cfg.loss.matryoshka_weights.clone(),
+            )?),
+        };
         let width = model
             .options
             .dense
@@ -440,6 +466,7 @@ impl Run<TextPairs> {
             eval: data.eval,
             predicted_peak: None,
             guide,
+            multi_vector: model.multi_vector,
             cfg,
         };
         Run::from_parts(task, gc, model.store, device, comm, settings, notes)
@@ -509,6 +536,7 @@ impl Run<TextPairs> {
                 matryoshka_dims: t.cfg.loss.matryoshka_dims.clone(),
                 prompt_left_out: !t.prompt_pooled,
                 adapter_of: None,
+                multi_vector: t.multi_vector.clone(),
             },
         )
     }
@@ -639,7 +667,7 @@ fn read_dense_modules(dir: &Path) -> Result<Vec<DenseSpec>> {
 /// pairs, so the order changes nothing but the padding the chunks compute on (and which
 /// chunk, hence which dropout masks, a pair falls in; still a pure function of the seed).
 fn in_length_order(q: &TokenBatch, p: &TokenBatch) -> Result<(TokenBatch, TokenBatch, Vec<usize>)> {
-    let (rows, device) = (q.rows(), q.input_ids.device().clone());
+    let rows = q.rows();
     let group = p.rows() / rows.max(1);
     let lengths = |b: &TokenBatch| -> Result<Vec<u32>> {
         Ok(b.attention_mask
@@ -651,21 +679,12 @@ fn in_length_order(q: &TokenBatch, p: &TokenBatch) -> Result<(TokenBatch, TokenB
     let key = |i: usize| ql[i] + (0..group).map(|j| pl[i * group + j]).max().unwrap_or(0);
     let mut order: Vec<usize> = (0..rows).collect();
     order.sort_by_key(|&i| key(i));
-    let pick = |b: &TokenBatch, rows: Vec<u32>| -> Result<TokenBatch> {
-        let idx = Tensor::new(rows.as_slice(), &device)?;
-        Ok(TokenBatch::new(
-            b.input_ids.index_select(&idx, 0)?,
-            b.attention_mask.index_select(&idx, 0)?,
-            b.token_type_ids.index_select(&idx, 0)?,
-        )?
-        .with_pool_from(b.pool_from))
-    };
-    let q_rows = order.iter().map(|&i| i as u32).collect();
-    let p_rows = order
+    let q_rows: Vec<u32> = order.iter().map(|&i| i as u32).collect();
+    let p_rows: Vec<u32> = order
         .iter()
         .flat_map(|&i| (0..group).map(move |j| (i * group + j) as u32))
         .collect();
-    Ok((pick(q, q_rows)?, pick(p, p_rows)?, order))
+    Ok((q.select_rows(&q_rows)?, p.select_rows(&p_rows)?, order))
 }
 
 /// `3, 17, 52`, the first `at_most` of `numbers` and how many more.
@@ -801,9 +820,31 @@ pub fn export_run_as(
     let weights = WeightFile::open(&checkpoint::model_file(dir), &file_prefix)?;
     let mut store =
         ParamStore::new(cfg.seed, DType::F32, &Device::Cpu).with_weights(prefix, Arc::new(weights));
-    let head = match &pretrained {
-        Some(files) => crate::hub::read_sentence_transformers_config(&files.dir)?,
+    // A multi-vector run: its settings over the pretrained multi-vector model's own (the
+    // run's projections are recorded in its Dense file).
+    let multi_vector = match &cfg.model.multi_vector {
+        Some(mv) => {
+            let files = match &pretrained {
+                Some(files) => Some(files.clone()),
+                None if cfg.model.pretrained.is_empty() => None,
+                None => Some(ModelFiles::resolve(
+                    &cfg.model.pretrained,
+                    &HubSettings::from_env(),
+                )?),
+            };
+            let own = match files {
+                Some(f) if is_multi_vector_dir(&f.dir) => Some(MultiVectorConfig::read(&f.dir)?),
+                _ => None,
+            };
+            Some(mv.resolve(own.as_ref(), bert.hidden_size))
+        }
         None => None,
+    };
+    let head = match &pretrained {
+        Some(files) if multi_vector.is_none() => {
+            crate::hub::read_sentence_transformers_config(&files.dir)?
+        }
+        _ => None,
     };
     let mut options = bert_options(cfg, head.as_ref())?;
     let recorded = read_dense_modules(&cfg.output_dir)?;
@@ -839,6 +880,7 @@ pub fn export_run_as(
             matryoshka_dims: cfg.loss.matryoshka_dims.clone(),
             prompt_left_out: !prompt_pooled,
             adapter_of,
+            multi_vector,
         },
     )?;
     Ok(found)

@@ -1,0 +1,162 @@
+//! `[model.multi_vector]`: a ColBERT (late interaction) run. Every setting left unset is
+//! the pretrained multi-vector model's own (a PyLate or sentence-transformers 6
+//! directory), else PyLate's default.
+
+use crate::hub::multi_vector::{MultiVectorConfig, MultiVectorHead, PUNCTUATION};
+use crate::{Error, Result};
+
+use super::config::{invalid, Config, LossConfig};
+
+/// PyLate's defaults: 128-d token vectors, queries of 32 tokens, documents of 180.
+pub const DEFAULT_DIM: usize = 128;
+/// PyLate's default query length (with expansion, the query vectors' count).
+pub const DEFAULT_QUERY_LENGTH: usize = 32;
+/// PyLate's default document length.
+pub const DEFAULT_DOCUMENT_LENGTH: usize = 180;
+
+/// `[model.multi_vector]`.
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MultiVectorSettings {
+    /// The token vectors' width: a projection without bias (PyLate's Dense) from the
+    /// hidden size. Unset: the pretrained multi-vector model's, else 128.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dim: Option<usize>,
+    /// Query tokens, special tokens and prefix included (with expansion, every query has
+    /// this many vectors). Unset: the model's, else 32.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub query_length: Option<usize>,
+    /// The most document tokens. Unset: the model's, else 180.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub document_length: Option<usize>,
+    /// Put before every query; one token of the vocabulary (a fresh model's tokenizer
+    /// gets it). Unset: the model's, else `[Q] `.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub query_prefix: Option<String>,
+    /// Put before every document. Unset: the model's, else `[D] `.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub document_prefix: Option<String>,
+    /// Pad queries to `query_length` with the mask token, kept and scored. Unset: the
+    /// model's, else true.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub query_expansion: Option<bool>,
+    /// Whether the other query tokens attend to the expansion tokens. Unset: the
+    /// model's, else false.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attend_to_expansion_tokens: Option<bool>,
+    /// Document tokens left out of the scoring. Unset: the model's, else punctuation.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skiplist_words: Option<Vec<String>>,
+}
+
+impl MultiVectorSettings {
+    /// The run's settings over the pretrained multi-vector model `own` (if it is one).
+    pub fn resolve(&self, own: Option<&MultiVectorConfig>, hidden: usize) -> MultiVectorHead {
+        MultiVectorHead {
+            dim: self
+                .dim
+                .or(own.map(|o| o.dim(hidden)))
+                .unwrap_or(DEFAULT_DIM),
+            query_length: self
+                .query_length
+                .or(own.map(|o| o.query_length))
+                .unwrap_or(DEFAULT_QUERY_LENGTH),
+            document_length: self
+                .document_length
+                .or(own.map(|o| o.document_length))
+                .unwrap_or(DEFAULT_DOCUMENT_LENGTH),
+            query_prefix: self
+                .query_prefix
+                .clone()
+                .or(own.map(|o| o.query_prefix.clone()))
+                .unwrap_or_else(|| "[Q] ".into()),
+            document_prefix: self
+                .document_prefix
+                .clone()
+                .or(own.map(|o| o.document_prefix.clone()))
+                .unwrap_or_else(|| "[D] ".into()),
+            query_expansion: self
+                .query_expansion
+                .or(own.map(|o| o.query_expansion))
+                .unwrap_or(true),
+            attend_to_expansion_tokens: self
+                .attend_to_expansion_tokens
+                .or(own.map(|o| o.attend_to_expansion_tokens))
+                .unwrap_or(false),
+            skiplist_words: self
+                .skiplist_words
+                .clone()
+                .or(own.map(|o| o.skiplist_words.clone()))
+                .unwrap_or_else(|| PUNCTUATION.chars().map(String::from).collect()),
+        }
+    }
+
+    /// Refuses what does not fit a multi-vector run: a zero width or length, and the
+    /// single-vector settings of the model and the loss, each by name.
+    pub(super) fn validate(&self, cfg: &Config) -> Result<()> {
+        for (field, value) in [
+            ("model.multi_vector.dim", self.dim),
+            ("model.multi_vector.query_length", self.query_length),
+            ("model.multi_vector.document_length", self.document_length),
+        ] {
+            if value == Some(0) {
+                return Err(invalid(field, 0, "must be at least 1"));
+            }
+        }
+        let m = &cfg.model;
+        let single_model = [
+            ("model.pooling", m.pooling.is_some()),
+            ("model.normalize", m.normalize.is_some()),
+            ("model.query_max_len", m.query_max_len.is_some()),
+            ("model.passage_max_len", m.passage_max_len.is_some()),
+            ("model.query_prompt", m.query_prompt.is_some()),
+            ("model.passage_prompt", m.passage_prompt.is_some()),
+            ("model.include_prompt", m.include_prompt.is_some()),
+        ];
+        if let Some((field, _)) = single_model.iter().find(|(_, set)| *set) {
+            return Err(Error::InvalidConfig {
+                field,
+                value: "set".into(),
+                reason: "a single-vector setting on a multi-vector model, which keeps every \
+                         token (normalised) instead of pooling: set \
+                         model.multi_vector.query_length / document_length / query_prefix / \
+                         document_prefix instead",
+            });
+        }
+        let l = &cfg.loss;
+        let d = LossConfig::default();
+        let single_loss = [
+            ("loss.similarity", l.similarity != d.similarity),
+            ("loss.symmetric", l.symmetric),
+            ("loss.directions", l.directions != d.directions),
+            ("loss.block_rows", l.block_rows != 0),
+            ("loss.matryoshka_dims", !l.matryoshka_dims.is_empty()),
+            ("loss.matryoshka_weights", !l.matryoshka_weights.is_empty()),
+            (
+                "loss.false_negative_margin",
+                l.false_negative_margin.is_some(),
+            ),
+            (
+                "loss.false_negative_guide",
+                l.false_negative_guide.is_some(),
+            ),
+        ];
+        if let Some((field, _)) = single_loss.iter().find(|(_, set)| *set) {
+            return Err(Error::InvalidConfig {
+                field,
+                value: "set".into(),
+                reason: "a single-vector loss setting on a multi-vector model: its loss is \
+                         InfoNCE over MaxSim scores with loss.temperature (PyLate's \
+                         Contrastive; 1.0 there)",
+            });
+        }
+        if m.lora.is_some() {
+            return Err(invalid(
+                "model.lora",
+                "set",
+                "LoRA on a multi-vector model is not supported yet: train it whole",
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,215 @@
+//! Training a multi-vector (ColBERT) model with `[model.multi_vector]`: a fresh model and
+//! the PyLate fixture learn, the evaluation scores by MaxSim, a run resumes bit for bit,
+//! the export loads (in our loader, as PyLate's layout) to the trained encoder's token
+//! vectors, and the settings that do not fit a multi-vector model are refused by name
+//! before anything is written.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use gradcache::hub::MultiVectorModel;
+use gradcache::train::config::Config;
+use gradcache::train::trainer::{export_run_as, Quiet, Trainer};
+use gradcache::train::ExportLayout;
+use gradcache::Side;
+
+mod common;
+use common::max_diff;
+
+/// A tiny fresh ColBERT run over the first 64 quickstart pairs (12 held out).
+fn tiny_colbert(dir: &Path, extra: &str) -> PathBuf {
+    let lines: Vec<String> = fs::read_to_string("data/quickstart/train.jsonl")
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    fs::write(dir.join("train.jsonl"), lines[..64].join("\n")).unwrap();
+    fs::write(dir.join("eval.jsonl"), lines[200..212].join("\n")).unwrap();
+    let config = format!(
+        r#"
+seed = 3
+output_dir = "{out}"
+[data]
+train_file = "{dir}/train.jsonl"
+eval_file = "{dir}/eval.jsonl"
+[model]
+recompute = "every_layer"
+[model.multi_vector]
+dim = 8
+query_length = 12
+document_length = 20
+[model.fresh]
+vocab_size = 300
+hidden_size = 16
+num_layers = 2
+num_heads = 2
+intermediate_size = 32
+[loss]
+temperature = 1.0
+[train]
+steps = 6
+batch_size = 8
+query_chunk = 3
+passage_chunk = 5
+checkpoint_every = 3
+eval_every = 6
+[optim]
+lr = 3e-3
+warmup_steps = 1
+{extra}
+"#,
+        out = dir.join("run").display(),
+        dir = dir.display()
+    );
+    let path = dir.join("colbert.toml");
+    fs::write(&path, config).unwrap();
+    path
+}
+
+#[test]
+fn a_fresh_colbert_learns_resumes_exactly_and_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_colbert(dir.path(), "");
+    let cfg = Config::load(&path, &[]).unwrap();
+    let mut uninterrupted = cfg.clone();
+    uninterrupted.output_dir = dir.path().join("whole");
+    let mut full = Trainer::new(uninterrupted, None).unwrap();
+    let losses: Vec<f32> = (0..6).map(|_| full.train_step().unwrap().loss).collect();
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+
+    // Interrupted after 3 steps and resumed: the same losses, bit for bit.
+    let mut first = Trainer::new(cfg.clone(), None).unwrap();
+    let head: Vec<f32> = (0..3).map(|_| first.train_step().unwrap().loss).collect();
+    let ckpt = first.save_checkpoint().unwrap();
+    drop(first);
+    assert_eq!(head, losses[..3]);
+    let mut resumed = Trainer::new(cfg.clone(), Some(&ckpt)).unwrap();
+    let tail: Vec<f32> = (0..3).map(|_| resumed.train_step().unwrap().loss).collect();
+    assert_eq!(tail, losses[3..], "losses after the resume");
+
+    // A full run learns: the held-out MaxSim retrieval improves.
+    let mut run_cfg = cfg.clone();
+    run_cfg.output_dir = dir.path().join("learns");
+    run_cfg.train.steps = 30;
+    run_cfg.train.eval_every = 30;
+    run_cfg.train.checkpoint_every = 30;
+    let mut trainer = Trainer::new(run_cfg.clone(), None).unwrap();
+    let (before, after) = trainer.run(&mut Quiet).unwrap();
+    let before = before.unwrap();
+    assert!(
+        after.mrr_at_10 > before.mrr_at_10,
+        "MRR@10 {} -> {}",
+        before.mrr_at_10,
+        after.mrr_at_10
+    );
+
+    // The export is a PyLate directory our loader reads back to the same token vectors
+    // the trained encoder writes.
+    let out = dir.path().join("model");
+    export_run_as(&run_cfg, None, &out, Side::Query, ExportLayout::Merged).unwrap();
+    let st: serde_json::Value = serde_json::from_str(
+        &fs::read_to_string(out.join("config_sentence_transformers.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(st["model_type"], "ColBERT");
+    assert_eq!(st["query_length"], 12);
+    let model = MultiVectorModel::load(out.to_str().unwrap(), &Device::Cpu).unwrap();
+    let texts = [
+        "in the beginning god created the heaven",
+        "and god said, let there be light.",
+    ];
+    let exported = model.document_vectors(&texts, 2).unwrap();
+    let (_, documents) = model.tokenizers();
+    let batch = documents.encode(&texts, &Device::Cpu).unwrap();
+    let trained = gradcache::Encoder::encode(
+        trainer.gradient_cache().passage_encoder(),
+        &batch,
+        &gradcache::Ctx::eval(),
+    )
+    .unwrap()
+    .reshape((2, 20, 8))
+    .unwrap();
+    let keep = batch
+        .vectors
+        .as_ref()
+        .unwrap()
+        .keep
+        .to_vec2::<u32>()
+        .unwrap();
+    for (i, e) in exported.iter().enumerate() {
+        let kept: Vec<u32> = (0..keep[i].len() as u32)
+            .filter(|&t| keep[i][t as usize] == 1)
+            .collect();
+        let idx = candle_core::Tensor::new(kept.as_slice(), &Device::Cpu).unwrap();
+        let want = trained.get(i).unwrap().index_select(&idx, 0).unwrap();
+        assert_eq!(e.dims(), want.dims());
+        assert!(max_diff(e, &want) <= 1e-5, "text {i}");
+    }
+    // The punctuation of the second text is skiplisted.
+    assert!(
+        keep[1].iter().sum::<u32>()
+            < batch
+                .attention_mask
+                .get(1)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<u32>()
+                .unwrap()
+    );
+}
+
+#[test]
+fn single_vector_settings_are_refused_on_a_multi_vector_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_colbert(dir.path(), "");
+    for (set, field) in [
+        ("model.pooling=\"mean\"", "model.pooling"),
+        ("model.query_max_len=16", "model.query_max_len"),
+        ("model.query_prompt=\"query: \"", "model.query_prompt"),
+        ("loss.symmetric=true", "loss.symmetric"),
+        ("loss.similarity=\"dot\"", "loss.similarity"),
+        ("loss.matryoshka_dims=[4]", "loss.matryoshka_dims"),
+        ("model.multi_vector.dim=0", "model.multi_vector.dim"),
+    ] {
+        let err = Config::load(&path, &[set.to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(field), "{set}: {err}");
+    }
+    // A query length without room for [CLS], the prefix, [SEP] and a token: refused
+    // before the run directory exists.
+    let cfg = Config::load(&path, &["model.multi_vector.query_length=3".into()]).unwrap();
+    let err = Trainer::new(cfg, None).err().unwrap().to_string();
+    assert!(err.contains("query_length"), "{err}");
+    assert!(!dir.path().join("run").exists());
+}
+
+#[test]
+fn a_pretrained_colbert_trains_from_its_own_settings_and_needs_the_section() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/colbert/pylate");
+    let pretrained = format!("model.pretrained=\"{}\"", fixture.display());
+    let path = tiny_colbert(dir.path(), "");
+    // The fixture's own settings: 8-d, queries of 12, documents of 20, [Q] / [D].
+    let plain = Config::load(
+        &path,
+        &[
+            pretrained.clone(),
+            "model.multi_vector={}".into(),
+            "train.steps=2".into(),
+        ],
+    )
+    .unwrap();
+    let mut trainer = Trainer::new(plain, None).unwrap();
+    let loss = trainer.train_step().unwrap().loss;
+    assert!(loss.is_finite());
+    // A multi-vector model trained as a single-vector one: refused, naming the section.
+    let mut cfg = Config::load(&path, &[pretrained]).unwrap();
+    cfg.model.multi_vector = None;
+    cfg.output_dir = dir.path().join("single");
+    let err = Trainer::new(cfg, None).err().unwrap().to_string();
+    assert!(err.contains("[model.multi_vector]"), "{err}");
+    assert!(!dir.path().join("single").exists());
+}
