@@ -68,6 +68,15 @@ fn loop_scores(q: &Tensor, p: &Tensor) -> Vec<Vec<f32>> {
 
 #[test]
 fn maxsim_scores_equal_a_loop() {
+    let _serial = FUSED.lock().unwrap_or_else(|p| p.into_inner());
+    for fused in [true, false] {
+        gradcache::nn::set_fused_kernels(fused);
+        maxsim_scores_equal_a_loop_on_this_path();
+    }
+    gradcache::nn::set_fused_kernels(true);
+}
+
+fn maxsim_scores_equal_a_loop_on_this_path() {
     let (q, p) = (token_matrices(1, 5, 4), token_matrices(2, 10, 7));
     for block in [1, 40, 1 << 22] {
         let loss = MaxSim::new(DIM).unwrap().with_block_similarities(block);
@@ -94,6 +103,16 @@ fn maxsim_scores_equal_a_loop() {
 
 #[test]
 fn maxsim_gradients_equal_autograd_in_every_blocking() {
+    // The CPU kernels, then the composed ops other devices run.
+    let _serial = FUSED.lock().unwrap_or_else(|p| p.into_inner());
+    for fused in [true, false] {
+        gradcache::nn::set_fused_kernels(fused);
+        maxsim_gradients_equal_autograd();
+    }
+    gradcache::nn::set_fused_kernels(true);
+}
+
+fn maxsim_gradients_equal_autograd() {
     for (group, temperature) in [(1, 1.0), (3, 0.05)] {
         let (q, p) = (token_matrices(3, 6, 5), token_matrices(4, 6 * group, 8));
         let reference = MaxSim::new(DIM)

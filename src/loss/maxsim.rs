@@ -104,6 +104,15 @@ impl MaxSim {
     pub fn scores(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
         let q = self.tokens(queries, crate::Side::Query)?;
         let p = self.tokens(passages, crate::Side::Passage)?;
+        if self.on_kernels(&[queries, passages]) {
+            let kernel = Kernel::new(self, &q, &p)?;
+            let scores = kernel.scores()?;
+            return Ok(Tensor::from_vec(
+                scores,
+                (q.dim(0)?, p.dim(0)?),
+                queries.device(),
+            )?);
+        }
         let (q_block, p_block) = self.blocks(&q, &p)?;
         let mut rows = Vec::new();
         for (qs, ql) in spans(q.dim(0)?, q_block) {
@@ -146,6 +155,120 @@ impl MaxSim {
         let onehot = Tensor::from_vec(onehot, (nq, np), scores.device())?;
         let grads = ((log_probs.exp()? - onehot)? / (nq as f64 * self.temperature))?;
         Ok((loss, grads.to_dtype(scores.dtype())?))
+    }
+}
+
+impl MaxSim {
+    /// Whether the CPU kernels run: f32 on the CPU, no graph to keep, kernels on.
+    fn on_kernels(&self, ts: &[&Tensor]) -> bool {
+        ts.iter().all(|t| !t.track_op() && t.dtype() == DType::F32) && crate::nn::fused_ok(ts)
+    }
+}
+
+/// The CPU path: every block's similarities by one matrix product, the max and the
+/// gradient by [`crate::nn::maxsim`]'s kernels.
+struct Kernel<'a> {
+    loss: &'a MaxSim,
+    q: Tensor,
+    p: Tensor,
+    q_kept: Vec<bool>,
+    p_kept: Vec<bool>,
+}
+
+impl<'a> Kernel<'a> {
+    fn new(loss: &'a MaxSim, q: &Tensor, p: &Tensor) -> Result<Self> {
+        let kept = |x: &Tensor| -> Result<Vec<bool>> {
+            let (n, l, d) = x.dims3()?;
+            let v = x.flatten_all()?.to_vec1::<f32>()?;
+            Ok((0..n * l)
+                .map(|r| v[r * d..(r + 1) * d].iter().any(|&x| x != 0.0))
+                .collect())
+        };
+        Ok(Self {
+            loss,
+            q_kept: kept(q)?,
+            p_kept: kept(p)?,
+            q: q.contiguous()?,
+            p: p.contiguous()?,
+        })
+    }
+
+    /// The blocks: `(query start, queries, passage start, passages)`.
+    fn blocks(&self) -> Result<Vec<(usize, usize, usize, usize)>> {
+        let (q_block, p_block) = self.loss.blocks(&self.q, &self.p)?;
+        let np = self.p.dim(0)?;
+        Ok(spans(self.q.dim(0)?, q_block)
+            .flat_map(|(qs, ql)| spans(np, p_block).map(move |(ps, pl)| (qs, ql, ps, pl)))
+            .collect())
+    }
+
+    /// One block's similarities and what its max chose.
+    fn choose(
+        &self,
+        (qs, ql, ps, pl): (usize, usize, usize, usize),
+    ) -> Result<(crate::nn::maxsim::BlockShape, crate::nn::maxsim::Chosen)> {
+        let (_, lq, d) = self.q.dims3()?;
+        let (_, lp, _) = self.p.dims3()?;
+        let shape = crate::nn::maxsim::BlockShape {
+            nq: ql,
+            lq,
+            np: pl,
+            lp,
+        };
+        let qb = self.q.narrow(0, qs, ql)?.reshape((ql * lq, d))?;
+        let pb = self.p.narrow(0, ps, pl)?.reshape((pl * lp, d))?;
+        let sims = qb.matmul(&pb.t()?)?.contiguous()?;
+        let chosen =
+            crate::nn::maxsim::choose(&sims, &self.p_kept[ps * lp..(ps + pl) * lp], shape)?;
+        Ok((shape, chosen))
+    }
+
+    fn scores(&self) -> Result<Vec<f32>> {
+        let (nq, lq, _) = self.q.dims3()?;
+        let np = self.p.dim(0)?;
+        let mut out = vec![0f32; nq * np];
+        for block in self.blocks()? {
+            let (qs, ql, ps, pl) = block;
+            let (shape, chosen) = self.choose(block)?;
+            let s =
+                crate::nn::maxsim::scores(&chosen, &self.q_kept[qs * lq..(qs + ql) * lq], shape);
+            for i in 0..ql {
+                out[(qs + i) * np + ps..][..pl].copy_from_slice(&s[i * pl..(i + 1) * pl]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The gradients of the token vectors from the scores' `g` `[Q * P]`, each block's
+    /// max chosen again.
+    fn grads(&self, g: &[f32]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (nq, lq, d) = self.q.dims3()?;
+        let (np, lp, _) = self.p.dims3()?;
+        let qv = self.q.flatten_all()?.to_vec1::<f32>()?;
+        let pv = self.p.flatten_all()?.to_vec1::<f32>()?;
+        let mut dq = vec![0f32; nq * lq * d];
+        let mut dp = vec![0f32; np * lp * d];
+        for block in self.blocks()? {
+            let (qs, ql, ps, pl) = block;
+            let (shape, chosen) = self.choose(block)?;
+            let gb: Vec<f32> = (0..ql)
+                .flat_map(|i| g[(qs + i) * np + ps..][..pl].iter().copied())
+                .collect();
+            let (qr, pr) = (
+                qs * lq * d..(qs + ql) * lq * d,
+                ps * lp * d..(ps + pl) * lp * d,
+            );
+            crate::nn::maxsim::scatter(
+                &chosen,
+                &self.q_kept[qs * lq..(qs + ql) * lq],
+                (&qv[qr.clone()], &pv[pr.clone()]),
+                &gb,
+                (&mut dq[qr], &mut dp[pr]),
+                shape,
+                d,
+            );
+        }
+        Ok((dq, dp))
     }
 }
 
@@ -231,6 +354,18 @@ impl Loss for MaxSim {
         let (queries, passages) = (queries.detach(), passages.detach());
         let q = self.tokens(&queries, crate::Side::Query)?;
         let p = self.tokens(&passages, crate::Side::Passage)?;
+        if self.on_kernels(&[&queries, &passages]) {
+            let kernel = Kernel::new(self, &q, &p)?;
+            let scores = Tensor::from_vec(kernel.scores()?, (q.dim(0)?, p.dim(0)?), q.device())?;
+            let (loss, g) = self.score_grads(&scores, group)?;
+            let (dq, dp) = kernel.grads(&g.flatten_all()?.to_vec1::<f32>()?)?;
+            return Ok(LossValue {
+                loss,
+                grad_queries: Tensor::from_vec(dq, queries.dims(), q.device())?,
+                grad_passages: Tensor::from_vec(dp, passages.dims(), p.device())?,
+                params: Default::default(),
+            });
+        }
         let (nq, lq, d) = q.dims3()?;
         let (np, lp, _) = p.dims3()?;
         let scores = self.scores(&queries, &passages)?;

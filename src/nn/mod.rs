@@ -39,6 +39,7 @@ mod layer_norm;
 pub mod lora;
 mod lora_branch;
 mod math;
+pub(crate) mod maxsim;
 mod node;
 mod norm;
 mod packed_attention;
