@@ -525,3 +525,30 @@ fn lora_adapters_on_four_ranks_follow_the_one_rank_loss_curve() {
         "{text}"
     );
 }
+
+#[test]
+fn a_colbert_on_two_and_four_ranks_follows_the_one_rank_loss_curve() {
+    // configs/colbert.toml (a fresh model, MaxSim InfoNCE, queries expanded to 32 tokens):
+    // the ranks' token matrices (queries 32 x 128, documents 64 x 128 values each) are
+    // all-gathered, the loss runs on the global batch on every rank.
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let colbert = |out: &Path| -> Vec<String> {
+        let mut v = args(&train, &eval, out);
+        v[2] = "configs/colbert.toml".into();
+        for s in [
+            "dist.backend=\"mpi\"",
+            "model.multi_vector.dim=16",
+            "loss.temperature=1.0",
+        ] {
+            v.push("--set".into());
+            v.push(s.into());
+        }
+        v
+    };
+    for n in [2, 4] {
+        let sub = dir.path().join(format!("ranks-{n}"));
+        fs::create_dir_all(&sub).unwrap();
+        one_and_n_ranks_agree(&sub, n, colbert);
+    }
+}
