@@ -200,6 +200,60 @@ def memory(layers, batch):
     print(f"{seconds:.0f} {rss / 2 ** 30:.2f}")
 
 
+def colbert_make(raw_out, out):
+    """A base-size BERT with random weights (seed 0) as PyLate builds a ColBERT from it:
+    a 128-d projection, query length 32 (expansion), document length 180, [Q] / [D]
+    prefixes. Run with PyLate's venv; `raw_out` gets the plain model first."""
+    import transformers
+    from pylate import models
+
+    fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "families", "bert")
+    small = transformers.AutoConfig.from_pretrained(fixture)
+    base = dict(hidden_size=768, num_attention_heads=12, num_hidden_layers=12, intermediate_size=3072,
+                max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(**{**small.to_dict(), **base}))
+    model.save_pretrained(raw_out)
+    tok = transformers.AutoTokenizer.from_pretrained(fixture)
+    tok.model_max_length = 512
+    tok.save_pretrained(raw_out)
+    colbert = models.ColBERT(raw_out, embedding_size=128, query_length=32, document_length=180,
+                             device="cpu")
+    colbert.save(out)
+
+
+def colbert_train(model_dir, pairs_path, batch, mini, steps):
+    """sentence-transformers 6's cached multi-vector loss on the PyLate directory
+    `model_dir`: one AdamW step per batch of (query, positive) pairs, MaxSim InfoNCE over
+    the in-batch documents in mini-batches of `mini`, dropout on; prints pairs/s (the
+    steps after the first)."""
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.multi_vector_encoder.losses import (
+        CachedMultiVectorMultipleNegativesRankingLoss,
+    )
+
+    pairs = [json.loads(line) for line in open(pairs_path)]
+    model = MultiVectorEncoder(model_dir, device="cpu")
+    model.train()
+    loss = CachedMultiVectorMultipleNegativesRankingLoss(model, scale=1.0, mini_batch_size=mini)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    prompt = lambda task, texts: [model.prompts.get(task, "") + t for t in texts]
+    rates = []
+    for step in range(steps + 1):
+        b = pairs[step * batch:(step + 1) * batch]
+        start = time.perf_counter()
+        q = model.preprocess(prompt("query", [p["query"] for p in b]), task="query")
+        d = model.preprocess(prompt("document", [p["positive"] for p in b]), task="document")
+        q["task"], d["task"] = "query", "document"
+        value = loss([q, d], None)
+        value.backward()
+        opt.step()
+        opt.zero_grad()
+        if step:
+            rates.append(batch / (time.perf_counter() - start))
+    print(f"{sum(rates) / len(rates):.2f}")
+
+
 def sgemm():
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     a @ b
@@ -221,6 +275,10 @@ if __name__ == "__main__":
         encode(args[0], args[1], int(args[2]), int(args[3]))
     elif cmd == "make":
         make(args[0], args[1])
+    elif cmd == "colbert-make":
+        colbert_make(args[0], args[1])
+    elif cmd == "colbert-train":
+        colbert_train(args[0], args[1], int(args[2]), int(args[3]), int(args[4]))
     elif cmd == "memory":
         memory(int(args[0]), int(args[1]))
     else:

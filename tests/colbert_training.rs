@@ -213,3 +213,43 @@ fn a_pretrained_colbert_trains_from_its_own_settings_and_needs_the_section() {
     assert!(err.contains("[model.multi_vector]"), "{err}");
     assert!(!dir.path().join("single").exists());
 }
+
+#[test]
+fn the_shipped_colbert_config_learns() {
+    // configs/colbert.toml as shipped (its model, prefixes, lengths, temperature,
+    // optimizer), on 400 quickstart pairs for 20 steps, evaluated on 100 held-out pairs.
+    let dir = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = fs::read_to_string("data/quickstart/train.jsonl")
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    fs::write(dir.path().join("train.jsonl"), lines[..400].join("\n")).unwrap();
+    fs::write(dir.path().join("eval.jsonl"), lines[1000..1100].join("\n")).unwrap();
+    let sets: Vec<String> = [
+        format!("output_dir=\"{}\"", dir.path().join("run").display()),
+        format!(
+            "data.train_file=\"{}\"",
+            dir.path().join("train.jsonl").display()
+        ),
+        format!(
+            "data.eval_file=\"{}\"",
+            dir.path().join("eval.jsonl").display()
+        ),
+        "train.steps=20".into(),
+        "train.batch_size=64".into(),
+        "train.eval_every=20".into(),
+        "train.checkpoint_every=20".into(),
+    ]
+    .to_vec();
+    let cfg = Config::load(Path::new("configs/colbert.toml"), &sets).unwrap();
+    let mut trainer = Trainer::new(cfg, None).unwrap();
+    let (before, after) = trainer.run(&mut Quiet).unwrap();
+    let before = before.unwrap();
+    assert!(
+        after.ndcg_at_10 > before.ndcg_at_10 + 0.05,
+        "nDCG@10 {} -> {}",
+        before.ndcg_at_10,
+        after.ndcg_at_10
+    );
+}

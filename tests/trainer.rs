@@ -20,6 +20,7 @@ fn every_shipped_config_is_valid() {
         "distributed-cpu",
         "qwen3",
         "qwen3-lora",
+        "colbert",
     ] {
         let path = format!("configs/{name}.toml");
         let cfg = Config::load(Path::new(&path), &[]).unwrap_or_else(|e| panic!("{path}: {e}"));

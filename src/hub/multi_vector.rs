@@ -220,11 +220,20 @@ impl MultiVectorConfig {
             Layout::SentenceTransformers => {
                 let sb_path = dir.join(SENTENCE_BERT_CONFIG);
                 let sb = read_json(&sb_path)?;
+                // Without its own lengths a side is cut at the model's limit, as
+                // sentence-transformers does.
+                let limit = model_limit(dir, &sb);
+                let length = |key: &str| -> Result<usize> {
+                    match &sb[key] {
+                        Value::Null => limit.ok_or_else(|| bad(&sb_path, format!("no `{key}` and no `max_seq_length` or model limit to fall back on"))),
+                        _ => count(&sb, key, &sb_path),
+                    }
+                };
                 let prompt =
                     |name: &str| st["prompts"][name].as_str().unwrap_or_default().to_string();
                 let expansion = &sb["query_expansion"];
                 let (query_expansion, attend, query_length) = match expansion {
-                    Value::Null => (false, false, count(&sb, "max_seq_length", &sb_path)?),
+                    Value::Null => (false, false, length("max_seq_length")?),
                     e => {
                         if e["strategy"].as_str().is_some_and(|s| s != "fixed")
                             || !e["token"].is_null()
@@ -243,7 +252,7 @@ impl MultiVectorConfig {
                     query_prefix: prompt("query"),
                     document_prefix: prompt("document"),
                     query_length,
-                    document_length: count(&sb, "document_length", &sb_path)?,
+                    document_length: length("document_length")?,
                     query_expansion,
                     attend_to_expansion_tokens: attend,
                     skiplist_words: skiplist.unwrap_or_default(),
@@ -307,6 +316,23 @@ impl MultiVectorConfig {
             .with_vectors(VectorSide::Document { skiplist });
         Ok((query, document))
     }
+}
+
+/// A sentence-transformers model's limit: `max_seq_length`, else the tokenizer config's
+/// `model_max_length` (when it is a real one), else the positions of `config.json`.
+fn model_limit(dir: &Path, sb: &Value) -> Option<usize> {
+    let read = |name: &str, key: &str| -> Option<usize> {
+        let v = read_json(&dir.join(name)).ok()?;
+        v[key]
+            .as_u64()
+            .map(|n| n as usize)
+            .filter(|&n| n < 1_000_000)
+    };
+    sb["max_seq_length"]
+        .as_u64()
+        .map(|n| n as usize)
+        .or_else(|| read("tokenizer_config.json", "model_max_length"))
+        .or_else(|| read("config.json", "max_position_embeddings"))
 }
 
 fn words(v: &Value) -> Vec<String> {

@@ -244,8 +244,6 @@ impl<'a> Kernel<'a> {
     fn grads(&self, g: &[f32]) -> Result<(Vec<f32>, Vec<f32>)> {
         let (nq, lq, d) = self.q.dims3()?;
         let (np, lp, _) = self.p.dims3()?;
-        let qv = self.q.flatten_all()?.to_vec1::<f32>()?;
-        let pv = self.p.flatten_all()?.to_vec1::<f32>()?;
         let mut dq = vec![0f32; nq * lq * d];
         let mut dp = vec![0f32; np * lp * d];
         for block in self.blocks()? {
@@ -254,19 +252,21 @@ impl<'a> Kernel<'a> {
             let gb: Vec<f32> = (0..ql)
                 .flat_map(|i| g[(qs + i) * np + ps..][..pl].iter().copied())
                 .collect();
+            let (q_rows, p_rows) = (qs * lq..(qs + ql) * lq, ps * lp..(ps + pl) * lp);
             let (qr, pr) = (
-                qs * lq * d..(qs + ql) * lq * d,
-                ps * lp * d..(ps + pl) * lp * d,
+                q_rows.start * d..q_rows.end * d,
+                p_rows.start * d..p_rows.end * d,
             );
-            crate::nn::maxsim::scatter(
+            crate::nn::maxsim::scatter_block(
                 &chosen,
-                &self.q_kept[qs * lq..(qs + ql) * lq],
-                (&qv[qr.clone()], &pv[pr.clone()]),
+                &self.q_kept[q_rows.clone()],
+                (&self.q, q_rows),
+                (&self.p, p_rows),
                 &gb,
                 (&mut dq[qr], &mut dp[pr]),
                 shape,
                 d,
-            );
+            )?;
         }
         Ok((dq, dp))
     }

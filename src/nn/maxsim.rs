@@ -80,10 +80,41 @@ pub(crate) fn scores(chosen: &Chosen, q_kept: &[bool], shape: BlockShape) -> Vec
     out
 }
 
+/// Which token vectors of `x` `[rows * tokens, dim]` (contiguous f32 on the CPU) are there
+/// (not all zero), read in place.
+pub(crate) fn kept(x: &Tensor, dim: usize) -> crate::Result<Vec<bool>> {
+    let view = View::new(x)?;
+    Ok(view
+        .values::<f32>()?
+        .chunks(dim.max(1))
+        .map(|v| v.iter().any(|&x| x != 0.0))
+        .collect())
+}
+
+/// [`scatter`] reading the token vectors of one block in place: queries `q_rows` of `q`
+/// and passages `p_rows` of `p` (token-vector rows of the contiguous f32 CPU tensors).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn scatter_block(
+    chosen: &Chosen,
+    q_kept: &[bool],
+    (q, q_rows): (&Tensor, std::ops::Range<usize>),
+    (p, p_rows): (&Tensor, std::ops::Range<usize>),
+    g: &[f32],
+    (dq, dp): (&mut [f32], &mut [f32]),
+    shape: BlockShape,
+    dim: usize,
+) -> crate::Result<()> {
+    let (qv, pv) = (View::new(q)?, View::new(p)?);
+    let q = &qv.values::<f32>()?[q_rows.start * dim..q_rows.end * dim];
+    let p = &pv.values::<f32>()?[p_rows.start * dim..p_rows.end * dim];
+    scatter(chosen, q_kept, (q, p), g, (dq, dp), shape, dim);
+    Ok(())
+}
+
 /// Adds the gradient of the block's scores `g` `[nq, np]` to the query token vectors'
 /// `dq` `[nq * lq, dim]` and the passage token vectors' `dp` `[np * lp, dim]`: each kept
 /// query token gets `g * p[chosen]`, each chosen passage token `g * q`.
-pub(crate) fn scatter(
+fn scatter(
     chosen: &Chosen,
     q_kept: &[bool],
     (q, p): (&[f32], &[f32]),
