@@ -177,19 +177,13 @@ struct Kernel<'a> {
 
 impl<'a> Kernel<'a> {
     fn new(loss: &'a MaxSim, q: &Tensor, p: &Tensor) -> Result<Self> {
-        let kept = |x: &Tensor| -> Result<Vec<bool>> {
-            let (n, l, d) = x.dims3()?;
-            let v = x.flatten_all()?.to_vec1::<f32>()?;
-            Ok((0..n * l)
-                .map(|r| v[r * d..(r + 1) * d].iter().any(|&x| x != 0.0))
-                .collect())
-        };
+        let (q, p) = (q.contiguous()?, p.contiguous()?);
         Ok(Self {
             loss,
-            q_kept: kept(q)?,
-            p_kept: kept(p)?,
-            q: q.contiguous()?,
-            p: p.contiguous()?,
+            q_kept: crate::nn::maxsim::kept(&q, loss.dim)?,
+            p_kept: crate::nn::maxsim::kept(&p, loss.dim)?,
+            q,
+            p,
         })
     }
 
