@@ -344,3 +344,12 @@ fn data_location(path: &std::path::Path, line: usize) -> String {
 
 /// `Result` with the library's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// A configuration value refused: `field` is `value`, which `reason` says is wrong.
+pub(crate) fn invalid(field: &'static str, value: impl ToString, reason: &'static str) -> Error {
+    Error::InvalidConfig {
+        field,
+        value: value.to_string(),
+        reason,
+    }
+}

@@ -510,25 +510,8 @@ impl InfoNce {
     }
 }
 
-/// `x / max(||x||, 1e-12)` over the last dimension (as `torch.nn.functional.normalize`),
-/// differentiable. Also `gradcache::nn::l2_normalize`.
-pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
-    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
-    Ok(x.broadcast_div(&norm)?)
-}
-
-/// The gradient with respect to `x` of `sum(g * x / max(||x||, 1e-12))` (rows over the
-/// last dimension): `(g - y (g . y)) / ||x||` with `y` the normalised rows, and `g / 1e-12`
-/// on rows whose norm was clamped (the clamp is a constant there), as autograd through
-/// [`l2_normalize`] gives it.
-pub(crate) fn l2_normalize_backward(x: &Tensor, g: &Tensor) -> Result<Tensor> {
-    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?;
-    let clamped = norm.maximum(1e-12)?;
-    let y = x.broadcast_div(&clamped)?;
-    let live = norm.ge(1e-12)?.to_dtype(x.dtype())?;
-    let along = ((g * &y)?.sum_keepdim(D::Minus1)? * live)?;
-    Ok((g - y.broadcast_mul(&along)?)?.broadcast_div(&clamped)?)
-}
+pub use crate::nn::l2_normalize;
+pub(crate) use crate::nn::l2_normalize_backward;
 
 pub use crate::nn::infonce::{Columns, Exclude, Rows, Segment, Term};
 

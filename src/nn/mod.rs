@@ -66,7 +66,6 @@ use candle_core::{DType, Tensor, D};
 use crate::precision::is_half;
 use crate::Result;
 
-pub use crate::loss::l2_normalize;
 pub use attention::{MASKED_BIAS, UNATTENDED_BIAS};
 pub use blocks::serial;
 pub use fused::{Act, AttentionSpec};
@@ -614,6 +613,30 @@ pub fn attention_composed(
     Ok(probs.matmul(v)?)
 }
 
+/// `x / max(||x||, 1e-12)` over the last dimension (as `torch.nn.functional.normalize`),
+/// differentiable. Also `gradcache::loss::l2_normalize`.
+pub fn l2_normalize(x: &Tensor) -> crate::Result<Tensor> {
+    let norm = x
+        .sqr()?
+        .sum_keepdim(candle_core::D::Minus1)?
+        .sqrt()?
+        .maximum(1e-12)?;
+    Ok(x.broadcast_div(&norm)?)
+}
+
+/// The gradient with respect to `x` of `sum(g * x / max(||x||, 1e-12))` (rows over the
+/// last dimension): `(g - y (g . y)) / ||x||` with `y` the normalised rows, and `g / 1e-12`
+/// on rows whose norm was clamped (the clamp is a constant there), as autograd through
+/// [`l2_normalize`] gives it.
+pub(crate) fn l2_normalize_backward(x: &Tensor, g: &Tensor) -> crate::Result<Tensor> {
+    let norm = x.sqr()?.sum_keepdim(candle_core::D::Minus1)?.sqrt()?;
+    let clamped = norm.maximum(1e-12)?;
+    let y = x.broadcast_div(&clamped)?;
+    let live = norm.ge(1e-12)?.to_dtype(x.dtype())?;
+    let along = ((g * &y)?.sum_keepdim(candle_core::D::Minus1)? * live)?;
+    Ok((g - y.broadcast_mul(&along)?)?.broadcast_div(&clamped)?)
+}
+
 /// [`l2_normalize`] over the last dimension as one node with its backward written out
 /// (as autograd through `x / max(||x||, 1e-12)` gives it): a row of zeros (a masked
 /// token of a multi-vector head, a padding row the packed kernels left at 0) gets the
@@ -627,7 +650,7 @@ pub fn l2_normalize_rows(x: &Tensor) -> crate::Result<Tensor> {
         [x, x, x],
         y,
         Box::new(move |g| {
-            let dx = crate::loss::l2_normalize_backward(&xd, g)
+            let dx = l2_normalize_backward(&xd, g)
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
             Ok([Some(dx), None, None])
         }),

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use crate::device::DeviceSpec;
 use crate::dist::Backend;
+use crate::error::invalid;
 use crate::loss::{LossDirection, Similarity};
 use crate::models::bert::Pooling;
 use crate::precision::{LossScaler, Precision};
@@ -560,14 +561,6 @@ impl Default for DistConfig {
     }
 }
 
-pub(super) fn invalid(field: &'static str, value: impl ToString, reason: &'static str) -> Error {
-    Error::InvalidConfig {
-        field,
-        value: value.to_string(),
-        reason,
-    }
-}
-
 impl Config {
     /// Reads `path`, applies `overrides` (`section.key=value`, value in TOML syntax, bare
     /// words taken as strings), then deserialises and validates.
@@ -694,7 +687,36 @@ impl Config {
             lora.validate(&m.pretrained)?;
         }
         if let Some(mv) = &m.multi_vector {
-            mv.validate(self)?;
+            let l = &self.loss;
+            let d = LossConfig::default();
+            mv.validate(
+                &[
+                    ("model.pooling", m.pooling.is_some()),
+                    ("model.normalize", m.normalize.is_some()),
+                    ("model.query_max_len", m.query_max_len.is_some()),
+                    ("model.passage_max_len", m.passage_max_len.is_some()),
+                    ("model.query_prompt", m.query_prompt.is_some()),
+                    ("model.passage_prompt", m.passage_prompt.is_some()),
+                    ("model.include_prompt", m.include_prompt.is_some()),
+                ],
+                &[
+                    ("loss.similarity", l.similarity != d.similarity),
+                    ("loss.symmetric", l.symmetric),
+                    ("loss.directions", l.directions != d.directions),
+                    ("loss.block_rows", l.block_rows != 0),
+                    ("loss.matryoshka_dims", !l.matryoshka_dims.is_empty()),
+                    ("loss.matryoshka_weights", !l.matryoshka_weights.is_empty()),
+                    (
+                        "loss.false_negative_margin",
+                        l.false_negative_margin.is_some(),
+                    ),
+                    (
+                        "loss.false_negative_guide",
+                        l.false_negative_guide.is_some(),
+                    ),
+                ],
+                m.lora.is_some(),
+            )?;
         }
         if m.base_dtype != BaseDtype::F32 && m.lora.is_none() {
             return Err(invalid(

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use super::config::invalid;
+use crate::error::invalid;
 use crate::hub::adapter::PeftAdapter;
 use crate::{Error, Result};
 

@@ -5,7 +5,7 @@
 use crate::hub::multi_vector::{MultiVectorConfig, MultiVectorHead, PUNCTUATION};
 use crate::{Error, Result};
 
-use super::config::{invalid, Config, LossConfig};
+use crate::error::invalid;
 
 /// PyLate's defaults: 128-d token vectors, queries of 32 tokens, documents of 180.
 pub const DEFAULT_DIM: usize = 128;
@@ -91,9 +91,15 @@ impl MultiVectorSettings {
         }
     }
 
-    /// Refuses what does not fit a multi-vector run: a zero width or length, and the
-    /// single-vector settings of the model and the loss, each by name.
-    pub(super) fn validate(&self, cfg: &Config) -> Result<()> {
+    /// Refuses what does not fit a multi-vector run: a zero width or length, the
+    /// single-vector settings of the model and the loss that are set (`(field, set)`), and
+    /// LoRA (`lora`), each by name.
+    pub(super) fn validate(
+        &self,
+        single_model: &[(&'static str, bool)],
+        single_loss: &[(&'static str, bool)],
+        lora: bool,
+    ) -> Result<()> {
         for (field, value) in [
             ("model.multi_vector.dim", self.dim),
             ("model.multi_vector.query_length", self.query_length),
@@ -103,16 +109,6 @@ impl MultiVectorSettings {
                 return Err(invalid(field, 0, "must be at least 1"));
             }
         }
-        let m = &cfg.model;
-        let single_model = [
-            ("model.pooling", m.pooling.is_some()),
-            ("model.normalize", m.normalize.is_some()),
-            ("model.query_max_len", m.query_max_len.is_some()),
-            ("model.passage_max_len", m.passage_max_len.is_some()),
-            ("model.query_prompt", m.query_prompt.is_some()),
-            ("model.passage_prompt", m.passage_prompt.is_some()),
-            ("model.include_prompt", m.include_prompt.is_some()),
-        ];
         if let Some((field, _)) = single_model.iter().find(|(_, set)| *set) {
             return Err(Error::InvalidConfig {
                 field,
@@ -123,24 +119,6 @@ impl MultiVectorSettings {
                          document_prefix instead",
             });
         }
-        let l = &cfg.loss;
-        let d = LossConfig::default();
-        let single_loss = [
-            ("loss.similarity", l.similarity != d.similarity),
-            ("loss.symmetric", l.symmetric),
-            ("loss.directions", l.directions != d.directions),
-            ("loss.block_rows", l.block_rows != 0),
-            ("loss.matryoshka_dims", !l.matryoshka_dims.is_empty()),
-            ("loss.matryoshka_weights", !l.matryoshka_weights.is_empty()),
-            (
-                "loss.false_negative_margin",
-                l.false_negative_margin.is_some(),
-            ),
-            (
-                "loss.false_negative_guide",
-                l.false_negative_guide.is_some(),
-            ),
-        ];
         if let Some((field, _)) = single_loss.iter().find(|(_, set)| *set) {
             return Err(Error::InvalidConfig {
                 field,
@@ -150,7 +128,7 @@ impl MultiVectorSettings {
                          Contrastive; 1.0 there)",
             });
         }
-        if m.lora.is_some() {
+        if lora {
             return Err(invalid(
                 "model.lora",
                 "set",
