@@ -19,7 +19,7 @@
 
 use candle_core::{DType, Tensor, D};
 
-use super::{group_size, scalar, Loss, LossValue};
+use super::{group_size, Loss, LossValue};
 use crate::{Error, Result};
 
 /// The most token-to-token similarities one block holds when no size is set (2^22, 16
@@ -137,24 +137,27 @@ impl MaxSim {
         Ok((q_block, p_block))
     }
 
-    /// dL/d scores of the cross-entropy of `scores / temperature`, targets `i * group`.
+    /// The cross-entropy of `scores / temperature` (targets `i * group`, the mean over
+    /// queries) and its gradient with respect to the scores, a row at a time (in f64):
+    /// two score-sized buffers, whatever the batch.
     fn score_grads(&self, scores: &Tensor, group: usize) -> Result<(f32, Tensor)> {
         let (nq, np) = scores.dims2()?;
-        let logits = (scores.to_dtype(DType::F32)? / self.temperature)?;
-        let max = logits.max_keepdim(D::Minus1)?;
-        let shifted = logits.broadcast_sub(&max)?;
-        let sum = shifted.exp()?.sum_keepdim(D::Minus1)?;
-        let log_probs = shifted.broadcast_sub(&sum.log()?)?;
-        let targets: Vec<u32> = (0..nq).map(|i| (i * group) as u32).collect();
-        let targets = Tensor::new(targets.as_slice(), scores.device())?;
-        let picked = log_probs.gather(&targets.unsqueeze(1)?, 1)?;
-        let loss = -(scalar(&picked.sum_all()?)? / nq as f32);
-        let onehot: Vec<f32> = (0..nq * np)
-            .map(|k| f32::from(u8::from(k % np == (k / np) * group)))
-            .collect();
-        let onehot = Tensor::from_vec(onehot, (nq, np), scores.device())?;
-        let grads = ((log_probs.exp()? - onehot)? / (nq as f64 * self.temperature))?;
-        Ok((loss, grads.to_dtype(scores.dtype())?))
+        let mut values = scores.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let t = self.temperature;
+        let mut total = 0f64;
+        for (i, row) in values.chunks_mut(np.max(1)).enumerate() {
+            let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64 / t));
+            let sum: f64 = row.iter().map(|&v| (v as f64 / t - max).exp()).sum();
+            let log_sum = sum.ln();
+            total -= row[i * group] as f64 / t - max - log_sum;
+            for (j, v) in row.iter_mut().enumerate() {
+                let p = (*v as f64 / t - max - log_sum).exp();
+                let target = if j == i * group { 1.0 } else { 0.0 };
+                *v = ((p - target) / (nq as f64 * t)) as f32;
+            }
+        }
+        let grads = Tensor::from_vec(values, (nq, np), scores.device())?;
+        Ok(((total / nq as f64) as f32, grads.to_dtype(scores.dtype())?))
     }
 }
 
