@@ -153,3 +153,184 @@ fn loss_and_gradients_match_the_packages_in_chunks_and_under_recompute() {
         }
     }
 }
+
+/// The queries and passages (a positive and a hard negative each) of the family checks.
+const QUERIES: [&str; 3] = ["who is he", "the lord is my shepherd", "let there be light"];
+const PASSAGES: [&str; 6] = [
+    "and he said, who is he?",
+    "thou shalt not kill.",
+    "the lord is my shepherd; i shall not want.",
+    "he maketh me to lie down in green pastures.",
+    "and god said, let there be light: and there was light.",
+    "and the evening and the morning were the first day.",
+];
+
+#[test]
+fn every_encoder_family_is_a_colbert_backbone() {
+    use gradcache::bert::{BertConfig, BertEncoder, BertOptions, DenseActivation, DenseSpec};
+    use gradcache::hub::multi_vector::{MultiVectorHead, PUNCTUATION};
+    use gradcache::hub::{load_tokenizer, ModelFiles};
+    use gradcache::models::bert::{create_dense, with_model_weights};
+    use gradcache::{ParamStore, TokenBatch};
+
+    for family in ["bert", "roberta", "xlm-roberta", "mpnet", "modernbert"] {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/families")
+            .join(family);
+        let files = ModelFiles::from_dir(&dir).unwrap();
+        let bert = BertConfig::from_file(&files.config).unwrap();
+        let head = MultiVectorHead {
+            dim: 8,
+            query_length: 12,
+            document_length: 20,
+            query_prefix: String::new(),
+            document_prefix: String::new(),
+            query_expansion: true,
+            attend_to_expansion_tokens: false,
+            skiplist_words: PUNCTUATION.chars().map(String::from).collect(),
+        };
+        let (inner, _) = load_tokenizer(&files, &bert).unwrap();
+        let (qt, dt) = head.config().tokenizers(&inner, &dir).unwrap();
+        let (q, p) = (
+            qt.encode(&QUERIES, &Device::Cpu).unwrap(),
+            dt.encode(&PASSAGES, &Device::Cpu).unwrap(),
+        );
+        let build = |recompute: Recompute| {
+            let options = BertOptions {
+                normalize: true,
+                multi_vector: true,
+                recompute,
+                dense: vec![DenseSpec {
+                    path: "1_Dense".into(),
+                    in_features: bert.hidden_size,
+                    out_features: 8,
+                    bias: false,
+                    activation: DenseActivation::Identity,
+                }],
+                ..Default::default()
+            };
+            let plain = BertOptions {
+                dense: Vec::new(),
+                ..options.clone()
+            };
+            let store = ParamStore::new(4, candle_core::DType::F32, &Device::Cpu);
+            // The projection the files lack starts from the seed (as a run creates it).
+            create_dense(&store, "", &options.dense).unwrap();
+            let store = with_model_weights(&files, "", &plain, store, false).unwrap();
+            BertEncoder::build(&store, "", &bert, &options).unwrap()
+        };
+        // Cached == full batch, with every layer recomputed too.
+        let gc = GradCache::shared(build(Recompute::Off), 2, MaxSim::new(8).unwrap())
+            .unwrap()
+            .with_dropout(false);
+        let full = gc.full_batch_step(0, &q, &p).unwrap();
+        let global = full
+            .grads
+            .iter()
+            .map(|(_, g)| max_abs(g))
+            .fold(0.0, f64::max);
+        for recompute in [Recompute::Off, Recompute::EveryLayer] {
+            let gc = GradCache::shared(build(recompute.clone()), 2, MaxSim::new(8).unwrap())
+                .unwrap()
+                .with_dropout(false);
+            let cached = gc.cache_step(0, &q, &p).unwrap();
+            let rel = ((cached.loss - full.loss) / full.loss).abs();
+            assert!(rel <= 1e-5, "{family} {recompute:?}: loss {rel:e}");
+            for (name, g) in cached.grads.iter() {
+                let want = full.grads.get(name).unwrap();
+                let err = max_diff(g, want) / max_abs(want).max(1e-3 * global);
+                assert!(
+                    err <= 1e-4,
+                    "{family} {recompute:?}: `{name}` off by {err:e}"
+                );
+            }
+        }
+        // The expansion tokens change no real token of the queries.
+        let encoder = build(Recompute::Off);
+        let expanded = gradcache::Encoder::encode(&encoder, &q, &gradcache::Ctx::eval()).unwrap();
+        let alone = TokenBatch::new(
+            q.input_ids.clone(),
+            q.attention_mask.clone(),
+            q.token_type_ids.clone(),
+        )
+        .unwrap()
+        .with_vectors(q.attention_mask.clone(), 12)
+        .unwrap();
+        let alone = gradcache::Encoder::encode(&encoder, &alone, &gradcache::Ctx::eval()).unwrap();
+        let real = q
+            .attention_mask
+            .to_dtype(candle_core::DType::F32)
+            .unwrap()
+            .unsqueeze(2)
+            .unwrap()
+            .broadcast_as((3, 12, 8))
+            .unwrap()
+            .reshape((3, 96))
+            .unwrap();
+        let diff = max_diff(&expanded.mul(&real).unwrap(), &alone);
+        assert!(
+            diff <= 1e-5,
+            "{family}: real query tokens moved by {diff:e}"
+        );
+    }
+}
+
+#[test]
+fn directories_that_do_not_fit_are_refused_by_name() {
+    let copy = |name: &str| -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let src = fixture("pylate");
+        for entry in std::fs::read_dir(&src).unwrap() {
+            let path = entry.unwrap().path();
+            let to = dir.path().join(path.file_name().unwrap());
+            if path.is_dir() {
+                std::fs::create_dir_all(&to).unwrap();
+                for f in std::fs::read_dir(&path).unwrap() {
+                    let f = f.unwrap().path();
+                    std::fs::copy(&f, to.join(f.file_name().unwrap())).unwrap();
+                }
+            } else {
+                std::fs::copy(&path, &to).unwrap();
+            }
+        }
+        let _ = name;
+        dir
+    };
+    let edit = |dir: &Path, file: &str, f: &dyn Fn(&mut serde_json::Value)| {
+        let path = dir.join(file);
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        f(&mut v);
+        std::fs::write(&path, v.to_string()).unwrap();
+    };
+    let load = |dir: &Path| {
+        MultiVectorModel::load(dir.to_str().unwrap(), &Device::Cpu)
+            .err()
+            .unwrap()
+            .to_string()
+    };
+    // A prefix that is not a token of the tokenizer.
+    let dir = copy("prefix");
+    edit(dir.path(), "config_sentence_transformers.json", &|v| {
+        v["query_prefix"] = "[X] ".into()
+    });
+    let err = load(dir.path());
+    assert!(err.contains("[X] ") && err.contains("not a token"), "{err}");
+    // A query length without room for [CLS], the prefix and [SEP].
+    let dir = copy("length");
+    edit(dir.path(), "config_sentence_transformers.json", &|v| {
+        v["query_length"] = 3.into()
+    });
+    let err = load(dir.path());
+    assert!(err.contains("query_length"), "{err}");
+    // A projection that does not take the hidden size.
+    let dir = copy("dense");
+    edit(dir.path(), "1_Dense/config.json", &|v| {
+        v["in_features"] = 16.into()
+    });
+    let err = load(dir.path());
+    assert!(
+        err.contains("Dense") || err.contains("linear.weight"),
+        "{err}"
+    );
+}

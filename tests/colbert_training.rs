@@ -253,3 +253,106 @@ fn the_shipped_colbert_config_learns() {
         after.ndcg_at_10
     );
 }
+
+#[test]
+fn a_single_vector_model_becomes_a_colbert_with_a_new_projection() {
+    // The BERT family fixture (a sentence-transformers model with mean pooling, no
+    // [Q] / [D] tokens): its pooling is not read, a projection to 8 values is added from
+    // the seed, the prefixes are left out; it trains and its export is a ColBERT.
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_colbert(dir.path(), "");
+    let bert = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/bert");
+    let sets: Vec<String> = vec![
+        format!("model.pretrained=\"{}\"", bert.display()),
+        "model.multi_vector.query_prefix=\"\"".into(),
+        "model.multi_vector.document_prefix=\"\"".into(),
+        "train.steps=2".into(),
+        "train.checkpoint_every=2".into(),
+    ];
+    let cfg = Config::load(&path, &sets).unwrap();
+    let mut trainer = Trainer::new(cfg.clone(), None).unwrap();
+    assert!(trainer.params().get("1_Dense.linear.weight").is_some());
+    for _ in 0..2 {
+        assert!(trainer.train_step().unwrap().loss.is_finite());
+    }
+    trainer.save_checkpoint().unwrap();
+    let out = dir.path().join("model");
+    export_run_as(&cfg, None, &out, Side::Query, ExportLayout::Merged).unwrap();
+    let model = MultiVectorModel::load(out.to_str().unwrap(), &Device::Cpu).unwrap();
+    let q = model.query_vectors(&["who is he"], 1).unwrap();
+    assert_eq!(q[0].dims(), &[12, 8], "queries expanded to 12 vectors of 8");
+    // The same model without the section: a plain single-vector run.
+    let mut plain = Config::load(&path, &sets).unwrap();
+    plain.model.multi_vector = None;
+    plain.output_dir = dir.path().join("plain");
+    assert!(Trainer::new(plain, None).is_ok());
+}
+
+#[test]
+fn mining_and_evaluation_run_on_a_colbert() {
+    // `gradcache mine` and `gradcache eval --data` score by MaxSim with the PyLate fixture.
+    let dir = tempfile::tempdir().unwrap();
+    let lines: Vec<String> = fs::read_to_string("data/quickstart/train.jsonl")
+        .unwrap()
+        .lines()
+        .take(40)
+        .map(String::from)
+        .collect();
+    let data = dir.path().join("pairs.jsonl");
+    fs::write(&data, lines.join("\n")).unwrap();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/colbert/st6");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gradcache"))
+            .args(args)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        (
+            out.status.success(),
+            stderr,
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    let mined = dir.path().join("mined.jsonl");
+    let (ok, stderr, _) = run(&[
+        "mine",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--num-negatives",
+        "2",
+        "--output",
+        mined.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let rows = fs::read_to_string(&mined).unwrap();
+    let first: serde_json::Value = serde_json::from_str(rows.lines().next().unwrap()).unwrap();
+    assert_eq!(first["negatives"].as_array().unwrap().len(), 2);
+    let (ok, stderr, stdout) = run(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let m: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert!(m["recall_at_1"].as_f64().unwrap() > 0.0, "{m}");
+    // A single-vector flag on a multi-vector model is refused by name.
+    let (ok, stderr, _) = run(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--pooling",
+        "mean",
+    ]);
+    assert!(
+        !ok && stderr.contains("--pooling") && stderr.contains("multi-vector"),
+        "{stderr}"
+    );
+}

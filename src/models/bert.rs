@@ -855,6 +855,16 @@ pub fn with_model_weights(
     Ok(store)
 }
 
+/// Creates the variables of the `Dense` modules `specs` under `prefix` in `store`, drawn
+/// from its seed: a projection a model's files do not have (the one a multi-vector run
+/// adds), created before a weights file serves the names around it.
+pub fn create_dense(store: &ParamStore, prefix: &str, specs: &[DenseSpec]) -> Result<()> {
+    for spec in specs {
+        Tower::build(store, prefix, |vb| Dense::new(spec, vb))?;
+    }
+    Ok(())
+}
+
 /// Loads a pretrained BERT tower from a model's files into `store` under `prefix` (`""`
 /// for a shared tower). Weight names may carry the `bert.` prefix of Hugging Face
 /// `BertFor...` checkpoints or not; the `Dense` modules of `options` read their weights

@@ -11,7 +11,8 @@ use crate::hub::multi_vector::{is_multi_vector_dir, MultiVectorConfig};
 use crate::hub::tokenizer::{model_max_length, read_tokenizer_file, train_wordpiece};
 use crate::hub::{HubSettings, ModelFiles, Prompts, SentenceTransformersConfig};
 use crate::models::bert::{
-    with_model_weights, BertConfig, BertEncoder, BertOptions, DenseActivation, DenseSpec,
+    create_dense, with_model_weights, BertConfig, BertEncoder, BertOptions, DenseActivation,
+    DenseSpec,
 };
 use crate::names::pattern_matches;
 use crate::params::{Freeze, ParamStore, Params};
@@ -444,6 +445,9 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
         ..options.clone()
     };
     let load = |prefix: &str, store: ParamStore| -> Result<(BertEncoder, BertConfig, ParamStore)> {
+        if multi_vector.is_some() && from_files.dense.is_empty() {
+            create_dense(&store, prefix, &options.dense)?;
+        }
         let store = with_model_weights(&files, prefix, &from_files, store, false)?;
         let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;
         Ok((encoder, bert.clone(), store))
