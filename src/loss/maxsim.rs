@@ -142,16 +142,20 @@ impl MaxSim {
     /// two score-sized buffers, whatever the batch.
     fn score_grads(&self, scores: &Tensor, group: usize) -> Result<(f32, Tensor)> {
         let (nq, np) = scores.dims2()?;
-        let mut values = scores
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
+        let mut values = scores.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let loss = self.score_grads_in_place(&mut values, np, group);
+        let grads = Tensor::from_vec(values, (nq, np), scores.device())?;
+        Ok((loss, grads.to_dtype(scores.dtype())?))
+    }
+
+    /// [`Self::score_grads`] on the scores `[Q, P]` in `values` (`np` per row), which
+    /// become their gradients.
+    fn score_grads_in_place(&self, values: &mut [f32], np: usize, group: usize) -> f32 {
+        let nq = values.len() / np.max(1);
         let t = self.temperature;
         let mut total = 0f64;
         for (i, row) in values.chunks_mut(np.max(1)).enumerate() {
-            let max = row
-                .iter()
-                .fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64 / t));
+            let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64 / t));
             let sum: f64 = row.iter().map(|&v| (v as f64 / t - max).exp()).sum();
             let log_sum = sum.ln();
             total -= row[i * group] as f64 / t - max - log_sum;
@@ -161,8 +165,7 @@ impl MaxSim {
                 *v = ((p - target) / (nq as f64 * t)) as f32;
             }
         }
-        let grads = Tensor::from_vec(values, (nq, np), scores.device())?;
-        Ok(((total / nq as f64) as f32, grads.to_dtype(scores.dtype())?))
+        (total / nq as f64) as f32
     }
 }
 
@@ -357,10 +360,11 @@ impl Loss for MaxSim {
         let q = self.tokens(&queries, crate::Side::Query)?;
         let p = self.tokens(&passages, crate::Side::Passage)?;
         if self.on_kernels(&[&queries, &passages]) {
+            // The scores become their gradients in place: one score-sized buffer.
             let kernel = Kernel::new(self, &q, &p)?;
-            let scores = Tensor::from_vec(kernel.scores()?, (q.dim(0)?, p.dim(0)?), q.device())?;
-            let (loss, g) = self.score_grads(&scores, group)?;
-            let (dq, dp) = kernel.grads(&g.flatten_all()?.to_vec1::<f32>()?)?;
+            let mut g = kernel.scores()?;
+            let loss = self.score_grads_in_place(&mut g, p.dim(0)?, group);
+            let (dq, dp) = kernel.grads(&g)?;
             return Ok(LossValue {
                 loss,
                 grad_queries: Tensor::from_vec(dq, queries.dims(), q.device())?,
