@@ -142,7 +142,10 @@ impl MaxSim {
     /// two score-sized buffers, whatever the batch.
     fn score_grads(&self, scores: &Tensor, group: usize) -> Result<(f32, Tensor)> {
         let (nq, np) = scores.dims2()?;
-        let mut values = scores.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut values = scores
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         let loss = self.score_grads_in_place(&mut values, np, group);
         let grads = Tensor::from_vec(values, (nq, np), scores.device())?;
         Ok((loss, grads.to_dtype(scores.dtype())?))
@@ -155,7 +158,9 @@ impl MaxSim {
         let t = self.temperature;
         let mut total = 0f64;
         for (i, row) in values.chunks_mut(np.max(1)).enumerate() {
-            let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64 / t));
+            let max = row
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64 / t));
             let sum: f64 = row.iter().map(|&v| (v as f64 / t - max).exp()).sum();
             let log_sum = sum.ln();
             total -= row[i * group] as f64 / t - max - log_sum;
