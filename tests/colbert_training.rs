@@ -172,6 +172,7 @@ fn single_vector_settings_are_refused_on_a_multi_vector_run() {
         ("loss.similarity=\"dot\"", "loss.similarity"),
         ("loss.matryoshka_dims=[4]", "loss.matryoshka_dims"),
         ("model.multi_vector.dim=0", "model.multi_vector.dim"),
+        ("train.memory_budget=\"1GiB\"", "train.memory_budget"),
     ] {
         let err = Config::load(&path, &[set.to_string()])
             .unwrap_err()

@@ -715,7 +715,7 @@ impl Config {
                         l.false_negative_guide.is_some(),
                     ),
                 ],
-                m.lora.is_some(),
+                (m.lora.is_some(), t.memory_budget.is_some()),
             )?;
         }
         if m.base_dtype != BaseDtype::F32 && m.lora.is_none() {

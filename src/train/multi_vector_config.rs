@@ -92,13 +92,13 @@ impl MultiVectorSettings {
     }
 
     /// Refuses what does not fit a multi-vector run: a zero width or length, the
-    /// single-vector settings of the model and the loss that are set (`(field, set)`), and
-    /// LoRA (`lora`), each by name.
+    /// single-vector settings of the model and the loss that are set (`(field, set)`),
+    /// LoRA and a memory budget (`(lora, budget)`: whether each is set), each by name.
     pub(super) fn validate(
         &self,
         single_model: &[(&'static str, bool)],
         single_loss: &[(&'static str, bool)],
-        lora: bool,
+        (lora, budget): (bool, bool),
     ) -> Result<()> {
         for (field, value) in [
             ("model.multi_vector.dim", self.dim),
@@ -133,6 +133,14 @@ impl MultiVectorSettings {
                 "model.lora",
                 "set",
                 "LoRA on a multi-vector model is not supported yet: train it whole",
+            ));
+        }
+        if budget {
+            return Err(invalid(
+                "train.memory_budget",
+                "set",
+                "does not plan a multi-vector model's steps yet: set train.query_chunk and \
+                 train.passage_chunk",
             ));
         }
         Ok(())
