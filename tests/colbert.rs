@@ -277,7 +277,8 @@ fn every_encoder_family_is_a_colbert_backbone() {
 
 #[test]
 fn directories_that_do_not_fit_are_refused_by_name() {
-    let copy = |name: &str| -> tempfile::TempDir {
+    // A copy of the PyLate fixture to break.
+    let copy = || -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
         let src = fixture("pylate");
         for entry in std::fs::read_dir(&src).unwrap() {
@@ -293,7 +294,6 @@ fn directories_that_do_not_fit_are_refused_by_name() {
                 std::fs::copy(&path, &to).unwrap();
             }
         }
-        let _ = name;
         dir
     };
     let edit = |dir: &Path, file: &str, f: &dyn Fn(&mut serde_json::Value)| {
@@ -310,21 +310,21 @@ fn directories_that_do_not_fit_are_refused_by_name() {
             .to_string()
     };
     // A prefix that is not a token of the tokenizer.
-    let dir = copy("prefix");
+    let dir = copy();
     edit(dir.path(), "config_sentence_transformers.json", &|v| {
         v["query_prefix"] = "[X] ".into()
     });
     let err = load(dir.path());
     assert!(err.contains("[X] ") && err.contains("not a token"), "{err}");
     // A query length without room for [CLS], the prefix and [SEP].
-    let dir = copy("length");
+    let dir = copy();
     edit(dir.path(), "config_sentence_transformers.json", &|v| {
         v["query_length"] = 3.into()
     });
     let err = load(dir.path());
     assert!(err.contains("query_length"), "{err}");
     // A projection that does not take the hidden size.
-    let dir = copy("dense");
+    let dir = copy();
     edit(dir.path(), "1_Dense/config.json", &|v| {
         v["in_features"] = 16.into()
     });
