@@ -60,8 +60,10 @@ fn both_layouts_are_read_with_their_settings() {
         ("pylate", Layout::PyLate),
         ("st6", Layout::SentenceTransformers),
     ] {
-        let c = MultiVectorConfig::read(&fixture(layout)).unwrap();
-        assert_eq!(c.layout, want);
+        let read = MultiVectorConfig::read(&fixture(layout)).unwrap();
+        assert_eq!(read.layout, want);
+        assert_eq!(read.dense.len(), 1);
+        let c = &read.head;
         assert_eq!(
             (c.query_prefix.as_str(), c.document_prefix.as_str()),
             ("[Q] ", "[D] ")
@@ -69,8 +71,7 @@ fn both_layouts_are_read_with_their_settings() {
         assert_eq!((c.query_length, c.document_length), (12, 20));
         assert!(c.query_expansion && !c.attend_to_expansion_tokens);
         assert!(c.skiplist_words.contains(&",".to_string()));
-        assert_eq!(c.dense.len(), 1);
-        assert_eq!(c.dim(32), 8);
+        assert_eq!(c.dim, 8, "the projection's width");
     }
 }
 
@@ -190,7 +191,7 @@ fn every_encoder_family_is_a_colbert_backbone() {
             skiplist_words: PUNCTUATION.chars().map(String::from).collect(),
         };
         let (inner, _) = load_tokenizer(&files, &bert).unwrap();
-        let (qt, dt) = head.config().tokenizers(&inner, &dir).unwrap();
+        let (qt, dt) = head.tokenizers(&inner, &dir).unwrap();
         let (q, p) = (
             qt.encode(&QUERIES, &Device::Cpu).unwrap(),
             dt.encode(&PASSAGES, &Device::Cpu).unwrap(),

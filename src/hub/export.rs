@@ -268,32 +268,8 @@ pub fn export_bert(
         };
         modules.push(json!({"idx": idx, "name": idx.to_string(), "path": spec.path, "type": class}));
     }
-    if let Some(c) = colbert {
-        // PyLate normalises every token vector itself: no Normalize module.
-        write_json(&tmp.join(MODULES), &json!(modules))?;
-        write_json(
-            &tmp.join("sentence_bert_config.json"),
-            &json!({"max_seq_length": tokenizer.max_len(), "do_lower_case": false}),
-        )?;
-        write_json(
-            &tmp.join(SENTENCE_TRANSFORMERS_CONFIG),
-            &json!({
-                "model_type": "ColBERT",
-                "similarity_fn_name": "MaxSim",
-                "prompts": {"query": "", "document": ""},
-                "default_prompt_name": null,
-                "query_prefix": c.query_prefix,
-                "document_prefix": c.document_prefix,
-                "query_length": c.query_length,
-                "document_length": c.document_length,
-                "do_query_expansion": c.query_expansion,
-                "attend_to_expansion_tokens": c.attend_to_expansion_tokens,
-                "skiplist_words": c.skiplist_words,
-            }),
-        )?;
-        return Ok(());
-    }
-    if options.normalize {
+    // PyLate normalises every token vector itself: no Normalize module.
+    if options.normalize && colbert.is_none() {
         let idx = modules.len();
         let path = format!("{idx}_Normalize");
         let normalize_dir = tmp.join(&path);
@@ -305,19 +281,34 @@ pub fn export_bert(
         &tmp.join("sentence_bert_config.json"),
         &json!({"max_seq_length": tokenizer.max_len(), "do_lower_case": false}),
     )?;
-    write_json(
-        &tmp.join(SENTENCE_TRANSFORMERS_CONFIG),
-        &json!({
+    let st_config = match colbert {
+        Some(c) => json!({
+            "model_type": "ColBERT",
+            "similarity_fn_name": "MaxSim",
+            "prompts": {"query": "", "document": ""},
+            "default_prompt_name": null,
+            "query_prefix": c.query_prefix,
+            "document_prefix": c.document_prefix,
+            "query_length": c.query_length,
+            "document_length": c.document_length,
+            "do_query_expansion": c.query_expansion,
+            "attend_to_expansion_tokens": c.attend_to_expansion_tokens,
+            "skiplist_words": c.skiplist_words,
+        }),
+        None => json!({
             "similarity_fn_name": similarity.sentence_transformers_name(),
             "prompts": notes.prompts.to_sentence_transformers(),
             "default_prompt_name": null,
             "matryoshka_dims": notes.matryoshka_dims,
         }),
-    )?;
-    write_json(
-        &tmp.join(POOLING),
-        &pooling_config(cfg.hidden_size, options.pooling, !notes.prompt_left_out),
-    )?;
+    };
+    write_json(&tmp.join(SENTENCE_TRANSFORMERS_CONFIG), &st_config)?;
+    if colbert.is_none() {
+        write_json(
+            &tmp.join(POOLING),
+            &pooling_config(cfg.hidden_size, options.pooling, !notes.prompt_left_out),
+        )?;
+    }
     Ok(())
     })()
     .and_then(|()| crate::durable::publish_dir(&tmp, dir));

@@ -39,26 +39,14 @@ pub enum Layout {
     SentenceTransformers,
 }
 
-/// A ColBERT's settings: prefixes, lengths, query expansion, skiplist, projection.
+/// A multi-vector directory: its layout, its settings and its projections.
 #[derive(Debug, Clone)]
 pub struct MultiVectorConfig {
     /// The layout the directory had.
     pub layout: Layout,
-    /// Put before every query (`[Q] `): one token of the vocabulary.
-    pub query_prefix: String,
-    /// Put before every document (`[D] `).
-    pub document_prefix: String,
-    /// Query tokens, special tokens and prefix included (the query vectors' count with
-    /// expansion).
-    pub query_length: usize,
-    /// The most document tokens.
-    pub document_length: usize,
-    /// Pad queries to `query_length` with the mask token, kept and scored.
-    pub query_expansion: bool,
-    /// Whether the other tokens attend to the expansion tokens.
-    pub attend_to_expansion_tokens: bool,
-    /// Document tokens left out of the scoring (punctuation by default).
-    pub skiplist_words: Vec<String>,
+    /// Prefixes, lengths, query expansion, skiplist, and the token vectors' width (the
+    /// last projection's output, else the hidden size).
+    pub head: MultiVectorHead,
     /// The projections after the transformer (PyLate's Dense: no bias, to 128 or fewer).
     pub dense: Vec<DenseLayer>,
 }
@@ -100,23 +88,6 @@ pub struct MultiVectorHead {
     pub skiplist_words: Vec<String>,
 }
 
-impl MultiVectorHead {
-    /// The settings as a multi-vector model's (for its tokenizers), without projections.
-    pub fn config(&self) -> MultiVectorConfig {
-        MultiVectorConfig {
-            layout: Layout::PyLate,
-            query_prefix: self.query_prefix.clone(),
-            document_prefix: self.document_prefix.clone(),
-            query_length: self.query_length,
-            document_length: self.document_length,
-            query_expansion: self.query_expansion,
-            attend_to_expansion_tokens: self.attend_to_expansion_tokens,
-            skiplist_words: self.skiplist_words.clone(),
-            dense: Vec::new(),
-        }
-    }
-}
-
 /// Whether the directory holds a multi-vector model (its
 /// `config_sentence_transformers.json` says `ColBERT` or `MultiVectorEncoder`).
 pub fn is_multi_vector_dir(dir: &Path) -> bool {
@@ -141,6 +112,14 @@ pub fn is_multi_vector_model(model: &str) -> bool {
 }
 
 impl MultiVectorConfig {
+    /// The settings of `dir` when it holds a multi-vector model, else `None`.
+    pub fn read_if_any(dir: &Path) -> Result<Option<Self>> {
+        match is_multi_vector_dir(dir) {
+            true => Self::read(dir).map(Some),
+            false => Ok(None),
+        }
+    }
+
     /// Reads the settings of a PyLate or sentence-transformers 6 multi-vector directory.
     pub fn read(dir: &Path) -> Result<Self> {
         let st_path = dir.join(SENTENCE_TRANSFORMERS_CONFIG);
@@ -200,9 +179,18 @@ impl MultiVectorConfig {
                 .map(|n| n as usize)
                 .ok_or_else(|| bad(path, format!("`{key}` is missing or not a count")))
         };
-        let config = match layout {
-            Layout::PyLate => Self {
-                layout,
+        // The token vectors' width: the last projection's, else the hidden size.
+        let dim = match dense.last() {
+            Some(d) => d.out_features(),
+            None => count(
+                &read_json(&dir.join("config.json"))?,
+                "hidden_size",
+                &dir.join("config.json"),
+            )?,
+        };
+        let head = match layout {
+            Layout::PyLate => MultiVectorHead {
+                dim,
                 query_prefix: st["query_prefix"].as_str().unwrap_or("[Q] ").to_string(),
                 document_prefix: st["document_prefix"].as_str().unwrap_or("[D] ").to_string(),
                 query_length: count(&st, "query_length", &st_path)?,
@@ -215,7 +203,6 @@ impl MultiVectorConfig {
                     Value::Null => PUNCTUATION.chars().map(String::from).collect(),
                     v => words(v),
                 },
-                dense,
             },
             Layout::SentenceTransformers => {
                 let sb_path = dir.join(SENTENCE_BERT_CONFIG);
@@ -247,8 +234,8 @@ impl MultiVectorConfig {
                         )
                     }
                 };
-                Self {
-                    layout,
+                MultiVectorHead {
+                    dim,
                     query_prefix: prompt("query"),
                     document_prefix: prompt("document"),
                     query_length,
@@ -256,18 +243,18 @@ impl MultiVectorConfig {
                     query_expansion,
                     attend_to_expansion_tokens: attend,
                     skiplist_words: skiplist.unwrap_or_default(),
-                    dense,
                 }
             }
         };
-        Ok(config)
+        Ok(Self {
+            layout,
+            head,
+            dense,
+        })
     }
+}
 
-    /// The token vectors' width (the last projection's output, else `hidden`).
-    pub fn dim(&self, hidden: usize) -> usize {
-        self.dense.last().map_or(hidden, DenseLayer::out_features)
-    }
-
+impl MultiVectorHead {
     /// The query and document tokenizers of this model over `base` (the model's
     /// tokenizer): prefixes as prompts, the lengths, expansion with the mask token, the
     /// skiplist's token ids. Refuses a prefix that is not one token of the vocabulary and
@@ -372,8 +359,8 @@ impl super::Retriever for MultiVectorModel {
 
     fn prompts(&self) -> super::Prompts {
         super::Prompts {
-            query: self.config.query_prefix.clone(),
-            passage: self.config.document_prefix.clone(),
+            query: self.config.head.query_prefix.clone(),
+            passage: self.config.head.document_prefix.clone(),
         }
     }
 }
@@ -393,7 +380,7 @@ impl MultiVectorModel {
         let store = ParamStore::new(0, DType::F32, device);
         let (encoder, bert, store) = load_pretrained(&files, "", &options, store)?;
         let (inner, _) = load_tokenizer(&files, &bert)?;
-        let (query, document) = config.tokenizers(&inner, &files.dir)?;
+        let (query, document) = config.head.tokenizers(&inner, &files.dir)?;
         Ok(Self {
             encoder,
             config,
@@ -432,7 +419,7 @@ impl MultiVectorModel {
 
     /// The token vectors' width.
     pub fn dim(&self) -> usize {
-        self.config.dim(self.bert.hidden_size)
+        self.config.head.dim
     }
 
     /// Each query's token vectors `[kept tokens, dim]` (with expansion, `query_length`).
@@ -449,14 +436,10 @@ impl MultiVectorModel {
     /// The token matrices `[texts, width, dim]` of `texts` (`width` the side's length;
     /// absent tokens zero vectors), `chunk` texts at a time: what MaxSim scores.
     pub fn matrices(&self, tokenizer: &Tokenizer, texts: &[&str], chunk: usize) -> Result<Tensor> {
-        let _flush = crate::denormal::flush();
-        let mut parts = Vec::new();
-        for part in texts.chunks(chunk.max(1)) {
-            let batch = tokenizer.encode(part, &self.device)?;
-            let reps = self.encoder.encode(&batch, &crate::dropout::Ctx::eval())?;
-            let rows = reps.dim(0)?;
-            parts.push(reps.reshape((rows, (), self.dim()))?);
-        }
+        let parts = texts
+            .chunks(chunk.max(1))
+            .map(|part| Ok(self.encode_part(tokenizer, part)?.0))
+            .collect::<Result<Vec<_>>>()?;
         if parts.is_empty() {
             return Err(Error::EmptyBatch {
                 side: crate::Side::Query,
@@ -465,15 +448,24 @@ impl MultiVectorModel {
         Ok(Tensor::cat(&parts, 0)?)
     }
 
+    /// One part's token matrices `[texts, width, dim]` and the tokens its batch keeps
+    /// (`[texts, width]`, a row per text).
+    fn encode_part(&self, tokenizer: &Tokenizer, part: &[&str]) -> Result<(Tensor, Vec<Vec<u32>>)> {
+        let _flush = crate::denormal::flush();
+        let batch = tokenizer.encode(part, &self.device)?;
+        let reps = self.encoder.encode(&batch, &crate::dropout::Ctx::eval())?;
+        let rows = reps.dim(0)?;
+        let keep = match &batch.vectors {
+            Some(v) => v.keep.to_vec2::<u32>()?,
+            None => Vec::new(),
+        };
+        Ok((reps.reshape((rows, (), self.dim()))?, keep))
+    }
+
     fn kept(&self, tokenizer: &Tokenizer, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
         let mut out = Vec::with_capacity(texts.len());
         for part in texts.chunks(chunk.max(1)) {
-            let batch = tokenizer.encode(part, &self.device)?;
-            let reps = self.matrices(tokenizer, part, part.len())?;
-            let keep = match &batch.vectors {
-                Some(v) => v.keep.to_vec2::<u32>()?,
-                None => Vec::new(),
-            };
+            let (reps, keep) = self.encode_part(tokenizer, part)?;
             for (r, kept) in keep.iter().enumerate() {
                 let idx: Vec<u32> = kept
                     .iter()

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 
 use crate::dist::{self, Collective};
+use crate::hub::multi_vector::MultiVectorConfig;
 use crate::hub::multi_vector::MultiVectorHead;
-use crate::hub::multi_vector::{is_multi_vector_dir, MultiVectorConfig};
 use crate::hub::tokenizer::{model_max_length, read_tokenizer_file, train_wordpiece};
 use crate::hub::{HubSettings, ModelFiles, Prompts, SentenceTransformersConfig};
 use crate::models::bert::{
@@ -80,13 +80,12 @@ fn multi_vector_options(
 ) -> Result<BertOptions> {
     let dense = match own {
         Some(own) if !own.dense.is_empty() => {
-            if own.dim(hidden) != head.dim {
+            if own.head.dim != head.dim {
                 return Err(Error::InvalidConfig {
                     field: "model.multi_vector.dim",
                     value: format!(
                         "{} (the pretrained projection gives {})",
-                        head.dim,
-                        own.dim(hidden)
+                        head.dim, own.head.dim
                     ),
                     reason: "a pretrained multi-vector model keeps its projection: leave dim unset",
                 });
@@ -106,15 +105,6 @@ fn multi_vector_options(
         dense,
         ..base
     })
-}
-
-/// The query and document tokenizers of a multi-vector run over `tokenizer`.
-pub(super) fn multi_vector_tokenizers(
-    head: &MultiVectorHead,
-    tokenizer: &tokenizers::Tokenizer,
-    dir: &std::path::Path,
-) -> Result<(crate::hub::Tokenizer, crate::hub::Tokenizer)> {
-    head.config().tokenizers(tokenizer, dir)
 }
 
 /// The prompts of a run (the configured ones, else the pretrained model's `head`) and
@@ -291,7 +281,7 @@ fn fresh_tokenizer(cfg: &Config, texts: &[String]) -> Result<tokenizers::Tokeniz
         train_wordpiece(texts.iter().map(String::as_str), f.vocab_size, f.lowercase)?;
     // A multi-vector run's prefixes become tokens of the vocabulary, as PyLate adds them.
     if let Some(mv) = &cfg.model.multi_vector {
-        let head = mv.resolve(None, f.hidden_size);
+        let head = mv.resolve(None);
         let prefixes: Vec<tokenizers::AddedToken> = [head.query_prefix, head.document_prefix]
             .into_iter()
             .filter(|p| !p.is_empty())
@@ -309,11 +299,7 @@ fn fresh_tokenizer(cfg: &Config, texts: &[String]) -> Result<tokenizers::Tokeniz
 /// train apart: two towers drawn independently share nothing to align.
 fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore) -> Result<Model> {
     let f = &cfg.model.fresh;
-    let multi_vector = cfg
-        .model
-        .multi_vector
-        .as_ref()
-        .map(|m| m.resolve(None, f.hidden_size));
+    let multi_vector = cfg.model.multi_vector.as_ref().map(|m| m.resolve(None));
     let (query_max_len, passage_max_len) = match &multi_vector {
         Some(head) => (head.query_length, head.document_length),
         None => (
@@ -384,12 +370,9 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     let bert = BertConfig::from_file(&files.config)?;
     let (tokenizer, tokenizer_config) = crate::hub::load_tokenizer(&files, &bert)?;
     let (limit, source) = model_limit(&files.dir, &bert)?;
-    let own = match is_multi_vector_dir(&files.dir) {
-        true => Some(MultiVectorConfig::read(&files.dir)?),
-        false => None,
-    };
+    let own = MultiVectorConfig::read_if_any(&files.dir)?;
     let multi_vector = match (&cfg.model.multi_vector, &own) {
-        (Some(mv), own) => Some(mv.resolve(own.as_ref(), bert.hidden_size)),
+        (Some(mv), own) => Some(mv.resolve(own.as_ref())),
         (None, Some(_)) => {
             return Err(Error::InvalidConfig {
                 field: "model.pretrained",

@@ -51,42 +51,39 @@ pub struct MultiVectorSettings {
 
 impl MultiVectorSettings {
     /// The run's settings over the pretrained multi-vector model `own` (if it is one).
-    pub fn resolve(&self, own: Option<&MultiVectorConfig>, hidden: usize) -> MultiVectorHead {
+    pub fn resolve(&self, own: Option<&MultiVectorConfig>) -> MultiVectorHead {
         MultiVectorHead {
-            dim: self
-                .dim
-                .or(own.map(|o| o.dim(hidden)))
-                .unwrap_or(DEFAULT_DIM),
+            dim: self.dim.or(own.map(|o| o.head.dim)).unwrap_or(DEFAULT_DIM),
             query_length: self
                 .query_length
-                .or(own.map(|o| o.query_length))
+                .or(own.map(|o| o.head.query_length))
                 .unwrap_or(DEFAULT_QUERY_LENGTH),
             document_length: self
                 .document_length
-                .or(own.map(|o| o.document_length))
+                .or(own.map(|o| o.head.document_length))
                 .unwrap_or(DEFAULT_DOCUMENT_LENGTH),
             query_prefix: self
                 .query_prefix
                 .clone()
-                .or(own.map(|o| o.query_prefix.clone()))
+                .or(own.map(|o| o.head.query_prefix.clone()))
                 .unwrap_or_else(|| "[Q] ".into()),
             document_prefix: self
                 .document_prefix
                 .clone()
-                .or(own.map(|o| o.document_prefix.clone()))
+                .or(own.map(|o| o.head.document_prefix.clone()))
                 .unwrap_or_else(|| "[D] ".into()),
             query_expansion: self
                 .query_expansion
-                .or(own.map(|o| o.query_expansion))
+                .or(own.map(|o| o.head.query_expansion))
                 .unwrap_or(true),
             attend_to_expansion_tokens: self
                 .attend_to_expansion_tokens
-                .or(own.map(|o| o.attend_to_expansion_tokens))
+                .or(own.map(|o| o.head.attend_to_expansion_tokens))
                 .unwrap_or(false),
             skiplist_words: self
                 .skiplist_words
                 .clone()
-                .or(own.map(|o| o.skiplist_words.clone()))
+                .or(own.map(|o| o.head.skiplist_words.clone()))
                 .unwrap_or_else(|| PUNCTUATION.chars().map(String::from).collect()),
         }
     }

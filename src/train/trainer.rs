@@ -25,7 +25,7 @@ use crate::cache::GradCache;
 use crate::dist::{self, Backend, Collective};
 use crate::durable;
 use crate::hub::export::ExportNotes;
-use crate::hub::multi_vector::{is_multi_vector_dir, MultiVectorConfig, MultiVectorHead};
+use crate::hub::multi_vector::{MultiVectorConfig, MultiVectorHead};
 use crate::hub::tokenizer::read_tokenizer_file;
 use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Prompts, Tokenizer};
 use crate::hub::{EmbeddingModel, LoadOptions};
@@ -41,8 +41,8 @@ use crate::train::data::{Loader, Position, TextBatch};
 use crate::train::formats::Layout;
 use crate::train::metrics::{evaluate, RetrievalMetrics};
 use crate::train::model::{
-    bert_options, build_model, freeze, max_lens, model_limit, multi_vector_tokenizers,
-    read_model_tokenizer, run_prompts, Model,
+    bert_options, build_model, freeze, max_lens, model_limit, read_model_tokenizer, run_prompts,
+    Model,
 };
 use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
 use crate::train::text_data::{load_data, EvalData, RunData};
@@ -360,7 +360,7 @@ impl Run<TextPairs> {
         let m = &cfg.model;
         let (query_tokenizer, passage_tokenizer) = match &model.multi_vector {
             Some(head) => {
-                let (q, p) = multi_vector_tokenizers(head, &model.tokenizer, &cfg.output_dir)?;
+                let (q, p) = head.tokenizers(&model.tokenizer, &cfg.output_dir)?;
                 (
                     q.with_config(model.tokenizer_config.clone()),
                     p.with_config(model.tokenizer_config.clone()),
@@ -833,10 +833,10 @@ pub fn export_run_as(
                 )?),
             };
             let own = match files {
-                Some(f) if is_multi_vector_dir(&f.dir) => Some(MultiVectorConfig::read(&f.dir)?),
-                _ => None,
+                Some(f) => MultiVectorConfig::read_if_any(&f.dir)?,
+                None => None,
             };
-            Some(mv.resolve(own.as_ref(), bert.hidden_size))
+            Some(mv.resolve(own.as_ref()))
         }
         None => None,
     };

@@ -639,13 +639,13 @@ fn load_retriever(model: &str, options: &LoadOptions) -> Result<Box<dyn Retrieve
          words; scored by MaxSim",
         c.layout,
         loaded.dim(),
-        c.query_length,
-        c.query_expansion,
-        c.attend_to_expansion_tokens,
-        c.document_length,
-        c.query_prefix,
-        c.document_prefix,
-        c.skiplist_words.len()
+        c.head.query_length,
+        c.head.query_expansion,
+        c.head.attend_to_expansion_tokens,
+        c.head.document_length,
+        c.head.query_prefix,
+        c.head.document_prefix,
+        c.head.skiplist_words.len()
     );
     Ok(Box::new(loaded))
 }
