@@ -278,10 +278,10 @@ fn every_encoder_family_is_a_colbert_backbone() {
 
 #[test]
 fn directories_that_do_not_fit_are_refused_by_name() {
-    // A copy of the PyLate fixture to break.
-    let copy = || -> tempfile::TempDir {
+    // A copy of a fixture to break.
+    let copy_of = |layout: &str| -> tempfile::TempDir {
         let dir = tempfile::tempdir().unwrap();
-        let src = fixture("pylate");
+        let src = fixture(layout);
         for entry in std::fs::read_dir(&src).unwrap() {
             let path = entry.unwrap().path();
             let to = dir.path().join(path.file_name().unwrap());
@@ -297,6 +297,7 @@ fn directories_that_do_not_fit_are_refused_by_name() {
         }
         dir
     };
+    let copy = || copy_of("pylate");
     let edit = |dir: &Path, file: &str, f: &dyn Fn(&mut serde_json::Value)| {
         let path = dir.join(file);
         let mut v: serde_json::Value =
@@ -334,4 +335,52 @@ fn directories_that_do_not_fit_are_refused_by_name() {
         err.contains("Dense") || err.contains("linear.weight"),
         "{err}"
     );
+    // A projection with PyLate's residual connection.
+    let dir = copy();
+    edit(dir.path(), "1_Dense/config.json", &|v| {
+        v["use_residual"] = true.into()
+    });
+    assert!(load(dir.path()).contains("use_residual"));
+    // A module this crate does not run.
+    let dir = copy();
+    edit(dir.path(), "modules.json", &|v| {
+        v.as_array_mut().unwrap().push(
+            serde_json::json!({"idx": 2, "name": "2", "path": "", "type": "pylate.models.Other"}),
+        )
+    });
+    assert!(load(dir.path()).contains("pylate.models.Other"));
+    // No query length.
+    let dir = copy();
+    edit(dir.path(), "config_sentence_transformers.json", &|v| {
+        v.as_object_mut().unwrap().remove("query_length");
+    });
+    assert!(load(dir.path()).contains("query_length"));
+    // Query expansion without a mask token in the tokenizer.
+    let dir = copy();
+    edit(dir.path(), "tokenizer.json", &|v| {
+        let added = v["added_tokens"].as_array_mut().unwrap();
+        added.retain(|t| t["content"] != "[MASK]");
+        v["model"]["vocab"]
+            .as_object_mut()
+            .unwrap()
+            .remove("[MASK]");
+    });
+    edit(dir.path(), "tokenizer_config.json", &|v| {
+        v["pad_token"] = "[PAD]".into();
+        v.as_object_mut().unwrap().remove("mask_token");
+    });
+    let err = load(dir.path());
+    assert!(err.contains("mask token"), "{err}");
+    // The sentence-transformers 6 layout: a skiplist on queries, an expansion strategy
+    // this crate does not run.
+    let dir = copy_of("st6");
+    edit(dir.path(), "2_MultiVectorMask/config.json", &|v| {
+        v["skiplist_tasks"] = serde_json::json!(["query", "document"])
+    });
+    assert!(load(dir.path()).contains("skiplist_tasks"));
+    let dir = copy_of("st6");
+    edit(dir.path(), "sentence_bert_config.json", &|v| {
+        v["query_expansion"]["strategy"] = "dynamic".into()
+    });
+    assert!(load(dir.path()).contains("strategy"));
 }

@@ -173,6 +173,7 @@ fn single_vector_settings_are_refused_on_a_multi_vector_run() {
         ("loss.matryoshka_dims=[4]", "loss.matryoshka_dims"),
         ("model.multi_vector.dim=0", "model.multi_vector.dim"),
         ("train.memory_budget=\"1GiB\"", "train.memory_budget"),
+        ("model.lora.rank=4", "model.lora"),
     ] {
         let err = Config::load(&path, &[set.to_string()])
             .unwrap_err()
@@ -185,6 +186,25 @@ fn single_vector_settings_are_refused_on_a_multi_vector_run() {
     let err = Trainer::new(cfg, None).err().unwrap().to_string();
     assert!(err.contains("query_length"), "{err}");
     assert!(!dir.path().join("run").exists());
+    // A pretrained ColBERT: a width its projection does not give, a length beyond the
+    // model's limit (the fixture takes 32 tokens).
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/colbert/pylate");
+    for (set, field) in [
+        ("model.multi_vector.dim=16", "model.multi_vector.dim"),
+        (
+            "model.multi_vector.document_length=64",
+            "model.multi_vector.document_length",
+        ),
+    ] {
+        let sets = [
+            format!("model.pretrained=\"{}\"", fixture.display()),
+            set.to_string(),
+        ];
+        let cfg = Config::load(&path, &sets).unwrap();
+        let err = Trainer::new(cfg, None).err().unwrap().to_string();
+        assert!(err.contains(field), "{set}: {err}");
+        assert!(!dir.path().join("run").exists());
+    }
 }
 
 #[test]
@@ -356,4 +376,19 @@ fn mining_and_evaluation_run_on_a_colbert() {
         !ok && stderr.contains("--pooling") && stderr.contains("multi-vector"),
         "{stderr}"
     );
+    // `encode` too, and it writes nothing.
+    let out = dir.path().join("vectors.jsonl");
+    let (ok, stderr, _) = run(&[
+        "encode",
+        "--model",
+        model.to_str().unwrap(),
+        "--text",
+        "who is he",
+        "--max-len",
+        "8",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok && stderr.contains("--max-len"), "{stderr}");
+    assert!(!out.exists());
 }

@@ -366,3 +366,57 @@ fn recompute_changes_no_bit_of_a_multi_vector_step() {
         assert_eq!(common::bits(g), common::bits(other), "{name}");
     }
 }
+
+#[test]
+fn bad_multi_vector_inputs_are_refused() {
+    // The loss: a width of 0, a temperature that is not positive, rows that are not whole
+    // token vectors.
+    assert!(MaxSim::new(0).unwrap_err().to_string().contains("dim"));
+    for t in [0.0, -1.0, f64::NAN] {
+        let err = MaxSim::new(DIM).unwrap().with_temperature(t).unwrap_err();
+        assert!(err.to_string().contains("temperature"), "{err}");
+    }
+    let odd = random(1, &[2, DIM * 3 + 1]);
+    let err = MaxSim::new(DIM)
+        .unwrap()
+        .value_and_grads(&odd, &odd)
+        .unwrap_err();
+    assert!(err.to_string().contains("whole token vectors"), "{err}");
+    // The batch: kept tokens of another shape, more tokens than the width, single- and
+    // multi-vector rows in one batch.
+    let q = queries(1, 2);
+    let plain = TokenBatch::new(
+        q.input_ids.clone(),
+        q.attention_mask.clone(),
+        q.token_type_ids.clone(),
+    )
+    .unwrap();
+    let short = q.attention_mask.narrow(1, 0, 3).unwrap();
+    assert!(plain.clone().with_vectors(short, QUERY_LENGTH).is_err());
+    let err = plain
+        .clone()
+        .with_vectors(q.attention_mask.clone(), QUERY_LENGTH - 1)
+        .unwrap_err();
+    assert!(err.to_string().contains("does not fit"), "{err}");
+    let err = <TokenBatch as gradcache::Batch>::cat(&[plain.clone(), q.clone()]).unwrap_err();
+    assert!(err.to_string().contains("multi-vector"), "{err}");
+    // The model: a ColBERT given a plain batch, a pooled model given a multi-vector one.
+    let (_store, colbert) = tower(3, Recompute::Off);
+    let err = colbert.encode(&plain, &Ctx::eval()).unwrap_err();
+    assert!(err.to_string().contains("multi-vector"), "{err}");
+    let cfg: BertConfig = serde_json::from_str(CONFIG).unwrap();
+    let store = ParamStore::new(3, DType::F32, &Device::Cpu);
+    let pooled = BertEncoder::build(&store, "", &cfg, &BertOptions::default()).unwrap();
+    let err = pooled.encode(&q, &Ctx::eval()).unwrap_err();
+    assert!(err.to_string().contains("multi-vector"), "{err}");
+    // Retrieval: single vectors handed to MaxSim scoring.
+    let err = gradcache::retrieval::search(
+        &random(2, &[2, DIM]),
+        1,
+        gradcache::retrieval::Scoring::MaxSim,
+        Default::default(),
+        |_| Ok(random(3, &[1, DIM])),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("token matrices"), "{err}");
+}
