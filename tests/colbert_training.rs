@@ -15,17 +15,11 @@ use gradcache::train::ExportLayout;
 use gradcache::Side;
 
 mod common;
-use common::max_diff;
+use common::{max_diff, quickstart_sample};
 
 /// A tiny fresh ColBERT run over the first 64 quickstart pairs (12 held out).
 fn tiny_colbert(dir: &Path, extra: &str) -> PathBuf {
-    let lines: Vec<String> = fs::read_to_string("data/quickstart/train.jsonl")
-        .unwrap()
-        .lines()
-        .map(String::from)
-        .collect();
-    fs::write(dir.join("train.jsonl"), lines[..64].join("\n")).unwrap();
-    fs::write(dir.join("eval.jsonl"), lines[200..212].join("\n")).unwrap();
+    quickstart_sample(dir, 0..64, 200..212);
     let config = format!(
         r#"
 seed = 3
@@ -240,13 +234,7 @@ fn the_shipped_colbert_config_learns() {
     // configs/colbert.toml as shipped (its model, prefixes, lengths, temperature,
     // optimizer), on 400 quickstart pairs for 20 steps, evaluated on 100 held-out pairs.
     let dir = tempfile::tempdir().unwrap();
-    let lines: Vec<String> = fs::read_to_string("data/quickstart/train.jsonl")
-        .unwrap()
-        .lines()
-        .map(String::from)
-        .collect();
-    fs::write(dir.path().join("train.jsonl"), lines[..400].join("\n")).unwrap();
-    fs::write(dir.path().join("eval.jsonl"), lines[1000..1100].join("\n")).unwrap();
+    quickstart_sample(dir.path(), 0..400, 1000..1100);
     let sets: Vec<String> = [
         format!("output_dir=\"{}\"", dir.path().join("run").display()),
         format!(
@@ -313,14 +301,8 @@ fn a_single_vector_model_becomes_a_colbert_with_a_new_projection() {
 fn mining_and_evaluation_run_on_a_colbert() {
     // `gradcache mine` and `gradcache eval --data` score by MaxSim with the PyLate fixture.
     let dir = tempfile::tempdir().unwrap();
-    let lines: Vec<String> = fs::read_to_string("data/quickstart/train.jsonl")
-        .unwrap()
-        .lines()
-        .take(40)
-        .map(String::from)
-        .collect();
-    let data = dir.path().join("pairs.jsonl");
-    fs::write(&data, lines.join("\n")).unwrap();
+    quickstart_sample(dir.path(), 0..40, 40..41);
+    let data = dir.path().join("train.jsonl");
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/colbert/st6");
     let run = |args: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_gradcache"))

@@ -240,21 +240,20 @@ fn tower(seed: u64, recompute: Recompute) -> (ParamStore, BertEncoder) {
     (store, encoder)
 }
 
+/// Each token vector's squared norm, `[rows][tokens]`, of representations `[rows, tokens * DIM]`.
+fn squared_norms(reps: &Tensor) -> Vec<Vec<f32>> {
+    let (rows, width) = reps.dims2().unwrap();
+    let tokens = reps.reshape((rows, width / DIM, DIM)).unwrap();
+    tokens.sqr().unwrap().sum(2).unwrap().to_vec2().unwrap()
+}
+
 #[test]
 fn the_head_writes_normalised_kept_token_vectors_padded_to_the_side_width() {
     let (_store, enc) = tower(7, Recompute::Off);
     let q = queries(1, 3);
     let reps = enc.encode(&q, &Ctx::eval()).unwrap();
     assert_eq!(reps.dims(), &[3, QUERY_LENGTH * DIM]);
-    let norms = reps
-        .reshape((3, QUERY_LENGTH, DIM))
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum(2)
-        .unwrap()
-        .to_vec2::<f32>()
-        .unwrap();
+    let norms = squared_norms(&reps);
     // Every query token, expansion tokens included, is a unit vector.
     assert!(
         norms.iter().flatten().all(|n| (n - 1.0).abs() <= 1e-5),
@@ -263,15 +262,7 @@ fn the_head_writes_normalised_kept_token_vectors_padded_to_the_side_width() {
     let d = documents(2, 4);
     let reps = enc.encode(&d, &Ctx::eval()).unwrap();
     assert_eq!(reps.dims(), &[4, DOCUMENT_LENGTH * DIM]);
-    let norms = reps
-        .reshape((4, DOCUMENT_LENGTH, DIM))
-        .unwrap()
-        .sqr()
-        .unwrap()
-        .sum(2)
-        .unwrap()
-        .to_vec2::<f32>()
-        .unwrap();
+    let norms = squared_norms(&reps);
     let keep = d.vectors.as_ref().unwrap().keep.to_vec2::<u32>().unwrap();
     for (r, row) in norms.iter().enumerate() {
         for (t, n) in row.iter().enumerate() {

@@ -204,16 +204,22 @@ pub fn write_bert_dir(dir: &Path, config: &str, bert_prefix: bool) -> ParamStore
     store
 }
 
-/// A tiny fresh-model run over the first 48 pairs of the quickstart data (10 held-out
-/// pairs), written as `dir/tiny.toml` with its data; the run directory is `dir/run`.
-pub fn write_tiny_run(dir: &Path) -> std::path::PathBuf {
+/// Lines `train` and `eval` of the quickstart training pairs, written as
+/// `dir/train.jsonl` and `dir/eval.jsonl`.
+pub fn quickstart_sample(dir: &Path, train: std::ops::Range<usize>, eval: std::ops::Range<usize>) {
     let lines: Vec<String> = fs::read_to_string("data/quickstart/train.jsonl")
         .unwrap()
         .lines()
         .map(String::from)
         .collect();
-    fs::write(dir.join("train.jsonl"), lines[..48].join("\n")).unwrap();
-    fs::write(dir.join("eval.jsonl"), lines[100..110].join("\n")).unwrap();
+    fs::write(dir.join("train.jsonl"), lines[train].join("\n")).unwrap();
+    fs::write(dir.join("eval.jsonl"), lines[eval].join("\n")).unwrap();
+}
+
+/// A tiny fresh-model run over the first 48 pairs of the quickstart data (10 held-out
+/// pairs), written as `dir/tiny.toml` with its data; the run directory is `dir/run`.
+pub fn write_tiny_run(dir: &Path) -> std::path::PathBuf {
+    quickstart_sample(dir, 0..48, 100..110);
     let config = format!(
         r#"
 seed = 7
