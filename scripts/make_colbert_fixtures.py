@@ -26,6 +26,13 @@ Each writes `reference.safetensors` / `reference.json` beside its model:
   `MultiVectorMultipleNegativesRankingLoss`); the loss value in reference.json. The script
   checks that every MaxSim maximum of the batch is positive, where PyLate (masked tokens
   score 0) and sentence-transformers (masked tokens leave the max) agree.
+
+A third mode, `distill` (PyLate's venv, after `pylate`), loads the saved PyLate model and
+writes `distillation.safetensors` / `distillation.json` beside it: PyLate's
+`Distillation` loss (KL divergence to teacher scores given with the data) of the four
+queries, each with three passages (its positive, its hard negative, the next query's
+positive) and made-up teacher scores; the loss and every parameter's gradient with
+`normalize_scores` on (`normalized.grad.{name}`, PyLate's default) and off (`raw.grad.{name}`).
 """
 
 import json
@@ -179,5 +186,55 @@ def st6_fixture():
     print("st6 loss", loss.item())
 
 
+# Teacher scores of each query's (positive, negative, next query's positive): made up,
+# in a cross-encoder's range, and not in the student's order everywhere.
+TEACHER = [[11.5, 2.25, -3.0], [9.0, 9.5, 1.0], [4.0, -1.5, 0.5], [7.75, 6.0, 7.0]]
+
+
+def distill_groups():
+    """Each query's passages, in the order the loss sees them."""
+    n = len(QUERIES)
+    return [[POSITIVES[i], NEGATIVES[i], POSITIVES[(i + 1) % n]] for i in range(n)]
+
+
+def distill_fixture():
+    from pylate import losses, models
+
+    out = OUT / "pylate"
+    model = models.ColBERT(str(out), device="cpu")
+    model.eval()
+    documents = [d for group in distill_groups() for d in group]
+    features = [
+        model.tokenize(QUERIES, is_query=True),
+        model.tokenize(documents, is_query=False),
+    ]
+    labels = torch.tensor(TEACHER, dtype=torch.float32)
+    tensors, meta = {}, {"queries": QUERIES, "groups": distill_groups(), "teacher": TEACHER}
+    for key, normalize in (("normalized", True), ("raw", False)):
+        loss_fn = losses.Distillation(model=model, normalize_scores=normalize)
+        model.zero_grad()
+        loss = loss_fn(features, labels)
+        loss.backward()
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                tensors[f"{key}.grad.{hf_name(name)}"] = p.grad.clone()
+        meta[f"{key}_loss"] = loss.item()
+        print("pylate distillation", key, loss.item())
+    # Every maximum of a query against its own passages is positive (PyLate and
+    # sentence-transformers agree there).
+    with torch.no_grad():
+        q = torch.nn.functional.normalize(model(dict(features[0]))["token_embeddings"], dim=-1)
+        d = torch.nn.functional.normalize(model(dict(features[1]))["token_embeddings"], dim=-1)
+        mask = features[1]["attention_mask"].bool()
+        for i in range(len(QUERIES)):
+            for j in range(3):
+                k = i * 3 + j
+                sims = (q[i] @ d[k].T).masked_fill(~mask[k][None, :], float("-inf"))
+                assert sims.max(-1).values.min() > 0, "a MaxSim maximum is negative"
+    save_file({k: v.detach().contiguous().float() for k, v in tensors.items()},
+              str(out / "distillation.safetensors"))
+    (out / "distillation.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
 if __name__ == "__main__":
-    {"pylate": pylate_fixture, "st6": st6_fixture}[sys.argv[1]]()
+    {"pylate": pylate_fixture, "st6": st6_fixture, "distill": distill_fixture}[sys.argv[1]]()

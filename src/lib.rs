@@ -103,7 +103,10 @@ pub use dist::{Collective, ReduceOp, Single};
 pub use dropout::{ChunkSeed, Ctx, Dropout, NormStats};
 pub use encoder::{Encoder, Network, Tower};
 pub use error::{Error, Result, Side};
-pub use loss::{ClipLoss, FnLoss, InfoNce, Loss, LossValue, MaxSim, Similarity};
+pub use loss::{
+    ClipLoss, FnLoss, InfoNce, Loss, LossValue, MaxSim, MaxSimDistillation, Similarity,
+    TeacherScores,
+};
 pub use models::{bert, lstm, resnet, toy};
 pub use params::{Gradients, ParamStore, Params};
 pub use precision::{LossScaler, Precision};

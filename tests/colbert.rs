@@ -3,7 +3,8 @@
 //! directories load, embed every query and document to the packages' token vectors, and
 //! the cached MaxSim loss and every parameter's gradient equal PyLate's `Contrastive` and
 //! sentence-transformers' `MultiVectorMultipleNegativesRankingLoss` on four (query,
-//! positive, hard negative) triples, in several chunkings and under recompute.
+//! positive, hard negative) triples, and PyLate's `Distillation` on four queries of three
+//! passages with teacher scores, in several chunkings and under recompute.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -12,7 +13,7 @@ use candle_core::{Device, Tensor};
 use gradcache::hub::multi_vector::{Layout, MultiVectorConfig};
 use gradcache::hub::MultiVectorModel;
 use gradcache::recompute::Recompute;
-use gradcache::{GradCache, MaxSim};
+use gradcache::{GradCache, Loss, MaxSim, MaxSimDistillation, TeacherScores};
 
 mod common;
 use common::{max_abs, max_diff};
@@ -101,13 +102,6 @@ fn token_embeddings_match_pylate_and_sentence_transformers() {
 fn loss_and_gradients_match_the_packages_in_chunks_and_under_recompute() {
     for layout in ["pylate", "st6"] {
         let r = Reference::read(layout);
-        let want_loss = r.meta["loss"].as_f64().unwrap();
-        let want: HashMap<&str, &Tensor> = r
-            .tensors
-            .iter()
-            .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n, v)))
-            .collect();
-        let global = want.values().map(|g| max_abs(g)).fold(0.0, f64::max);
         let (queries, positives, negatives) = (
             r.texts("queries"),
             r.texts("positives"),
@@ -118,39 +112,139 @@ fn loss_and_gradients_match_the_packages_in_chunks_and_under_recompute() {
             .zip(&negatives)
             .flat_map(|(p, n)| [p.as_str(), n.as_str()])
             .collect();
+        let want = Expected::new(
+            layout,
+            r.meta["loss"].as_f64().unwrap(),
+            &r.tensors,
+            "grad.",
+        );
+        want.check(layout, &refs(&queries), &passages, |dim| {
+            MaxSim::new(dim).unwrap()
+        });
+    }
+}
+
+#[test]
+fn distillation_matches_pylate_in_chunks_and_under_recompute() {
+    // PyLate's `Distillation` over each query's (positive, negative, next positive) with
+    // teacher scores, `normalize_scores` on (its default) and off.
+    let dir = fixture("pylate");
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("distillation.json")).unwrap())
+            .unwrap();
+    let tensors =
+        candle_core::safetensors::load(dir.join("distillation.safetensors"), &Device::Cpu).unwrap();
+    let strings = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_str().unwrap().to_string())
+            .collect()
+    };
+    let queries = strings(&meta["queries"]);
+    let passages: Vec<String> = meta["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(strings)
+        .collect();
+    let teacher: Vec<Vec<f32>> = serde_json::from_value(meta["teacher"].clone()).unwrap();
+    let teacher = Tensor::new(teacher, &Device::Cpu).unwrap();
+    for (key, normalize) in [("normalized", true), ("raw", false)] {
+        let want = Expected::new(
+            "pylate",
+            meta[format!("{key}_loss")].as_f64().unwrap(),
+            &tensors,
+            &format!("{key}.grad."),
+        );
+        let cell = TeacherScores::new();
+        cell.set(&teacher).unwrap();
+        want.check(
+            &format!("distillation ({key})"),
+            &refs(&queries),
+            &refs(&passages),
+            |dim| {
+                MaxSimDistillation::new(dim, cell.clone())
+                    .unwrap()
+                    .with_normalized_scores(normalize)
+            },
+        );
+    }
+}
+
+/// A package's loss and parameter gradients on the fixture model.
+struct Expected<'a> {
+    /// The fixture directory the model is read from (`pylate`, `st6`).
+    layout: &'a str,
+    loss: f64,
+    grads: HashMap<&'a str, &'a Tensor>,
+}
+
+impl<'a> Expected<'a> {
+    /// The loss and the gradients stored under `prefix` + parameter name.
+    fn new(layout: &'a str, loss: f64, tensors: &'a HashMap<String, Tensor>, prefix: &str) -> Self {
+        let grads = tensors
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix(prefix).map(|n| (n, v)))
+            .collect();
+        Self {
+            layout,
+            loss,
+            grads,
+        }
+    }
+
+    /// A cached step of the fixture model under the loss `make` builds (from the
+    /// token width), in chunks of 4, 1 and 3 (under recompute), equals the package's
+    /// loss (<= 1e-5) and every gradient (<= 1e-4, floored at 1e-3 of the largest).
+    fn check<L: Loss>(
+        &self,
+        what: &str,
+        queries: &[&str],
+        passages: &[&str],
+        make: impl Fn(usize) -> L,
+    ) {
+        let global = self.grads.values().map(|g| max_abs(g)).fold(0.0, f64::max);
         for (chunk, recompute) in [
             (4, Recompute::Off),
             (1, Recompute::Off),
             (3, Recompute::EveryLayer),
         ] {
             let model =
-                MultiVectorModel::load(fixture(layout).to_str().unwrap(), &Device::Cpu).unwrap();
+                MultiVectorModel::load(fixture(self.layout).to_str().unwrap(), &Device::Cpu)
+                    .unwrap();
             let (qt, dt) = model.tokenizers();
-            let q = qt.encode(&refs(&queries), &Device::Cpu).unwrap();
-            let p = dt.encode(&passages, &Device::Cpu).unwrap();
-            let loss = MaxSim::new(model.dim()).unwrap();
+            let q = qt.encode(queries, &Device::Cpu).unwrap();
+            let p = dt.encode(passages, &Device::Cpu).unwrap();
+            let loss = make(model.dim());
             let (mut encoder, _store) = model.into_encoder();
             encoder.set_policy(recompute.clone()).unwrap();
             let gc = GradCache::shared(encoder, chunk, loss)
                 .unwrap()
                 .with_dropout(false);
             let out = gc.cache_step(0, &q, &p).unwrap();
-            let what = format!("{layout}, chunk {chunk}, {recompute:?}");
+            let what = format!("{what}, chunk {chunk}, {recompute:?}");
             assert!(
-                (out.loss as f64 - want_loss).abs() <= 1e-5 * want_loss,
-                "{what}: loss {} against {want_loss}",
-                out.loss
+                (out.loss as f64 - self.loss).abs() <= 1e-5 * self.loss,
+                "{what}: loss {} against {}",
+                out.loss,
+                self.loss
             );
             let mut seen = 0;
             for (name, got) in out.grads.iter() {
-                let reference = want
+                let reference = self
+                    .grads
                     .get(name)
                     .unwrap_or_else(|| panic!("{what}: no reference gradient for `{name}`"));
                 let err = max_diff(got, reference) / max_abs(reference).max(1e-3 * global);
                 assert!(err <= 1e-4, "{what}: gradient of `{name}` off by {err:e}");
                 seen += 1;
             }
-            assert_eq!(seen, want.len(), "{what}: every parameter gets a gradient");
+            assert_eq!(
+                seen,
+                self.grads.len(),
+                "{what}: every parameter gets a gradient"
+            );
         }
     }
 }

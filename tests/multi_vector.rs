@@ -1,14 +1,17 @@
-//! Late interaction (ColBERT) under the gradient cache: the blocked MaxSim loss against
-//! autograd and a plain loop, and a multi-vector BERT tower whose cached steps equal a
-//! full-batch step for every chunking, with hard negatives, uneven lengths, query
-//! expansion tokens no one attends to and skiplisted document tokens.
+//! Late interaction (ColBERT) under the gradient cache: the blocked MaxSim loss and the
+//! distillation loss against autograd and a plain loop, and a multi-vector BERT tower
+//! whose cached steps equal a full-batch step for every chunking, with hard negatives,
+//! uneven lengths, query expansion tokens no one attends to and skiplisted document tokens.
 
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor, Var};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, DenseActivation, DenseSpec};
 use gradcache::recompute::Recompute;
-use gradcache::{Ctx, Encoder, GradCache, Loss, MaxSim, ParamStore, TokenBatch};
+use gradcache::{
+    Ctx, Encoder, GradCache, Loss, MaxSim, MaxSimDistillation, ParamStore, TeacherScores,
+    TokenBatch,
+};
 
 mod common;
 use common::{max_abs, max_diff, random, rel_err_with_zeros};
@@ -151,6 +154,98 @@ fn maxsim_gradients_equal_autograd() {
             assert!(leak <= 1e-7 * scale, "group {group} block {block}: {leak}");
         }
     }
+}
+
+/// The distillation loss written out: each query's scores of its own `group` passages
+/// (min-max normalised or not), the KL divergence from the teacher's softmax to theirs,
+/// the mean over queries.
+fn loop_distillation(q: &Tensor, p: &Tensor, teacher: &[Vec<f32>], normalize: bool) -> f64 {
+    let scores = loop_scores(q, p);
+    let group = teacher[0].len();
+    let softmax = |v: &[f64]| -> Vec<f64> {
+        let max = v.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = v.iter().map(|x| (x - max).exp()).sum();
+        v.iter().map(|x| (x - max).exp() / sum).collect()
+    };
+    let mut total = 0.0;
+    for (i, t) in teacher.iter().enumerate() {
+        let s: Vec<f64> = (0..group)
+            .map(|j| scores[i][i * group + j] as f64)
+            .collect();
+        let (lo, hi) = s
+            .iter()
+            .fold((f64::MAX, f64::MIN), |(l, h), &v| (l.min(v), h.max(v)));
+        let x: Vec<f64> = match normalize {
+            true => s.iter().map(|v| (v - lo) / (hi - lo + 1e-8)).collect(),
+            false => s,
+        };
+        let t: Vec<f64> = t.iter().map(|&v| v as f64).collect();
+        let (student, teacher) = (softmax(&x), softmax(&t));
+        total += teacher
+            .iter()
+            .zip(&student)
+            .map(|(t, s)| t * (t.ln() - s.ln()))
+            .sum::<f64>();
+    }
+    total / teacher.len() as f64
+}
+
+#[test]
+fn distillation_equals_a_loop_and_autograd_on_both_paths() {
+    let _serial = FUSED.lock().unwrap_or_else(|p| p.into_inner());
+    for fused in [true, false] {
+        gradcache::nn::set_fused_kernels(fused);
+        distillation_equals_a_loop_and_autograd(fused);
+    }
+    gradcache::nn::set_fused_kernels(true);
+}
+
+fn distillation_equals_a_loop_and_autograd(fused: bool) {
+    let group = 4;
+    let (q, p) = (token_matrices(11, 5, 4), token_matrices(12, 5 * group, 7));
+    let teacher = (random(13, &[5, group]) * 4.0).unwrap();
+    let rows = teacher.to_vec2::<f32>().unwrap();
+    let cell = TeacherScores::new();
+    cell.set(&teacher).unwrap();
+    for normalize in [true, false] {
+        let what = format!("fused {fused}, normalize {normalize}");
+        let loss = MaxSimDistillation::new(DIM, cell.clone())
+            .unwrap()
+            .with_normalized_scores(normalize);
+        let want = loop_distillation(&q, &p, &rows, normalize);
+        let got = loss.value_and_grads(&q, &p).unwrap();
+        assert!(want > 1e-3, "{what}: a loss that can be compared ({want})");
+        let rel = ((got.loss as f64 - want) / want).abs();
+        assert!(rel <= 1e-5, "{what}: loss {} vs {want}", got.loss);
+        let (qv, pv) = (Var::from_tensor(&q).unwrap(), Var::from_tensor(&p).unwrap());
+        let graph = loss.forward(qv.as_tensor(), pv.as_tensor()).unwrap();
+        let rel = ((graph.to_scalar::<f32>().unwrap() as f64 - want) / want).abs();
+        assert!(rel <= 1e-5, "{what}: forward {rel:e}");
+        let store = graph.backward().unwrap();
+        let (want_q, want_p) = (
+            store.get(qv.as_tensor()).unwrap(),
+            store.get(pv.as_tensor()).unwrap(),
+        );
+        let scale = max_abs(want_q).max(max_abs(want_p));
+        assert!(scale > 1e-4, "{what}: gradients that can be compared");
+        let (dq, dp) = (
+            max_diff(&got.grad_queries, want_q),
+            max_diff(&got.grad_passages, want_p),
+        );
+        assert!(
+            dq.max(dp) <= 1e-5 * scale,
+            "{what}: gradients {dq:e} {dp:e}"
+        );
+    }
+    // Teacher scores that are not one per passage of each group, and none at all.
+    let loss = MaxSimDistillation::new(DIM, cell.clone()).unwrap();
+    let err = loss
+        .value_and_grads(&q, &p.narrow(0, 0, 10).unwrap())
+        .unwrap_err();
+    assert!(err.to_string().contains("one score per passage"), "{err}");
+    let unset = MaxSimDistillation::new(DIM, TeacherScores::new()).unwrap();
+    let err = unset.value_and_grads(&q, &p).unwrap_err();
+    assert!(err.to_string().contains("teacher's scores"), "{err}");
 }
 
 const CONFIG: &str = r#"{
@@ -317,17 +412,50 @@ fn expansion_tokens_are_computed_and_change_no_real_token() {
 fn cached_multi_vector_steps_equal_a_full_batch_step() {
     let b = 6;
     let (q, p) = (queries(5, b), documents(6, 2 * b));
+    cached_steps_equal_a_full_batch_step(&q, &p, "MaxSim", || {
+        MaxSim::new(DIM).unwrap().with_temperature(0.5).unwrap()
+    });
+}
+
+#[test]
+fn cached_distillation_steps_equal_a_full_batch_step() {
+    let (b, group) = (6, 3);
+    let (q, p) = (queries(15, b), documents(16, group * b));
+    let cell = TeacherScores::new();
+    cell.set(&(random(17, &[b, group]) * 5.0).unwrap()).unwrap();
+    for normalize in [true, false] {
+        let what = format!("distillation, normalize {normalize}");
+        cached_steps_equal_a_full_batch_step(&q, &p, &what, || {
+            MaxSimDistillation::new(DIM, cell.clone())
+                .unwrap()
+                .with_normalized_scores(normalize)
+        });
+    }
+}
+
+/// Cached steps of the loss `make` builds, in several chunkings, with recompute off and
+/// on, equal a full-batch step to 1e-5 (loss and every gradient).
+fn cached_steps_equal_a_full_batch_step<L: Loss>(
+    q: &TokenBatch,
+    p: &TokenBatch,
+    what: &str,
+    make: impl Fn() -> L,
+) {
+    use gradcache::Batch;
+    let (b, np) = (q.rows(), p.rows());
     for recompute in [Recompute::Off, Recompute::EveryLayer] {
         let (store, enc) = tower(9, recompute.clone());
-        let loss = MaxSim::new(DIM).unwrap().with_temperature(0.5).unwrap();
-        let mut gc = GradCache::shared(enc, 1, loss).unwrap();
-        let reference = gc.full_batch_step(0, &q, &p).unwrap();
+        let mut gc = GradCache::shared(enc, 1, make()).unwrap();
+        let reference = gc.full_batch_step(0, q, p).unwrap();
         assert_eq!(reference.grads.len(), store.params().len());
-        for (qc, pc) in [(1, 1), (2, 5), (3, 4), (b, 2 * b), (100, 100)] {
+        for (qc, pc) in [(1, 1), (2, 5), (3, 4), (b, np), (100, 100)] {
             gc = gc.with_chunk_sizes(qc, pc).unwrap();
-            let cached = gc.cache_step(0, &q, &p).unwrap();
+            let cached = gc.cache_step(0, q, p).unwrap();
             let rel = ((cached.loss - reference.loss) / reference.loss).abs();
-            assert!(rel <= 1e-5, "{recompute:?} chunks {qc}/{pc}: loss {rel:e}");
+            assert!(
+                rel <= 1e-5,
+                "{what}, {recompute:?} chunks {qc}/{pc}: loss {rel:e}"
+            );
             let zero: Vec<String> = (0..3)
                 .map(|i| format!("encoder.layer.{i}.attention.self.key.bias"))
                 .collect();
@@ -335,7 +463,7 @@ fn cached_multi_vector_steps_equal_a_full_batch_step() {
             let err = rel_err_with_zeros(&cached.grads, &reference.grads, &zero, 1e-5);
             assert!(
                 err <= 1e-5,
-                "{recompute:?} chunks {qc}/{pc}: gradients {err:e}"
+                "{what}, {recompute:?} chunks {qc}/{pc}: gradients {err:e}"
             );
         }
     }

@@ -102,28 +102,128 @@ impl MaxSim {
     /// MaxSim scores `[Q, P]` of every query against every passage (the graph is kept
     /// when the inputs record one).
     pub fn scores(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
+        self.pair_scores(queries, passages, Pairs::All)
+    }
+
+    /// The MaxSim scores `pairs` names, `[Q, pairs.width(P)]` (the graph is kept when
+    /// the inputs record one).
+    pub(super) fn pair_scores(
+        &self,
+        queries: &Tensor,
+        passages: &Tensor,
+        pairs: Pairs,
+    ) -> Result<Tensor> {
         let q = self.tokens(queries, crate::Side::Query)?;
         let p = self.tokens(passages, crate::Side::Passage)?;
+        let (nq, np) = (q.dim(0)?, p.dim(0)?);
+        let width = pairs.width(np);
+        let spans = self.spans(&q, &p, pairs)?;
         if self.on_kernels(&[queries, passages]) {
             let kernel = Kernel::new(self, &q, &p)?;
-            let scores = kernel.scores()?;
-            return Ok(Tensor::from_vec(
-                scores,
-                (q.dim(0)?, p.dim(0)?),
-                queries.device(),
-            )?);
+            let scores = kernel.scores(&spans, width)?;
+            return Ok(Tensor::from_vec(scores, (nq, width), queries.device())?);
         }
-        let (q_block, p_block) = self.blocks(&q, &p)?;
+        // Spans come a row of queries at a time, their passages in order.
         let mut rows = Vec::new();
-        for (qs, ql) in spans(q.dim(0)?, q_block) {
-            let qb = q.narrow(0, qs, ql)?;
-            let mut cols = Vec::new();
-            for (ps, pl) in spans(p.dim(0)?, p_block) {
-                cols.push(Block::new(&qb, &p.narrow(0, ps, pl)?)?.scores()?);
+        let mut cols = Vec::new();
+        for (k, s) in spans.iter().enumerate() {
+            let block = Block::new(&q.narrow(0, s.qs, s.ql)?, &p.narrow(0, s.ps, s.pl)?)?;
+            cols.push(block.scores()?);
+            if spans.get(k + 1).is_none_or(|n| n.qs != s.qs) {
+                rows.push(Tensor::cat(&std::mem::take(&mut cols), 1)?);
             }
-            rows.push(Tensor::cat(&cols, 1)?);
         }
         Ok(Tensor::cat(&rows, 0)?)
+    }
+
+    /// The gradients of the token vectors `[Q, width]`, `[P, width]` from the gradient
+    /// `g` of the scores `pairs` names (detached; each block's max chosen again).
+    pub(super) fn pair_grads(
+        &self,
+        queries: &Tensor,
+        passages: &Tensor,
+        pairs: Pairs,
+        g: &[f32],
+    ) -> Result<(Tensor, Tensor)> {
+        let (queries, passages) = (queries.detach(), passages.detach());
+        let q = self.tokens(&queries, crate::Side::Query)?;
+        let p = self.tokens(&passages, crate::Side::Passage)?;
+        let (nq, lq, d) = q.dims3()?;
+        let (np, lp, _) = p.dims3()?;
+        let width = pairs.width(np);
+        let spans = self.spans(&q, &p, pairs)?;
+        if self.on_kernels(&[&queries, &passages]) {
+            let (dq, dp) = Kernel::new(self, &q, &p)?.grads(&spans, width, g)?;
+            return Ok((
+                Tensor::from_vec(dq, queries.dims(), q.device())?,
+                Tensor::from_vec(dp, passages.dims(), p.device())?,
+            ));
+        }
+        let g = Tensor::from_slice(g, (nq, width), q.device())?.to_dtype(q.dtype())?;
+        let mut grad_q = std::collections::BTreeMap::new();
+        let mut grad_p = std::collections::BTreeMap::new();
+        for s in &spans {
+            let qb = q.narrow(0, s.qs, s.ql)?;
+            let pb = p.narrow(0, s.ps, s.pl)?;
+            let q_flat = qb.reshape((s.ql * lq, d))?;
+            let w = Block::new(&qb, &pb)?
+                .pair_weights(&g.narrow(0, s.qs, s.ql)?.narrow(1, s.col, s.pl)?)?;
+            add_to(&mut grad_q, s.qs, w.matmul(&pb.reshape((s.pl * lp, d))?)?)?;
+            add_to(&mut grad_p, s.ps, w.t()?.matmul(&q_flat)?)?;
+        }
+        let whole = |parts: std::collections::BTreeMap<usize, Tensor>,
+                     rows: usize,
+                     len: usize|
+         -> Result<Tensor> {
+            // Every row has a span in both pairings; a row without one gets zeros.
+            let mut out = Vec::new();
+            let mut at = 0;
+            for (start, t) in parts {
+                if start > at {
+                    out.push(Tensor::zeros((start - at, len * d), q.dtype(), q.device())?);
+                }
+                let n = t.dim(0)? / len;
+                out.push(t.reshape((n, len * d))?);
+                at = start + n;
+            }
+            if rows > at {
+                out.push(Tensor::zeros((rows - at, len * d), q.dtype(), q.device())?);
+            }
+            Ok(Tensor::cat(&out, 0)?)
+        };
+        Ok((whole(grad_q, nq, lq)?, whole(grad_p, np, lp)?))
+    }
+
+    /// The blocks `pairs` needs: with [`Pairs::All`], all queries' tokens by as many
+    /// passages as fit [`Self::with_block_similarities`] (fewer queries where one passage
+    /// does not fit); with [`Pairs::Own`], each query by its own group.
+    fn spans(&self, q: &Tensor, p: &Tensor, pairs: Pairs) -> Result<Vec<Span>> {
+        let (nq, np) = (q.dim(0)?, p.dim(0)?);
+        Ok(match pairs {
+            Pairs::All => {
+                let (q_block, p_block) = self.blocks(q, p)?;
+                spans(nq, q_block)
+                    .flat_map(|(qs, ql)| {
+                        spans(np, p_block).map(move |(ps, pl)| Span {
+                            qs,
+                            ql,
+                            ps,
+                            pl,
+                            col: ps,
+                        })
+                    })
+                    .collect()
+            }
+            Pairs::Own(group) => (0..nq)
+                .map(|i| Span {
+                    qs: i,
+                    ql: 1,
+                    ps: i * group,
+                    pl: group,
+                    col: 0,
+                })
+                .collect(),
+        })
     }
 
     /// Queries and passages per block: all queries' tokens by as many passages as fit
@@ -138,21 +238,8 @@ impl MaxSim {
     }
 
     /// The cross-entropy of `scores / temperature` (targets `i * group`, the mean over
-    /// queries) and its gradient with respect to the scores, a row at a time (in f64):
-    /// two score-sized buffers, whatever the batch.
-    fn score_grads(&self, scores: &Tensor, group: usize) -> Result<(f32, Tensor)> {
-        let (nq, np) = scores.dims2()?;
-        let mut values = scores
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        let loss = self.score_grads_in_place(&mut values, np, group);
-        let grads = Tensor::from_vec(values, (nq, np), scores.device())?;
-        Ok((loss, grads.to_dtype(scores.dtype())?))
-    }
-
-    /// [`Self::score_grads`] on the scores `[Q, P]` in `values` (`np` per row), which
-    /// become their gradients.
+    /// queries) on the scores `[Q, P]` in `values` (`np` per row, in f64 a row at a
+    /// time), which become their gradients.
     fn score_grads_in_place(&self, values: &mut [f32], np: usize, group: usize) -> f32 {
         let nq = values.len() / np.max(1);
         let t = self.temperature;
@@ -183,19 +270,17 @@ impl MaxSim {
 
 /// The CPU path: every block's similarities by one matrix product, the max and the
 /// gradient by [`crate::nn::maxsim`]'s kernels.
-struct Kernel<'a> {
-    loss: &'a MaxSim,
+struct Kernel {
     q: Tensor,
     p: Tensor,
     q_kept: Vec<bool>,
     p_kept: Vec<bool>,
 }
 
-impl<'a> Kernel<'a> {
-    fn new(loss: &'a MaxSim, q: &Tensor, p: &Tensor) -> Result<Self> {
+impl Kernel {
+    fn new(loss: &MaxSim, q: &Tensor, p: &Tensor) -> Result<Self> {
         let (q, p) = (q.contiguous()?, p.contiguous()?);
         Ok(Self {
-            loss,
             q_kept: crate::nn::maxsim::kept(&q, loss.dim)?,
             p_kept: crate::nn::maxsim::kept(&p, loss.dim)?,
             q,
@@ -203,66 +288,59 @@ impl<'a> Kernel<'a> {
         })
     }
 
-    /// The blocks: `(query start, queries, passage start, passages)`.
-    fn blocks(&self) -> Result<Vec<(usize, usize, usize, usize)>> {
-        let (q_block, p_block) = self.loss.blocks(&self.q, &self.p)?;
-        let np = self.p.dim(0)?;
-        Ok(spans(self.q.dim(0)?, q_block)
-            .flat_map(|(qs, ql)| spans(np, p_block).map(move |(ps, pl)| (qs, ql, ps, pl)))
-            .collect())
-    }
-
     /// One block's similarities and what its max chose.
     fn choose(
         &self,
-        (qs, ql, ps, pl): (usize, usize, usize, usize),
+        s: &Span,
     ) -> Result<(crate::nn::maxsim::BlockShape, crate::nn::maxsim::Chosen)> {
         let (_, lq, d) = self.q.dims3()?;
         let (_, lp, _) = self.p.dims3()?;
         let shape = crate::nn::maxsim::BlockShape {
-            nq: ql,
+            nq: s.ql,
             lq,
-            np: pl,
+            np: s.pl,
             lp,
         };
-        let qb = self.q.narrow(0, qs, ql)?.reshape((ql * lq, d))?;
-        let pb = self.p.narrow(0, ps, pl)?.reshape((pl * lp, d))?;
+        let qb = self.q.narrow(0, s.qs, s.ql)?.reshape((s.ql * lq, d))?;
+        let pb = self.p.narrow(0, s.ps, s.pl)?.reshape((s.pl * lp, d))?;
         let sims = qb.matmul(&pb.t()?)?.contiguous()?;
         let chosen =
-            crate::nn::maxsim::choose(&sims, &self.p_kept[ps * lp..(ps + pl) * lp], shape)?;
+            crate::nn::maxsim::choose(&sims, &self.p_kept[s.ps * lp..(s.ps + s.pl) * lp], shape)?;
         Ok((shape, chosen))
     }
 
-    fn scores(&self) -> Result<Vec<f32>> {
+    /// The scores of the spans, `[Q, width]`.
+    fn scores(&self, spans: &[Span], width: usize) -> Result<Vec<f32>> {
         let (nq, lq, _) = self.q.dims3()?;
-        let np = self.p.dim(0)?;
-        let mut out = vec![0f32; nq * np];
-        for block in self.blocks()? {
-            let (qs, ql, ps, pl) = block;
-            let (shape, chosen) = self.choose(block)?;
-            let s =
-                crate::nn::maxsim::scores(&chosen, &self.q_kept[qs * lq..(qs + ql) * lq], shape);
-            for i in 0..ql {
-                out[(qs + i) * np + ps..][..pl].copy_from_slice(&s[i * pl..(i + 1) * pl]);
+        let mut out = vec![0f32; nq * width];
+        for s in spans {
+            let (shape, chosen) = self.choose(s)?;
+            let b = crate::nn::maxsim::scores(
+                &chosen,
+                &self.q_kept[s.qs * lq..(s.qs + s.ql) * lq],
+                shape,
+            );
+            for i in 0..s.ql {
+                out[(s.qs + i) * width + s.col..][..s.pl]
+                    .copy_from_slice(&b[i * s.pl..(i + 1) * s.pl]);
             }
         }
         Ok(out)
     }
 
-    /// The gradients of the token vectors from the scores' `g` `[Q * P]`, each block's
-    /// max chosen again.
-    fn grads(&self, g: &[f32]) -> Result<(Vec<f32>, Vec<f32>)> {
+    /// The gradients of the token vectors from the spans' scores' `g` `[Q * width]`,
+    /// each block's max chosen again.
+    fn grads(&self, spans: &[Span], width: usize, g: &[f32]) -> Result<(Vec<f32>, Vec<f32>)> {
         let (nq, lq, d) = self.q.dims3()?;
         let (np, lp, _) = self.p.dims3()?;
         let mut dq = vec![0f32; nq * lq * d];
         let mut dp = vec![0f32; np * lp * d];
-        for block in self.blocks()? {
-            let (qs, ql, ps, pl) = block;
-            let (shape, chosen) = self.choose(block)?;
-            let gb: Vec<f32> = (0..ql)
-                .flat_map(|i| g[(qs + i) * np + ps..][..pl].iter().copied())
+        for s in spans {
+            let (shape, chosen) = self.choose(s)?;
+            let gb: Vec<f32> = (0..s.ql)
+                .flat_map(|i| g[(s.qs + i) * width + s.col..][..s.pl].iter().copied())
                 .collect();
-            let (q_rows, p_rows) = (qs * lq..(qs + ql) * lq, ps * lp..(ps + pl) * lp);
+            let (q_rows, p_rows) = (s.qs * lq..(s.qs + s.ql) * lq, s.ps * lp..(s.ps + s.pl) * lp);
             let (qr, pr) = (
                 q_rows.start * d..q_rows.end * d,
                 p_rows.start * d..p_rows.end * d,
@@ -280,6 +358,50 @@ impl<'a> Kernel<'a> {
         }
         Ok((dq, dp))
     }
+}
+
+/// Which query-passage scores a loss needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pairs {
+    /// Every query against every passage: `[Q, P]`.
+    All,
+    /// Each query against its own `group` passages (`i * group ..`): `[Q, group]`.
+    Own(usize),
+}
+
+impl Pairs {
+    /// Scores per query for `np` passages.
+    fn width(self, np: usize) -> usize {
+        match self {
+            Pairs::All => np,
+            Pairs::Own(group) => group,
+        }
+    }
+}
+
+/// A block of queries `qs..qs + ql` by passages `ps..ps + pl`, whose scores go to columns
+/// `col..col + pl` of the score rows.
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    qs: usize,
+    ql: usize,
+    ps: usize,
+    pl: usize,
+    col: usize,
+}
+
+/// Adds `t` to the part of `parts` that starts at `start`.
+fn add_to(
+    parts: &mut std::collections::BTreeMap<usize, Tensor>,
+    start: usize,
+    t: Tensor,
+) -> Result<()> {
+    let sum = match parts.remove(&start) {
+        Some(sum) => (sum + t)?,
+        None => t,
+    };
+    parts.insert(start, sum);
+    Ok(())
 }
 
 /// `(start, len)` of consecutive spans of at most `size` over `0..n`.
@@ -361,59 +483,20 @@ impl Loss for MaxSim {
 
     fn value_and_grads(&self, queries: &Tensor, passages: &Tensor) -> Result<LossValue> {
         let group = group_size(queries.dim(0)?, passages.dim(0)?)?;
-        let (queries, passages) = (queries.detach(), passages.detach());
-        let q = self.tokens(&queries, crate::Side::Query)?;
-        let p = self.tokens(&passages, crate::Side::Passage)?;
-        if self.on_kernels(&[&queries, &passages]) {
-            // The scores become their gradients in place: one score-sized buffer.
-            let kernel = Kernel::new(self, &q, &p)?;
-            let mut g = kernel.scores()?;
-            let loss = self.score_grads_in_place(&mut g, p.dim(0)?, group);
-            let (dq, dp) = kernel.grads(&g)?;
-            return Ok(LossValue {
-                loss,
-                grad_queries: Tensor::from_vec(dq, queries.dims(), q.device())?,
-                grad_passages: Tensor::from_vec(dp, passages.dims(), p.device())?,
-                params: Default::default(),
-            });
-        }
-        let (nq, lq, d) = q.dims3()?;
-        let (np, lp, _) = p.dims3()?;
-        let scores = self.scores(&queries, &passages)?;
-        let (loss, g) = self.score_grads(&scores, group)?;
-        let (q_block, p_block) = self.blocks(&q, &p)?;
-        let p_spans: Vec<_> = spans(np, p_block).collect();
-        let mut grad_q = Vec::new();
-        let mut grad_p: Vec<Option<Tensor>> = vec![None; p_spans.len()];
-        for (qs, ql) in spans(nq, q_block) {
-            let qb = q.narrow(0, qs, ql)?;
-            let q_flat = qb.reshape((ql * lq, d))?;
-            let mut gq = q_flat.zeros_like()?;
-            for (k, &(ps, pl)) in p_spans.iter().enumerate() {
-                let pb = p.narrow(0, ps, pl)?;
-                let block = Block::new(&qb, &pb)?;
-                let w = block.pair_weights(&g.narrow(0, qs, ql)?.narrow(1, ps, pl)?)?;
-                gq = (gq + w.matmul(&pb.reshape((pl * lp, d))?)?)?;
-                let gp = w.t()?.matmul(&q_flat)?;
-                grad_p[k] = Some(match grad_p[k].take() {
-                    Some(sum) => (sum + gp)?,
-                    None => gp,
-                });
-            }
-            grad_q.push(gq.reshape((ql, lq * d))?);
-        }
-        let grad_p = grad_p
-            .into_iter()
-            .zip(&p_spans)
-            .map(|(g, &(_, pl))| match g {
-                Some(g) => Ok(g.reshape((pl, lp * d))?),
-                None => Ok(Tensor::zeros((pl, lp * d), p.dtype(), p.device())?),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        // The scores become their gradients in place: one score-sized buffer.
+        let scores = self.scores(&queries.detach(), &passages.detach())?;
+        let np = scores.dim(1)?;
+        let mut g = scores
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        drop(scores);
+        let loss = self.score_grads_in_place(&mut g, np, group);
+        let (grad_queries, grad_passages) = self.pair_grads(queries, passages, Pairs::All, &g)?;
         Ok(LossValue {
             loss,
-            grad_queries: Tensor::cat(&grad_q, 0)?,
-            grad_passages: Tensor::cat(&grad_p, 0)?,
+            grad_queries,
+            grad_passages,
             params: Default::default(),
         })
     }

@@ -8,6 +8,7 @@
 //! sentence-transformers' cached losses). [`FnLoss`] turns any differentiable closure into a
 //! loss, like the `loss_fn` of the reference GradCache.
 
+pub mod distillation;
 pub mod matryoshka;
 pub mod maxsim;
 
@@ -19,6 +20,7 @@ use crate::batch::Batch;
 use crate::params::{Gradients, ParamStore, Params};
 use crate::{Error, Result};
 
+pub use distillation::{MaxSimDistillation, TeacherScores};
 pub use matryoshka::Matryoshka;
 pub use maxsim::MaxSim;
 
