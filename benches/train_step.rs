@@ -39,6 +39,7 @@ fn probe_batch(rows: usize) -> anyhow::Result<TextBatch> {
     let mut batch = TextBatch {
         queries: vec![],
         passages: vec![],
+        scores: vec![],
         filled: 0,
         lines: vec![],
     };

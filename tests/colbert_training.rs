@@ -1,8 +1,9 @@
 //! Training a multi-vector (ColBERT) model with `[model.multi_vector]`: a fresh model and
 //! the PyLate fixture learn, the evaluation scores by MaxSim, a run resumes bit for bit,
 //! the export loads (in our loader, as PyLate's layout) to the trained encoder's token
-//! vectors, and the settings that do not fit a multi-vector model are refused by name
-//! before anything is written.
+//! vectors, a ColBERT distils a teacher's scores given in the data, and the settings and
+//! data that do not fit a multi-vector model are refused by name before anything is
+//! written.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -201,6 +202,124 @@ fn single_vector_settings_are_refused_on_a_multi_vector_run() {
     }
 }
 
+/// The tiny ColBERT run learning a made-up teacher's scores: each pair's passages are its
+/// positive and the next two pairs' positives, which the teacher scores 8, 2 and 1.
+fn tiny_distillation(dir: &Path) -> PathBuf {
+    let path = tiny_colbert(dir, "");
+    let config = fs::read_to_string(&path).unwrap();
+    let config = config.replace("[loss]\ntemperature = 1.0", "[loss.distillation]");
+    fs::write(&path, config).unwrap();
+    let train = dir.join("train.jsonl");
+    let pairs: Vec<serde_json::Value> = fs::read_to_string(&train)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let n = pairs.len();
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            let positive = |j: usize| pairs[j % n]["positive"].clone();
+            serde_json::json!({
+                "query": pairs[i]["query"],
+                "positive": positive(i),
+                "negatives": [positive(i + 1), positive(i + 2)],
+                "scores": [8.0, 2.0, 1.0],
+            })
+            .to_string()
+        })
+        .collect();
+    fs::write(&train, lines.join("\n")).unwrap();
+    path
+}
+
+#[test]
+fn a_colbert_distils_teacher_scores_resumes_exactly_and_learns() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_distillation(dir.path());
+    let cfg = Config::load(&path, &["train.hard_negatives=2".into()]).unwrap();
+    assert!(cfg.loss.distillation.as_ref().unwrap().normalize_scores);
+    let mut uninterrupted = cfg.clone();
+    uninterrupted.output_dir = dir.path().join("whole");
+    let mut full = Trainer::new(uninterrupted, None).unwrap();
+    let losses: Vec<f32> = (0..6).map(|_| full.train_step().unwrap().loss).collect();
+    // A KL divergence: finite and not negative.
+    assert!(
+        losses.iter().all(|l| l.is_finite() && *l >= 0.0),
+        "{losses:?}"
+    );
+    let mut first = Trainer::new(cfg.clone(), None).unwrap();
+    let head: Vec<f32> = (0..3).map(|_| first.train_step().unwrap().loss).collect();
+    let ckpt = first.save_checkpoint().unwrap();
+    drop(first);
+    assert_eq!(head, losses[..3]);
+    let mut resumed = Trainer::new(cfg.clone(), Some(&ckpt)).unwrap();
+    let tail: Vec<f32> = (0..3).map(|_| resumed.train_step().unwrap().loss).collect();
+    assert_eq!(tail, losses[3..], "losses after the resume");
+
+    // Learning the teacher's preference for each positive improves held-out retrieval.
+    let mut run_cfg = cfg;
+    run_cfg.output_dir = dir.path().join("learns");
+    run_cfg.train.steps = 30;
+    run_cfg.train.eval_every = 30;
+    run_cfg.train.checkpoint_every = 30;
+    let mut trainer = Trainer::new(run_cfg, None).unwrap();
+    let (before, after) = trainer.run(&mut Quiet).unwrap();
+    let before = before.unwrap();
+    assert!(
+        after.mrr_at_10 > before.mrr_at_10,
+        "MRR@10 {} -> {}",
+        before.mrr_at_10,
+        after.mrr_at_10
+    );
+}
+
+#[test]
+fn distillation_settings_and_data_that_do_not_fit_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny_distillation(dir.path());
+    let k2 = "train.hard_negatives=2".to_string();
+    // Settings: no hard negatives, a temperature (the loss has none), a single-vector
+    // model.
+    for (sets, field) in [
+        (vec![], "train.hard_negatives"),
+        (
+            vec![k2.clone(), "loss.temperature=0.5".into()],
+            "loss.temperature",
+        ),
+    ] {
+        let err = Config::load(&path, &sets).unwrap_err().to_string();
+        assert!(err.contains(field), "{sets:?}: {err}");
+    }
+    let mut single = Config::load(&path, std::slice::from_ref(&k2)).unwrap();
+    single.model.multi_vector = None;
+    let err = Trainer::new(single, None).err().unwrap().to_string();
+    assert!(err.contains("loss.distillation"), "{err}");
+    // Data: more hard negatives than a pair has (none can be filled), a pair without
+    // scores, a score list of another length, scores that are not numbers; each names
+    // its line, before the run directory exists.
+    let train = dir.path().join("train.jsonl");
+    let good = fs::read_to_string(&train).unwrap();
+    let cfg = Config::load(&path, std::slice::from_ref(&k2)).unwrap();
+    let mut three = cfg.clone();
+    three.train.hard_negatives = 3;
+    let err = Trainer::new(three, None).err().unwrap().to_string();
+    assert!(err.contains("cannot fill"), "{err}");
+    let scores = r#","scores":[8.0,2.0,1.0]"#;
+    for (broken, want) in [
+        ("", "0 teacher scores"),
+        (r#","scores":[8.0,2.0]"#, "2 teacher scores"),
+        (r#","scores":["high",2.0,1.0]"#, "list of numbers"),
+    ] {
+        let mut lines: Vec<String> = good.lines().map(String::from).collect();
+        assert!(lines[4].contains(scores));
+        lines[4] = lines[4].replace(scores, broken);
+        fs::write(&train, lines.join("\n")).unwrap();
+        let err = Trainer::new(cfg.clone(), None).err().unwrap().to_string();
+        assert!(err.contains(want) && err.contains('5'), "{want}: {err}");
+        assert!(!dir.path().join("run").exists());
+    }
+}
+
 #[test]
 fn a_pretrained_colbert_trains_from_its_own_settings_and_needs_the_section() {
     let dir = tempfile::tempdir().unwrap();
@@ -327,6 +446,7 @@ fn mining_and_evaluation_run_on_a_colbert() {
         data.to_str().unwrap(),
         "--num-negatives",
         "2",
+        "--output-scores",
         "--output",
         mined.to_str().unwrap(),
     ]);
@@ -334,6 +454,43 @@ fn mining_and_evaluation_run_on_a_colbert() {
     let rows = fs::read_to_string(&mined).unwrap();
     let first: serde_json::Value = serde_json::from_str(rows.lines().next().unwrap()).unwrap();
     assert_eq!(first["negatives"].as_array().unwrap().len(), 2);
+    // `--output-scores`: the teacher's MaxSim scores of the positive and each negative.
+    let teacher = MultiVectorModel::load(model.to_str().unwrap(), &Device::Cpu).unwrap();
+    let text = |v: &serde_json::Value| v.as_str().unwrap().to_string();
+    let q = teacher
+        .query_vectors(&[first["query"].as_str().unwrap()], 1)
+        .unwrap();
+    let passages: Vec<String> = std::iter::once(text(&first["positive"]))
+        .chain(first["negatives"].as_array().unwrap().iter().map(text))
+        .collect();
+    let refs: Vec<&str> = passages.iter().map(String::as_str).collect();
+    let docs = teacher.document_vectors(&refs, 3).unwrap();
+    let scores = first["scores"].as_array().unwrap();
+    assert_eq!(scores.len(), 3);
+    for (d, got) in docs.iter().zip(scores) {
+        let want = q[0]
+            .matmul(&d.t().unwrap())
+            .unwrap()
+            .max(1)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap() as f64;
+        let got = got.as_f64().unwrap();
+        assert!((got - want).abs() <= 1e-4 * want.abs(), "{got} vs {want}");
+    }
+    // The mined rows are data a ColBERT distils.
+    let sub = dir.path().join("distil");
+    fs::create_dir_all(&sub).unwrap();
+    let path = tiny_distillation(&sub);
+    let sets = [
+        format!("data.train_file=\"{}\"", mined.display()),
+        "train.hard_negatives=2".into(),
+        "train.batch_size=4".into(),
+    ];
+    let mut trainer = Trainer::new(Config::load(&path, &sets).unwrap(), None).unwrap();
+    assert!(trainer.train_step().unwrap().loss.is_finite());
     let (ok, stderr, stdout) = run(&[
         "eval",
         "--model",

@@ -12,6 +12,7 @@ fn pair(i: usize, negatives: usize) -> Pair {
         query: format!("q{i}"),
         positive: format!("p{i}"),
         negatives: (0..negatives).map(|j| format!("n{i}.{j}")).collect(),
+        scores: Vec::new(),
     }
 }
 
@@ -38,6 +39,7 @@ fn reads_pairs_with_optional_negatives_and_custom_fields() {
         query: "anchor".into(),
         positive: "pos".into(),
         negatives: "hard".into(),
+        ..Fields::default()
     };
     let pairs = read_jsonl(&path, &fields).unwrap();
     assert_eq!(
@@ -45,7 +47,8 @@ fn reads_pairs_with_optional_negatives_and_custom_fields() {
         Pair {
             query: "a".into(),
             positive: "b".into(),
-            negatives: vec!["c".into()]
+            negatives: vec!["c".into()],
+            scores: Vec::new(),
         }
     );
 }
@@ -181,4 +184,73 @@ fn missing_hard_negatives_are_filled_from_other_pairs() {
     }
     let err = Loader::new(vec![pair(0, 0)], 2, 0, 1).err().unwrap();
     assert!(err.to_string().contains("train.batch_size"), "{err}");
+}
+
+#[test]
+fn teacher_scores_are_read_and_served_beside_their_passages() {
+    // A `scores` list is read (any field name), a value that is not a list of numbers is
+    // refused by line.
+    let (_d, path) = write(concat!(
+        "{\"query\": \"a\", \"positive\": \"b\", \"negatives\": [\"c\"], \"s\": [2.5, -1]}\n",
+        "{\"query\": \"d\", \"positive\": \"e\"}\n",
+    ));
+    let fields = Fields {
+        scores: "s".into(),
+        ..Fields::default()
+    };
+    let pairs = read_jsonl(&path, &fields).unwrap();
+    assert_eq!(pairs[0].scores, vec![2.5, -1.0]);
+    assert!(pairs[1].scores.is_empty());
+    for bad in ["\"high\"", "[1, \"x\"]", "{\"a\": 1}"] {
+        let (_d, path) = write(&format!(
+            "{{\"query\": \"a\", \"positive\": \"b\", \"scores\": {bad}}}\n"
+        ));
+        let err = read_jsonl(&path, &Fields::default()).unwrap_err();
+        assert!(
+            err.to_string().contains("list of numbers") && err.to_string().contains(":1"),
+            "{bad}: {err}"
+        );
+    }
+
+    // Served: each query's k + 1 scores in its passages' order, nothing filled.
+    let with_scores = |i: usize| Pair {
+        scores: (0..3).map(|j| (10 * i + j) as f32).collect(),
+        ..pair(i, 2)
+    };
+    let pairs: Vec<Pair> = (0..6).map(with_scores).collect();
+    let path = std::path::Path::new("train.jsonl");
+    let mut loader = Loader::new(pairs, 3, 1, 5)
+        .unwrap()
+        .with_teacher_scores(path);
+    for _ in 0..4 {
+        let b = loader.next_batch().unwrap();
+        assert_eq!((b.filled, b.scores.len()), (0, 6));
+        for (i, q) in b.queries.iter().enumerate() {
+            let n: usize = q[1..].parse().unwrap();
+            assert_eq!(b.passages[2 * i], format!("p{n}"));
+            assert_eq!(b.passages[2 * i + 1], format!("n{n}.0"));
+            assert_eq!(
+                b.scores[2 * i..2 * i + 2],
+                [(10 * n) as f32, (10 * n + 1) as f32]
+            );
+        }
+    }
+    // A pair without scores, or with fewer negatives than a batch takes: an error naming
+    // the file and the pair's line when it is served.
+    let mut pairs: Vec<Pair> = (0..4).map(with_scores).collect();
+    pairs[2].scores.clear();
+    let mut loader = Loader::new(pairs, 4, 1, 5)
+        .unwrap()
+        .with_teacher_scores(path);
+    let err = loader.next_batch().unwrap_err().to_string();
+    assert!(
+        err.contains("train.jsonl:3") && err.contains("0 teacher scores"),
+        "{err}"
+    );
+    let pairs: Vec<Pair> = (0..4).map(with_scores).collect();
+    let mut loader = Loader::new(pairs, 4, 3, 5)
+        .unwrap()
+        .with_teacher_scores(path);
+    let err = loader.next_batch().unwrap_err().to_string();
+    assert!(err.contains("cannot fill"), "{err}");
 }

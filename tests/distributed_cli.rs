@@ -552,3 +552,50 @@ fn a_colbert_on_two_and_four_ranks_follows_the_one_rank_loss_curve() {
         one_and_n_ranks_agree(&sub, n, colbert);
     }
 }
+
+#[test]
+fn a_distilled_colbert_on_two_ranks_follows_the_one_rank_loss_curve() {
+    // configs/colbert-distill.toml: each rank encodes its share of the queries and their
+    // own passages (a positive and two negatives each); the teacher's scores of the global
+    // batch are gathered in the order of the gathered token matrices.
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let text = fs::read_to_string(&train).unwrap();
+    let pairs: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let n = pairs.len();
+    let lines: Vec<String> = (0..n)
+        .map(|i| {
+            let positive = |j: usize| pairs[j % n]["positive"].clone();
+            let scores = [
+                8.0 - (i % 3) as f64,
+                2.0 + (i % 5) as f64 * 0.5,
+                (i % 2) as f64,
+            ];
+            serde_json::json!({
+                "query": pairs[i]["query"],
+                "positive": positive(i),
+                "negatives": [positive(i + 7), positive(i + 11)],
+                "scores": scores,
+            })
+            .to_string()
+        })
+        .collect();
+    fs::write(&train, lines.join("\n") + "\n").unwrap();
+    let distilled = |out: &Path| -> Vec<String> {
+        let mut v = args(&train, &eval, out);
+        v[2] = "configs/colbert-distill.toml".into();
+        for s in [
+            "dist.backend=\"mpi\"",
+            "model.multi_vector.dim=16",
+            "train.hard_negatives=2",
+        ] {
+            v.push("--set".into());
+            v.push(s.into());
+        }
+        v
+    };
+    one_and_n_ranks_agree(dir.path(), 2, distilled);
+}

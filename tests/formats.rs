@@ -24,6 +24,7 @@ fn pair(q: &str, p: &str, n: &[&str]) -> Pair {
         query: q.into(),
         positive: p.into(),
         negatives: n.iter().map(|s| s.to_string()).collect(),
+        scores: Vec::new(),
     }
 }
 
@@ -131,6 +132,7 @@ fn bad_rows_name_the_line_and_the_field() {
         query: "anchor".into(),
         positive: "answer".into(),
         negatives: "hard".into(),
+        ..Fields::default()
     };
     std::fs::write(&path, "anchor,answer,hard\nq,p,n\n").unwrap();
     assert_eq!(

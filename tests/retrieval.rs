@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_core::{Device, Tensor};
 use gradcache::retrieval::beir::{read_corpus, read_qrels, BeirSet};
 use gradcache::retrieval::metrics::{corpus_metrics, parse_trec_run};
-use gradcache::retrieval::{mine, search, MineOptions, Sampling, SearchOptions};
+use gradcache::retrieval::{mine, search, MineOptions, MiningSet, Sampling, SearchOptions};
 use gradcache::{Error, Similarity};
 
 const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/trec");
@@ -273,8 +273,53 @@ fn mined(options: &MineOptions) -> Option<Vec<usize>> {
         Ok(c.narrow(0, range.start, range.len())?)
     })
     .unwrap();
-    assert!((m.positive_scores[0] - 0.9).abs() < 1e-6);
+    assert!((m.positive_scores[0][0] - 0.9).abs() < 1e-6);
     m.negatives[0].clone()
+}
+
+#[test]
+fn mined_rows_carry_the_scores_of_each_positive_and_the_negatives() {
+    // Two positives (0.9 and 0.85): a row each, the same negatives (0.95, 0.89), each
+    // row's scores its own positive's first (sentence-transformers' `output_scores`).
+    let (q, c) = mining_setup();
+    let options = MineOptions {
+        num_negatives: 2,
+        ..MineOptions::default()
+    };
+    let m = mine(
+        &q,
+        &[vec![0, 3]],
+        8,
+        Similarity::Cosine,
+        &options,
+        3,
+        |range| Ok(c.narrow(0, range.start, range.len())?),
+    )
+    .unwrap();
+    let set = MiningSet {
+        queries: vec!["q".into()],
+        positives: vec![vec![0, 3]],
+        corpus: (0..8).map(|i| format!("d{i}")).collect(),
+    };
+    let rows = set.rows(&m, true);
+    let want = [[0.9f32, 0.95, 0.89], [0.85, 0.95, 0.89]];
+    assert_eq!(rows.len(), 2);
+    for (row, want) in rows.iter().zip(want) {
+        assert_eq!(row.negatives, vec!["d1", "d2"]);
+        let got = row.scores.as_ref().unwrap();
+        assert_eq!(got.len(), 3, "{}", row.positive);
+        for (g, w) in got.iter().zip(want) {
+            assert!(
+                (g - w).abs() < 1e-6,
+                "{}: {got:?} vs {want:?}",
+                row.positive
+            );
+        }
+    }
+    // Without scores asked for, a row has none, and its JSON no `scores` field.
+    let plain = set.rows(&m, false);
+    assert!(plain[0].scores.is_none());
+    assert!(!serde_json::to_string(&plain[0]).unwrap().contains("scores"));
 }
 
 #[test]

@@ -228,6 +228,7 @@ fn pairs_with_repeats() -> Vec<Pair> {
             query: format!("query {}", i % 7 + 100 * (i / 30)),
             positive: format!("passage {}", i % 11),
             negatives: vec![format!("passage {}", (i + 3) % 13)],
+            scores: Vec::new(),
         })
         .collect()
 }
@@ -280,6 +281,7 @@ fn no_duplicates_batches_hold_every_text_once_and_resume_exactly() {
             query: "q".into(),
             positive: format!("p{i}"),
             negatives: Vec::new(),
+            scores: Vec::new(),
         })
         .collect();
     match Loader::new(same, 2, 0, 1).unwrap().with_no_duplicates(true) {

@@ -51,6 +51,9 @@ pub struct MineOptions {
     pub sampling: Sampling,
     /// Seed of the random sampling.
     pub seed: u64,
+    /// Write the model's scores of the positive and of each negative with every row
+    /// (sentence-transformers' `output_scores`): teacher scores for distillation.
+    pub output_scores: bool,
 }
 
 impl Default for MineOptions {
@@ -65,6 +68,7 @@ impl Default for MineOptions {
             relative_margin: None,
             sampling: Sampling::Top,
             seed: 42,
+            output_scores: false,
         }
     }
 }
@@ -125,8 +129,11 @@ impl MineOptions {
 pub struct Mined {
     /// Per query.
     pub negatives: Vec<Option<Vec<usize>>>,
-    /// The score of each query with its first positive.
-    pub positive_scores: Vec<f32>,
+    /// The scores of the negatives, in the same order.
+    pub negative_scores: Vec<Option<Vec<f32>>>,
+    /// The score of each query with each of its positives (the margins compare with the
+    /// first).
+    pub positive_scores: Vec<Vec<f32>>,
     /// Candidates dropped by each filter, summed over queries: rank range, max_score,
     /// min_score, margin.
     pub dropped: DroppedCounts,
@@ -176,13 +183,16 @@ pub fn mine(
         });
     }
     let scoring = scoring.into();
-    // The first positive of each query: scored as its block goes by.
+    // Every positive of each query: scored as its block goes by.
     let q = scoring.prepare(queries)?;
-    let mut first_of: Vec<Vec<usize>> = vec![Vec::new(); corpus_len];
+    let mut positive_of: Vec<Vec<(usize, usize)>> = vec![Vec::new(); corpus_len];
     for (i, p) in positives.iter().enumerate() {
-        first_of[p[0]].push(i);
+        for (k, &doc) in p.iter().enumerate() {
+            positive_of[doc].push((i, k));
+        }
     }
-    let mut positive_scores = vec![f32::NAN; rows];
+    let mut positive_scores: Vec<Vec<f32>> =
+        positives.iter().map(|p| vec![f32::NAN; p.len()]).collect();
     let most_positives = positives.iter().map(Vec::len).max().unwrap_or(1);
     let search_options = SearchOptions {
         top_k: options.range_max + most_positives,
@@ -192,11 +202,12 @@ pub fn mine(
     let hits = search(queries, corpus_len, scoring, search_options, |range| {
         let docs = embed(range.clone())?;
         let prepared = scoring.prepare(&docs)?;
-        let (mut query_rows, mut doc_rows) = (Vec::new(), Vec::new());
+        let (mut query_rows, mut doc_rows, mut places) = (Vec::new(), Vec::new(), Vec::new());
         for (j, doc) in range.clone().enumerate() {
-            for &i in &first_of[doc] {
+            for &(i, k) in &positive_of[doc] {
                 query_rows.push(i as u32);
                 doc_rows.push(j as u32);
+                places.push((i, k));
             }
         }
         if !query_rows.is_empty() {
@@ -209,16 +220,17 @@ pub fn mine(
                     &prepared.index_select(&pick_d, 0)?,
                 )?
                 .to_vec1::<f32>()?;
-            for (&i, s) in query_rows.iter().zip(scores) {
-                positive_scores[i as usize] = s;
+            for (&(i, k), s) in places.iter().zip(scores) {
+                positive_scores[i][k] = s;
             }
         }
         Ok(docs)
     })?;
     let mut dropped = DroppedCounts::default();
     let mut negatives = Vec::with_capacity(rows);
+    let mut negative_scores = Vec::with_capacity(rows);
     for (i, candidates) in hits.into_iter().enumerate() {
-        let positive = positive_scores[i];
+        let positive = positive_scores[i][0];
         let mut kept: Vec<Hit> = Vec::new();
         let mut rank = 0;
         for hit in candidates {
@@ -252,23 +264,26 @@ pub fn mine(
             kept.push(hit);
         }
         let n = options.num_negatives;
-        negatives.push(if kept.len() < n {
+        let picked: Option<Vec<Hit>> = if kept.len() < n {
             None
         } else {
             Some(match options.sampling {
-                Sampling::Top => kept[..n].iter().map(|h| h.doc).collect(),
+                Sampling::Top => kept[..n].to_vec(),
                 Sampling::Random => {
                     let mut rng =
                         ChaCha8Rng::seed_from_u64(derive_seed(&[options.seed, i as u64, 0x313e]));
                     let mut picked: Vec<Hit> = kept.choose_multiple(&mut rng, n).copied().collect();
                     picked.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.doc.cmp(&b.doc)));
-                    picked.into_iter().map(|h| h.doc).collect()
+                    picked
                 }
             })
-        });
+        };
+        negatives.push(picked.as_ref().map(|p| p.iter().map(|h| h.doc).collect()));
+        negative_scores.push(picked.map(|p| p.iter().map(|h| h.score).collect()));
     }
     Ok(Mined {
         negatives,
+        negative_scores,
         positive_scores,
         dropped,
     })
@@ -287,7 +302,7 @@ pub struct MiningSet {
 }
 
 /// One mined training example: a query, one of its positives, its negatives.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct MinedRow {
     /// The query.
     pub query: String,
@@ -295,6 +310,10 @@ pub struct MinedRow {
     pub positive: String,
     /// The mined negatives, best first.
     pub negatives: Vec<String>,
+    /// With scores asked for: the model's scores of the positive and of each negative,
+    /// in that order (sentence-transformers' `output_scores`; what distillation reads).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scores: Option<Vec<f32>>,
 }
 
 impl MiningSet {
@@ -352,16 +371,23 @@ impl MiningSet {
     }
 
     /// The training rows of a mining result: one per query and positive, with the query's
-    /// negatives; queries left without enough negatives are left out.
-    pub fn rows(&self, mined: &Mined) -> Vec<MinedRow> {
+    /// negatives (and, `with_scores`, the scores of the positive and the negatives);
+    /// queries left without enough negatives are left out.
+    pub fn rows(&self, mined: &Mined, with_scores: bool) -> Vec<MinedRow> {
         let mut rows = Vec::new();
         for (q, negatives) in mined.negatives.iter().enumerate() {
             let Some(negatives) = negatives else { continue };
-            for &p in &self.positives[q] {
+            for (k, &p) in self.positives[q].iter().enumerate() {
+                let scores = with_scores.then(|| {
+                    std::iter::once(mined.positive_scores[q][k])
+                        .chain(mined.negative_scores[q].iter().flatten().copied())
+                        .collect()
+                });
                 rows.push(MinedRow {
                     query: self.queries[q].clone(),
                     positive: self.corpus[p].clone(),
                     negatives: negatives.iter().map(|&n| self.corpus[n].clone()).collect(),
+                    scores,
                 });
             }
         }

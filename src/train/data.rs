@@ -16,7 +16,7 @@ use crate::rng::derive_seed;
 use crate::{Error, Result};
 
 /// One training example.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Pair {
     /// The query (anchor).
     pub query: String,
@@ -25,6 +25,39 @@ pub struct Pair {
     /// Hard negatives (may be empty).
     #[serde(default)]
     pub negatives: Vec<String>,
+    /// A teacher's scores of the positive and of each hard negative, in that order (what
+    /// distillation learns from; empty when the data has none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub scores: Vec<f32>,
+}
+
+impl Pair {
+    /// The teacher's scores of the positive and the first `k` hard negatives (what
+    /// distillation learns from), or why this pair cannot give them.
+    pub fn teacher_scores(&self, k: usize) -> std::result::Result<&[f32], String> {
+        let passages = 1 + self.negatives.len();
+        if self.scores.len() != passages {
+            return Err(format!(
+                "has {} teacher scores for {passages} passages (its positive and {} hard \
+                 negatives): distillation needs one score per passage, the positive's first",
+                self.scores.len(),
+                self.negatives.len()
+            ));
+        }
+        if self.negatives.len() < k {
+            return Err(format!(
+                "has {} hard negatives where train.hard_negatives is {k}: distillation cannot \
+                 fill the missing ones (a filled passage has no teacher score)",
+                self.negatives.len()
+            ));
+        }
+        if let Some(bad) = self.scores.iter().find(|s| !s.is_finite()) {
+            return Err(format!(
+                "has a teacher score that is not a finite number ({bad})"
+            ));
+        }
+        Ok(&self.scores[..=k])
+    }
 }
 
 /// The JSON field names of a pair.
@@ -37,6 +70,16 @@ pub struct Fields {
     pub positive: String,
     /// Field holding a list of hard negatives (default `negatives`; optional in the data).
     pub negatives: String,
+    /// Field holding a teacher's scores of the positive and each hard negative (default
+    /// `scores`; what distillation reads, optional otherwise).
+    #[serde(skip_serializing_if = "Fields::is_default_scores")]
+    pub scores: String,
+}
+
+impl Fields {
+    fn is_default_scores(name: &str) -> bool {
+        name == "scores"
+    }
 }
 
 impl Default for Fields {
@@ -45,6 +88,7 @@ impl Default for Fields {
             query: "query".into(),
             positive: "positive".into(),
             negatives: "negatives".into(),
+            scores: "scores".into(),
         }
     }
 }
@@ -108,7 +152,7 @@ impl PairSource for Vec<Pair> {
 }
 
 /// Pairs in memory with where each was read from ([`PairSource::origin`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct NumberedPairs {
     /// The pairs.
     pub pairs: Vec<Pair>,
@@ -147,6 +191,9 @@ pub struct TextBatch {
     pub queries: Vec<String>,
     /// Passage texts, `k + 1` per query.
     pub passages: Vec<String>,
+    /// With distillation, the teacher's score of each passage (`k + 1` per query); else
+    /// empty.
+    pub scores: Vec<f32>,
     /// Hard negatives that were missing and filled from other pairs' positives.
     pub filled: usize,
     /// Where each query's pair is in the training file ([`PairSource::origin`]: its
@@ -164,6 +211,9 @@ pub struct Loader {
     position: Position,
     order: Vec<usize>,
     no_duplicates: bool,
+    /// With distillation: the training file (named by errors); every pair gives its
+    /// teacher's scores and no negative is filled.
+    teacher_scores: Option<std::path::PathBuf>,
 }
 
 impl Loader {
@@ -208,6 +258,7 @@ impl Loader {
             position: Position::default(),
             order: Vec::new(),
             no_duplicates: false,
+            teacher_scores: None,
         };
         loader.seek(Position::default())?;
         Ok(loader)
@@ -223,6 +274,14 @@ impl Loader {
         self.seek(Position::default())?;
         self.check_full_batch()?;
         Ok(self)
+    }
+
+    /// Batches carry each pair's teacher scores ([`Pair::teacher_scores`], for
+    /// distillation), read from `file`: a pair without them, or with fewer hard negatives
+    /// than a batch takes, is an error naming its line of `file` when it is served.
+    pub fn with_teacher_scores(mut self, file: &std::path::Path) -> Self {
+        self.teacher_scores = Some(file.to_path_buf());
+        self
     }
 
     /// An epoch must hold at least one batch.
@@ -326,11 +385,18 @@ impl Loader {
         let mut batch = TextBatch {
             queries: Vec::with_capacity(ids.len()),
             passages: Vec::with_capacity(ids.len() * (self.hard_negatives + 1)),
+            scores: Vec::new(),
             filled: 0,
             lines: ids.iter().map(|&i| self.pairs.origin(i)).collect(),
         };
         for &i in ids {
             let pair = self.pairs.pair(i)?;
+            if let Some(file) = &self.teacher_scores {
+                let scores = pair
+                    .teacher_scores(self.hard_negatives)
+                    .map_err(|reason| Error::data(file, self.pairs.origin(i), reason))?;
+                batch.scores.extend_from_slice(scores);
+            }
             batch.queries.push(pair.query);
             batch.passages.push(pair.positive);
             for j in 0..self.hard_negatives {

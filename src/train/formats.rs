@@ -148,7 +148,7 @@ fn beir_pairs(dir: &Path, split: &str, title_separator: &str, push: &mut Push) -
                 Pair {
                     query: set.queries[q].text.clone(),
                     positive: set.corpus[d].joined(title_separator),
-                    negatives: Vec::new(),
+                    ..Pair::default()
                 },
                 n,
             );
@@ -229,6 +229,22 @@ pub(crate) fn pair_from_object(
             None => Err(error(format!("missing field `{name}`"))),
         }
     };
+    let bad_scores = || {
+        error(format!(
+            "field `{}` must be a list of numbers (a teacher's score of the positive and of \
+             each hard negative)",
+            fields.scores
+        ))
+    };
+    let scores = match object.get(&fields.scores) {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(serde_json::Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_f64().map(|x| x as f32))
+            .collect::<Option<Vec<f32>>>()
+            .ok_or_else(bad_scores)?,
+        Some(_) => return Err(bad_scores()),
+    };
     if object.contains_key("positive_passages") {
         let positives = passages(
             object.get("positive_passages"),
@@ -249,6 +265,7 @@ pub(crate) fn pair_from_object(
                 separator,
                 error,
             )?,
+            scores,
         });
     }
     let list_error = || {
@@ -285,6 +302,7 @@ pub(crate) fn pair_from_object(
         query: text(&fields.query)?,
         positive: text(&fields.positive)?,
         negatives,
+        scores,
     })
 }
 
@@ -471,6 +489,7 @@ fn table_pairs(path: &Path, fields: &Fields, delimiter: u8, push: &mut Push) -> 
                 .filter(|t| !t.trim().is_empty())
                 .map(str::to_string)
                 .collect(),
+            scores: Vec::new(),
         };
         push(pair, line);
     }

@@ -15,6 +15,7 @@
 pub mod budget;
 pub mod checkpoint;
 pub mod config;
+mod config_file;
 pub mod data;
 pub mod formats;
 pub mod image_text;

@@ -1,6 +1,7 @@
 //! `[model.multi_vector]`: a ColBERT (late interaction) run. Every setting left unset is
 //! the pretrained multi-vector model's own (a PyLate or sentence-transformers 6
-//! directory), else PyLate's default.
+//! directory), else PyLate's default. `[loss.distillation]`: such a run learning a
+//! teacher's scores given in the data.
 
 use crate::hub::multi_vector::{MultiVectorConfig, MultiVectorHead, PUNCTUATION};
 use crate::{Error, Result};
@@ -138,6 +139,64 @@ impl MultiVectorSettings {
                 "set",
                 "does not plan a multi-vector model's steps yet: set train.query_chunk and \
                  train.passage_chunk",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `[loss.distillation]`: the loss is the KL divergence from a teacher's scores, given in
+/// the data (a `scores` list beside each pair's positive and hard negatives), to the
+/// model's MaxSim scores of each query's own passages (PyLate's `Distillation`), instead
+/// of InfoNCE over the batch.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistillationConfig {
+    /// Min-max normalise the model's scores of each query's passages before the softmax
+    /// (PyLate's `normalize_scores`, on by default).
+    pub normalize_scores: bool,
+}
+
+impl Default for DistillationConfig {
+    fn default() -> Self {
+        Self {
+            normalize_scores: true,
+        }
+    }
+}
+
+impl DistillationConfig {
+    /// Refuses what distillation cannot train: a single-vector model, no hard negatives
+    /// (a query would have one passage), a temperature set (`temperature_set`; the loss
+    /// has none).
+    pub(super) fn validate(
+        &self,
+        multi_vector: bool,
+        hard_negatives: usize,
+        temperature_set: bool,
+    ) -> Result<()> {
+        if !multi_vector {
+            return Err(invalid(
+                "loss.distillation",
+                "set",
+                "distils a teacher's scores into a multi-vector model (PyLate's \
+                 Distillation over MaxSim scores): set [model.multi_vector]",
+            ));
+        }
+        if hard_negatives == 0 {
+            return Err(invalid(
+                "train.hard_negatives",
+                0,
+                "distillation scores each query against its own passages: set the number of \
+                 hard negatives whose teacher scores each pair gives (at least 1)",
+            ));
+        }
+        if temperature_set {
+            return Err(invalid(
+                "loss.temperature",
+                "set",
+                "has no part in distillation (PyLate's Distillation has none): leave it \
+                 unset",
             ));
         }
         Ok(())

@@ -73,8 +73,20 @@ pub(super) fn load_data(
     notes: &mut Vec<String>,
 ) -> Result<RunData> {
     let (train, eval) = dist::agree(comm, load_pairs(cfg))?;
+    let distill = cfg.loss.distillation.is_some();
     let source: Box<dyn PairSource> = match train {
-        Training::InMemory(pairs) => Box::new(pairs),
+        Training::InMemory(pairs) => {
+            if distill {
+                // Every pair gives its teacher scores, checked before the run starts (a
+                // streamed pair is checked when it is served).
+                let file = &cfg.data.train_file;
+                for (pair, &line) in pairs.pairs.iter().zip(&pairs.lines) {
+                    pair.teacher_scores(cfg.train.hard_negatives)
+                        .map_err(|reason| Error::data(file, line, reason))?;
+                }
+            }
+            Box::new(pairs)
+        }
         Training::Streamed(index) => {
             notes.push(format!(
                 "streaming {} training pairs from {} (an index of {} MiB; pairs are read when \
@@ -125,8 +137,11 @@ pub(super) fn load_data(
     } else {
         Vec::new()
     };
-    let loader = Loader::from_source(source, batch, cfg.train.hard_negatives, cfg.seed)?
+    let mut loader = Loader::from_source(source, batch, cfg.train.hard_negatives, cfg.seed)?
         .with_no_duplicates(cfg.train.no_duplicates)?;
+    if distill {
+        loader = loader.with_teacher_scores(&cfg.data.train_file);
+    }
     Ok(RunData {
         loader,
         eval,
@@ -235,6 +250,9 @@ fn check_same_run(
         let p = train.pair(i)?;
         for text in [&p.query, &p.positive].into_iter().chain(&p.negatives) {
             hash = hash.rotate_left(5) ^ crate::rng::hash_str(text);
+        }
+        for score in &p.scores {
+            hash = hash.rotate_left(5) ^ u64::from(score.to_bits());
         }
     }
     for text in eval.texts() {

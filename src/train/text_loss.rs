@@ -1,10 +1,18 @@
 //! The loss of a text-pair run: InfoNCE over single vectors (with its Matryoshka
-//! widths), or over MaxSim scores of token matrices for a multi-vector model.
+//! widths); over MaxSim scores of token matrices for a multi-vector model; or, with
+//! `[loss.distillation]`, the KL divergence from the data's teacher scores to a
+//! multi-vector model's.
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
-use crate::loss::{InfoNce, Loss, LossValue, Matryoshka, MaxSim};
+use crate::dist::Collective;
+use crate::hub::multi_vector::MultiVectorHead;
+use crate::loss::{
+    Guide, InfoNce, Loss, LossValue, Matryoshka, MaxSim, MaxSimDistillation, TeacherScores,
+};
 use crate::params::Params;
+use crate::train::config::Config;
+use crate::train::data::TextBatch;
 use crate::Result;
 
 /// What a text-pair run minimises.
@@ -13,44 +21,123 @@ pub enum TextLoss {
     InfoNce(Matryoshka<InfoNce>),
     /// Token matrices (ColBERT).
     MaxSim(MaxSim),
+    /// Token matrices learning a teacher's scores (PyLate's distillation).
+    Distillation(MaxSimDistillation),
 }
 
 impl TextLoss {
-    /// The MaxSim loss, on a multi-vector run.
+    /// The loss `cfg` asks for: over `multi_vector`'s token matrices when the model is
+    /// one, judging false negatives by the `guide` cell's embeddings when it has one.
+    pub(super) fn from_config(
+        cfg: &Config,
+        multi_vector: Option<&MultiVectorHead>,
+        guide: Option<Guide>,
+    ) -> Result<Self> {
+        let l = &cfg.loss;
+        Ok(match (multi_vector, &l.distillation) {
+            (Some(head), Some(d)) => TextLoss::Distillation(
+                MaxSimDistillation::new(head.dim, TeacherScores::new())?
+                    .with_normalized_scores(d.normalize_scores),
+            ),
+            (Some(head), None) => {
+                TextLoss::MaxSim(MaxSim::new(head.dim)?.with_temperature(l.temperature)?)
+            }
+            (None, _) => {
+                // Unset: the loss chooses (the CPU kernel's blocks, or the composed
+                // path's that fit).
+                let block = (l.block_rows > 0).then_some(l.block_rows);
+                let loss = InfoNce::new(l.temperature)?
+                    .with_similarity(l.similarity)
+                    .with_symmetric(l.symmetric)
+                    .with_directions(&l.directions)?
+                    .with_block_rows(block)?
+                    .with_false_negative_margin(l.false_negative_margin)?
+                    .with_guide(guide);
+                TextLoss::InfoNce(Matryoshka::new(
+                    loss,
+                    l.matryoshka_dims.clone(),
+                    l.matryoshka_weights.clone(),
+                )?)
+            }
+        })
+    }
+
+    /// The MaxSim scoring, on a multi-vector run.
     pub fn maxsim(&self) -> Option<&MaxSim> {
         match self {
             TextLoss::MaxSim(m) => Some(m),
+            TextLoss::Distillation(d) => Some(d.maxsim()),
             TextLoss::InfoNce(_) => None,
+        }
+    }
+
+    /// The cell of the teacher's scores, with distillation.
+    pub fn teacher(&self) -> Option<&TeacherScores> {
+        match self {
+            TextLoss::Distillation(d) => Some(d.teacher()),
+            _ => None,
+        }
+    }
+
+    fn inner(&self) -> &dyn Loss {
+        match self {
+            TextLoss::InfoNce(l) => l,
+            TextLoss::MaxSim(l) => l,
+            TextLoss::Distillation(l) => l,
         }
     }
 }
 
 impl Loss for TextLoss {
     fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
-        match self {
-            TextLoss::InfoNce(l) => l.forward(queries, passages),
-            TextLoss::MaxSim(l) => l.forward(queries, passages),
-        }
+        self.inner().forward(queries, passages)
     }
 
     fn params(&self) -> Params {
-        match self {
-            TextLoss::InfoNce(l) => l.params(),
-            TextLoss::MaxSim(l) => l.params(),
-        }
+        self.inner().params()
     }
 
     fn value_and_grads(&self, queries: &Tensor, passages: &Tensor) -> Result<LossValue> {
-        match self {
-            TextLoss::InfoNce(l) => l.value_and_grads(queries, passages),
-            TextLoss::MaxSim(l) => l.value_and_grads(queries, passages),
-        }
+        self.inner().value_and_grads(queries, passages)
     }
 
     fn requires_equal_widths(&self) -> bool {
-        match self {
-            TextLoss::InfoNce(l) => l.requires_equal_widths(),
-            TextLoss::MaxSim(l) => l.requires_equal_widths(),
-        }
+        self.inner().requires_equal_widths()
     }
+}
+
+/// Sets the teacher's scores of the global batch on `cell` in the order the loss sees the
+/// passages: this rank's queries (its share from query `first`) in `order`, the ranks in
+/// rank order.
+pub(super) fn set_teacher_scores(
+    cell: &TeacherScores,
+    batch: &TextBatch,
+    first: usize,
+    order: &[usize],
+    comm: &dyn Collective,
+    device: &Device,
+) -> Result<()> {
+    let group = batch.passages.len() / batch.queries.len().max(1);
+    if batch.scores.len() != batch.passages.len() {
+        return Err(crate::Error::InvalidArgument {
+            what: "teacher scores",
+            value: format!(
+                "{} for {} passages",
+                batch.scores.len(),
+                batch.passages.len()
+            ),
+            reason: "distillation needs the batch's teacher score of every passage (a loader \
+                     with_teacher_scores)",
+        });
+    }
+    let scores: Vec<f32> = order
+        .iter()
+        .flat_map(|&i| &batch.scores[(first + i) * group..(first + i + 1) * group])
+        .copied()
+        .collect();
+    let mut scores = Tensor::from_vec(scores, (order.len(), group), device)?;
+    if comm.world_size() > 1 {
+        scores = comm.all_gather(&scores)?;
+    }
+    cell.set(&scores)
 }

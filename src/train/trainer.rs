@@ -29,7 +29,8 @@ use crate::hub::multi_vector::{MultiVectorConfig, MultiVectorHead};
 use crate::hub::tokenizer::read_tokenizer_file;
 use crate::hub::{embed, export_bert, HubSettings, ModelFiles, Prompts, Tokenizer};
 use crate::hub::{EmbeddingModel, LoadOptions};
-use crate::loss::{Guide, InfoNce, Matryoshka, MaxSim};
+use crate::loss::Guide;
+use crate::loss::TeacherScores;
 use crate::models::bert::{with_model_weights, BertConfig, BertEncoder, BertOptions, DenseSpec};
 use crate::params::{ParamStore, WeightFile};
 use crate::precision::Precision;
@@ -46,7 +47,7 @@ use crate::train::model::{
 };
 use crate::train::run::{check_fingerprint, LoopConfig, Run, Task, TaskCache};
 use crate::train::text_data::{load_data, EvalData, RunData};
-use crate::train::TextLoss;
+use crate::train::text_loss::{set_teacher_scores, TextLoss};
 use crate::{Error, Result, Side};
 
 pub use super::model::{
@@ -85,6 +86,8 @@ pub struct TextPairs {
     /// With `loss.false_negative_guide`: the frozen guide model and the cell the loss
     /// reads its embeddings of each batch from.
     guide: Option<(EmbeddingModel, Guide)>,
+    /// With `loss.distillation`: the cell the loss reads each batch's teacher scores from.
+    teacher: Option<TeacherScores>,
     /// A multi-vector (ColBERT) run's settings.
     multi_vector: Option<MultiVectorHead>,
 }
@@ -132,6 +135,10 @@ impl Task for TextPairs {
         let q = self.query_tokenizer.encode(&queries, &self.device)?;
         let p = self.passage_tokenizer.encode(&passages, &self.device)?;
         let (q, p, order) = in_length_order(&q, &p)?;
+        if let Some(cell) = &self.teacher {
+            let first = comm.rank() * queries.len();
+            set_teacher_scores(cell, batch, first, &order, comm, &self.device)?;
+        }
         if let Some((guide, cell)) = &self.guide {
             // The guide's embeddings of the global batch, in the order the loss sees the
             // representations: this rank's rows in length order, ranks in rank order.
@@ -379,14 +386,6 @@ impl Run<TextPairs> {
         };
         let export_tokenizer = Tokenizer::new(model.tokenizer.clone(), model.limit)?
             .with_config(model.tokenizer_config.clone());
-        // Unset: the loss chooses (the CPU kernel's blocks, or the composed path's that fit).
-        let block = (cfg.loss.block_rows > 0).then_some(cfg.loss.block_rows);
-        let loss = InfoNce::new(cfg.loss.temperature)?
-            .with_similarity(cfg.loss.similarity)
-            .with_symmetric(cfg.loss.symmetric)
-            .with_directions(&cfg.loss.directions)?
-            .with_block_rows(block)?
-            .with_false_negative_margin(cfg.loss.false_negative_margin)?;
         let guide = match &cfg.loss.false_negative_guide {
             None => None,
             Some(name) => {
@@ -398,17 +397,8 @@ impl Run<TextPairs> {
                 Some((EmbeddingModel::load(name, &options)?, Guide::new()))
             }
         };
-        let loss = loss.with_guide(guide.as_ref().map(|(_, cell)| cell.clone()));
-        let loss = match &model.multi_vector {
-            Some(head) => {
-                TextLoss::MaxSim(MaxSim::new(head.dim)?.with_temperature(cfg.loss.temperature)?)
-            }
-            None => TextLoss::InfoNce(Matryoshka::new(
-                loss,
-                cfg.loss.matryoshka_dims.clone(),
-                cfg.loss.matryoshka_weights.clone(),
-            )?),
-        };
+        let cell = guide.as_ref().map(|(_, cell)| cell.clone());
+        let loss = TextLoss::from_config(&cfg, model.multi_vector.as_ref(), cell)?;
         let width = model
             .options
             .dense
@@ -466,6 +456,7 @@ impl Run<TextPairs> {
             eval: data.eval,
             predicted_peak: None,
             guide,
+            teacher: gc.loss().teacher().cloned(),
             multi_vector: model.multi_vector,
             cfg,
         };

@@ -157,7 +157,8 @@ enum Command {
     /// Mine hard negatives with a model, as sentence-transformers' mine_hard_negatives:
     /// retrieve each query's best candidates from the corpus, drop its positives and the
     /// candidates the filters name, keep `--num-negatives` per query. Writes JSONL pairs
-    /// (`query`, `positive`, `negatives`) that `gradcache train` reads.
+    /// (`query`, `positive`, `negatives`; with `--output-scores`, the model's `scores` of
+    /// the positive and each negative) that `gradcache train` reads.
     Mine(retrieval::MineArgs),
     /// Embed texts: `--text` arguments, or a file with one text per line or JSONL with a
     /// `text` field. Writes JSONL `{"text", "embedding"}`.

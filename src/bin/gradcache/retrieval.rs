@@ -65,6 +65,11 @@ pub struct MineArgs {
     /// Seed of `--sampling random`.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// Write each row's `scores`: the model's score of its positive and of each negative
+    /// (sentence-transformers' `output_scores`), the teacher scores `[loss.distillation]`
+    /// learns from.
+    #[arg(long)]
+    pub output_scores: bool,
     /// Token limit (default: the model's own; a larger one is capped at it).
     #[arg(long)]
     pub max_len: Option<usize>,
@@ -101,6 +106,7 @@ pub fn mine_command(args: MineArgs) -> Result<()> {
         relative_margin,
         sampling,
         seed,
+        output_scores,
         max_len,
         chunk,
         search,
@@ -119,6 +125,7 @@ pub fn mine_command(args: MineArgs) -> Result<()> {
             SamplingArg::Random => gradcache::retrieval::Sampling::Random,
         },
         seed,
+        output_scores,
     };
     mine_options.validate()?;
     if search.corpus_block == 0 || chunk == 0 {
@@ -298,7 +305,7 @@ pub fn mine_negatives(
             model.embed_passages(&texts, chunk)
         },
     )?;
-    let rows = set.rows(&mined);
+    let rows = set.rows(&mined, options.output_scores);
     if rows.is_empty() {
         bail!(
             "no query kept {} negatives after the filters; loosen range_max, the margins or \
