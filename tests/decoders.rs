@@ -773,7 +773,7 @@ fn the_shipped_qwen3_config_runs_and_learns() {
     // (no network here), with the fixture's limit of 32 tokens, a learning rate for its
     // size, and a short instruction: its 500-token vocabulary spells the config's in 70
     // tokens, which truncation to 32 would leave nothing of the query after.
-    use gradcache::train::{Config, Quiet, Trainer};
+    use gradcache::train::{Config, Trainer};
     let _one = serialized();
     let tmp = tempfile::tempdir().unwrap();
     let sets = [
@@ -789,15 +789,7 @@ fn the_shipped_qwen3_config_runs_and_learns() {
         "optim.lr=2e-3".into(),
     ];
     let cfg = Config::load(Path::new("configs/qwen3.toml"), &sets).unwrap();
-    let mut trainer = Trainer::new(cfg, None).unwrap();
-    let (before, after) = trainer.run(&mut Quiet).unwrap();
-    let before = before.expect("an evaluation before training");
-    assert!(
-        after.ndcg_at_10 > before.ndcg_at_10 + 0.05,
-        "nDCG@10 {} -> {}",
-        before.ndcg_at_10,
-        after.ndcg_at_10
-    );
+    common::assert_learns(Trainer::new(cfg, None).unwrap());
     // The run trained with the model's head: last-token pooling, normalised.
     let head: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(tmp.path().join("run").join("head.json")).unwrap(),
@@ -811,7 +803,7 @@ fn the_shipped_qwen3_config_runs_and_learns() {
 fn the_shipped_qwen3_lora_config_runs_and_learns() {
     // configs/qwen3-lora.toml as shipped, on the tiny Qwen3 fixture (as the test above):
     // the adapters alone train, and the model learns.
-    use gradcache::train::{Config, Quiet, Trainer};
+    use gradcache::train::{Config, Trainer};
     let _one = serialized();
     let tmp = tempfile::tempdir().unwrap();
     let sets = [
@@ -829,16 +821,9 @@ fn the_shipped_qwen3_lora_config_runs_and_learns() {
         "optim.lr=2e-2".into(),
     ];
     let cfg = Config::load(Path::new("configs/qwen3-lora.toml"), &sets).unwrap();
-    let mut trainer = Trainer::new(cfg, None).unwrap();
+    let trainer = Trainer::new(cfg, None).unwrap();
     assert!(trainer.params().names().all(|n| n.contains(".lora_")));
-    let (before, after) = trainer.run(&mut Quiet).unwrap();
-    let before = before.expect("an evaluation before training");
-    assert!(
-        after.ndcg_at_10 > before.ndcg_at_10 + 0.05,
-        "nDCG@10 {} -> {}",
-        before.ndcg_at_10,
-        after.ndcg_at_10
-    );
+    common::assert_learns(trainer);
 }
 
 #[test]

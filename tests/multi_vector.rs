@@ -157,9 +157,14 @@ fn maxsim_gradients_equal_autograd() {
 }
 
 /// The distillation loss written out: each query's scores of its own `group` passages
-/// (min-max normalised or not), the KL divergence from the teacher's softmax to theirs,
-/// the mean over queries.
-fn loop_distillation(q: &Tensor, p: &Tensor, teacher: &[Vec<f32>], normalize: bool) -> f64 {
+/// (min-max normalised or not), the KL divergence from the softmax of the teacher's
+/// scores over `t` to theirs, the mean over queries.
+fn loop_distillation(
+    q: &Tensor,
+    p: &Tensor,
+    teacher: &[Vec<f32>],
+    (normalize, t): (bool, f64),
+) -> f64 {
     let scores = loop_scores(q, p);
     let group = teacher[0].len();
     let softmax = |v: &[f64]| -> Vec<f64> {
@@ -168,7 +173,7 @@ fn loop_distillation(q: &Tensor, p: &Tensor, teacher: &[Vec<f32>], normalize: bo
         v.iter().map(|x| (x - max).exp() / sum).collect()
     };
     let mut total = 0.0;
-    for (i, t) in teacher.iter().enumerate() {
+    for (i, teacher_row) in teacher.iter().enumerate() {
         let s: Vec<f64> = (0..group)
             .map(|j| scores[i][i * group + j] as f64)
             .collect();
@@ -179,8 +184,8 @@ fn loop_distillation(q: &Tensor, p: &Tensor, teacher: &[Vec<f32>], normalize: bo
             true => s.iter().map(|v| (v - lo) / (hi - lo + 1e-8)).collect(),
             false => s,
         };
-        let t: Vec<f64> = t.iter().map(|&v| v as f64).collect();
-        let (student, teacher) = (softmax(&x), softmax(&t));
+        let scaled: Vec<f64> = teacher_row.iter().map(|&v| v as f64 / t).collect();
+        let (student, teacher) = (softmax(&x), softmax(&scaled));
         total += teacher
             .iter()
             .zip(&student)
@@ -207,12 +212,14 @@ fn distillation_equals_a_loop_and_autograd(fused: bool) {
     let rows = teacher.to_vec2::<f32>().unwrap();
     let cell = TeacherScores::new();
     cell.set(&teacher).unwrap();
-    for normalize in [true, false] {
-        let what = format!("fused {fused}, normalize {normalize}");
+    for (normalize, t) in [(true, 1.0), (false, 1.0), (true, 0.25)] {
+        let what = format!("fused {fused}, normalize {normalize}, teacher temperature {t}");
         let loss = MaxSimDistillation::new(DIM, cell.clone())
             .unwrap()
-            .with_normalized_scores(normalize);
-        let want = loop_distillation(&q, &p, &rows, normalize);
+            .with_normalized_scores(normalize)
+            .with_teacher_temperature(t)
+            .unwrap();
+        let want = loop_distillation(&q, &p, &rows, (normalize, t));
         let got = loss.value_and_grads(&q, &p).unwrap();
         assert!(want > 1e-3, "{what}: a loss that can be compared ({want})");
         let rel = ((got.loss as f64 - want) / want).abs();
@@ -237,7 +244,15 @@ fn distillation_equals_a_loop_and_autograd(fused: bool) {
             "{what}: gradients {dq:e} {dp:e}"
         );
     }
-    // Teacher scores that are not one per passage of each group, and none at all.
+    // A teacher temperature that is not positive; teacher scores that are not one per
+    // passage of each group, and none at all.
+    for t in [0.0, -1.0, f64::INFINITY] {
+        let err = MaxSimDistillation::new(DIM, cell.clone())
+            .unwrap()
+            .with_teacher_temperature(t)
+            .unwrap_err();
+        assert!(err.to_string().contains("teacher_temperature"), "{err}");
+    }
     let loss = MaxSimDistillation::new(DIM, cell.clone()).unwrap();
     let err = loss
         .value_and_grads(&q, &p.narrow(0, 0, 10).unwrap())

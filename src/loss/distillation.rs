@@ -5,9 +5,10 @@
 //! Query `i` has its `group` passages `i * group ..` (as [`super::MaxSim`] lays them out);
 //! its scores are `s_ij = maxsim(q_i, p_{i*group+j})`, min-max normalised over the group
 //! when `normalize_scores` is on (PyLate's default: `(s - min) / (max - min + 1e-8)`).
-//! The loss is `sum_i KL(softmax(t_i) || softmax(s_i)) / Q` for the teacher's scores `t`
-//! (PyLate's `KLDivLoss(reduction="batchmean", log_target=True)` over log-softmaxes of
-//! both). Other queries' passages take no part: a query is scored against its own group
+//! The loss is `sum_i KL(softmax(t_i / T) || softmax(s_i)) / Q` for the teacher's scores
+//! `t` (PyLate's `KLDivLoss(reduction="batchmean", log_target=True)` over log-softmaxes of
+//! both; the teacher temperature `T` is 1 there, as suits a cross-encoder's logits; a
+//! bi-encoder's cosine scores want the temperature it was trained with). Other queries' passages take no part: a query is scored against its own group
 //! only, a block of one query by `group` passages at a time.
 
 use candle_core::{DType, Tensor, D};
@@ -75,6 +76,7 @@ impl PartialEq for TeacherScores {
 pub struct MaxSimDistillation {
     maxsim: MaxSim,
     normalize_scores: bool,
+    teacher_temperature: f64,
     teacher: TeacherScores,
 }
 
@@ -85,8 +87,24 @@ impl MaxSimDistillation {
         Ok(Self {
             maxsim: MaxSim::new(dim)?,
             normalize_scores: true,
+            teacher_temperature: 1.0,
             teacher,
         })
+    }
+
+    /// The teacher's scores are divided by `temperature` (> 0) before their softmax: 1
+    /// (PyLate's) for logits; a bi-encoder teacher's cosine scores are nearly uniform
+    /// under a softmax until divided by the temperature it was trained with.
+    pub fn with_teacher_temperature(mut self, temperature: f64) -> Result<Self> {
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(Error::InvalidConfig {
+                field: "loss.distillation.teacher_temperature",
+                value: temperature.to_string(),
+                reason: "must be a finite number greater than 0",
+            });
+        }
+        self.teacher_temperature = temperature;
+        Ok(self)
     }
 
     /// Whether the model's scores are min-max normalised over each query's group before
@@ -128,7 +146,11 @@ impl MaxSimDistillation {
                 s.clone()
             };
             let log_p = log_softmax(&x);
-            let log_t = log_softmax(&t.iter().map(|&v| v as f64).collect::<Vec<_>>());
+            let t: Vec<f64> = t
+                .iter()
+                .map(|&v| v as f64 / self.teacher_temperature)
+                .collect();
+            let log_t = log_softmax(&t);
             total += log_t
                 .iter()
                 .zip(&log_p)
@@ -180,7 +202,8 @@ impl Loss for MaxSimDistillation {
     fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
         let scores = self.scores(queries, passages)?;
         let (nq, group) = scores.dims2()?;
-        let teacher = self.teacher.get(nq, group)?.to_dtype(scores.dtype())?;
+        let teacher =
+            (self.teacher.get(nq, group)?.to_dtype(scores.dtype())? / self.teacher_temperature)?;
         let x = if self.normalize_scores {
             let max = scores.max_keepdim(1)?;
             let min = scores.min_keepdim(1)?;

@@ -155,12 +155,17 @@ pub struct DistillationConfig {
     /// Min-max normalise the model's scores of each query's passages before the softmax
     /// (PyLate's `normalize_scores`, on by default).
     pub normalize_scores: bool,
+    /// The teacher's scores are divided by this before their softmax: 1 (PyLate's) for a
+    /// cross-encoder's logits; a bi-encoder teacher's cosine scores want the temperature
+    /// it was trained with (0.05 for configs/bible-beir.toml's model).
+    pub teacher_temperature: f64,
 }
 
 impl Default for DistillationConfig {
     fn default() -> Self {
         Self {
             normalize_scores: true,
+            teacher_temperature: 1.0,
         }
     }
 }
@@ -191,12 +196,20 @@ impl DistillationConfig {
                  hard negatives whose teacher scores each pair gives (at least 1)",
             ));
         }
+        let t = self.teacher_temperature;
+        if !(t.is_finite() && t > 0.0) {
+            return Err(invalid(
+                "loss.distillation.teacher_temperature",
+                t,
+                "must be a finite number greater than 0",
+            ));
+        }
         if temperature_set {
             return Err(invalid(
                 "loss.temperature",
                 "set",
                 "has no part in distillation (PyLate's Distillation has none): leave it \
-                 unset",
+                 unset (loss.distillation.teacher_temperature scales the teacher's scores)",
             ));
         }
         Ok(())

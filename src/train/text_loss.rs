@@ -37,7 +37,8 @@ impl TextLoss {
         Ok(match (multi_vector, &l.distillation) {
             (Some(head), Some(d)) => TextLoss::Distillation(
                 MaxSimDistillation::new(head.dim, TeacherScores::new())?
-                    .with_normalized_scores(d.normalize_scores),
+                    .with_normalized_scores(d.normalize_scores)
+                    .with_teacher_temperature(d.teacher_temperature)?,
             ),
             (Some(head), None) => {
                 TextLoss::MaxSim(MaxSim::new(head.dim)?.with_temperature(l.temperature)?)

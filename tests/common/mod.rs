@@ -272,3 +272,16 @@ pub fn vocab_pairs(path: &Path) {
     }
     fs::write(path, lines.join("\n")).unwrap();
 }
+
+/// Runs `trainer` to its end and checks that the held-out nDCG@10 rose by more than 0.05
+/// (what a shipped config's test asks).
+pub fn assert_learns(mut trainer: gradcache::train::Trainer) {
+    let (before, after) = trainer.run(&mut gradcache::train::Quiet).unwrap();
+    let before = before.expect("an evaluation before training");
+    assert!(
+        after.ndcg_at_10 > before.ndcg_at_10 + 0.05,
+        "nDCG@10 {} -> {}",
+        before.ndcg_at_10,
+        after.ndcg_at_10
+    );
+}
