@@ -1,12 +1,14 @@
 //! Activation checkpointing: peak memory, step time and gradient error of every policy, for
-//! a 12-layer BERT encoder, a deep residual MLP, a ResNet image tower (BatchNorm) and an
-//! LSTM over a long sequence (segments of time steps), measured side by side in one run.
+//! a 12-layer BERT encoder, a deep residual MLP, a ResNet image tower (BatchNorm), an LSTM
+//! over a long sequence (segments of time steps) and a DenseNet-BC-121 (the naive
+//! concatenation against the memory-efficient bottleneck), measured side by side in one run.
 //!
 //! ```text
 //! cargo run --release --example recompute_memory
 //! cargo run --release --example recompute_memory -- --towers resnet,lstm
 //! cargo run --release --example recompute_memory -- --towers lstm --steps 1024
 //! cargo run --release --example recompute_memory -- --towers resnet --resnet-stages 8
+//! cargo run --release --example recompute_memory -- --towers densenet
 //! cargo run --release --example recompute_memory -- --quick   # smaller models
 //! cargo run --release --example recompute_memory -- --len 256 --bert-only
 //! cargo run --release --example recompute_memory -- --len 256 --bert-only --composed \
@@ -24,6 +26,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
+use gradcache::densenet::{DenseNet, DenseNetConfig};
 use gradcache::lstm::{Lstm, LstmConfig, LstmEncoder, LstmPooling};
 use gradcache::memory::{measure, CountingAllocator};
 use gradcache::resnet::{Block, ResNet, ResNetConfig};
@@ -70,16 +73,17 @@ fn bert_policies() -> Vec<(&'static str, Recompute)> {
 /// Runs one cached step per policy, off first, and prints one line each; with
 /// `--policies a,b,..` those, in that order (a name may come back, to alternate timings),
 /// the gradients compared with those of the first.
-fn run<E, F>(
+fn run<E, F, P>(
     model: &str,
-    policies: Vec<(&'static str, Recompute)>,
+    policies: Vec<(&'static str, P)>,
     build: F,
     queries: &E::Input,
     passages: &E::Input,
 ) -> anyhow::Result<()>
 where
     E: Encoder,
-    F: Fn(Recompute) -> gradcache::Result<E>,
+    F: Fn(P) -> gradcache::Result<E>,
+    P: Clone,
 {
     let mut reference: Option<Gradients> = None;
     let only: Option<Vec<String>> = std::env::args()
@@ -167,15 +171,15 @@ fn main() -> anyhow::Result<()> {
     unsafe { gradcache::pool::short_spin() };
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    // `--towers bert,mlp,resnet,lstm`: which towers to measure (default: all).
+    // `--towers bert,mlp,resnet,lstm,densenet`: which towers to measure (default: all).
     let towers: Vec<String> = value::<String>(&args, "--towers")?
         .map(|list| list.split(',').map(str::to_string).collect())
         .unwrap_or_else(|| {
-            let all = ["bert", "mlp", "resnet", "lstm"];
+            let all = ["bert", "mlp", "resnet", "lstm", "densenet"];
             let n = if args.iter().any(|a| a == "--bert-only") {
                 1
             } else {
-                4
+                all.len()
             };
             all[..n].iter().map(|s| s.to_string()).collect()
         });
@@ -192,6 +196,9 @@ fn main() -> anyhow::Result<()> {
             None => vec![2, 2, 2, 2],
         };
         resnet(quick, stages)?;
+    }
+    if wants("densenet") {
+        densenet(quick)?;
     }
     if wants("lstm") {
         let steps = value(&args, "--steps")?.unwrap_or(if quick { 64 } else { 1024 });
@@ -251,6 +258,58 @@ fn resnet(quick: bool, stages: Vec<usize>) -> anyhow::Result<()> {
         }
     );
     run(&name, policies, build, &x(5)?, &x(6)?)
+}
+
+/// DenseNet-BC-121's shape (growth 32, blocks 6/12/24/16) over 32 + 32 RGB images of
+/// 64x64 (the small-image stem: the first block runs at full resolution): the naive
+/// concatenation (each layer's concatenation, BN and ReLU kept) against the memory-efficient
+/// bottleneck, each with and without checkpointing at dense-block boundaries.
+fn densenet(quick: bool) -> anyhow::Result<()> {
+    let cfg = if quick {
+        DenseNetConfig {
+            growth_rate: 8,
+            block_config: vec![3, 3],
+            init_features: 16,
+            ..DenseNetConfig::default()
+        }
+    } else {
+        DenseNetConfig::densenet121(64)
+    };
+    let (rows, side) = if quick { (4, 16) } else { (32, 64) };
+    println!(
+        "# densenet: growth {}, blocks {:?}, BatchNorm, {rows} + {rows} images {side}x{side}, \
+         one chunk per side",
+        cfg.growth_rate, cfg.block_config
+    );
+    let store = ParamStore::new(8, DType::F32, &Device::Cpu);
+    let build = |(memory_efficient, policy): (bool, Recompute)| {
+        let cfg = DenseNetConfig {
+            memory_efficient,
+            ..cfg.clone()
+        };
+        let tower = Tower::build(&store, "", |vb| DenseNet::new(&cfg, vb))?;
+        Recomputed::new(tower, policy)
+    };
+    let x = |seed| {
+        gradcache::rng::normal(
+            seed,
+            0.0,
+            1.0,
+            &(rows, 3, side, side).into(),
+            DType::F32,
+            &Device::Cpu,
+        )
+    };
+    let policies = vec![
+        ("naive", (false, Recompute::Off)),
+        ("memory_efficient", (true, Recompute::Off)),
+        ("naive+every_layer", (false, Recompute::EveryLayer)),
+        (
+            "memory_efficient+every_layer",
+            (true, Recompute::EveryLayer),
+        ),
+    ];
+    run("densenet121", policies, build, &x(5)?, &x(6)?)
 }
 
 /// A one-layer LSTM over `steps` tokens, its backward through time in segments of steps.

@@ -9,8 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use common::{bits, random, train_ctx};
 use gradcache::resnet::{Block, ResNet, ResNetConfig};
 use gradcache::{
-    Ctx, Encoder, GradCache, InfoNce, NormStats, ParamStore, Params, Recompute, Recomputed, Side,
-    Similarity, Tower,
+    Ctx, Encoder, GradCache, InfoNce, ParamStore, Params, Recompute, Recomputed, Similarity, Tower,
 };
 
 fn config(block: Block) -> ResNetConfig {
@@ -197,34 +196,6 @@ fn evaluation_normalises_with_the_running_statistics() {
     assert!(err.to_string().contains("channel"), "{err}");
 }
 
-/// The reference a cached step with BatchNorm must equal: each chunk through the graph
-/// forward once (updating the statistics), the loss over all rows, one backward.
-fn chunkwise_reference(
-    gc: &GradCache<Recomputed<ResNet>>,
-    q: &Tensor,
-    p: &Tensor,
-    chunk: usize,
-) -> (f32, gradcache::Gradients) {
-    let enc = gc.query_encoder();
-    let side = |x: &Tensor, s: Side| -> Tensor {
-        let parts: Vec<Tensor> = (0..x.dim(0).unwrap().div_ceil(chunk))
-            .map(|i| {
-                let rows = chunk.min(x.dim(0).unwrap() - i * chunk);
-                let ctx = gc.ctx(0, s, i).updating_stats();
-                assert_eq!(ctx.norm, NormStats::BatchAndUpdate);
-                enc.forward(&x.narrow(0, i * chunk, rows).unwrap(), &ctx)
-                    .unwrap()
-            })
-            .collect();
-        Tensor::cat(&parts, 0).unwrap()
-    };
-    let (qr, pr) = (side(q, Side::Query), side(p, Side::Passage));
-    let loss = gradcache::Loss::forward(gc.loss(), &qr, &pr).unwrap();
-    let value = loss.to_scalar::<f32>().unwrap();
-    let grads = gc.params().grads_from(&loss.backward().unwrap());
-    (value, grads)
-}
-
 #[test]
 fn a_cached_step_equals_the_chunkwise_reference_and_updates_statistics_once_per_chunk() {
     let cfg = config(Block::Basic);
@@ -239,7 +210,7 @@ fn a_cached_step_equals_the_chunkwise_reference_and_updates_statistics_once_per_
         (store, gc)
     };
     let (_, reference) = build(Recompute::Off);
-    let (want_loss, want) = chunkwise_reference(&reference, &q, &p, chunk);
+    let (want_loss, want) = common::chunkwise_reference(&reference, &q, &p, chunk);
     let want_stats = snapshot(&reference.buffers().unwrap());
     for policy in [Recompute::Off, Recompute::Sqrt] {
         let (_, gc) = build(policy.clone());

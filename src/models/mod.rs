@@ -13,6 +13,7 @@ mod bert_config;
 mod decoder;
 mod decoder_config;
 mod dense;
+pub mod densenet;
 mod family;
 pub mod lstm;
 mod modernbert;

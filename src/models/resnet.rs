@@ -105,19 +105,27 @@ impl ResNetConfig {
 }
 
 /// A square convolution without bias, padded to keep the size at stride 1.
-struct Conv {
-    weight: Tensor,
+pub(crate) struct Conv {
+    pub(crate) weight: Tensor,
     padding: usize,
     stride: usize,
 }
 
 impl Conv {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         crate::nn::conv2d(x, &self.weight, self.padding, self.stride)
     }
 }
 
-fn conv(cin: usize, cout: usize, k: usize, stride: usize, vb: VarBuilder) -> Result<Conv> {
+/// A `k x k` convolution from `cin` to `cout` channels at `stride`, torchvision's
+/// initialisation (Kaiming normal, fan out).
+pub(crate) fn conv(
+    cin: usize,
+    cout: usize,
+    k: usize,
+    stride: usize,
+    vb: VarBuilder,
+) -> Result<Conv> {
     let init = candle_nn::Init::Kaiming {
         dist: candle_nn::init::NormalOrUniform::Normal,
         fan: candle_nn::init::FanInOut::FanOut,

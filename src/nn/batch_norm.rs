@@ -69,6 +69,26 @@ impl BatchNorm {
         })
     }
 
+    /// The scale (a parameter).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The shift (a parameter).
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
+    }
+
+    /// This layer with another scale and shift (the same running statistics): how a
+    /// node that recomputes it sees its parameters as inputs.
+    pub(crate) fn with_params(&self, weight: Tensor, bias: Tensor) -> Self {
+        Self {
+            weight,
+            bias,
+            ..self.clone()
+        }
+    }
+
     /// The running mean (a view of the stored buffer).
     pub fn running_mean(&self) -> &Tensor {
         &self.running_mean

@@ -285,3 +285,34 @@ pub fn assert_learns(mut trainer: gradcache::train::Trainer) {
         after.ndcg_at_10
     );
 }
+
+/// The reference a cached step with BatchNorm must equal: each chunk through the graph
+/// forward once (updating the statistics), the loss over all rows, one backward.
+pub fn chunkwise_reference<E: Encoder<Input = Tensor>>(
+    gc: &gradcache::GradCache<E>,
+    q: &Tensor,
+    p: &Tensor,
+    chunk: usize,
+) -> (f32, gradcache::Gradients) {
+    let enc = gc.query_encoder();
+    let side = |x: &Tensor, s: gradcache::Side| -> Tensor {
+        let parts: Vec<Tensor> = (0..x.dim(0).unwrap().div_ceil(chunk))
+            .map(|i| {
+                let rows = chunk.min(x.dim(0).unwrap() - i * chunk);
+                let ctx = gc.ctx(0, s, i).updating_stats();
+                assert_eq!(ctx.norm, gradcache::NormStats::BatchAndUpdate);
+                enc.forward(&x.narrow(0, i * chunk, rows).unwrap(), &ctx)
+                    .unwrap()
+            })
+            .collect();
+        Tensor::cat(&parts, 0).unwrap()
+    };
+    let (qr, pr) = (
+        side(q, gradcache::Side::Query),
+        side(p, gradcache::Side::Passage),
+    );
+    let loss = gradcache::Loss::forward(gc.loss(), &qr, &pr).unwrap();
+    let value = loss.to_scalar::<f32>().unwrap();
+    let grads = gc.params().grads_from(&loss.backward().unwrap());
+    (value, grads)
+}
