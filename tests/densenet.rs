@@ -1,7 +1,7 @@
 //! The DenseNet-BC tower under the gradient cache: torchvision's names; the memory-efficient
-//! bottleneck (concatenation, BN, ReLU and 1x1 convolution recomputed in the backward pass)
-//! gives the plain tower's outputs and gradients bit for bit and moves the running
-//! statistics once; every checkpointing policy over the dense blocks gives `Off`'s
+//! layers (concatenation, BN-ReLUs and bottleneck recomputed in the backward pass) give
+//! the plain tower's outputs and gradients bit for bit and move the running statistics
+//! once; every checkpointing policy over the dense blocks gives `Off`'s
 //! gradients bit for bit; a cached step equals the chunk-by-chunk reference; bad sizes are
 //! refused by name.
 
@@ -71,7 +71,7 @@ fn parameters_and_buffers_carry_torchvision_names() {
 }
 
 #[test]
-fn the_memory_efficient_bottleneck_changes_no_bit_and_moves_statistics_once() {
+fn memory_efficient_layers_change_no_bit_and_move_statistics_once() {
     let x = images(11, 5);
     let cot = random(12, &[5, 8]);
     let ctx = train_ctx(0);
@@ -95,7 +95,7 @@ fn the_memory_efficient_bottleneck_changes_no_bit_and_moves_statistics_once() {
         assert_eq!(bits(got.get(name).unwrap()), bits(w), "{name}");
     }
     // A training forward with a graph that moves the statistics, and its backward (which
-    // recomputes the bottlenecks): the statistics move once, as the plain tower's do.
+    // recomputes the layers): the statistics move once, as the plain tower's do.
     let start = snapshot(&efficient.buffers());
     for enc in [&plain, &efficient] {
         let y = enc.forward(&x, &ctx.updating_stats()).unwrap();

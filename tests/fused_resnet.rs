@@ -18,7 +18,8 @@ fn convolution_and_batch_norm_nodes_equal_the_composed_ops() {
 fn convolution_node_has_candles_gradients() {
     use candle_core::Var;
     // (kernel, stride, input side, images, channels): 3x3 and 1x1, strides 1 and 2, even
-    // and odd sides, and ResNet-sized ones.
+    // and odd sides, ResNet-sized ones, and inputs whose im2col columns exceed the node's
+    // 32 MiB (run in pieces of 1 and of 6 rows).
     for (k, stride, side, n, c) in [
         (3, 1, 8, 3, 4),
         (3, 2, 8, 3, 4),
@@ -27,6 +28,8 @@ fn convolution_node_has_candles_gradients() {
         (1, 1, 5, 3, 4),
         (3, 1, 32, 7, 64),
         (3, 2, 32, 7, 64),
+        (3, 1, 64, 9, 128),
+        (3, 2, 64, 9, 128),
     ] {
         let x = Var::from_tensor(&random(51, &[n, c, side, side])).unwrap();
         let w = Var::from_tensor(&random(52, &[5, c, k, k])).unwrap();

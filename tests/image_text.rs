@@ -351,3 +351,93 @@ fn a_checkpoint_whose_data_position_is_not_its_steps_is_refused() {
         .to_string();
     assert!(err.contains("data position"), "{err}");
 }
+
+/// The tiny run with a DenseNet-BC image tower (growth 4, blocks [2, 2], memory-efficient).
+fn tiny_densenet(dir: &Path) -> ImageTextConfig {
+    use gradcache::train::image_text::{DenseNetSettings, ImageArch, ImageTower};
+    let mut cfg = tiny(dir, &[]);
+    cfg.image = ImageTower {
+        arch: ImageArch::Densenet,
+        densenet: Some(DenseNetSettings {
+            growth_rate: 4,
+            block_config: vec![2, 2],
+            init_features: 8,
+            ..DenseNetSettings::default()
+        }),
+        recompute: cfg.image.recompute.clone(),
+        ..ImageTower::default()
+    };
+    cfg
+}
+
+#[test]
+fn a_densenet_image_tower_trains_resumes_bit_for_bit_and_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let straight = {
+        let mut t = ImageTextTrainer::new(tiny_densenet(&dir.path().join("a")), None).unwrap();
+        for _ in 0..4 {
+            assert!(t.train_step().unwrap().loss.is_finite());
+        }
+        state_bits(&t)
+    };
+    let cfg = tiny_densenet(&dir.path().join("b"));
+    let ckpt = {
+        let mut t = ImageTextTrainer::new(cfg.clone(), None).unwrap();
+        t.train_step().unwrap();
+        t.train_step().unwrap();
+        t.save_checkpoint().unwrap()
+    };
+    let mut resumed = ImageTextTrainer::new(cfg.clone(), Some(&ckpt)).unwrap();
+    resumed.train_step().unwrap();
+    resumed.train_step().unwrap();
+    let got = state_bits(&resumed);
+    assert_eq!(got.len(), straight.len());
+    assert!(got
+        .iter()
+        .any(|(n, _)| n == "image.features.denseblock2.denselayer2.norm1.running_var"));
+    for ((name, a), (_, b)) in got.iter().zip(&straight) {
+        assert!(a == b, "{name} differs after resuming");
+    }
+    // The export holds the DenseNet under torchvision's names.
+    let out = dir.path().join("model");
+    export_image_text(&cfg, None, &out).unwrap();
+    let image =
+        candle_core::safetensors::load(out.join("image_tower.safetensors"), &Device::Cpu).unwrap();
+    for name in [
+        "features.conv0.weight",
+        "features.transition1.conv.weight",
+        "features.norm5.running_mean",
+        "classifier.weight",
+    ] {
+        assert!(image.contains_key(name), "{name}");
+    }
+    // Sizes that do not fit, each refused by its key.
+    for (edit, key) in [
+        (
+            &(|c: &mut ImageTextConfig| c.image.width = 8) as &dyn Fn(&mut ImageTextConfig),
+            "image.width",
+        ),
+        (
+            &|c: &mut ImageTextConfig| c.image.densenet.as_mut().unwrap().block_config = vec![2, 0],
+            "densenet.block_config",
+        ),
+        (
+            &|c: &mut ImageTextConfig| c.image.densenet.as_mut().unwrap().growth_rate = 0,
+            "densenet.growth_rate",
+        ),
+        (
+            &|c: &mut ImageTextConfig| c.image.densenet.as_mut().unwrap().block_config = vec![1; 6],
+            "data.image_size",
+        ),
+        (
+            &|c: &mut ImageTextConfig| c.image.arch = Default::default(),
+            "image.densenet",
+        ),
+    ] {
+        let mut bad = tiny_densenet(&dir.path().join("bad"));
+        edit(&mut bad);
+        let err = ImageTextTrainer::new(bad, None).err().unwrap();
+        assert!(err.to_string().contains(key), "{key}: {err}");
+        assert!(!dir.path().join("bad").exists());
+    }
+}

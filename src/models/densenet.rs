@@ -7,12 +7,14 @@
 //! block: `BN-ReLU-conv1x1` to `bn_size * growth_rate` channels (the bottleneck), then
 //! `BN-ReLU-conv3x3` to `growth_rate` new channels. Written plainly, each layer's
 //! concatenation and its BN and ReLU outputs are kept for the backward pass: memory
-//! quadratic in the depth of a block. With `memory_efficient` the concatenation, BN, ReLU
-//! and 1x1 convolution of a bottleneck are one graph node that keeps only its inputs (the
-//! feature maps, each kept once by the block anyway) and recomputes the rest in the
-//! backward pass: memory linear in the depth, for a second pass over the bottleneck's
-//! first half. The recomputation normalises with the same batch statistics, bit for bit,
-//! and never moves the running statistics a second time.
+//! quadratic in the depth of a block. With `memory_efficient` each layer is one graph node
+//! that keeps only its inputs (the feature maps, each kept once by the block anyway, and
+//! the parameters) and recomputes the concatenation, both BN-ReLUs and the bottleneck in
+//! the backward pass: memory linear in the depth, each layer holding only the
+//! `growth_rate` channels it adds (Pleiss et al. recompute the concatenation and the first
+//! BN-ReLU; recomputing the whole layer also drops the bottleneck's `4k` channels and their
+//! BN-ReLU), for a second forward of each layer. The recomputation normalises with the same
+//! batch statistics, bit for bit, and never moves the running statistics a second time.
 //!
 //! Layout and parameter names follow torchvision's `densenet.py` (`features.conv0`,
 //! `features.norm0`, `features.denseblock{b}.denselayer{l}.norm1` / `conv1` / `norm2` /
@@ -48,8 +50,8 @@ pub struct DenseNetConfig {
     pub bn_size: usize,
     /// The share of channels a transition keeps (0.5 in DenseNet-BC).
     pub compression: f64,
-    /// Recompute each bottleneck's concatenation, BN, ReLU and 1x1 convolution in the
-    /// backward pass instead of keeping them (Pleiss et al.).
+    /// Recompute each layer's concatenation, BN-ReLUs and bottleneck in the backward pass
+    /// instead of keeping them (the memory-efficient DenseNet of Pleiss et al.).
     pub memory_efficient: bool,
     /// Representation width (the projection `classifier`).
     pub output: usize,
@@ -169,28 +171,38 @@ impl DenseLayer {
         })
     }
 
-    /// The new feature maps from all earlier ones.
+    /// The new feature maps from all earlier ones; with `memory_efficient`, one node that
+    /// keeps only the features and the parameters.
     fn forward(&self, features: &[Tensor], ctx: &Ctx) -> Result<Tensor> {
-        let bottleneck = self.bottleneck(features, ctx)?;
-        self.conv2
-            .forward(&self.norm2.forward_relu(&bottleneck, ctx)?)
-    }
-
-    /// `conv1(relu(norm1(cat(features))))`; with `memory_efficient`, one node that keeps
-    /// only the features and the parameters.
-    fn bottleneck(&self, features: &[Tensor], ctx: &Ctx) -> Result<Tensor> {
+        let params = [
+            self.norm1.weight(),
+            self.norm1.bias(),
+            &self.conv1.weight,
+            self.norm2.weight(),
+            self.norm2.bias(),
+            &self.conv2.weight,
+        ];
+        let (norm1, norm2) = (self.norm1.clone(), self.norm2.clone());
+        let layer = move |features: &[Tensor], p: &[Tensor], ctx: &Ctx| -> Result<Tensor> {
+            let norm1 = norm1.with_params(p[0].clone(), p[1].clone());
+            let norm2 = norm2.with_params(p[3].clone(), p[4].clone());
+            let cat = Tensor::cat(features, 1)?;
+            let bottleneck = crate::nn::conv2d(&norm1.forward_relu(&cat, ctx)?, &p[2], 0, 1)?;
+            crate::nn::conv2d(&norm2.forward_relu(&bottleneck, ctx)?, &p[5], 1, 1)
+        };
         if !self.memory_efficient {
-            return bottleneck(features, &self.norm1, &self.conv1.weight, ctx);
+            let p: Vec<Tensor> = params.iter().map(|&t| t.clone()).collect();
+            return layer(features, &p, ctx);
         }
         let n = features.len();
         let mut inputs: Vec<&Tensor> = features.iter().collect();
-        inputs.extend([self.norm1.weight(), self.norm1.bias(), &self.conv1.weight]);
-        let (norm, ctx) = (self.norm1.clone(), *ctx);
+        inputs.extend(params);
+        let ctx = *ctx;
         // The forward may move the running statistics (the representation pass, or a
         // plain training forward); the backward's recomputation never does.
         let first = AtomicBool::new(true);
         Ok(crate::nn::fused::recomputed(
-            "gradcache-densenet-bottleneck",
+            "gradcache-dense-layer",
             &inputs,
             move |t| {
                 let ctx = if first.swap(false, Ordering::SeqCst) {
@@ -198,18 +210,10 @@ impl DenseLayer {
                 } else {
                     ctx.frozen_stats()
                 };
-                let norm = norm.with_params(t[n].clone(), t[n + 1].clone());
-                bottleneck(&t[..n], &norm, &t[n + 2], &ctx).map_err(candle_core::Error::wrap)
+                layer(&t[..n], &t[n..], &ctx).map_err(candle_core::Error::wrap)
             },
         )?)
     }
-}
-
-/// `conv1x1(relu(norm(cat(features))))`.
-fn bottleneck(features: &[Tensor], norm: &BatchNorm, weight: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-    let cat = Tensor::cat(features, 1)?;
-    let h = norm.forward_relu(&cat, ctx)?;
-    crate::nn::conv2d(&h, weight, 0, 1)
 }
 
 /// A dense block and the transition after it (none after the last block).

@@ -7,12 +7,49 @@ use candle_core::Tensor;
 use super::blocks::contiguous;
 use super::node::node;
 
+/// The most bytes of im2col columns one piece of a convolution unfolds (32 MiB): candle's
+/// CPU convolution unfolds its whole input at once (`rows x out_h x out_w x c_in x k x k`
+/// values, 600 MiB for 32 images of 64x64 at 128 channels and a 3x3 kernel), so the
+/// convolutions here run over pieces of the rows and join the results.
+pub const IM2COL_BYTES: usize = 32 << 20;
+
+/// Rows per piece so that one piece's im2col columns fit [`IM2COL_BYTES`] (at least one).
+fn rows_per_piece(rows: usize, per_row: usize) -> usize {
+    (IM2COL_BYTES / per_row.max(1)).clamp(1, rows.max(1))
+}
+
+/// `f` over pieces of `rows` rows along dimension 0 of each of `xs`, the results
+/// concatenated along dimension 0 (`f` itself when one piece holds every row).
+fn in_pieces(
+    xs: &[&Tensor],
+    rows: usize,
+    f: impl Fn(&[Tensor]) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    let n = xs[0].dim(0)?;
+    if rows >= n {
+        let whole: Vec<Tensor> = xs.iter().map(|&x| x.clone()).collect();
+        return f(&whole);
+    }
+    let mut out = Vec::with_capacity(n.div_ceil(rows));
+    for start in (0..n).step_by(rows) {
+        let len = rows.min(n - start);
+        let piece = xs
+            .iter()
+            .map(|x| x.narrow(0, start, len))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        out.push(f(&piece)?);
+    }
+    Tensor::cat(&out, 0)
+}
+
 /// A 2-D convolution `x [n, c_in, h, w]` * `weight [c_out, c_in, k, k]` (square kernel,
 /// no bias, no dilation or groups) as one node whose backward is faster than candle's
 /// rule on the CPU: for stride 1 the input gradient is a convolution of the output
 /// gradient with the flipped, transposed kernel (candle's im2col path) instead of
 /// candle's transposed convolution, about 3x slower at ResNet shapes; for other strides
-/// it is candle's transposed convolution. The kernel gradient is candle's rule.
+/// it is candle's transposed convolution. The kernel gradient is candle's rule, summed over
+/// pieces of the rows. Every convolution runs over pieces of the rows whose im2col columns
+/// fit [`IM2COL_BYTES`], so its transient memory does not grow with the chunk.
 pub fn conv2d(
     x: &Tensor,
     weight: &Tensor,
@@ -20,9 +57,15 @@ pub fn conv2d(
     stride: usize,
 ) -> candle_core::Result<Tensor> {
     let (xd, wd) = (x.detach(), weight.detach());
-    let y = xd.conv2d(&wd, padding, stride, 1, 1)?;
-    let (_, _, k, k2) = wd.dims4()?;
-    let (h, w) = (x.dim(2)?, x.dim(3)?);
+    let (c_out, c_in, k, k2) = wd.dims4()?;
+    let (n, h, w) = (x.dim(0)?, x.dim(2)?, x.dim(3)?);
+    let (out_h, out_w) = (
+        (h + 2 * padding - k) / stride + 1,
+        (w + 2 * padding - k2) / stride + 1,
+    );
+    let per_row = out_h * out_w * c_in * k * k2 * 4;
+    let rows = rows_per_piece(n, per_row);
+    let y = in_pieces(&[&xd], rows, |p| p[0].conv2d(&wd, padding, stride, 1, 1))?;
     node(
         "gradcache-conv2d",
         [x, weight, weight],
@@ -36,7 +79,11 @@ pub fn conv2d(
                     .contiguous()?
                     .index_select(&flip, 2)?
                     .index_select(&flip, 3)?;
-                dy.conv2d(&flipped, k - 1 - padding, 1, 1, 1)?
+                // Its im2col unfolds the output gradient: `c_out` channels at the input's size.
+                let rows = rows_per_piece(n, h * w * c_out * k * k2 * 4);
+                in_pieces(&[dy], rows, |p| {
+                    p[0].conv2d(&flipped, k - 1 - padding, 1, 1, 1)
+                })?
             } else {
                 let out_h = (dy.dim(2)? - 1) * stride + k - 2 * padding;
                 let out_padding = h.saturating_sub(out_h);
@@ -47,12 +94,24 @@ pub fn conv2d(
             } else {
                 dx
             };
-            let dw = xd
-                .transpose(0, 1)?
-                // Stride 1 and dilation `stride`: the output gradient's pixels sit `stride`
-                // apart on the input.
-                .conv2d(&dy.transpose(0, 1)?, padding, 1, stride, 1)?
-                .transpose(0, 1)?;
+            // The kernel gradient of each piece of rows, summed: a convolution of the
+            // input (rows as channels) with the output gradient as the kernel.
+            let mut dw: Option<Tensor> = None;
+            for start in (0..n).step_by(rows) {
+                let len = rows.min(n - start);
+                let (xp, dyp) = (xd.narrow(0, start, len)?, dy.narrow(0, start, len)?);
+                let piece = xp
+                    .transpose(0, 1)?
+                    // Stride 1 and dilation `stride`: the output gradient's pixels sit
+                    // `stride` apart on the input.
+                    .conv2d(&dyp.transpose(0, 1)?, padding, 1, stride, 1)?
+                    .transpose(0, 1)?;
+                dw = Some(match dw {
+                    Some(sum) => (sum + piece)?,
+                    None => piece,
+                });
+            }
+            let dw = dw.ok_or_else(|| candle_core::Error::Msg("conv2d of no rows".into()))?;
             let dw = if dw.dim(2)? != k || dw.dim(3)? != k2 {
                 dw.narrow(2, 0, k)?.narrow(3, 0, k2)?
             } else {

@@ -1,5 +1,5 @@
-//! Image-text training (CLIP-style): a ResNet image tower and a text tower (a fresh BERT
-//! or an LSTM) under one [`GradCache`], each with its own chunk size, trained with CLIP's
+//! Image-text training (CLIP-style): a ResNet or DenseNet-BC image tower (`image.arch`)
+//! and a text tower (a fresh BERT or an LSTM) under one [`GradCache`], each with its own chunk size, trained with CLIP's
 //! symmetric InfoNCE and learnable temperature ([`ClipLoss`]) on the [`shapes`] data set
 //! the run generates from its seed (no download). Evaluation is image-to-text retrieval
 //! over the held-out compositions: each held-out image against every distinct held-out
@@ -24,12 +24,10 @@ use crate::batch::TokenBatch;
 use crate::dist::{Collective, Single};
 use crate::dropout::Ctx;
 use crate::durable;
-use crate::encoder::{Encoder, Tower};
+use crate::encoder::Encoder;
 use crate::hub::tokenizer::{train_wordpiece, Tokenizer};
 use crate::loss::{ClipLoss, Similarity};
 use crate::params::ParamStore;
-use crate::recompute::Recomputed;
-use crate::resnet::ResNet;
 use crate::train::data::Position;
 use crate::train::metrics::{self, RetrievalMetrics};
 use crate::train::model::TOKENIZER_FILE;
@@ -41,10 +39,10 @@ use crate::{Error, GradCache, Result};
 pub const LOGIT_SCALE: &str = "logit_scale";
 
 pub use super::image_text_config::{
-    ClipLossConfig, ImageTextConfig, ImageTextTrain, ImageTower, ShapesData, Task, TextKind,
-    TextTowerConfig,
+    ClipLossConfig, DenseNetSettings, ImageArch, ImageTextConfig, ImageTextTrain, ImageTower,
+    ShapesData, Task, TextKind, TextTowerConfig,
 };
-use super::image_text_towers::build_text;
+use super::image_text_towers::{build_image, build_text};
 pub use super::image_text_towers::{ImageEncoder, TextTower};
 
 /// What may change between an image-text run and its resume.
@@ -210,7 +208,7 @@ impl ImageText {
     }
 
     /// Writes the model of `gc` after `step` updates to `dir`: `image_tower.safetensors`
-    /// (torchvision ResNet names, BatchNorm running statistics included),
+    /// (torchvision's ResNet or DenseNet names, BatchNorm running statistics included),
     /// `text_tower.safetensors`, `tokenizer.json`, `logit_scale` inside
     /// `image_text_config.json` with the config.
     fn export(&self, gc: &TaskCache<Self>, step: u64, dir: &Path) -> Result<PathBuf> {
@@ -268,8 +266,7 @@ impl Run<ImageText> {
         let inner = train_wordpiece(texts, cfg.text.vocab_size, true)?;
         let tokenizer = Tokenizer::new(inner, cfg.text.max_len)?;
         let store = ParamStore::new(cfg.seed, DType::F32, &device);
-        let image = Tower::build(&store, "image", |vb| ResNet::new(&cfg.resnet(), vb))?;
-        let image = Recomputed::new(image, cfg.image.recompute.clone())?;
+        let image = build_image(&cfg, &store)?;
         let text = build_text(&cfg, &store, tokenizer.inner().get_vocab_size(true))?;
         let loss = ClipLoss::new(
             &store,
@@ -282,15 +279,26 @@ impl Run<ImageText> {
             .with_seed(cfg.seed);
         let notes = vec![format!(
             "shapes: {} training scenes, {} held-out scenes ({} distinct captions) of compositions never seen in \
-             training, {}x{} pixels; image tower: ResNet {:?} width {} ({} parameters, {} \
-             BatchNorm buffers), text tower: {:?}, {} trainable tensors in all",
+             training, {}x{} pixels; image tower: {} ({} parameters, {} BatchNorm buffers), \
+             text tower: {:?}, {} trainable tensors in all",
             data.train.len(),
             data.eval.len(),
             distinct(&data.eval).len(),
             cfg.data.image_size,
             cfg.data.image_size,
-            cfg.image.stages,
-            cfg.image.width,
+            match cfg.densenet() {
+                Some(d) => format!(
+                    "DenseNet-BC growth {} blocks {:?}{}",
+                    d.growth_rate,
+                    d.block_config,
+                    if d.memory_efficient {
+                        ", memory-efficient"
+                    } else {
+                        ""
+                    }
+                ),
+                None => format!("ResNet {:?} width {}", cfg.image.stages, cfg.image.width),
+            },
             gc.query_encoder().params().elem_count(),
             gc.query_encoder().buffers().len(),
             cfg.text.kind,
@@ -323,7 +331,7 @@ impl Run<ImageText> {
         Ok(trainer)
     }
 
-    /// Writes the trained model to `dir`: `image_tower.safetensors` (torchvision ResNet
+    /// Writes the trained model to `dir`: `image_tower.safetensors` (torchvision's
     /// names, BatchNorm running statistics included), `text_tower.safetensors`,
     /// `tokenizer.json`, `logit_scale` inside `image_text_config.json` with the config.
     pub fn export(&self, dir: &Path) -> Result<PathBuf> {

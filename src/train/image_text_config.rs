@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::densenet::DenseNetConfig;
 use crate::recompute::Recompute;
 use crate::resnet::ResNetConfig;
 use crate::train::config::{apply_override, OnNonFinite, OptimConfig};
@@ -77,17 +78,25 @@ impl Default for ShapesData {
     }
 }
 
-/// The image tower: a ResNet and its checkpointing policy.
+/// The image tower: a ResNet (or a DenseNet-BC) and its checkpointing policy.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ImageTower {
-    /// Width of the first stage.
+    /// `resnet` (sized by `width`, `stages`, `block`) or `densenet` (DenseNet-BC, sized by
+    /// `[image.densenet]`).
+    #[serde(skip_serializing_if = "ImageArch::is_resnet")]
+    pub arch: ImageArch,
+    /// Width of the ResNet's first stage.
     pub width: usize,
-    /// Residual blocks per stage.
+    /// The ResNet's residual blocks per stage.
     pub stages: Vec<usize>,
     /// `basic` or `bottleneck`.
     pub block: crate::resnet::Block,
-    /// Activation checkpointing over the blocks (a segment policy).
+    /// DenseNet-BC's sizes with `arch = "densenet"` (unset: growth 12, blocks [4, 4, 4],
+    /// memory-efficient).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub densenet: Option<DenseNetSettings>,
+    /// Activation checkpointing over the blocks (residual or dense; a segment policy).
     pub recompute: Recompute,
 }
 
@@ -95,10 +104,61 @@ impl Default for ImageTower {
     fn default() -> Self {
         let r = ResNetConfig::default();
         Self {
+            arch: ImageArch::Resnet,
             width: r.width,
             stages: r.stages,
             block: r.block,
+            densenet: None,
             recompute: Recompute::Off,
+        }
+    }
+}
+
+/// The image tower's architecture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageArch {
+    /// A ResNet ([`crate::resnet::ResNet`]).
+    #[default]
+    Resnet,
+    /// A DenseNet-BC ([`crate::densenet::DenseNet`]).
+    Densenet,
+}
+
+impl ImageArch {
+    fn is_resnet(&self) -> bool {
+        *self == ImageArch::Resnet
+    }
+}
+
+/// `[image.densenet]`: a DenseNet-BC image tower's sizes (torchvision's names).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DenseNetSettings {
+    /// New channels per layer.
+    pub growth_rate: usize,
+    /// Layers per dense block.
+    pub block_config: Vec<usize>,
+    /// Channels of the stem.
+    pub init_features: usize,
+    /// The bottleneck's width in multiples of the growth rate.
+    pub bn_size: usize,
+    /// The share of channels a transition keeps.
+    pub compression: f64,
+    /// Recompute each layer in the backward pass instead of keeping its intermediates.
+    pub memory_efficient: bool,
+}
+
+impl Default for DenseNetSettings {
+    fn default() -> Self {
+        let d = DenseNetConfig::default();
+        Self {
+            growth_rate: d.growth_rate,
+            block_config: d.block_config,
+            init_features: d.init_features,
+            bn_size: d.bn_size,
+            compression: d.compression,
+            memory_efficient: d.memory_efficient,
         }
     }
 }
@@ -318,6 +378,7 @@ impl ImageTextConfig {
                 "must divide text.hidden_size",
             ));
         }
+        self.validate_densenet()?;
         if self.image.stages.is_empty() || self.image.stages.contains(&0) {
             return Err(invalid(
                 "image.stages",
@@ -336,7 +397,60 @@ impl ImageTextConfig {
         Ok(())
     }
 
-    /// The image tower's sizes (its output is the text tower's width).
+    /// With `image.arch = "densenet"`: the sizes fit and the images are large enough; the
+    /// ResNet's sizes are left out. `[image.densenet]` asks for `arch = "densenet"`.
+    fn validate_densenet(&self) -> Result<()> {
+        let i = &self.image;
+        let Some(cfg) = self.densenet() else {
+            if i.densenet.is_some() {
+                return Err(invalid(
+                    "image.densenet",
+                    "set",
+                    "sizes a DenseNet-BC: set image.arch = \"densenet\" too",
+                ));
+            }
+            return Ok(());
+        };
+        let r = ImageTower::default();
+        if (i.width, &i.stages, i.block) != (r.width, &r.stages, r.block) {
+            return Err(invalid(
+                "image.width / image.stages / image.block",
+                "set",
+                "size a ResNet: with image.arch = \"densenet\" size the tower in \
+                 [image.densenet]",
+            ));
+        }
+        cfg.validate()?;
+        if self.data.image_size < cfg.min_size() {
+            return Err(invalid(
+                "data.image_size",
+                self.data.image_size,
+                "is too small for the DenseNet's transitions (each halves the side)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The DenseNet-BC image tower's sizes with `image.arch = "densenet"` (its output is
+    /// the text tower's width).
+    pub fn densenet(&self) -> Option<DenseNetConfig> {
+        if self.image.arch != ImageArch::Densenet {
+            return None;
+        }
+        let d = self.image.densenet.clone().unwrap_or_default();
+        Some(DenseNetConfig {
+            in_channels: 3,
+            growth_rate: d.growth_rate,
+            block_config: d.block_config,
+            init_features: d.init_features,
+            bn_size: d.bn_size,
+            compression: d.compression,
+            memory_efficient: d.memory_efficient,
+            output: self.text.hidden_size,
+        })
+    }
+
+    /// The ResNet image tower's sizes (its output is the text tower's width).
     pub fn resnet(&self) -> ResNetConfig {
         ResNetConfig {
             in_channels: 3,

@@ -1,11 +1,12 @@
-//! The towers of an image-text run: the ResNet image tower's type, and the text tower (a
-//! fresh BERT or an LSTM, chosen by the config) as one [`Encoder`] and how it is built
-//! over the run's store.
+//! The towers of an image-text run: the image tower (a ResNet or a DenseNet-BC) and the
+//! text tower (a fresh BERT or an LSTM), each chosen by the config, as one [`Encoder`]
+//! each, and how they are built over the run's store.
 
 use candle_core::Tensor;
 
 use crate::batch::TokenBatch;
 use crate::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
+use crate::densenet::DenseNet;
 use crate::dropout::Ctx;
 use crate::encoder::{Encoder, Tower};
 use crate::lstm::{Lstm, LstmConfig, LstmEncoder};
@@ -63,8 +64,67 @@ impl Encoder for TextTower {
     }
 }
 
-/// The image tower type.
-pub type ImageEncoder = Recomputed<ResNet>;
+/// The image tower of an image-text run.
+pub enum ImageEncoder {
+    /// A ResNet.
+    ResNet(Box<Recomputed<ResNet>>),
+    /// A DenseNet-BC.
+    DenseNet(Box<Recomputed<DenseNet>>),
+}
+
+impl Encoder for ImageEncoder {
+    type Input = Tensor;
+
+    fn params(&self) -> &Params {
+        match self {
+            ImageEncoder::ResNet(e) => e.params(),
+            ImageEncoder::DenseNet(e) => e.params(),
+        }
+    }
+
+    fn buffers(&self) -> Params {
+        match self {
+            ImageEncoder::ResNet(e) => e.buffers(),
+            ImageEncoder::DenseNet(e) => e.buffers(),
+        }
+    }
+
+    fn encode(&self, input: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        match self {
+            ImageEncoder::ResNet(e) => e.encode(input, ctx),
+            ImageEncoder::DenseNet(e) => e.encode(input, ctx),
+        }
+    }
+
+    fn forward(&self, input: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        match self {
+            ImageEncoder::ResNet(e) => e.forward(input, ctx),
+            ImageEncoder::DenseNet(e) => e.forward(input, ctx),
+        }
+    }
+
+    fn replay(&self, input: &Tensor, cotangent: &Tensor, ctx: &Ctx) -> Result<Gradients> {
+        match self {
+            ImageEncoder::ResNet(e) => e.replay(input, cotangent, ctx),
+            ImageEncoder::DenseNet(e) => e.replay(input, cotangent, ctx),
+        }
+    }
+}
+
+/// The image tower `cfg` asks for, under `image.` in `store`, with its checkpointing policy.
+pub(super) fn build_image(cfg: &ImageTextConfig, store: &ParamStore) -> Result<ImageEncoder> {
+    let policy = cfg.image.recompute.clone();
+    Ok(match cfg.densenet() {
+        Some(d) => {
+            let tower = Tower::build(store, "image", |vb| DenseNet::new(&d, vb))?;
+            ImageEncoder::DenseNet(Box::new(Recomputed::new(tower, policy)?))
+        }
+        None => {
+            let tower = Tower::build(store, "image", |vb| ResNet::new(&cfg.resnet(), vb))?;
+            ImageEncoder::ResNet(Box::new(Recomputed::new(tower, policy)?))
+        }
+    })
+}
 
 pub(super) fn build_text(
     cfg: &ImageTextConfig,
