@@ -8,10 +8,10 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{bits, random, train_ctx};
+use common::{bits, random, snapshot, train_ctx};
 use gradcache::densenet::{DenseNet, DenseNetConfig};
 use gradcache::{
-    Ctx, Encoder, GradCache, InfoNce, ParamStore, Params, Recompute, Recomputed, Similarity, Tower,
+    Ctx, Encoder, GradCache, InfoNce, ParamStore, Recompute, Recomputed, Similarity, Tower,
 };
 
 fn config(memory_efficient: bool) -> DenseNetConfig {
@@ -34,13 +34,6 @@ fn tower(store: &ParamStore, cfg: &DenseNetConfig, policy: Recompute) -> Recompu
 
 fn images(seed: u64, rows: usize) -> Tensor {
     random(seed, &[rows, 3, 8, 8])
-}
-
-fn snapshot(buffers: &Params) -> Vec<(String, Vec<u32>)> {
-    buffers
-        .iter()
-        .map(|(n, v)| (n.to_string(), bits(v.as_tensor())))
-        .collect()
 }
 
 #[test]

@@ -6,10 +6,10 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use common::{bits, random, train_ctx};
+use common::{bits, random, snapshot, train_ctx};
 use gradcache::resnet::{Block, ResNet, ResNetConfig};
 use gradcache::{
-    Ctx, Encoder, GradCache, InfoNce, ParamStore, Params, Recompute, Recomputed, Similarity, Tower,
+    Ctx, Encoder, GradCache, InfoNce, ParamStore, Recompute, Recomputed, Similarity, Tower,
 };
 
 fn config(block: Block) -> ResNetConfig {
@@ -29,13 +29,6 @@ fn tower(store: &ParamStore, cfg: &ResNetConfig, policy: Recompute) -> Recompute
 
 fn images(seed: u64, rows: usize) -> Tensor {
     random(seed, &[rows, 3, 8, 8])
-}
-
-fn snapshot(buffers: &Params) -> Vec<(String, Vec<u32>)> {
-    buffers
-        .iter()
-        .map(|(n, v)| (n.to_string(), bits(v.as_tensor())))
-        .collect()
 }
 
 #[test]

@@ -316,3 +316,12 @@ pub fn chunkwise_reference<E: Encoder<Input = Tensor>>(
     let grads = gc.params().grads_from(&loss.backward().unwrap());
     (value, grads)
 }
+
+/// Every buffer's bits by name (BatchNorm running statistics): what must not move, or
+/// must move the same way.
+pub fn snapshot(buffers: &Params) -> Vec<(String, Vec<u32>)> {
+    buffers
+        .iter()
+        .map(|(n, v)| (n.to_string(), bits(v.as_tensor())))
+        .collect()
+}
