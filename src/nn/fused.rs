@@ -37,6 +37,7 @@ pub use super::attention_nodes::{
 pub(crate) use super::blocks::{for_blocks, parallel_ranges, SharedMut, BLOCK_ROWS};
 pub use super::blocks::{serial, Float};
 pub use super::conv::{batch_norm_train, conv2d};
+pub use super::conv3d::conv3d;
 pub use super::dense::{feed_forward_recomputed, linear};
 pub use super::dropout_ops::Dropout;
 pub use super::embeddings::embeddings_recomputed;

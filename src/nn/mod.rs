@@ -24,6 +24,7 @@ mod attention_nodes;
 mod batch_norm;
 mod blocks;
 mod conv;
+mod conv3d;
 pub mod decoder_layer;
 mod decoder_passes;
 mod dense;
@@ -515,6 +516,21 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, padding: usize, stride: usize) -> Res
         return Ok(fused::conv2d(x, weight, padding, stride)?);
     }
     Ok(x.conv2d(weight, padding, stride, 1, 1)?)
+}
+
+/// A 3-D convolution without bias (`x [n, c_in, d, h, w]`, a cubic `weight
+/// [c_out, c_in, k, k, k]`, zero `padding`, `stride`) as one node with its backward
+/// ([`fused::conv3d`]; candle has no 3-D convolution). f32 on the CPU only: anything else
+/// is refused by name.
+pub fn conv3d(x: &Tensor, weight: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
+    if !(fused_ok(&[x, weight]) && x.dtype() == DType::F32) {
+        return Err(crate::Error::InvalidArgument {
+            what: "3-D convolution input",
+            value: format!("{:?} on {:?}", x.dtype(), x.device()),
+            reason: "the 3-D convolution runs on f32 tensors on the CPU",
+        });
+    }
+    Ok(fused::conv3d(x, weight, padding, stride)?)
 }
 
 /// `f(inputs)` as one graph node that keeps only its inputs and recomputes the rest in
