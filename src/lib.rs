@@ -107,7 +107,7 @@ pub use loss::{
     ClipLoss, FnLoss, InfoNce, Loss, LossValue, MaxSim, MaxSimDistillation, Similarity,
     TeacherScores,
 };
-pub use models::{bert, densenet, lstm, resnet, toy};
+pub use models::{bert, densenet, lstm, resnet, toy, vnet};
 pub use params::{Gradients, ParamStore, Params};
 pub use precision::{LossScaler, Precision};
 pub use recompute::{LayerStack, Recompute, Recomputed};

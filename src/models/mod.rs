@@ -20,3 +20,4 @@ mod modernbert;
 mod pooling;
 pub mod resnet;
 pub mod toy;
+pub mod vnet;

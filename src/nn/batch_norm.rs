@@ -89,6 +89,11 @@ impl BatchNorm {
         }
     }
 
+    /// The `eps` added to the variance.
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+
     /// The running mean (a view of the stored buffer).
     pub fn running_mean(&self) -> &Tensor {
         &self.running_mean
@@ -192,7 +197,7 @@ impl BatchNorm {
 
     /// Folds one batch's statistics into the running ones, in place (the buffers share
     /// storage with the store's variables, so every build of the model sees the update).
-    fn update(&self, mean: &Tensor, var: &Tensor, n: usize) -> Result<()> {
+    pub(crate) fn update(&self, mean: &Tensor, var: &Tensor, n: usize) -> Result<()> {
         let m = self.momentum;
         let unbiased = (var.flatten_all()? * (n as f64 / (n as f64 - 1.0)))?;
         for (running, batch) in [

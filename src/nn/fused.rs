@@ -38,6 +38,7 @@ pub(crate) use super::blocks::{for_blocks, parallel_ranges, SharedMut, BLOCK_ROW
 pub use super::blocks::{serial, Float};
 pub use super::conv::{batch_norm_train, conv2d};
 pub use super::conv3d::conv3d;
+pub use super::conv_unit::{conv_unit, Skip, UnitParams};
 pub use super::dense::{feed_forward_recomputed, linear};
 pub use super::dropout_ops::Dropout;
 pub use super::embeddings::embeddings_recomputed;

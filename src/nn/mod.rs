@@ -25,6 +25,7 @@ mod batch_norm;
 mod blocks;
 mod conv;
 mod conv3d;
+mod conv_unit;
 pub mod decoder_layer;
 mod decoder_passes;
 mod dense;
@@ -87,6 +88,12 @@ pub(crate) fn fused_ok(ts: &[&Tensor]) -> bool {
     FUSED.load(Ordering::Relaxed)
         && matches!(dtype, DType::F32 | DType::F64)
         && ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dtype)
+}
+
+/// Whether the f32-only CPU kernels (the 3-D convolution and VNet's units) can run on
+/// these tensors: [`fused_ok`], in f32.
+pub(crate) fn fused_f32(ts: &[&Tensor]) -> bool {
+    fused_ok(ts) && ts[0].dtype() == DType::F32
 }
 
 /// Whether a layer node that runs in `x`'s dtype (see [`fused_ok`]) takes these projection
@@ -520,10 +527,11 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, padding: usize, stride: usize) -> Res
 
 /// A 3-D convolution without bias (`x [n, c_in, d, h, w]`, a cubic `weight
 /// [c_out, c_in, k, k, k]`, zero `padding`, `stride`) as one node with its backward
-/// ([`fused::conv3d`]; candle has no 3-D convolution). f32 on the CPU only: anything else
-/// is refused by name.
+/// ([`fused::conv3d`]; candle has no 3-D convolution, so it runs whether or not the fused
+/// kernels are on). f32 on the CPU only: anything else is refused by name.
 pub fn conv3d(x: &Tensor, weight: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
-    if !(fused_ok(&[x, weight]) && x.dtype() == DType::F32) {
+    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    if !(cpu_f32(x) && cpu_f32(weight)) {
         return Err(crate::Error::InvalidArgument {
             what: "3-D convolution input",
             value: format!("{:?} on {:?}", x.dtype(), x.device()),
