@@ -1,7 +1,8 @@
 //! Activation checkpointing: peak memory, step time and gradient error of every policy, for
 //! a 12-layer BERT encoder, a deep residual MLP, a ResNet image tower (BatchNorm), an LSTM
-//! over a long sequence (segments of time steps) and a DenseNet-BC-121 (the naive
-//! concatenation against the memory-efficient bottleneck), measured side by side in one run.
+//! over a long sequence (segments of time steps), a DenseNet-BC-121 (the naive
+//! concatenation against the memory-efficient bottleneck) and a VNet over 32^3 volumes
+//! (plain units against memory-efficient ones), measured side by side in one run.
 //!
 //! ```text
 //! cargo run --release --example recompute_memory
@@ -9,6 +10,7 @@
 //! cargo run --release --example recompute_memory -- --towers lstm --steps 1024
 //! cargo run --release --example recompute_memory -- --towers resnet --resnet-stages 8
 //! cargo run --release --example recompute_memory -- --towers densenet
+//! cargo run --release --example recompute_memory -- --towers vnet
 //! cargo run --release --example recompute_memory -- --quick   # smaller models
 //! cargo run --release --example recompute_memory -- --len 256 --bert-only
 //! cargo run --release --example recompute_memory -- --len 256 --bert-only --composed \
@@ -31,6 +33,7 @@ use gradcache::lstm::{Lstm, LstmConfig, LstmEncoder, LstmPooling};
 use gradcache::memory::{measure, CountingAllocator};
 use gradcache::resnet::{Block, ResNet, ResNetConfig};
 use gradcache::toy::{DeepMlp, DeepMlpConfig};
+use gradcache::vnet::{VNet, VNetConfig};
 use gradcache::{
     Batch, Encoder, GradCache, Gradients, InfoNce, ParamStore, Recompute, Recomputed, TokenBatch,
     Tower,
@@ -171,11 +174,11 @@ fn main() -> anyhow::Result<()> {
     unsafe { gradcache::pool::short_spin() };
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    // `--towers bert,mlp,resnet,lstm,densenet`: which towers to measure (default: all).
+    // `--towers bert,mlp,resnet,lstm,densenet,vnet`: which towers to measure (default: all).
     let towers: Vec<String> = value::<String>(&args, "--towers")?
         .map(|list| list.split(',').map(str::to_string).collect())
         .unwrap_or_else(|| {
-            let all = ["bert", "mlp", "resnet", "lstm", "densenet"];
+            let all = ["bert", "mlp", "resnet", "lstm", "densenet", "vnet"];
             let n = if args.iter().any(|a| a == "--bert-only") {
                 1
             } else {
@@ -199,6 +202,9 @@ fn main() -> anyhow::Result<()> {
     }
     if wants("densenet") {
         densenet(quick)?;
+    }
+    if wants("vnet") {
+        vnet(quick)?;
     }
     if wants("lstm") {
         let steps = value(&args, "--steps")?.unwrap_or(if quick { 64 } else { 1024 });
@@ -310,6 +316,74 @@ fn densenet(quick: bool) -> anyhow::Result<()> {
         ),
     ];
     run("densenet121", policies, build, &x(5)?, &x(6)?)
+}
+
+/// VNet's down-path (width 16, stages 1/2/3/2, 5x5x5 kernels) over 32 + 32 volumes of
+/// 32^3: plain units (convolution, BatchNorm and PReLU nodes, each output kept) and
+/// memory-efficient ones (each unit one node recomputed a piece of rows at a time), each
+/// without and with checkpointing at stage boundaries. The peak includes the parameters'
+/// gradients (125 MiB, most of them the deepest stages' 5x5x5 kernels), the same for
+/// every row. The two kinds are different
+/// arithmetic (gradients within 4e-4, tests/vnet.rs), so each is checked against its own
+/// `off`.
+fn vnet(quick: bool) -> anyhow::Result<()> {
+    let cfg = if quick {
+        VNetConfig {
+            width: 4,
+            stages: vec![1, 1],
+            kernel: 3,
+            ..VNetConfig::default()
+        }
+    } else {
+        VNetConfig::default()
+    };
+    let (rows, side) = if quick { (2, 8) } else { (32, 32) };
+    println!(
+        "# vnet: width {}, stages {:?}, kernel {}, BatchNorm, PReLU, {rows} + {rows} volumes \
+         {side}^3, one chunk per side",
+        cfg.width, cfg.stages, cfg.kernel
+    );
+    let store = ParamStore::new(9, DType::F32, &Device::Cpu);
+    let x = |seed| {
+        gradcache::rng::normal(
+            seed,
+            0.0,
+            1.0,
+            &(rows, 1, side, side, side).into(),
+            DType::F32,
+            &Device::Cpu,
+        )
+    };
+    for memory_efficient in [false, true] {
+        let build = |policy| {
+            let cfg = VNetConfig {
+                memory_efficient,
+                ..cfg.clone()
+            };
+            let tower = Tower::build(&store, "", |vb| VNet::new(&cfg, vb))?;
+            Recomputed::new(tower, policy)
+        };
+        let (name, policies) = if memory_efficient {
+            (
+                "vnet_memory_efficient",
+                vec![
+                    ("off", Recompute::Off),
+                    ("every_layer", Recompute::EveryLayer),
+                ],
+            )
+        } else {
+            (
+                "vnet",
+                vec![
+                    ("off", Recompute::Off),
+                    ("every_layer", Recompute::EveryLayer),
+                    ("sqrt", Recompute::Sqrt),
+                ],
+            )
+        };
+        run(name, policies, build, &x(5)?, &x(6)?)?;
+    }
+    Ok(())
 }
 
 /// A one-layer LSTM over `steps` tokens, its backward through time in segments of steps.

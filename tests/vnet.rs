@@ -260,7 +260,11 @@ fn memory_efficient_units_over_several_pieces_of_rows_equal_the_plain_ones() {
         // that the two sides group differently (the plain tower sums its PReLU slope's
         // gradient in f32, candle's broadcast reduction); an offset wrong by a piece would
         // be off by the gradient itself.
-        let tol = if name.starts_with("in_tr.") { 1e-3 } else { 5e-5 };
+        let tol = if name.starts_with("in_tr.") {
+            1e-3
+        } else {
+            5e-5
+        };
         assert!(err < tol, "{name}: off by {err:e}");
     }
 }

@@ -1,6 +1,6 @@
 //! A 3-D convolution with its backward, which candle lacks: the volume unfolded into
 //! columns (vol2col) a piece at a time, one matrix product per piece, and the input
-//! gradient folded back (col2vol). Every piece's columns fit [`IM2COL_BYTES`], so the
+//! gradient folded back (col2vol). Every piece's columns fit [`VOL2COL_BYTES`], so the
 //! transient memory of a convolution does not grow with the chunk or the volume.
 //!
 //! A piece is a run of output *planes*: (row, output depth) pairs in order, each
@@ -14,9 +14,13 @@ use std::ops::Range;
 use candle_core::Tensor;
 
 use super::blocks::{contiguous, parallel_ranges, SharedMut};
-use super::conv::IM2COL_BYTES;
 use super::gemm::product;
 use super::node::node;
+
+/// The most bytes of columns one piece of a 3-D convolution unfolds (8 MiB): a 5x5x5
+/// kernel unfolds each input value 125 times, so pieces are kept small; at 8 MiB a piece
+/// still spans hundreds of output positions, enough for the matrix products' speed.
+pub const VOL2COL_BYTES: usize = 8 << 20;
 
 /// The geometry of a convolution of `x [n, c_in, d, h, w]` with a cubic kernel
 /// `[c_out, c_in, k, k, k]` (no bias, dilation or groups).
@@ -99,10 +103,10 @@ impl Geometry {
         self.n * self.out[0]
     }
 
-    /// The output planes of each piece, so that a piece's columns fit [`IM2COL_BYTES`].
+    /// The output planes of each piece, so that a piece's columns fit [`VOL2COL_BYTES`].
     fn pieces(&self) -> Vec<Range<usize>> {
         let per_plane = self.taps() * self.plane() * 4;
-        let step = (IM2COL_BYTES / per_plane.max(1)).max(1);
+        let step = (VOL2COL_BYTES / per_plane.max(1)).max(1);
         let total = self.planes();
         (0..total)
             .step_by(step)

@@ -9,8 +9,7 @@
 
 use candle_core::Tensor;
 
-use super::conv::IM2COL_BYTES;
-use super::conv3d::{read, Geometry};
+use super::conv3d::{read, Geometry, VOL2COL_BYTES};
 use super::node::node_n;
 
 /// Where a unit's residual comes from.
@@ -67,10 +66,10 @@ impl Unit {
         self.g.out.iter().product()
     }
 
-    /// Rows per piece of the backward: a piece's convolution output fits [`IM2COL_BYTES`].
+    /// Rows per piece of the backward: a piece's convolution output fits [`VOL2COL_BYTES`].
     fn rows_per_piece(&self) -> usize {
         let per_row = self.g.c_out * self.voxels() * 4;
-        (IM2COL_BYTES / per_row.max(1)).clamp(1, self.g.n.max(1))
+        (VOL2COL_BYTES / per_row.max(1)).clamp(1, self.g.n.max(1))
     }
 
     /// The geometry of `rows` rows.

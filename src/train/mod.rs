@@ -33,6 +33,7 @@ pub mod shapes;
 pub mod stream;
 mod text_data;
 mod text_loss;
+pub mod volumes;
 pub use text_loss::TextLoss;
 pub mod trainer;
 
