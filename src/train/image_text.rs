@@ -6,7 +6,9 @@
 //! caption.
 //!
 //! `gradcache train --config configs/image-text.toml` runs it: a config whose top level
-//! says `task = "image-text"` is an [`ImageTextConfig`].
+//! says `task = "image-text"` is an [`ImageTextConfig`]. With `task = "volume-text"` the
+//! same loop trains a VNet volume tower (`[volume] arch = "vnet"`) against the captions of
+//! the [`volumes`] data set (solids in 3-D), `configs/volume-text.toml`.
 //!
 //! The data order is a pure function of the seed and the step (a seeded permutation per
 //! epoch), so a checkpoint (weights, BatchNorm running statistics, logit scale, AdamW
@@ -32,7 +34,8 @@ use crate::train::data::Position;
 use crate::train::metrics::{self, RetrievalMetrics};
 use crate::train::model::TOKENIZER_FILE;
 use crate::train::run::{self, LoopConfig, Run, TaskCache};
-use crate::train::shapes::{self, Scene, ShapesConfig};
+use crate::train::shapes::{self, ShapesConfig};
+use crate::train::volumes::{self, VolumesConfig};
 use crate::{Error, GradCache, Result};
 
 /// The name of the learnable logit scale in the store and in checkpoints.
@@ -57,8 +60,76 @@ pub type ImageTextTrainer = Run<ImageText>;
 pub struct ImageText {
     cfg: ImageTextConfig,
     tokenizer: Tokenizer,
-    data: shapes::Shapes,
+    data: Data,
     device: Device,
+}
+
+/// One generated example: an image's or a volume's values and its caption.
+struct Example {
+    values: Vec<f32>,
+    caption: String,
+}
+
+/// The generated data of a run: Shapes' images or Solids' volumes.
+struct Data {
+    train: Vec<Example>,
+    eval: Vec<Example>,
+    /// One example's dimensions: `[3, side, side]` or `[1, side, side, side]`.
+    dims: Vec<usize>,
+}
+
+impl Data {
+    /// The data set `cfg` asks for.
+    fn generate(cfg: &ImageTextConfig) -> Result<Self> {
+        let (size, train, eval, seed) = (
+            cfg.data.image_size,
+            cfg.data.train,
+            cfg.data.eval,
+            cfg.data.seed,
+        );
+        if cfg.task == Task::VolumeText {
+            let data = volumes::generate(&VolumesConfig {
+                size,
+                train,
+                eval,
+                seed,
+            })?;
+            let take = |scenes: Vec<volumes::VolumeScene>| {
+                scenes
+                    .into_iter()
+                    .map(|s| Example {
+                        values: s.voxels,
+                        caption: s.caption,
+                    })
+                    .collect()
+            };
+            return Ok(Self {
+                train: take(data.train),
+                eval: take(data.eval),
+                dims: vec![1, size, size, size],
+            });
+        }
+        let data = shapes::generate(&ShapesConfig {
+            size,
+            train,
+            eval,
+            seed,
+        })?;
+        let take = |scenes: Vec<shapes::Scene>| {
+            scenes
+                .into_iter()
+                .map(|s| Example {
+                    values: s.pixels,
+                    caption: s.caption,
+                })
+                .collect()
+        };
+        Ok(Self {
+            train: take(data.train),
+            eval: take(data.eval),
+            dims: vec![3, size, size],
+        })
+    }
 }
 
 impl run::Task for ImageText {
@@ -108,9 +179,10 @@ impl run::Task for ImageText {
         )
     }
 
-    /// Images `[rows, 3, size, size]` and tokenized captions of the scenes.
+    /// Images `[rows, 3, size, size]` (volumes `[rows, 1, size, size, size]`) and tokenized
+    /// captions of the scenes.
     fn inputs(&self, batch: &Vec<usize>, _comm: &dyn Collective) -> Result<(Tensor, TokenBatch)> {
-        let scenes: Vec<&Scene> = batch.iter().map(|&i| &self.data.train[i]).collect();
+        let scenes: Vec<&Example> = batch.iter().map(|&i| &self.data.train[i]).collect();
         let images = self.images(&scenes)?;
         let captions: Vec<&str> = scenes.iter().map(|s| s.caption.as_str()).collect();
         let tokens = self.tokenizer.encode(&captions, &self.device)?;
@@ -150,7 +222,7 @@ impl run::Task for ImageText {
         let ctx = Ctx::eval();
         let mut image_reps = Vec::new();
         for chunk in self.data.eval.chunks(self.cfg.train.image_chunk.max(16)) {
-            let scenes: Vec<&Scene> = chunk.iter().collect();
+            let scenes: Vec<&Example> = chunk.iter().collect();
             image_reps.push(gc.query_encoder().encode(&self.images(&scenes)?, &ctx)?);
         }
         let mut text_reps = Vec::new();
@@ -193,18 +265,24 @@ impl run::Task for ImageText {
 }
 
 impl ImageText {
-    /// Images `[rows, 3, size, size]` of `scenes`.
-    fn images(&self, scenes: &[&Scene]) -> Result<Tensor> {
-        let size = self.cfg.data.image_size;
-        let pixels: Vec<f32> = scenes
+    /// The image tower's file in an exported model (the volume tower's for volumes).
+    fn tower_file(&self) -> &'static str {
+        if self.cfg.task == Task::VolumeText {
+            "volume_tower.safetensors"
+        } else {
+            "image_tower.safetensors"
+        }
+    }
+
+    /// Images `[rows, 3, size, size]` (volumes `[rows, 1, size, size, size]`) of `scenes`.
+    fn images(&self, scenes: &[&Example]) -> Result<Tensor> {
+        let values: Vec<f32> = scenes
             .iter()
-            .flat_map(|s| s.pixels.iter().copied())
+            .flat_map(|s| s.values.iter().copied())
             .collect();
-        Ok(Tensor::from_vec(
-            pixels,
-            (scenes.len(), 3, size, size),
-            &self.device,
-        )?)
+        let mut dims = vec![scenes.len()];
+        dims.extend(&self.data.dims);
+        Ok(Tensor::from_vec(values, dims, &self.device)?)
     }
 
     /// Writes the model of `gc` after `step` updates to `dir`: `image_tower.safetensors`
@@ -215,7 +293,7 @@ impl ImageText {
         std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
         let state = gc.state()?;
         for (prefix, file) in [
-            ("image.", "image_tower.safetensors"),
+            ("image.", self.tower_file()),
             ("text.", "text_tower.safetensors"),
         ] {
             let tensors: std::collections::HashMap<String, Tensor> = state
@@ -256,12 +334,7 @@ impl Run<ImageText> {
     pub fn new(cfg: ImageTextConfig, resume: Option<&Path>) -> Result<Self> {
         cfg.validate()?;
         let device = Device::Cpu;
-        let data = shapes::generate(&ShapesConfig {
-            size: cfg.data.image_size,
-            train: cfg.data.train,
-            eval: cfg.data.eval,
-            seed: cfg.data.seed,
-        })?;
+        let data = Data::generate(&cfg)?;
         let texts = data.train.iter().map(|s| s.caption.as_str());
         let inner = train_wordpiece(texts, cfg.text.vocab_size, true)?;
         let tokenizer = Tokenizer::new(inner, cfg.text.max_len)?;
@@ -277,15 +350,22 @@ impl Run<ImageText> {
         let t = &cfg.train;
         let gc = GradCache::two_towers(image, text, t.image_chunk, t.text_chunk, loss)?
             .with_seed(cfg.seed);
+        let volumes = cfg.task == Task::VolumeText;
+        let side = cfg.data.image_size;
         let notes = vec![format!(
-            "shapes: {} training scenes, {} held-out scenes ({} distinct captions) of compositions never seen in \
-             training, {}x{} pixels; image tower: {} ({} parameters, {} BatchNorm buffers), \
+            "{}: {} training scenes, {} held-out scenes ({} distinct captions) of compositions never seen in \
+             training, {}; {} tower: {} ({} parameters, {} BatchNorm buffers), \
              text tower: {:?}, {} trainable tensors in all",
+            if volumes { "solids" } else { "shapes" },
             data.train.len(),
             data.eval.len(),
             distinct(&data.eval).len(),
-            cfg.data.image_size,
-            cfg.data.image_size,
+            if volumes {
+                format!("{side}^3 voxels")
+            } else {
+                format!("{side}x{side} pixels")
+            },
+            if volumes { "volume" } else { "image" },
             match cfg.densenet() {
                 Some(d) => format!(
                     "DenseNet-BC growth {} blocks {:?}{}",
@@ -297,7 +377,20 @@ impl Run<ImageText> {
                         ""
                     }
                 ),
-                None => format!("ResNet {:?} width {}", cfg.image.stages, cfg.image.width),
+                None => match cfg.vnet() {
+                    Some(v) => format!(
+                        "VNet width {} stages {:?} kernel {}{}",
+                        v.width,
+                        v.stages,
+                        v.kernel,
+                        if v.memory_efficient {
+                            ", memory-efficient units"
+                        } else {
+                            ""
+                        }
+                    ),
+                    None => format!("ResNet {:?} width {}", cfg.image.stages, cfg.image.width),
+                },
             },
             gc.query_encoder().params().elem_count(),
             gc.query_encoder().buffers().len(),
@@ -355,7 +448,7 @@ pub fn export_image_text(
 }
 
 /// The distinct captions of `scenes`, in first-seen order.
-fn distinct(scenes: &[Scene]) -> Vec<String> {
+fn distinct(scenes: &[Example]) -> Vec<String> {
     let mut seen = std::collections::BTreeSet::new();
     scenes
         .iter()

@@ -8,21 +8,26 @@ use crate::densenet::DenseNetConfig;
 use crate::recompute::Recompute;
 use crate::resnet::ResNetConfig;
 use crate::train::config::{apply_override, OnNonFinite, OptimConfig};
+use crate::vnet::VNetConfig;
 use crate::{Error, Result};
 
-/// The value of `task` that selects image-text training.
+/// The value of `task` that selects image-text (or volume-text) training.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Task {
-    /// Image-text training.
+    /// Image-text training on the generated Shapes.
     #[serde(rename = "image-text")]
     ImageText,
+    /// Volume-text training on the generated Solids, with a VNet volume tower
+    /// (`[volume] arch = "vnet"`).
+    #[serde(rename = "volume-text")]
+    VolumeText,
 }
 
 /// An image-text run.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ImageTextConfig {
-    /// Must be `"image-text"`.
+    /// `"image-text"` or `"volume-text"`.
     pub task: Task,
     /// Seed of the weights, the data order and the dropout masks.
     #[serde(default = "default_seed")]
@@ -32,8 +37,8 @@ pub struct ImageTextConfig {
     /// The generated data set.
     #[serde(default)]
     pub data: ShapesData,
-    /// The image tower.
-    #[serde(default)]
+    /// The image tower (`[volume]` in a volume-text config).
+    #[serde(default, alias = "volume")]
     pub image: ImageTower,
     /// The text tower.
     #[serde(default)]
@@ -57,7 +62,9 @@ fn default_seed() -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ShapesData {
-    /// Image side in pixels (at least 16).
+    /// Image side in pixels (at least 16); `volume_size`, the volume's side in voxels, in
+    /// a volume-text config.
+    #[serde(alias = "volume_size")]
     pub image_size: usize,
     /// Training scenes.
     pub train: usize,
@@ -82,8 +89,8 @@ impl Default for ShapesData {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ImageTower {
-    /// `resnet` (sized by `width`, `stages`, `block`) or `densenet` (DenseNet-BC, sized by
-    /// `[image.densenet]`).
+    /// `resnet` (sized by `width`, `stages`, `block`), `densenet` (DenseNet-BC, sized by
+    /// `[image.densenet]`) or, for volumes, `vnet` (sized by `[volume.vnet]`).
     #[serde(skip_serializing_if = "ImageArch::is_resnet")]
     pub arch: ImageArch,
     /// Width of the ResNet's first stage.
@@ -96,6 +103,10 @@ pub struct ImageTower {
     /// memory-efficient).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub densenet: Option<DenseNetSettings>,
+    /// VNet's sizes with `arch = "vnet"` (unset: VNet's width 16, stages [1, 2, 3, 2],
+    /// 5x5x5 kernels, plain units).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vnet: Option<VNetSettings>,
     /// Activation checkpointing over the blocks (residual or dense; a segment policy).
     pub recompute: Recompute,
 }
@@ -109,6 +120,7 @@ impl Default for ImageTower {
             stages: r.stages,
             block: r.block,
             densenet: None,
+            vnet: None,
             recompute: Recompute::Off,
         }
     }
@@ -123,6 +135,8 @@ pub enum ImageArch {
     Resnet,
     /// A DenseNet-BC ([`crate::densenet::DenseNet`]).
     Densenet,
+    /// A VNet volume tower ([`crate::vnet::VNet`]; volume-text runs).
+    Vnet,
 }
 
 impl ImageArch {
@@ -159,6 +173,33 @@ impl Default for DenseNetSettings {
             bn_size: d.bn_size,
             compression: d.compression,
             memory_efficient: d.memory_efficient,
+        }
+    }
+}
+
+/// `[volume.vnet]`: a VNet volume tower's sizes.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct VNetSettings {
+    /// Channels of the input transition.
+    pub width: usize,
+    /// Convolutions of each down stage.
+    pub stages: Vec<usize>,
+    /// Side of the stages' cubic kernels (odd).
+    pub kernel: usize,
+    /// Each convolution unit one node recomputed a piece of rows at a time in the
+    /// backward pass.
+    pub memory_efficient: bool,
+}
+
+impl Default for VNetSettings {
+    fn default() -> Self {
+        let v = VNetConfig::default();
+        Self {
+            width: v.width,
+            stages: v.stages,
+            kernel: v.kernel,
+            memory_efficient: v.memory_efficient,
         }
     }
 }
@@ -246,7 +287,8 @@ pub struct ImageTextTrain {
     pub steps: u64,
     /// Image-caption pairs per step.
     pub batch_size: usize,
-    /// Images encoded with a graph at once.
+    /// Images encoded with a graph at once (`volume_chunk` in a volume-text config).
+    #[serde(alias = "volume_chunk")]
     pub image_chunk: usize,
     /// Captions encoded with a graph at once.
     pub text_chunk: usize,
@@ -286,9 +328,13 @@ fn invalid(field: &'static str, value: impl ToString, reason: &'static str) -> E
 }
 
 impl ImageTextConfig {
-    /// Whether the TOML table is an image-text config (`task = "image-text"`).
+    /// Whether the TOML table is an image-text config (`task = "image-text"` or
+    /// `"volume-text"`).
     pub fn is_image_text(table: &toml::Table) -> bool {
-        table.get("task").and_then(|t| t.as_str()) == Some("image-text")
+        matches!(
+            table.get("task").and_then(|t| t.as_str()),
+            Some("image-text" | "volume-text")
+        )
     }
 
     /// Reads `path`, applies `--set` overrides, deserialises and validates.
@@ -379,6 +425,7 @@ impl ImageTextConfig {
             ));
         }
         self.validate_densenet()?;
+        self.validate_vnet()?;
         if self.image.stages.is_empty() || self.image.stages.contains(&0) {
             return Err(invalid(
                 "image.stages",
@@ -429,6 +476,67 @@ impl ImageTextConfig {
             ));
         }
         Ok(())
+    }
+
+    /// A volume-text run has a VNet and a VNet a volume-text run; the VNet's sizes fit and
+    /// the volume's side is a multiple of what its stages halve.
+    fn validate_vnet(&self) -> Result<()> {
+        let i = &self.image;
+        let volumes = self.task == Task::VolumeText;
+        if volumes != (i.arch == ImageArch::Vnet) {
+            return Err(invalid(
+                "volume.arch",
+                format!("{:?} with task {:?}", i.arch, self.task),
+                "a volume-text run takes a VNet (arch = \"vnet\") and a VNet takes volumes \
+                 (task = \"volume-text\")",
+            ));
+        }
+        if i.vnet.is_some() && !volumes {
+            return Err(invalid(
+                "image.vnet",
+                "set",
+                "sizes a VNet: set task = \"volume-text\" and volume.arch = \"vnet\"",
+            ));
+        }
+        let Some(cfg) = self.vnet() else {
+            return Ok(());
+        };
+        let r = ImageTower::default();
+        if (i.width, &i.stages, i.block) != (r.width, &r.stages, r.block) || i.densenet.is_some() {
+            return Err(invalid(
+                "volume.width / volume.stages / volume.block / volume.densenet",
+                "set",
+                "size an image tower: with volume.arch = \"vnet\" size the tower in \
+                 [volume.vnet]",
+            ));
+        }
+        cfg.validate()?;
+        let side = self.data.image_size;
+        if side < 16 || side % cfg.min_size() != 0 {
+            return Err(invalid(
+                "data.volume_size",
+                side,
+                "must be at least 16 and a multiple of 2^(VNet's down stages): each halves it",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The VNet volume tower's sizes with `volume.arch = "vnet"` (one input channel; its
+    /// output is the text tower's width).
+    pub fn vnet(&self) -> Option<VNetConfig> {
+        if self.image.arch != ImageArch::Vnet {
+            return None;
+        }
+        let v = self.image.vnet.clone().unwrap_or_default();
+        Some(VNetConfig {
+            in_channels: 1,
+            width: v.width,
+            stages: v.stages,
+            kernel: v.kernel,
+            memory_efficient: v.memory_efficient,
+            output: self.text.hidden_size,
+        })
     }
 
     /// The DenseNet-BC image tower's sizes with `image.arch = "densenet"` (its output is

@@ -1,4 +1,5 @@
-//! The towers of an image-text run: the image tower (a ResNet or a DenseNet-BC) and the
+//! The towers of an image-text run: the image tower (a ResNet or a DenseNet-BC; a VNet for
+//! volumes) and the
 //! text tower (a fresh BERT or an LSTM), each chosen by the config, as one [`Encoder`]
 //! each, and how they are built over the run's store.
 
@@ -13,6 +14,7 @@ use crate::lstm::{Lstm, LstmConfig, LstmEncoder};
 use crate::params::{Gradients, ParamStore, Params};
 use crate::recompute::Recomputed;
 use crate::resnet::ResNet;
+use crate::vnet::VNet;
 use crate::Result;
 
 use super::image_text_config::{ImageTextConfig, TextKind};
@@ -70,6 +72,8 @@ pub enum ImageEncoder {
     ResNet(Box<Recomputed<ResNet>>),
     /// A DenseNet-BC.
     DenseNet(Box<Recomputed<DenseNet>>),
+    /// A VNet (volumes).
+    VNet(Box<Recomputed<VNet>>),
 }
 
 impl Encoder for ImageEncoder {
@@ -79,6 +83,7 @@ impl Encoder for ImageEncoder {
         match self {
             ImageEncoder::ResNet(e) => e.params(),
             ImageEncoder::DenseNet(e) => e.params(),
+            ImageEncoder::VNet(e) => e.params(),
         }
     }
 
@@ -86,6 +91,7 @@ impl Encoder for ImageEncoder {
         match self {
             ImageEncoder::ResNet(e) => e.buffers(),
             ImageEncoder::DenseNet(e) => e.buffers(),
+            ImageEncoder::VNet(e) => e.buffers(),
         }
     }
 
@@ -93,6 +99,7 @@ impl Encoder for ImageEncoder {
         match self {
             ImageEncoder::ResNet(e) => e.encode(input, ctx),
             ImageEncoder::DenseNet(e) => e.encode(input, ctx),
+            ImageEncoder::VNet(e) => e.encode(input, ctx),
         }
     }
 
@@ -100,6 +107,7 @@ impl Encoder for ImageEncoder {
         match self {
             ImageEncoder::ResNet(e) => e.forward(input, ctx),
             ImageEncoder::DenseNet(e) => e.forward(input, ctx),
+            ImageEncoder::VNet(e) => e.forward(input, ctx),
         }
     }
 
@@ -107,6 +115,7 @@ impl Encoder for ImageEncoder {
         match self {
             ImageEncoder::ResNet(e) => e.replay(input, cotangent, ctx),
             ImageEncoder::DenseNet(e) => e.replay(input, cotangent, ctx),
+            ImageEncoder::VNet(e) => e.replay(input, cotangent, ctx),
         }
     }
 }
@@ -114,6 +123,12 @@ impl Encoder for ImageEncoder {
 /// The image tower `cfg` asks for, under `image.` in `store`, with its checkpointing policy.
 pub(super) fn build_image(cfg: &ImageTextConfig, store: &ParamStore) -> Result<ImageEncoder> {
     let policy = cfg.image.recompute.clone();
+    if let Some(v) = cfg.vnet() {
+        let tower = Tower::build(store, "image", |vb| VNet::new(&v, vb))?;
+        return Ok(ImageEncoder::VNet(Box::new(Recomputed::new(
+            tower, policy,
+        )?)));
+    }
     Ok(match cfg.densenet() {
         Some(d) => {
             let tower = Tower::build(store, "image", |vb| DenseNet::new(&d, vb))?;

@@ -545,14 +545,19 @@ fn open_console(output_dir: &Path, steps: u64, start: u64, resume: bool) -> Resu
     Ok(Console { bar, metrics })
 }
 
-/// Image-text training (`task = "image-text"`): one process, the console of `train`.
+/// Image-text training (`task = "image-text"` or `"volume-text"`): one process, the
+/// console of `train`.
 fn train_image_text(cfg: ImageTextConfig, resume: Option<&Path>) -> Result<()> {
     let stop = gradcache::stop::StopSignal::install()?;
     let mut trainer = ImageTextTrainer::new(cfg.clone(), resume)?;
     trainer.set_stop_signal(stop);
     let t = &cfg.train;
+    let (task, rows) = match cfg.task {
+        gradcache::train::image_text::Task::ImageText => ("image-text", "images"),
+        gradcache::train::image_text::Task::VolumeText => ("volume-text", "volumes"),
+    };
     tracing::info!(
-        "image-text training: {} steps, batch {} pairs in chunks of {} images / {} captions",
+        "{task} training: {} steps, batch {} pairs in chunks of {} {rows} / {} captions",
         t.steps,
         t.batch_size,
         t.image_chunk,
