@@ -20,6 +20,9 @@
 //!   DDP does, would give);
 //! - failure: a step that fails on the last rank fails on every rank, naming that rank;
 //!   a fingerprint that differs on one rank is reported on every rank;
+//! - BatchNorm towers (a VNet over volumes, a DenseNet-BC over images, checkpointed):
+//!   N ranks give the loss and gradients of one process over the union batch cut into the
+//!   same chunks (each chunk normalised with its own statistics on either side);
 //! - volume: the bytes the step moved equal [`StepVolume`]'s formula;
 //! - a second start of MPI in the same process is an error, not a crash.
 
@@ -43,7 +46,7 @@ type Check = fn(&Rc<dyn Collective>) -> Result<(), String>;
 
 fn main() {
     let comm = dist::init(Backend::Mpi).expect("MPI starts");
-    let checks: [(&str, Check); 12] = [
+    let checks: [(&str, Check); 13] = [
         ("collectives", collectives),
         ("shape mismatch is reported on every rank", shape_mismatch),
         ("shared tower, in-batch negatives, chunk 4", shared_in_batch),
@@ -64,6 +67,10 @@ fn main() {
             two_towers_matryoshka,
         ),
         ("gradient scale is the union batch's", scale),
+        (
+            "VNet and DenseNet-BC towers (BatchNorm), chunk 2, checkpointed",
+            batch_norm_towers,
+        ),
         ("one rank's failure fails every rank", failure),
         (
             "a stop on one rank stops every rank at the same point",
@@ -254,6 +261,94 @@ fn equivalent(case: Case, comm: &Rc<dyn Collective>) -> Result<(), String> {
         dist.loss
     );
     Ok(())
+}
+
+/// A VNet (memory-efficient units) and a DenseNet-BC under stage checkpointing: N ranks of
+/// 4 rows in chunks of 2 equal one process over the 4N rows in chunks of 2, whose chunks
+/// are the ranks' (BatchNorm normalises each chunk on its own, so the chunks must match).
+fn batch_norm_towers(comm: &Rc<dyn Collective>) -> Result<(), String> {
+    use gradcache::densenet::{DenseNet, DenseNetConfig};
+    use gradcache::vnet::{VNet, VNetConfig};
+    use gradcache::{Encoder, Recompute, Recomputed};
+
+    fn compare<E: Encoder<Input = Tensor>>(
+        what: &str,
+        build: impl Fn() -> E,
+        dims: &[usize],
+        comm: &Rc<dyn Collective>,
+    ) -> Result<(), String> {
+        let (rank, world, local) = (comm.rank(), comm.world_size(), 4);
+        let mut all = vec![local * world];
+        all.extend(dims);
+        let (q, p) = (common::random(300, &all), common::random(301, &all));
+        let loss = || {
+            InfoNce::new(0.1)
+                .unwrap()
+                .with_similarity(Similarity::Cosine)
+        };
+        let single = GradCache::shared(build(), 2, loss())
+            .unwrap()
+            .cache_step(0, &q, &p)
+            .map_err(|e| format!("{what}: reference step: {e}"))?;
+        let (ql, pl) = (
+            q.narrow(0, rank * local, local).unwrap(),
+            p.narrow(0, rank * local, local).unwrap(),
+        );
+        let dist = GradCache::shared(build(), 2, loss())
+            .unwrap()
+            .with_collective(Rc::clone(comm))
+            .cache_step(0, &ql, &pl)
+            .map_err(|e| format!("{what}: distributed step: {e}"))?;
+        let loss_err = ((dist.loss - single.loss) / single.loss).abs() as f64;
+        // Floored at 1e-3 of the largest gradient: BatchNorm shifts whose gradients are
+        // sums of cancelling terms (as in tests/densenet.rs and tests/vnet.rs).
+        let err = dist.grads.max_rel_err(&single.grads, 1e-3).unwrap();
+        ensure(loss_err <= TOL && err <= 1e-4, || {
+            format!("{what}: loss rel {loss_err:e}, max relative gradient error {err:e}")
+        })?;
+        println!(
+            "rank {rank}/{world}:      {what}: loss={:.6} max_rel_err={err:.2e}",
+            dist.loss
+        );
+        Ok(())
+    }
+    let vnet = VNetConfig {
+        width: 4,
+        stages: vec![1, 2],
+        kernel: 3,
+        memory_efficient: true,
+        output: 6,
+        ..VNetConfig::default()
+    };
+    compare(
+        "vnet",
+        || {
+            let store = ParamStore::new(9, DType::F32, &Device::Cpu);
+            let tower = Tower::build(&store, "", |vb| VNet::new(&vnet, vb)).unwrap();
+            Recomputed::new(tower, Recompute::EveryLayer).unwrap()
+        },
+        &[1, 8, 8, 8],
+        comm,
+    )?;
+    let densenet = DenseNetConfig {
+        growth_rate: 4,
+        block_config: vec![2, 2],
+        init_features: 8,
+        bn_size: 2,
+        memory_efficient: true,
+        output: 6,
+        ..DenseNetConfig::default()
+    };
+    compare(
+        "densenet",
+        || {
+            let store = ParamStore::new(10, DType::F32, &Device::Cpu);
+            let tower = Tower::build(&store, "", |vb| DenseNet::new(&densenet, vb)).unwrap();
+            Recomputed::new(tower, Recompute::EveryLayer).unwrap()
+        },
+        &[3, 8, 8],
+        comm,
+    )
 }
 
 /// The loss alone (no Matryoshka widths).

@@ -159,6 +159,8 @@ impl Unit {
             (xhat, s1, u, du, ds1)
         };
         let h_row = self.g.c_in * self.g.size.iter().product::<usize>();
+        // With one piece for every row, pass 1's convolution serves pass 2 as well.
+        let mut whole: Option<Vec<f32>> = None;
         for row0 in (0..n).step_by(step) {
             let rows = step.min(n - row0);
             let g = self.rows(rows);
@@ -176,6 +178,9 @@ impl Unit {
                 sum_ds[c] += f64::from(ds1);
                 sum_ds_xhat[c] += f64::from(ds1) * f64::from(xhat);
             }
+            if rows == n {
+                whole = Some(z);
+            }
         }
         let mut dw = vec![0f32; v.w.len()];
         let mut dh = want_dh.then(|| vec![0f32; v.h.len()]);
@@ -184,7 +189,10 @@ impl Unit {
             let rows = step.min(n - row0);
             let g = self.rows(rows);
             let hp = &v.h[row0 * h_row..][..rows * h_row];
-            let mut z = g.forward(hp, v.w);
+            let mut z = match whole.take() {
+                Some(z) => z,
+                None => g.forward(hp, v.w),
+            };
             let dyp = &dy[row0 * per_row_out..][..rows * per_row_out];
             let mut repeat = vec![];
             for (o, (zo, &go)) in z.iter_mut().zip(dyp).enumerate() {
