@@ -5,9 +5,18 @@
 //! long as it lives, and writes its process id, host and start time into it; a second run
 //! on the directory is refused with that name. The kernel releases the lock when its
 //! process ends however it ends (`kill -9` included), so a lock file left by a run that
-//! is gone is found unlocked and taken over with a note naming the old owner. A file that
-//! names another host is not taken over (that run cannot be checked from here): delete it
-//! by hand once that run is known to be gone. In a distributed run rank 0 holds the lock.
+//! is gone is found unlocked and taken over with a note naming the old owner.
+//!
+//! The kernel's lock is trusted first: once `flock` is granted, the previous holder holds
+//! it no more, whatever its process id shows (a process still being torn down after
+//! `mpirun` killed the job, a zombie, an id reused by another program). Whether the file
+//! system enforces `flock` at all is checked by locking the file a second time from this
+//! process (a second open file must be refused); where it is not enforced (some network
+//! file systems), the lock falls back to the recorded process id: a file naming a live
+//! process of this host is refused, and the run says that it relies on that check. A file
+//! that names another host is never taken over (that run cannot be checked from here):
+//! delete it by hand once that run is known to be gone. In a distributed run rank 0 holds
+//! the lock.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -55,6 +64,7 @@ pub struct RunLock {
     path: PathBuf,
     file: File,
     taken_over: Option<LockOwner>,
+    enforced: bool,
 }
 
 impl RunLock {
@@ -62,6 +72,12 @@ impl RunLock {
     /// [`Error::RunLocked`] while another run holds it; a lock left by a process that is
     /// gone (same host) is taken over ([`RunLock::taken_over`] names it).
     pub fn acquire(dir: &Path) -> Result<Self> {
+        Self::acquire_with(dir, flock_enforced)
+    }
+
+    /// [`RunLock::acquire`] with `enforced` telling whether the kernel enforces the lock
+    /// on a file (the probe; a test stands in a file system that does not).
+    fn acquire_with(dir: &Path, enforced: fn(&Path) -> bool) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
         let path = dir.join(LOCK_FILE);
         // A run that ends removes the file while it still holds the lock; one that opened
@@ -90,6 +106,7 @@ impl RunLock {
             }
             let previous = read_owner(&mut file);
             let me = LockOwner::this_process();
+            let enforced = enforced(&path);
             if let Some(prev) = &previous {
                 if prev.host != me.host {
                     return Err(Error::RunLocked {
@@ -99,9 +116,10 @@ impl RunLock {
                                is gone, delete the lock file",
                     });
                 }
-                if prev.pid != me.pid && process_alive(prev.pid) {
-                    // Unlocked but its process lives: a file system without working locks,
-                    // or a reused process id. Refuse rather than guess.
+                // With the kernel's lock enforced and granted, the previous holder has let
+                // go of it, whatever its process id shows. Without it, an unlocked file
+                // whose process lives may belong to a running run: refuse rather than guess.
+                if !enforced && prev.pid != me.pid && process_alive(prev.pid) {
                     return Err(Error::RunLocked {
                         dir: dir.to_path_buf(),
                         owner: describe(Some(prev)),
@@ -120,6 +138,7 @@ impl RunLock {
                 path,
                 file,
                 taken_over: previous,
+                enforced,
             });
         }
         Err(Error::io(
@@ -138,6 +157,21 @@ impl RunLock {
     /// had ended without removing it), if any.
     pub fn taken_over(&self) -> Option<&LockOwner> {
         self.taken_over.as_ref()
+    }
+
+    /// Whether the file system enforces the kernel's lock on this file; when it does not,
+    /// a concurrent run is told apart by its recorded process id only.
+    pub fn enforced(&self) -> bool {
+        self.enforced
+    }
+}
+
+/// Whether the kernel enforces `flock` on `path`, whose lock this process holds through
+/// another open file: a second open file of it must be refused the lock.
+fn flock_enforced(path: &Path) -> bool {
+    match File::open(path) {
+        Ok(second) => matches!(try_lock(&second), Ok(false)),
+        Err(_) => false,
     }
 }
 
@@ -245,4 +279,54 @@ pub fn host_name() -> String {
     std::env::var("HOSTNAME")
         .or_else(|_| std::env::var("COMPUTERNAME"))
         .unwrap_or_else(|_| "localhost".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lock file naming `pid` of this host, as a run killed with `-9` leaves it.
+    fn left_by(dir: &Path, pid: u32) {
+        let owner = LockOwner {
+            pid,
+            ..LockOwner::this_process()
+        };
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join(LOCK_FILE), serde_json::to_string(&owner).unwrap()).unwrap();
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_free_kernel_lock_is_taken_over_whatever_its_process_id_shows() {
+        let dir = tempfile::tempdir().unwrap();
+        // Process 1 lives (it is never a gradcache run here); its file holds no lock.
+        left_by(dir.path(), 1);
+        let lock = RunLock::acquire(dir.path()).unwrap();
+        assert!(lock.enforced(), "the test's file system enforces flock");
+        assert_eq!(lock.taken_over().map(|o| o.pid), Some(1));
+        // Held, the directory is refused to a second run of this very process.
+        let err = RunLock::acquire(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("in use by another training run"), "{err}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn without_an_enforced_lock_a_live_process_is_not_taken_over() {
+        let dir = tempfile::tempdir().unwrap();
+        left_by(dir.path(), 1);
+        let err = RunLock::acquire_with(dir.path(), |_| false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("process 1 on host") && err.contains("still running"),
+            "{err}"
+        );
+        // A process that is gone is taken over either way.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        child.wait().unwrap();
+        left_by(dir.path(), child.id());
+        let lock = RunLock::acquire_with(dir.path(), |_| false).unwrap();
+        assert!(!lock.enforced());
+        assert_eq!(lock.taken_over().map(|o| o.pid), Some(child.id()));
+    }
 }

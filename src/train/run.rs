@@ -289,7 +289,16 @@ impl<T: Task> Run<T> {
         let lock = dist::agree(&*self.comm, taken)?;
         if let Some(old) = lock.taken_over() {
             self.notes.push(format!(
-                "took over the lock {} left by {old}, which has ended",
+                "took over the lock {} left by {old}: the kernel's lock on it was free, so \
+                 that run has ended (its process id may live on a moment while it is torn \
+                 down, or belong to another program)",
+                lock.path().display()
+            ));
+        }
+        if !lock.enforced() {
+            self.notes.push(format!(
+                "the file system of {} does not enforce flock: a concurrent run on this \
+                 directory is told apart by the process id in the lock file only",
                 lock.path().display()
             ));
         }
