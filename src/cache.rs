@@ -114,6 +114,8 @@ pub struct Representations<'a> {
     passages: Vec<Cached<'a>>,
     /// Looked at between replayed chunks (set by [`GradCache::represent`]).
     stop: Option<StopSignal>,
+    /// The chunk before whose replay the process kills itself (`GRADCACHE_KILL_AT`, tests).
+    kill_before: Option<usize>,
 }
 
 impl<'a> Representations<'a> {
@@ -242,6 +244,7 @@ impl<'a> Representations<'a> {
             loss_params,
             pending,
             stop: self.stop,
+            kill_before: self.kill_before,
         })
     }
 
@@ -269,6 +272,7 @@ pub struct GradientCache<'a> {
     loss_params: Gradients,
     pending: Vec<(Cached<'a>, Tensor)>,
     stop: Option<StopSignal>,
+    kill_before: Option<usize>,
 }
 
 impl GradientCache<'_> {
@@ -320,9 +324,12 @@ impl GradientCache<'_> {
         let mut grads = GradAccumulator::default();
         grads.add(self.loss_params)?;
         let mut params = Params::default();
-        for (chunk, cotangent) in self.pending {
+        for (i, (chunk, cotangent)) in self.pending.into_iter().enumerate() {
             if let Some(stop) = &self.stop {
                 stop.check()?;
+            }
+            if self.kill_before == Some(i) {
+                crate::fault::die();
             }
             params = params.union(&chunk.params)?;
             grads.add(chunk.replay(&cotangent)?)?;
@@ -662,6 +669,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         let _flush = crate::denormal::flush();
         let mut reps = Representations::new();
         reps.stop = Some(self.stop.clone());
+        reps.kill_before = crate::fault::kill_point(self.collective().rank(), step);
         let parts = queries
             .chunked(self.query_chunking)?
             .ok_or(Error::TokensToCount { side: Side::Query })?;

@@ -73,6 +73,7 @@ pub mod dropout;
 pub mod durable;
 pub mod encoder;
 mod error;
+mod fault;
 pub mod freeze;
 pub mod hub;
 pub mod loss;

@@ -11,7 +11,11 @@
 //!   same step with one checkpoint; resuming on two ranks ends with the weights of the
 //!   uninterrupted 2-rank run, bit for bit;
 //! - mismatched configs across ranks are refused at start-up, naming the key, and a global
-//!   batch that does not split evenly over the ranks is refused.
+//!   batch that does not split evenly over the ranks is refused;
+//! - a rank killed with SIGKILL between two chunks of a step's replay (rank 1, then rank
+//!   0, the lock holder) ends the job within 30 s, Open MPI naming the signal; the resume
+//!   issued at once (no wait) is not refused and ends with the uninterrupted run's losses
+//!   and weights, bit for bit.
 //!
 //! Dropout is off for the curve comparison (masks derive from the rank and the chunk, so
 //! with dropout on the runs are different samples of the same training, not equal).
@@ -81,8 +85,20 @@ fn args(train: &Path, eval: &Path, out: &Path) -> Vec<String> {
 /// `mpirun` with one app context per entry of `ranks` (one process each), killed after
 /// `limit`. Returns (success, combined output, elapsed).
 fn mpirun(ranks: &[Vec<String>], limit: Duration) -> (bool, String, Duration) {
+    mpirun_with(ranks, limit, &[])
+}
+
+/// [`mpirun`] with environment variables passed to every rank.
+fn mpirun_with(
+    ranks: &[Vec<String>],
+    limit: Duration,
+    env: &[(&str, &str)],
+) -> (bool, String, Duration) {
     let mut cmd = Command::new("mpirun");
     cmd.arg("--allow-run-as-root");
+    for (name, value) in env {
+        cmd.env(name, value).args(["-x", name]);
+    }
     if ranks.len() > 2 {
         // More ranks than these machines' two cores.
         cmd.arg("--oversubscribe");
@@ -442,6 +458,75 @@ fn sigusr1_to_mpirun_stops_every_rank_after_one_step_and_the_resume_is_exact() {
             common::bits(&got.model[name]),
             "{name} differs from the uninterrupted run"
         );
+    }
+}
+
+#[test]
+fn a_rank_killed_mid_step_ends_the_job_and_the_immediate_resume_is_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let longer = |out: &Path| {
+        let mut a = args(&train, &eval, out);
+        for s in ["train.steps=10", "train.batch_size=16"] {
+            a.extend(["--set".into(), s.into()]);
+        }
+        a
+    };
+    let plain = dir.path().join("plain");
+    let a = longer(&plain);
+    let (ok, text, _) = mpirun(&[a.clone(), a], Duration::from_secs(300));
+    assert!(ok, "{text}");
+    let want =
+        gradcache::train::checkpoint::load(&plain.join("checkpoints"), &Device::Cpu).unwrap();
+    for killed in ["1", "0"] {
+        let out = dir.path().join(format!("killed-{killed}"));
+        let a = longer(&out);
+        // The sixth step (5 done before it; checkpoints every 2: the last one is step 4),
+        // before the replay of its second chunk (8 pairs a rank in query chunks of 6).
+        let at = format!("{killed}:5:1");
+        let (ok, text, elapsed) = mpirun_with(
+            &[a.clone(), a],
+            Duration::from_secs(120),
+            &[("GRADCACHE_KILL_AT", &at)],
+        );
+        assert!(!ok, "rank {killed} killed, the job succeeded:\n{text}");
+        assert!(
+            elapsed < Duration::from_secs(30),
+            "rank {killed} killed: the job took {elapsed:?} to end:\n{text}"
+        );
+        assert!(
+            text.contains("signal 9"),
+            "Open MPI names the signal that killed rank {killed}:\n{text}"
+        );
+        let before =
+            gradcache::train::checkpoint::load(&out.join("checkpoints"), &Device::Cpu).unwrap();
+        assert_eq!(before.state.step, 4, "{text}");
+        // At once, as a scheduler's requeue or a retry loop would.
+        let mut resume = longer(&out);
+        resume.extend([
+            "--resume".into(),
+            out.join("checkpoints").display().to_string(),
+        ]);
+        let (ok, text, _) = mpirun(&[resume.clone(), resume], Duration::from_secs(300));
+        assert!(ok, "the resume after rank {killed} was killed:\n{text}");
+        if killed == "0" {
+            assert!(text.contains("took over the lock"), "{text}");
+        }
+        let got =
+            gradcache::train::checkpoint::load(&out.join("checkpoints"), &Device::Cpu).unwrap();
+        assert_eq!((want.state.step, got.state.step), (10, 10));
+        assert_eq!(
+            losses(&out),
+            losses(&plain),
+            "every step's loss (rank {killed} killed)"
+        );
+        for (name, w) in &want.model {
+            assert_eq!(
+                common::bits(w),
+                common::bits(&got.model[name]),
+                "{name} differs from the uninterrupted run (rank {killed} killed)"
+            );
+        }
     }
 }
 
