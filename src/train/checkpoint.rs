@@ -52,10 +52,32 @@ pub struct TrainerState {
     /// computes the full-batch gradient whatever the world size).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub world_size: Option<usize>,
+    /// `train.steps` of the run that wrote it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_steps: Option<u64>,
+    /// The configuration's fingerprint leaving out the run's length (`train.steps`, the
+    /// warmup as written): what a resume with `--extend` compares.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub length_free_fingerprint: Option<String>,
+    /// Every extension of the run to more steps so far, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extensions: Vec<Extension>,
     /// Size and SHA-256 of each tensor file, filled in by [`write_files`]; a checkpoint
     /// written before checksums has none and is read unverified.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub files: BTreeMap<String, FileDigest>,
+}
+
+/// A run resumed with `--extend`: from `step`, the schedule of `to_steps` steps replaced
+/// that of `from_steps`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Extension {
+    /// The step the run was resumed at.
+    pub step: u64,
+    /// `train.steps` before.
+    pub from_steps: u64,
+    /// `train.steps` after.
+    pub to_steps: u64,
 }
 
 /// The size and SHA-256 of a checkpoint file.

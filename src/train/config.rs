@@ -781,10 +781,24 @@ impl Config {
     /// A stable fingerprint of everything that shapes the training trajectory, stored in
     /// checkpoints so a resume with a different configuration is refused.
     pub fn fingerprint(&self) -> Result<String> {
+        self.fingerprint_of(true)
+    }
+
+    /// [`Self::fingerprint`] leaving out the run's length: `train.steps`, and the warmup
+    /// as written (a ratio stays a ratio of whatever length). What `--extend` compares.
+    pub fn length_free_fingerprint(&self) -> Result<String> {
+        self.fingerprint_of(false)
+    }
+
+    fn fingerprint_of(&self, with_length: bool) -> Result<String> {
         let mut shaping = self.clone();
-        // The warmup is what it amounts to, however it was written.
-        shaping.optim.warmup_steps = self.optim.warmup(self.train.steps);
-        shaping.optim.warmup_ratio = 0.0;
+        if with_length {
+            // The warmup is what it amounts to, however it was written.
+            shaping.optim.warmup_steps = self.optim.warmup(self.train.steps);
+            shaping.optim.warmup_ratio = 0.0;
+        } else {
+            shaping.train.steps = 0;
+        }
         // The cadence of evaluation and checkpoints may change on resume; the run length
         // may not (the learning-rate schedule decays to 0 at `train.steps`).
         shaping.train.eval_every = 0;

@@ -118,6 +118,8 @@ pub enum Event {
     CheckpointSaved(PathBuf),
     /// A fact worth a log line.
     Note(String),
+    /// The run was resumed with `--extend` to more steps (`metrics.jsonl` records it).
+    Extended(crate::train::checkpoint::Extension),
 }
 
 /// Receives the trainer's events (the binary draws and logs them, and writes

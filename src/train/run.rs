@@ -51,7 +51,7 @@ use crate::memory;
 use crate::params::{ParamStore, Params};
 use crate::precision::LossScaler;
 use crate::stop::StopSignal;
-use crate::train::checkpoint::{self, TrainerState};
+use crate::train::checkpoint::{self, Extension, TrainerState};
 use crate::train::config::{OnNonFinite, OptimConfig};
 use crate::train::data::Position;
 use crate::train::lock::RunLock;
@@ -190,6 +190,14 @@ pub struct Run<T: Task> {
     lock: Option<RunLock>,
     /// The newest checkpoint this run wrote (or resumed from) in its own directory.
     saved: Option<(u64, PathBuf)>,
+    /// The configuration's fingerprint without the run's length (text-pair runs).
+    pub(super) length_free_fingerprint: Option<String>,
+    /// Whether a resume may continue a checkpoint of another `train.steps` (`--extend`).
+    pub(super) extend: bool,
+    /// Every extension of this run to more steps, restored and written with checkpoints.
+    extensions: Vec<Extension>,
+    /// This process extended the run on resuming (reported once when it runs).
+    just_extended: bool,
 }
 
 /// What the update of a step measured (the rest of its [`StepReport`]).
@@ -264,6 +272,10 @@ impl<T: Task> Run<T> {
             step: 0,
             lock: None,
             saved: None,
+            length_free_fingerprint: None,
+            extend: false,
+            extensions: Vec::new(),
+            just_extended: false,
         })
     }
 
@@ -322,12 +334,7 @@ impl<T: Task> Run<T> {
         for skipped in &ckpt.skipped {
             self.notes.push(skipped.clone());
         }
-        check_fingerprint(
-            &self.settings.fingerprint,
-            self.settings.may_change,
-            &ckpt.dir,
-            &ckpt.state,
-        )?;
+        let extension = self.check_resumable(&ckpt.dir, &ckpt.state)?;
         checkpoint::restore(&self.gc.state()?, &ckpt.model, &ckpt.dir)?;
         self.optimizer.load_state(&ckpt.optimizer)?;
         self.task
@@ -349,6 +356,17 @@ impl<T: Task> Run<T> {
             ckpt.dir.display(),
             self.step
         ));
+        self.extensions = ckpt.state.extensions.clone();
+        if let Some(e) = extension {
+            self.notes.push(format!(
+                "extended from {} to {} steps at step {}: from here the learning rate \
+                 follows the schedule of {} steps, so this is no longer the uninterrupted \
+                 run of either length (recorded in the checkpoints)",
+                e.from_steps, e.to_steps, e.step, e.to_steps
+            ));
+            self.extensions.push(e);
+            self.just_extended = true;
+        }
         let world = self.world_size();
         if let Some(written) = ckpt.state.world_size.filter(|&n| n != world) {
             self.notes.push(format!(
@@ -363,6 +381,65 @@ impl<T: Task> Run<T> {
             ));
         }
         Ok(())
+    }
+
+    /// Whether the checkpoint `state` (in `dir`) may resume this run: written with this
+    /// configuration, or, with `--extend`, with this configuration but for fewer steps
+    /// (returned: the extension). Refused by name otherwise, before anything changes.
+    fn check_resumable(&self, dir: &Path, state: &TrainerState) -> Result<Option<Extension>> {
+        let s = &self.settings;
+        let same = state.config_fingerprint == s.fingerprint;
+        let same_but_length = self.length_free_fingerprint.is_some()
+            && state.length_free_fingerprint == self.length_free_fingerprint;
+        let mismatch = |detail: String| Error::CheckpointMismatch {
+            what: format!("checkpoint {}", dir.display()),
+            detail,
+        };
+        if same || !same_but_length {
+            if self.extend && !same && state.length_free_fingerprint.is_none() {
+                return Err(mismatch(
+                    "it was written before --extend existed (it records no fingerprint \
+                     without the run's length), so another train.steps cannot be told apart \
+                     from another configuration"
+                        .into(),
+                ));
+            }
+            if self.extend && !same {
+                return Err(mismatch(format!(
+                    "it was written with another configuration, not only another \
+                     train.steps: --extend changes the run's length and nothing else (only \
+                     {} may change besides)",
+                    s.may_change
+                )));
+            }
+            check_fingerprint(&s.fingerprint, s.may_change, dir, state)?;
+            return Ok(None);
+        }
+        let from = state.train_steps.unwrap_or(0);
+        if !self.extend {
+            return Err(mismatch(format!(
+                "it was written for train.steps = {from} and this run has {}: to continue \
+                 it to the new length, resume with --extend",
+                s.steps
+            )));
+        }
+        if s.steps < from || s.steps <= state.step {
+            return Err(mismatch(format!(
+                "--extend needs more steps than the checkpoint's run ({from}) and than its \
+                 step ({}); train.steps is {}",
+                state.step, s.steps
+            )));
+        }
+        Ok(Some(Extension {
+            step: state.step,
+            from_steps: from,
+            to_steps: s.steps,
+        }))
+    }
+
+    /// Every extension of this run to more steps (`--extend`), oldest first.
+    pub fn extensions(&self) -> &[Extension] {
+        &self.extensions
     }
 
     /// Notes of the set-up (device, memory plan, data), as the log shows them.
@@ -629,6 +706,9 @@ impl<T: Task> Run<T> {
             config_fingerprint: self.settings.fingerprint.clone(),
             loss_scaler: self.scaler,
             world_size: Some(self.world_size()),
+            train_steps: Some(self.settings.steps),
+            length_free_fingerprint: self.length_free_fingerprint.clone(),
+            extensions: self.extensions.clone(),
             files: Default::default(),
         };
         checkpoint::save(
@@ -707,6 +787,11 @@ impl<T: Task> Run<T> {
         self.lock_output_dir()?;
         for note in std::mem::take(&mut self.notes) {
             observer.event(&Event::Note(note))?;
+        }
+        if std::mem::take(&mut self.just_extended) {
+            if let Some(e) = self.extensions.last() {
+                observer.event(&Event::Extended(e.clone()))?;
+            }
         }
         // A stop asked for during the set-up: no evaluation first.
         if let Some(signal) = self.step_boundary(Ok(()))? {

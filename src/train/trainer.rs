@@ -310,11 +310,25 @@ impl Run<TextPairs> {
         resume: Option<&Path>,
         comm: Rc<dyn Collective>,
     ) -> Result<Self> {
+        Self::with_options(cfg, resume, false, comm)
+    }
+
+    /// [`Self::with_collective`]; with `extend`, the checkpoint of `resume` may have been
+    /// written for fewer `train.steps` (nothing else different): the run continues from it
+    /// to this configuration's length, the learning rate following this configuration's
+    /// schedule from that step on (`gradcache train --resume DIR --extend`).
+    pub fn with_options(
+        cfg: Config,
+        resume: Option<&Path>,
+        extend: bool,
+        comm: Rc<dyn Collective>,
+    ) -> Result<Self> {
         cfg.validate()?;
         check_batch_splits(&cfg, &*comm)?;
         // The configuration as written: the chunk sizes and policy a memory budget picks
         // below depend on a measurement, not on what is trained.
         let fingerprint = cfg.fingerprint()?;
+        let length_free = cfg.length_free_fingerprint()?;
         let mut notes = Vec::new();
         let data = load_data(&cfg, &*comm, &mut notes)?;
         let device = dist::agree(&*comm, run_device(&cfg, &*comm))?;
@@ -344,6 +358,8 @@ impl Run<TextPairs> {
         }
         let mut trainer = Self::assemble(cfg, data, model, comm, notes, device, fingerprint)?;
         trainer.task.predicted_peak = predicted_peak;
+        trainer.length_free_fingerprint = Some(length_free);
+        trainer.extend = extend;
         if let Some(path) = resume {
             trainer.restore(path)?;
         }

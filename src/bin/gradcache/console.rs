@@ -195,6 +195,15 @@ impl Observer for Console {
                 self.metrics.flush()?;
             }
             Event::Note(note) => self.bar.suspend(|| tracing::info!("{note}")),
+            Event::Extended(e) => {
+                self.line(serde_json::json!({
+                    "type": "extended",
+                    "step": e.step,
+                    "from_steps": e.from_steps,
+                    "to_steps": e.to_steps,
+                }));
+                self.metrics.flush()?;
+            }
         }
         Ok(())
     }

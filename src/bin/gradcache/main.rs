@@ -109,6 +109,12 @@ enum Command {
         /// directory: then the newest).
         #[arg(long)]
         resume: Option<PathBuf>,
+        /// With --resume: continue a finished or stopped run to a larger `train.steps`
+        /// (nothing else may differ); the learning rate follows the new length's schedule
+        /// from the checkpoint's step on, and the extension is recorded in the checkpoints
+        /// and metrics.jsonl.
+        #[arg(long, requires = "resume")]
+        extend: bool,
     },
     /// Retrieval metrics of a model: on a BEIR folder (`--beir`: every judged query of a
     /// split against the whole corpus, exact top-k; nDCG@10, MRR@10, recall@1/10/100,
@@ -330,7 +336,8 @@ fn run(command: Command) -> Result<()> {
             config,
             set,
             resume,
-        } => train(&config, &set, resume.as_deref()),
+            extend,
+        } => train(&config, &set, resume.as_deref(), extend),
         Command::Eval {
             model,
             data,
@@ -433,17 +440,23 @@ fn run(command: Command) -> Result<()> {
     }
 }
 
-fn train(config: &Path, set: &[String], resume: Option<&Path>) -> Result<()> {
+fn train(config: &Path, set: &[String], resume: Option<&Path>, extend: bool) -> Result<()> {
     let table = gradcache::train::config::read_table(config)?;
     if ImageTextConfig::is_image_text(&table) {
         let cfg = ImageTextConfig::from_table(table, config, set)?;
+        if extend {
+            anyhow::bail!(
+                "--extend continues text-pair runs; an image-text or volume-text run resumes \
+                 with its own train.steps only"
+            );
+        }
         return train_image_text(cfg, resume);
     }
     let cfg = Config::load(config, set)?;
     let stop = gradcache::stop::StopSignal::install()?;
     let comm = dist::init(cfg.dist.backend)?;
     let (rank, world) = (comm.rank(), comm.world_size());
-    match train_on(cfg, resume, Rc::clone(&comm), stop) {
+    match train_on(cfg, resume, extend, Rc::clone(&comm), stop) {
         Ok(()) => Ok(()),
         Err(e) if world == 1 => Err(e),
         Err(e) => {
@@ -479,10 +492,11 @@ fn train(config: &Path, set: &[String], resume: Option<&Path>) -> Result<()> {
 fn train_on(
     cfg: Config,
     resume: Option<&Path>,
+    extend: bool,
     comm: Rc<dyn Collective>,
     stop: gradcache::stop::StopSignal,
 ) -> Result<()> {
-    let mut trainer = Trainer::with_collective(cfg.clone(), resume, comm)?;
+    let mut trainer = Trainer::with_options(cfg.clone(), resume, extend, comm)?;
     trainer.set_stop_signal(stop);
     if trainer.rank() != 0 {
         // One progress bar, one metrics file and one loss curve: rank 0's.
