@@ -114,8 +114,9 @@ pub struct Representations<'a> {
     passages: Vec<Cached<'a>>,
     /// Looked at between replayed chunks (set by [`GradCache::represent`]).
     stop: Option<StopSignal>,
-    /// The chunk before whose replay the process kills itself (`GRADCACHE_KILL_AT`, tests).
-    kill_before: Option<usize>,
+    /// The chunk before whose replay the process meets a fault (`GRADCACHE_KILL_AT`,
+    /// `GRADCACHE_HANG_AT`: tests).
+    fault: Option<(usize, crate::fault::Fault)>,
 }
 
 impl<'a> Representations<'a> {
@@ -244,7 +245,7 @@ impl<'a> Representations<'a> {
             loss_params,
             pending,
             stop: self.stop,
-            kill_before: self.kill_before,
+            fault: self.fault,
         })
     }
 
@@ -272,7 +273,7 @@ pub struct GradientCache<'a> {
     loss_params: Gradients,
     pending: Vec<(Cached<'a>, Tensor)>,
     stop: Option<StopSignal>,
-    kill_before: Option<usize>,
+    fault: Option<(usize, crate::fault::Fault)>,
 }
 
 impl GradientCache<'_> {
@@ -328,8 +329,10 @@ impl GradientCache<'_> {
             if let Some(stop) = &self.stop {
                 stop.check()?;
             }
-            if self.kill_before == Some(i) {
-                crate::fault::die();
+            if let Some((at, fault)) = self.fault {
+                if at == i {
+                    crate::fault::meet(fault);
+                }
             }
             params = params.union(&chunk.params)?;
             grads.add(chunk.replay(&cotangent)?)?;
@@ -669,7 +672,7 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         let _flush = crate::denormal::flush();
         let mut reps = Representations::new();
         reps.stop = Some(self.stop.clone());
-        reps.kill_before = crate::fault::kill_point(self.collective().rank(), step);
+        reps.fault = crate::fault::fault_point(self.collective().rank(), step);
         let parts = queries
             .chunked(self.query_chunking)?
             .ok_or(Error::TokensToCount { side: Side::Query })?;

@@ -15,7 +15,10 @@
 //! - a rank killed with SIGKILL between two chunks of a step's replay (rank 1, then rank
 //!   0, the lock holder) ends the job within 30 s, Open MPI naming the signal; the resume
 //!   issued at once (no wait) is not refused and ends with the uninterrupted run's losses
-//!   and weights, bit for bit.
+//!   and weights, bit for bit;
+//! - a rank that hangs (stopped with SIGSTOP between two chunks of a step's replay) ends
+//!   the job once the other rank's collective passes `dist.timeout_s`, the watchdog
+//!   naming the collective.
 //!
 //! Dropout is off for the curve comparison (masks derive from the rank and the chunk, so
 //! with dropout on the runs are different samples of the same training, not equal).
@@ -528,6 +531,34 @@ fn a_rank_killed_mid_step_ends_the_job_and_the_immediate_resume_is_exact() {
             );
         }
     }
+}
+
+#[test]
+fn a_rank_that_hangs_ends_the_job_after_the_collective_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let out = dir.path().join("hung");
+    let mut a = args(&train, &eval, &out);
+    for s in ["train.steps=10", "train.batch_size=16", "dist.timeout_s=3"] {
+        a.extend(["--set".into(), s.into()]);
+    }
+    // Rank 1 stops in the sixth step; rank 0 waits for it in that step's collectives.
+    let (ok, text, elapsed) = mpirun_with(
+        &[a.clone(), a],
+        Duration::from_secs(60),
+        &[("GRADCACHE_HANG_AT", "1:5:1")],
+    );
+    assert!(!ok, "the job succeeded with a hung rank:\n{text}");
+    assert!(
+        elapsed < Duration::from_secs(30),
+        "the job took {elapsed:?} to end:\n{text}"
+    );
+    assert!(
+        text.contains("[rank 0]: the ") && text.contains("collective has not finished after 3 s"),
+        "the watchdog names the collective:\n{text}"
+    );
+    let last = gradcache::train::checkpoint::load(&out.join("checkpoints"), &Device::Cpu).unwrap();
+    assert_eq!(last.state.step, 4, "{text}");
 }
 
 #[test]

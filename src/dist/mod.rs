@@ -33,6 +33,7 @@ pub use self::mpi::Mpi;
 mod nccl;
 #[cfg(feature = "nccl")]
 pub use self::nccl::Nccl;
+pub mod watchdog;
 
 /// How an all-reduce combines the ranks' tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -241,6 +242,18 @@ where
     if comm.world_size() == 1 {
         return compute();
     }
+    // The other ranks wait for rank 0's work, as long as it takes: not a stuck peer.
+    watchdog::patient(|| from_root_inner(comm, what, compute))
+}
+
+fn from_root_inner<T>(
+    comm: &dyn Collective,
+    what: &str,
+    compute: impl FnOnce() -> Result<T>,
+) -> Result<T>
+where
+    T: serde::Serialize + serde::de::DeserializeOwned,
+{
     let local = if comm.rank() == 0 {
         compute().and_then(|value| {
             let bytes = serde_json::to_vec(&value).map_err(|e| Error::RankMismatch {

@@ -99,107 +99,117 @@ impl Collective for Mpi {
     }
 
     fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
-        self.ensure_same_shape("all_gather", tensor.dims())?;
-        let n = self.world_size();
-        let mut dims = tensor.dims().to_vec();
-        if dims.is_empty() {
-            dims.push(1);
-        }
-        dims[0] *= n;
-        let out = match to_host(tensor)? {
-            Host::F32(v) => {
-                let mut buf = vec![0f32; v.len() * n];
-                self.world.all_gather_into(&v[..], &mut buf[..]);
-                Host::F32(buf)
+        super::watchdog::watch("all_gather", || {
+            self.ensure_same_shape("all_gather", tensor.dims())?;
+            let n = self.world_size();
+            let mut dims = tensor.dims().to_vec();
+            if dims.is_empty() {
+                dims.push(1);
             }
-            Host::F64(v) => {
-                let mut buf = vec![0f64; v.len() * n];
-                self.world.all_gather_into(&v[..], &mut buf[..]);
-                Host::F64(buf)
-            }
-        };
-        let bytes = (tensor.elem_count() * n * tensor.dtype().size_in_bytes()) as u64;
-        self.count(|t| t.all_gather_bytes += bytes);
-        from_host(out, &dims, tensor)
+            dims[0] *= n;
+            let out = match to_host(tensor)? {
+                Host::F32(v) => {
+                    let mut buf = vec![0f32; v.len() * n];
+                    self.world.all_gather_into(&v[..], &mut buf[..]);
+                    Host::F32(buf)
+                }
+                Host::F64(v) => {
+                    let mut buf = vec![0f64; v.len() * n];
+                    self.world.all_gather_into(&v[..], &mut buf[..]);
+                    Host::F64(buf)
+                }
+            };
+            let bytes = (tensor.elem_count() * n * tensor.dtype().size_in_bytes()) as u64;
+            self.count(|t| t.all_gather_bytes += bytes);
+            from_host(out, &dims, tensor)
+        })
     }
 
     fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.ensure_same_shape("all_reduce", tensor.dims())?;
-        let sum = SystemOperation::sum();
-        let out = match to_host(tensor)? {
-            Host::F32(v) => {
-                let mut buf = vec![0f32; v.len()];
-                self.world.all_reduce_into(&v[..], &mut buf[..], sum);
-                Host::F32(buf)
-            }
-            Host::F64(v) => {
-                let mut buf = vec![0f64; v.len()];
-                self.world.all_reduce_into(&v[..], &mut buf[..], sum);
-                Host::F64(buf)
-            }
-        };
-        let bytes = (tensor.elem_count() * tensor.dtype().size_in_bytes()) as u64;
-        self.count(|t| {
-            t.all_reduce_bytes += bytes;
-            t.all_reduce_calls += 1;
-        });
-        let out = from_host(out, tensor.dims(), tensor)?;
-        Ok(match op {
-            ReduceOp::Sum => out,
-            ReduceOp::Avg => (out / self.world_size() as f64)?,
+        super::watchdog::watch("all_reduce", || {
+            self.ensure_same_shape("all_reduce", tensor.dims())?;
+            let sum = SystemOperation::sum();
+            let out = match to_host(tensor)? {
+                Host::F32(v) => {
+                    let mut buf = vec![0f32; v.len()];
+                    self.world.all_reduce_into(&v[..], &mut buf[..], sum);
+                    Host::F32(buf)
+                }
+                Host::F64(v) => {
+                    let mut buf = vec![0f64; v.len()];
+                    self.world.all_reduce_into(&v[..], &mut buf[..], sum);
+                    Host::F64(buf)
+                }
+            };
+            let bytes = (tensor.elem_count() * tensor.dtype().size_in_bytes()) as u64;
+            self.count(|t| {
+                t.all_reduce_bytes += bytes;
+                t.all_reduce_calls += 1;
+            });
+            let out = from_host(out, tensor.dims(), tensor)?;
+            Ok(match op {
+                ReduceOp::Sum => out,
+                ReduceOp::Avg => (out / self.world_size() as f64)?,
+            })
         })
     }
 
     fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<Tensor> {
-        self.ensure_same_shape("broadcast", tensor.dims())?;
-        let root = self.world.process_at_rank(root as i32);
-        let out = match to_host(tensor)? {
-            Host::F32(mut v) => {
-                root.broadcast_into(&mut v[..]);
-                Host::F32(v)
-            }
-            Host::F64(mut v) => {
-                root.broadcast_into(&mut v[..]);
-                Host::F64(v)
-            }
-        };
-        from_host(out, tensor.dims(), tensor)
+        super::watchdog::watch("broadcast", || {
+            self.ensure_same_shape("broadcast", tensor.dims())?;
+            let root = self.world.process_at_rank(root as i32);
+            let out = match to_host(tensor)? {
+                Host::F32(mut v) => {
+                    root.broadcast_into(&mut v[..]);
+                    Host::F32(v)
+                }
+                Host::F64(mut v) => {
+                    root.broadcast_into(&mut v[..]);
+                    Host::F64(v)
+                }
+            };
+            from_host(out, tensor.dims(), tensor)
+        })
     }
 
     fn barrier(&self) -> Result<()> {
-        self.world.barrier();
-        Ok(())
+        super::watchdog::watch("barrier", || {
+            self.world.barrier();
+            Ok(())
+        })
     }
 
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let n = self.world_size();
-        let mut lens = vec![0u64; n];
-        self.world
-            .all_gather_into(&(bytes.len() as u64), &mut lens[..]);
-        let counts: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
-        let displs: Vec<i32> = counts
-            .iter()
-            .scan(0, |acc, &c| {
-                let d = *acc;
-                *acc += c;
-                Some(d)
-            })
-            .collect();
-        let total = lens.iter().sum::<u64>() as usize;
-        if total == 0 {
-            // Open MPI rejects a zero-sized gather of empty buffers.
-            return Ok(vec![Vec::new(); n]);
-        }
-        let mut buf = vec![0u8; total];
-        {
-            let mut part = PartitionMut::new(&mut buf[..], counts.clone(), &displs[..]);
-            self.world.all_gather_varcount_into(bytes, &mut part);
-        }
-        Ok(counts
-            .iter()
-            .zip(&displs)
-            .map(|(&c, &d)| buf[d as usize..(d + c) as usize].to_vec())
-            .collect())
+        super::watchdog::watch("all_gather_bytes", || {
+            let n = self.world_size();
+            let mut lens = vec![0u64; n];
+            self.world
+                .all_gather_into(&(bytes.len() as u64), &mut lens[..]);
+            let counts: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+            let displs: Vec<i32> = counts
+                .iter()
+                .scan(0, |acc, &c| {
+                    let d = *acc;
+                    *acc += c;
+                    Some(d)
+                })
+                .collect();
+            let total = lens.iter().sum::<u64>() as usize;
+            if total == 0 {
+                // Open MPI rejects a zero-sized gather of empty buffers.
+                return Ok(vec![Vec::new(); n]);
+            }
+            let mut buf = vec![0u8; total];
+            {
+                let mut part = PartitionMut::new(&mut buf[..], counts.clone(), &displs[..]);
+                self.world.all_gather_varcount_into(bytes, &mut part);
+            }
+            Ok(counts
+                .iter()
+                .zip(&displs)
+                .map(|(&c, &d)| buf[d as usize..(d + c) as usize].to_vec())
+                .collect())
+        })
     }
 
     fn traffic(&self) -> Traffic {

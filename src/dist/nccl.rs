@@ -81,26 +81,32 @@ impl Nccl {
         })
     }
 
+    /// The collective `kind` on `tensor`, waited for (the stream synchronised) under the
+    /// watchdog: NCCL enqueues it and returns, so a peer that never joins would otherwise
+    /// hang the next synchronisation, unseen.
     fn run(&self, tensor: &Tensor, kind: Kind) -> Result<Tensor> {
-        self.mpi.ensure_same_shape(kind.name(), tensor.dims())?;
-        let dtype = tensor.dtype();
-        let t = tensor.to_dtype(DType::F32)?.contiguous()?;
-        let out = t.apply_op1_no_bwd(&NcclOp {
-            comm: &self.comm,
-            kind,
-        })?;
-        let bytes = (out.elem_count() * 4) as u64;
-        let mut traffic = self.traffic.get();
-        match kind {
-            Kind::AllGather => traffic.all_gather_bytes += bytes,
-            Kind::AllReduce => {
-                traffic.all_reduce_bytes += bytes;
-                traffic.all_reduce_calls += 1;
+        super::watchdog::watch(kind.name(), || {
+            self.mpi.ensure_same_shape(kind.name(), tensor.dims())?;
+            let dtype = tensor.dtype();
+            let t = tensor.to_dtype(DType::F32)?.contiguous()?;
+            let out = t.apply_op1_no_bwd(&NcclOp {
+                comm: &self.comm,
+                kind,
+            })?;
+            self.device.synchronize()?;
+            let bytes = (out.elem_count() * 4) as u64;
+            let mut traffic = self.traffic.get();
+            match kind {
+                Kind::AllGather => traffic.all_gather_bytes += bytes,
+                Kind::AllReduce => {
+                    traffic.all_reduce_bytes += bytes;
+                    traffic.all_reduce_calls += 1;
+                }
+                Kind::Broadcast(_) => {}
             }
-            Kind::Broadcast(_) => {}
-        }
-        self.traffic.set(traffic);
-        Ok(out.to_dtype(dtype)?)
+            self.traffic.set(traffic);
+            Ok(out.to_dtype(dtype)?)
+        })
     }
 }
 
@@ -138,8 +144,10 @@ impl Collective for Nccl {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.device.synchronize()?;
-        self.mpi.barrier()
+        super::watchdog::watch("barrier", || {
+            self.device.synchronize()?;
+            self.mpi.barrier()
+        })
     }
 
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {

@@ -555,6 +555,10 @@ pub struct DistConfig {
     /// Check that every rank holds bit-identical weights every this many steps (0: only at
     /// the end of training). Debug builds check after every step.
     pub check_weights_every: u64,
+    /// A collective that has not finished after this many seconds ends the process (a
+    /// peer is gone or stuck), and the launcher ends the job; 0 turns the watchdog off.
+    /// Waits for rank 0's evaluations and checkpoints are not timed.
+    pub timeout_s: u64,
 }
 
 impl Default for DistConfig {
@@ -563,6 +567,7 @@ impl Default for DistConfig {
             backend: Backend::None,
             bucket_mib: crate::dist::DEFAULT_BUCKET_BYTES >> 20,
             check_weights_every: 0,
+            timeout_s: 1800,
         }
     }
 }

@@ -736,7 +736,8 @@ impl<T: Task> Run<T> {
         };
         // Every rank runs the same configuration, so names the same directory.
         let root = self.settings.output_dir.join("checkpoints");
-        let dir = dist::agree(&*self.comm, saved)?
+        // The other ranks wait while rank 0 writes, as long as that takes.
+        let dir = dist::watchdog::patient(|| dist::agree(&*self.comm, saved))?
             .unwrap_or_else(|| checkpoint::step_dir(&root, self.step));
         self.saved = Some((self.step, dir.clone()));
         Ok((dir, true))

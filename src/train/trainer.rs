@@ -325,6 +325,12 @@ impl Run<TextPairs> {
     ) -> Result<Self> {
         cfg.validate()?;
         check_batch_splits(&cfg, &*comm)?;
+        if comm.world_size() > 1 {
+            dist::watchdog::set_timeout(
+                comm.rank(),
+                std::time::Duration::from_secs(cfg.dist.timeout_s),
+            );
+        }
         // The configuration as written: the chunk sizes and policy a memory budget picks
         // below depend on a measurement, not on what is trained.
         let fingerprint = cfg.fingerprint()?;
