@@ -146,3 +146,38 @@ fn a_finished_run_extends_to_more_steps_with_the_new_schedule() {
     let (ok, text) = train(&config, &["train.steps=8"], &resume);
     assert!(ok, "{text}");
 }
+
+#[test]
+fn checkpoints_from_before_the_flag_and_image_text_runs_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = common::write_tiny_run(dir.path());
+    let run = dir.path().join("run");
+    let (ok, text) = train(&config, &[], &[]);
+    assert!(ok, "{text}");
+    // A checkpoint as written before --extend existed: no length-free fingerprint.
+    let checkpoints = run.join("checkpoints");
+    let last = checkpoint::load(&checkpoints, &Device::Cpu).unwrap().dir;
+    let state = last.join("trainer_state.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    let fields = json.as_object_mut().unwrap();
+    fields.remove("length_free_fingerprint");
+    fields.remove("train_steps");
+    std::fs::write(&state, json.to_string()).unwrap();
+    let before = files(&run);
+    let resume = ["--resume", checkpoints.to_str().unwrap(), "--extend"];
+    let (ok, text) = train(&config, &["train.steps=8"], &resume);
+    assert!(
+        !ok && text.contains("written before --extend existed"),
+        "{text}"
+    );
+    assert_eq!(files(&run), before, "nothing written");
+    // Image-text and volume-text runs resume with their own length only.
+    let out = format!("output_dir=\"{}\"", dir.path().join("volumes").display());
+    let (ok, text) = train(Path::new("configs/volume-text.toml"), &[&out], &resume);
+    assert!(
+        !ok && text.contains("--extend continues text-pair runs"),
+        "{text}"
+    );
+    assert!(!dir.path().join("volumes").exists(), "nothing written");
+}

@@ -122,6 +122,41 @@ pub fn conv2d(
     )
 }
 
+/// Per-channel batch statistics of `[n, c, ...]` values: mean, biased variance and
+/// `1 / sqrt(var + eps)`, accumulated in f64 (each row's run summed, then the rows).
+pub(crate) struct ChannelStats {
+    pub(crate) mean: Vec<f32>,
+    pub(crate) var: Vec<f32>,
+    pub(crate) rstd: Vec<f32>,
+}
+
+/// The [`ChannelStats`] of `xv`, `n` rows of `c` channels.
+pub(crate) fn channel_stats(xv: &[f32], n: usize, c: usize, eps: f64) -> ChannelStats {
+    let s = xv.len() / (n * c).max(1);
+    let m = (n * s) as f64;
+    // Channel `ch`'s values: `s` in a row at `(i * c + ch) * s` for every row `i`.
+    let rows = |ch: usize| (0..n).map(move |i| (i * c + ch) * s);
+    let (mut mean, mut var, mut rstd) = (vec![0f32; c], vec![0f32; c], vec![0f32; c]);
+    for ch in 0..c {
+        let sum: f64 = rows(ch)
+            .map(|o| xv[o..o + s].iter().map(|&v| f64::from(v)).sum::<f64>())
+            .sum();
+        let mu = sum / m;
+        let sq: f64 = rows(ch)
+            .map(|o| {
+                xv[o..o + s]
+                    .iter()
+                    .map(|&v| (f64::from(v) - mu).powi(2))
+                    .sum::<f64>()
+            })
+            .sum();
+        mean[ch] = mu as f32;
+        var[ch] = (sq / m) as f32;
+        rstd[ch] = (1.0 / (sq / m + eps).sqrt()) as f32;
+    }
+    ChannelStats { mean, var, rstd }
+}
+
 /// BatchNorm in training over `x [n, c, ...]` (f32, contiguous), normalising each
 /// channel with the batch's statistics, as one node over `(x, weight, bias)` with the
 /// hand-written backward
@@ -148,24 +183,9 @@ pub fn batch_norm_train(
     // Channel `ch`'s values: `s` in a row at `(i * c + ch) * s` for every row `i`.
     let rows = move |ch: usize| (0..n).map(move |i| (i * c + ch) * s);
     let (mean, var, rstd, y) = read_f32(&xd, |xv| {
-        let (mut mean, mut var, mut rstd) = (vec![0f32; c], vec![0f32; c], vec![0f32; c]);
+        let ChannelStats { mean, var, rstd } = channel_stats(xv, n, c, eps);
         let mut y = vec![0f32; xv.len()];
         for ch in 0..c {
-            let sum: f64 = rows(ch)
-                .map(|o| xv[o..o + s].iter().map(|&v| f64::from(v)).sum::<f64>())
-                .sum();
-            let mu = sum / m;
-            let sq: f64 = rows(ch)
-                .map(|o| {
-                    xv[o..o + s]
-                        .iter()
-                        .map(|&v| (f64::from(v) - mu).powi(2))
-                        .sum::<f64>()
-                })
-                .sum();
-            mean[ch] = mu as f32;
-            var[ch] = (sq / m) as f32;
-            rstd[ch] = (1.0 / (sq / m + eps).sqrt()) as f32;
             let (mu, r, w, b) = (mean[ch], rstd[ch], wv[ch], bv[ch]);
             for o in rows(ch) {
                 for (yo, &xo) in y[o..o + s].iter_mut().zip(&xv[o..o + s]) {

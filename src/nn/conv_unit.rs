@@ -9,6 +9,7 @@
 
 use candle_core::Tensor;
 
+use super::conv::{channel_stats, ChannelStats};
 use super::conv3d::{read, Geometry, VOL2COL_BYTES};
 use super::node::node_n;
 
@@ -106,25 +107,12 @@ impl Unit {
     }
 
     /// The forward over every row: the output and the batch statistics (mean, biased
-    /// variance), accumulated in f64.
+    /// variance; [`channel_stats`]).
     fn forward(&self, v: &Values) -> (Vec<f32>, Vec<f32>, Stats) {
         let z = self.g.forward(v.h, v.w);
         let (c_out, vox, n) = (self.g.c_out, self.voxels(), self.g.n);
-        let m = (n * vox) as f64;
-        let (mut mean, mut var, mut rstd) =
-            (vec![0f32; c_out], vec![0f32; c_out], vec![0f32; c_out]);
-        for c in 0..c_out {
-            let runs = (0..n).map(|r| &z[(r * c_out + c) * vox..][..vox]);
-            let mu = runs.clone().flatten().map(|&x| f64::from(x)).sum::<f64>() / m;
-            let sq = runs
-                .flatten()
-                .map(|&x| (f64::from(x) - mu).powi(2))
-                .sum::<f64>()
-                / m;
-            mean[c] = mu as f32;
-            var[c] = sq as f32;
-            rstd[c] = (1.0 / (sq + self.eps).sqrt()) as f32;
-        }
+        // BatchNorm's node takes the same statistics the same way.
+        let ChannelStats { mean, var, rstd } = channel_stats(&z, n, c_out, self.eps);
         let st = Stats { mean, rstd };
         let mut y = z;
         for (o, out) in y.iter_mut().enumerate() {
@@ -194,7 +182,9 @@ impl Unit {
                 None => g.forward(hp, v.w),
             };
             let dyp = &dy[row0 * per_row_out..][..rows * per_row_out];
-            let mut repeat = vec![];
+            // The tiled input's share of its gradient: output channel `c` read input
+            // channel `c % c_in` (input-sized, summed here in output order).
+            let mut tiled = (want_dh && self.skip == Skip::Repeat).then(|| vec![0f32; hp.len()]);
             for (o, (zo, &go)) in z.iter_mut().zip(dyp).enumerate() {
                 let c = o / vox % c_out;
                 let (xhat, _, _, du, ds1) = chain(*zo, c, go, self.skip_value(v, row0, o));
@@ -204,7 +194,12 @@ impl Unit {
                             d[row0 * per_row_out + o] = du;
                         }
                     }
-                    Skip::Repeat => repeat.push(du),
+                    Skip::Repeat => {
+                        if let Some(t) = tiled.as_mut() {
+                            let (row, ch, i) = (o / per_row_out, c % self.g.c_in, o % vox);
+                            t[(row * self.g.c_in + ch) * vox + i] += du;
+                        }
+                    }
                     Skip::None => {}
                 }
                 let k = v.gamma[c] * st.rstd[c];
@@ -219,11 +214,10 @@ impl Unit {
             if let (Some(dh), Some(dhp)) = (dh.as_mut(), dhp) {
                 let dst = &mut dh[row0 * h_row..][..rows * h_row];
                 dst.copy_from_slice(&dhp);
-                // The repeated input's share: output channel `c` read input channel
-                // `c % c_in`.
-                for (o, d) in repeat.iter().enumerate() {
-                    let (row, c, i) = (o / per_row_out, o / vox % c_out, o % vox);
-                    dst[(row * self.g.c_in + c % self.g.c_in) * vox + i] += d;
+                if let Some(t) = &tiled {
+                    for (d, t) in dst.iter_mut().zip(t) {
+                        *d += t;
+                    }
                 }
             }
         }
