@@ -9,7 +9,7 @@
 //! without; on an AMD EPYC 16 s either way). Two things keep them out:
 //!
 //! 1. **Exact zeros by construction.** The kernels never produce a subnormal where the
-//!    true value is below the normal range: [`crate::nn::fused::exp`] returns 0 there, the
+//!    true value is below the normal range: [`crate::nn::cpu::exp`] returns 0 there, the
 //!    attention softmax gives masked keys probability 0 without computing them, and small
 //!    probabilities are flushed to 0. This holds whatever the floating-point environment.
 //! 2. **FTZ and DAZ** (bits 15 and 6 of the x86 `MXCSR` register) for what arithmetic can

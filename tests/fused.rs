@@ -462,7 +462,7 @@ fn glu_and_rotary_nodes_match_their_composed_forms_and_finite_differences() {
 
 #[test]
 fn add_norm_node_matches_dropout_addition_and_layer_norm_composed_and_finite_differences() {
-    use gradcache::nn::fused;
+    use gradcache::nn::cpu;
     let h = 6;
     let composed = |t: &[Tensor], dropout: Option<(u64, f32)>| -> gradcache::Result<Tensor> {
         let x = match dropout {
@@ -482,7 +482,7 @@ fn add_norm_node_matches_dropout_addition_and_layer_norm_composed_and_finite_dif
             &format!("add-norm, dropout {dropout:?}"),
             &inputs,
             &[0, 1, 2],
-            &|t| Ok(fused::add_norm(&t[0], &t[1], &t[2], 1e-5, dropout)?),
+            &|t| Ok(cpu::add_norm(&t[0], &t[1], &t[2], 1e-5, dropout)?),
             &|t| composed(t, dropout),
         );
         let small = [
@@ -491,10 +491,10 @@ fn add_norm_node_matches_dropout_addition_and_layer_norm_composed_and_finite_dif
             random(75, &[2, 4]),
         ];
         finite_differences("add-norm", &small, &[0, 1, 2], &|t| {
-            Ok(fused::add_norm(&t[0], &t[1], &t[2], 1e-5, dropout)?)
+            Ok(cpu::add_norm(&t[0], &t[1], &t[2], 1e-5, dropout)?)
         });
     }
-    assert!(fused::add_norm(&inputs[0], &inputs[1], &random(76, &[h]), 1e-5, None).is_err());
+    assert!(cpu::add_norm(&inputs[0], &inputs[1], &random(76, &[h]), 1e-5, None).is_err());
 }
 
 /// Self-attention from the hidden states as the nodes it replaces compute it (each checked
@@ -521,7 +521,7 @@ fn self_attention_unfused(
 
 #[test]
 fn self_attention_node_matches_the_projection_and_attention_nodes_and_finite_differences() {
-    use gradcache::nn::{fused, AttentionSpec};
+    use gradcache::nn::{cpu, AttentionSpec};
     let (n, s, h, heads) = (3, 7, 8, 2);
     let inputs = [
         random(60, &[n, s, h]),
@@ -538,7 +538,7 @@ fn self_attention_node_matches_the_projection_and_attention_nodes_and_finite_dif
             window: None,
         };
         let fused_fn = |t: &[Tensor]| -> gradcache::Result<Tensor> {
-            Ok(fused::self_attention(&t[0], &t[1], &t[2], heads, &spec)?)
+            Ok(cpu::self_attention(&t[0], &t[1], &t[2], heads, &spec)?)
         };
         let name = format!("self-attention, dropout {dropout:?}, recompute {recompute}");
         agree(&name, &inputs, &[0], &fused_fn, &|t| {
@@ -577,12 +577,12 @@ fn self_attention_node_matches_the_projection_and_attention_nodes_and_finite_dif
             random(65, &[12]),
         ];
         finite_differences("self-attention", &small, &[0, 1, 2], &|t| {
-            Ok(fused::self_attention(&t[0], &t[1], &t[2], 2, &spec64)?)
+            Ok(cpu::self_attention(&t[0], &t[1], &t[2], 2, &spec64)?)
         });
     }
     // A projection that does not stack three hidden-size blocks is an error, not a panic.
     let wrong = random(66, &[2 * h, h]);
-    assert!(fused::self_attention(
+    assert!(cpu::self_attention(
         &inputs[0],
         &wrong,
         &inputs[2],
@@ -603,7 +603,7 @@ fn the_f32_exponential_is_within_two_ulp() {
     let mut worst = 0f64;
     let mut x = -87.0f32;
     while x < 88.0 {
-        let got = f64::from(gradcache::nn::fused::exp(x));
+        let got = f64::from(gradcache::nn::cpu::exp(x));
         let want = f64::from(x).exp();
         worst = worst.max((got - want).abs() / want);
         x += 0.0137;
@@ -613,7 +613,7 @@ fn the_f32_exponential_is_within_two_ulp() {
 
 #[test]
 fn shapes_that_do_not_fit_are_errors_not_panics() {
-    use gradcache::nn::fused;
+    use gradcache::nn::cpu;
     let x = random(80, &[2, 3, 4]);
     // A bias or LayerNorm parameter of another width than the input's last dimension.
     assert!(bias_activation(&x, &random(81, &[5]), Act::GeluErf).is_err());
@@ -627,10 +627,9 @@ fn shapes_that_do_not_fit_are_errors_not_panics() {
     // projection's width, a key bias of another width, token types of another shape.
     let (wu, bu) = (random(89, &[8, 4]), random(90, &[8]));
     assert!(
-        fused::feed_forward_recomputed(&x, &wu, &bu, &random(91, &[4, 6]), None, Act::Relu)
-            .is_err()
+        cpu::feed_forward_recomputed(&x, &wu, &bu, &random(91, &[4, 6]), None, Act::Relu).is_err()
     );
-    let spec = fused::AttentionSpec {
+    let spec = cpu::AttentionSpec {
         bias: padding_bias(2, 3),
         scale: 0.5,
         dropout: None,
@@ -638,7 +637,7 @@ fn shapes_that_do_not_fit_are_errors_not_panics() {
         window: None,
     };
     let (w, b) = (random(92, &[4, 4]), random(93, &[4]));
-    assert!(fused::self_attention_projections(
+    assert!(cpu::self_attention_projections(
         &x,
         [&w, &w, &w],
         [&b, &random(94, &[3]), &b],
@@ -653,7 +652,7 @@ fn shapes_that_do_not_fit_are_errors_not_panics() {
         random(97, &[5, 4]),
     );
     let (gamma, beta) = (random(98, &[4]), random(99, &[4]));
-    assert!(fused::embeddings_recomputed(
+    assert!(cpu::embeddings_recomputed(
         [&ids, &ids.narrow(1, 0, 2).unwrap()],
         [&words, &types, &positions],
         [&gamma, &beta],
@@ -664,7 +663,7 @@ fn shapes_that_do_not_fit_are_errors_not_panics() {
     // Accumulating a gradient of another shape leaves the accumulator as it was.
     let acc = random(87, &[6]).copy().unwrap();
     let before = acc.to_vec1::<f32>().unwrap();
-    assert!(fused::add_in_place(&acc, &random(88, &[5])).is_err());
+    assert!(cpu::add_in_place(&acc, &random(88, &[5])).is_err());
     assert_eq!(acc.to_vec1::<f32>().unwrap(), before);
 }
 
@@ -723,7 +722,7 @@ fn recomputed_nodes_give_the_gradients_of_the_recorded_function_bit_for_bit() {
 /// without the down projection's bias.
 #[test]
 fn recomputed_feed_forward_gives_the_gradients_of_its_three_nodes_bit_for_bit() {
-    use gradcache::nn::{fused, linear};
+    use gradcache::nn::{cpu, linear};
     let x = random(300, &[2, 5, 6]);
     let (wu, bu, wd, bd) = (
         random(301, &[12, 6]),
@@ -743,7 +742,7 @@ fn recomputed_feed_forward_gives_the_gradients_of_its_three_nodes_bit_for_bit() 
             linear(&h, &t[3], t.get(4))
         };
         let node = |t: &[Tensor]| -> gradcache::Result<Tensor> {
-            Ok(fused::feed_forward_recomputed(
+            Ok(cpu::feed_forward_recomputed(
                 &t[0],
                 &t[1],
                 &t[2],
@@ -773,7 +772,7 @@ fn recomputed_feed_forward_gives_the_gradients_of_its_three_nodes_bit_for_bit() 
 /// naming what does not fit.
 #[test]
 fn layer_nodes_refuse_what_does_not_fit() {
-    use gradcache::nn::prenorm_layer::{prenorm_layer, PreNormSpec, PreNormWeights};
+    use gradcache::nn::cpu::prenorm_layer::{prenorm_layer, PreNormSpec, PreNormWeights};
     use gradcache::nn::{Act, AttentionSpec};
     let z = |dims: &[usize]| Tensor::zeros(dims, DType::F32, &Device::Cpu).unwrap();
     let (n, s, h, inter, heads) = (2, 5, 8, 12, 2);
@@ -840,7 +839,7 @@ fn layer_nodes_refuse_what_does_not_fit() {
     assert!(err.contains("do not fit"), "{err}");
 
     // BERT's layer node with a score bias for 4 tokens on 5.
-    use gradcache::nn::encoder_layer::{encoder_layer, LayerSpec, LayerWeights};
+    use gradcache::nn::cpu::encoder_layer::{encoder_layer, LayerSpec, LayerWeights};
     let (wq, b, wi4, bi4, wd4) = (
         z(&[h, h]),
         z(&[h]),

@@ -73,7 +73,7 @@ fn the_3d_convolution_equals_the_composed_reference_forward_and_backward() {
                 (side + 2 * p - k) / s + 1,
             ],
         );
-        let got = gradcache::nn::conv3d(x.as_tensor(), w.as_tensor(), p, s).unwrap();
+        let got = gradcache::nn::cpu::conv3d(x.as_tensor(), w.as_tensor(), p, s).unwrap();
         let want = conv3d_reference(x.as_tensor(), w.as_tensor(), p, s);
         assert_eq!(got.dims(), want.dims());
         assert!(
@@ -106,7 +106,7 @@ fn the_3d_convolution_over_many_pieces_equals_one_piece() {
     let x = Var::from_tensor(&random(4, &[2, 64, 16, 16, 16])).unwrap();
     let w = Var::from_tensor(&(random(5, &[3, 64, 5, 5, 5]) * 0.05).unwrap()).unwrap();
     let dy = random(6, &[2, 3, 16, 16, 16]);
-    let got = gradcache::nn::conv3d(x.as_tensor(), w.as_tensor(), 2, 1).unwrap();
+    let got = gradcache::nn::cpu::conv3d(x.as_tensor(), w.as_tensor(), 2, 1).unwrap();
     let want = conv3d_reference(x.as_tensor(), w.as_tensor(), 2, 1);
     assert!(rel(&got, &want) < 1e-5, "{}", rel(&got, &want));
     let g_got = (got * &dy).unwrap().sum_all().unwrap().backward().unwrap();
@@ -128,13 +128,17 @@ fn bad_3d_convolution_shapes_are_refused_by_name() {
         random(2, &[2, 2, 8, 8, 8]),
         random(2, &[2, 3, 1, 8, 8]),
     ] {
-        let err = gradcache::nn::conv3d(&x, &w, 0, 1).unwrap_err().to_string();
+        let err = gradcache::nn::cpu::conv3d(&x, &w, 0, 1)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("conv3d"), "{err}");
     }
     let x = random(2, &[2, 3, 8, 8, 8])
         .to_dtype(candle_core::DType::F64)
         .unwrap();
-    let err = gradcache::nn::conv3d(&x, &w, 1, 1).unwrap_err().to_string();
+    let err = gradcache::nn::cpu::conv3d(&x, &w, 1, 1)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("f32"), "{err}");
 }
 

@@ -515,7 +515,7 @@ impl InfoNce {
 pub use crate::nn::l2_normalize;
 pub(crate) use crate::nn::l2_normalize_backward;
 
-pub use crate::nn::infonce::{Columns, Exclude, Rows, Segment, Term};
+pub use crate::nn::cpu::infonce::{Columns, Exclude, Rows, Segment, Term};
 
 /// An interaction of InfoNCE's main term, as sentence-transformers'
 /// `MultipleNegativesRankingLoss(directions=...)` names them (`doc` or `passage`).
@@ -682,7 +682,7 @@ impl Loss for InfoNce {
     }
 
     /// Back-propagates one row block at a time: on the CPU in f32 or f64 as one kernel
-    /// with its backward written out ([`crate::nn::infonce`]: the logits a tile of columns
+    /// with its backward written out ([`crate::nn::cpu::infonce`]: the logits a tile of columns
     /// at a time, an online log-sum-exp, `block x tile` values alive); elsewhere with only
     /// `block_rows x P` logits (and their graph) at once. The blocks back-propagate into
     /// the normalised representations; the normalisation's backward runs once at the end.
@@ -715,7 +715,7 @@ impl Loss for InfoNce {
         // The kernel's memory is a block by a tile whatever the batch.
         let kernel_block = self.block_rows.unwrap_or(KERNEL_BLOCK_ROWS);
         let cosine = self.similarity == Similarity::Cosine;
-        let tiled = crate::nn::infonce::value_and_grads(&crate::nn::infonce::Plan {
+        let tiled = crate::nn::cpu::infonce::value_and_grads(&crate::nn::cpu::infonce::Plan {
             q: &qn,
             p: &pn,
             group,

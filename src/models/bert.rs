@@ -406,7 +406,7 @@ impl Bert {
     }
 
     /// Layer `i` as one node with its backward written out
-    /// ([`crate::nn::encoder_layer`]), where the fused kernels run: the same arithmetic as
+    /// ([`crate::nn::cpu::encoder_layer`]), where the fused kernels run: the same arithmetic as
     /// the op-by-op layer, without an autograd graph inside it. `None` elsewhere.
     fn whole_layer(
         &self,
@@ -445,7 +445,7 @@ impl Bert {
                 .lora_input()
         });
         let [q, k, v, o, up, down] = projections;
-        let weights = crate::nn::encoder_layer::LayerWeights {
+        let weights = crate::nn::cpu::encoder_layer::LayerWeights {
             qkv: [q.base_weight(), k.base_weight(), v.base_weight()],
             qkv_bias: [bq, bk, bv],
             attention_output: (o.base_weight(), bo),
@@ -455,7 +455,7 @@ impl Bert {
             output_norm: (layer.output_norm.weight(), layer.output_norm.bias()),
             lora,
         };
-        let spec = crate::nn::encoder_layer::LayerSpec {
+        let spec = crate::nn::cpu::encoder_layer::LayerSpec {
             heads: self.heads,
             act: self.activation.fused(),
             eps: layer.attention_norm.eps(),

@@ -23,7 +23,7 @@
 //! attention cancels up to rounding). [`Bert`](super::bert::Bert) runs it as its layer
 //! stack for the decoder families, so the gradient cache, recompute policies, dtypes,
 //! export and the distributed backends are those of every family. On the CPU in f32 a
-//! layer runs as one node with its backward written out ([`crate::nn::decoder_layer`]);
+//! layer runs as one node with its backward written out ([`crate::nn::cpu::decoder_layer`]);
 //! elsewhere op by op, as here.
 
 use candle_core::{DType, Tensor};
@@ -31,7 +31,7 @@ use candle_nn::{Init, VarBuilder};
 
 use crate::batch::TokenBatch;
 use crate::dropout::{Ctx, Dropout};
-use crate::nn::decoder_layer::{DecoderSpec, DecoderWeights};
+use crate::nn::cpu::decoder_layer::{DecoderSpec, DecoderWeights};
 use crate::nn::lora::LoraSpec;
 use crate::nn::{AttentionSpec, Linear};
 use crate::precision::Precision;

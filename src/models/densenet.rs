@@ -201,7 +201,7 @@ impl DenseLayer {
         // The forward may move the running statistics (the representation pass, or a
         // plain training forward); the backward's recomputation never does.
         let first = AtomicBool::new(true);
-        Ok(crate::nn::fused::recomputed(
+        Ok(crate::nn::cpu::recomputed(
             "gradcache-dense-layer",
             &inputs,
             move |t| {

@@ -18,8 +18,8 @@ use candle_nn::{Embedding, Init, Module, VarBuilder};
 
 use crate::batch::TokenBatch;
 use crate::dropout::{Ctx, Dropout};
+use crate::nn::cpu::prenorm_layer::{PreNormSpec, PreNormWeights};
 use crate::nn::lora::LoraSpec;
-use crate::nn::prenorm_layer::{PreNormSpec, PreNormWeights};
 use crate::nn::{AttentionSpec, LayerNorm, Linear};
 use crate::precision::Precision;
 use crate::Result;
@@ -298,7 +298,7 @@ impl ModernBert {
     }
 
     /// Layer `i` as one node with its backward written out
-    /// ([`crate::nn::prenorm_layer`]) where the fused kernels run: the arithmetic of
+    /// ([`crate::nn::cpu::prenorm_layer`]) where the fused kernels run: the arithmetic of
     /// [`Self::layer`]'s ops on the packed real tokens. `None` elsewhere.
     fn whole_layer(
         &self,

@@ -18,13 +18,13 @@
 //! alone keeps the peak near that stage's own footprint. With `memory_efficient` every
 //! convolution unit (convolution, BatchNorm, PReLU, residual sum) is one node that keeps
 //! only its inputs and whose backward recomputes the unit a piece of rows at a time
-//! ([`crate::nn::fused::conv_unit`]).
+//! ([`crate::nn::cpu::conv_unit`]).
 
 use candle_core::{Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::dropout::{Ctx, NormStats};
-use crate::nn::fused::{conv_unit, Skip, UnitParams};
+use crate::nn::cpu::{conv_unit, Skip, UnitParams};
 use crate::nn::{BatchNorm, Linear};
 use crate::recompute::LayerStack;
 use crate::{Error, Result};
@@ -172,7 +172,7 @@ impl ConvUnit {
             }
             return Ok(y);
         }
-        let z = crate::nn::conv3d(h, &self.weight, self.padding, self.stride)?;
+        let z = crate::nn::cpu::conv3d(h, &self.weight, self.padding, self.stride)?;
         let mut t = self.bn.forward(&z, ctx)?;
         if let Some(a) = &self.prelu_in {
             t = prelu(&t, a)?;

@@ -141,7 +141,7 @@ impl BatchNorm {
         if training && dtype == DType::F32 && super::fused_ok(&[x, &self.weight, &self.bias]) {
             let n = x.elem_count() / self.channels();
             self.check_batch(x, n)?;
-            let (y, mean, var) = super::fused::batch_norm_train(
+            let (y, mean, var) = super::cpu::batch_norm_train(
                 &x.contiguous()?,
                 &self.weight,
                 &self.bias,

@@ -7,10 +7,9 @@
 
 use candle_core::{Tensor, D};
 
-use super::prenorm_layer::{PreNormSpec, PreNormWeights};
-use super::{
-    attention_composed, cast, fused, fused_ok, gated, multi_head, recomputed, Act, Linear,
-};
+use super::cpu::gated;
+use super::cpu::prenorm_layer::{PreNormSpec, PreNormWeights};
+use super::{attention_composed, cast, cpu, fused_ok, multi_head, recomputed, Act, Linear};
 use crate::Result;
 
 /// The gated linear unit `act(a) * g` over the halves `[a, g]` of `x`'s last dimension
@@ -87,7 +86,7 @@ pub fn attention_with_bias(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    spec: &fused::AttentionSpec,
+    spec: &cpu::AttentionSpec,
 ) -> Result<Tensor> {
     if !spec.recompute {
         return attention_composed(q, k, v, spec);
@@ -97,7 +96,7 @@ pub fn attention_with_bias(
         "gradcache-biased-attention",
         &[q, k, v, &spec.bias.clone()],
         move |t| {
-            let spec = fused::AttentionSpec {
+            let spec = cpu::AttentionSpec {
                 bias: t[3].clone(),
                 ..spec.clone()
             };
@@ -115,12 +114,12 @@ pub fn self_attention_biased(
     x: &Tensor,
     projections: [&Linear; 3],
     heads: usize,
-    spec: &fused::AttentionSpec,
+    spec: &cpu::AttentionSpec,
     score_bias: &Tensor,
 ) -> Result<Tensor> {
     multi_head(x, projections, heads, |q, k, v| {
         let bias = cast(score_bias, q.dtype())?.broadcast_add(&cast(&spec.bias, q.dtype())?)?;
-        let spec = fused::AttentionSpec {
+        let spec = cpu::AttentionSpec {
             bias,
             ..spec.clone()
         };
@@ -129,7 +128,7 @@ pub fn self_attention_biased(
 }
 
 /// A whole pre-norm layer (ModernBERT's) as one node with its backward written out
-/// ([`super::prenorm_layer::prenorm_layer`]) where the fused kernels run; `None` elsewhere
+/// ([`super::cpu::prenorm_layer::prenorm_layer`]) where the fused kernels run; `None` elsewhere
 /// (the caller then runs the layer op by op).
 pub fn prenorm_layer(
     x: &Tensor,
@@ -155,16 +154,18 @@ pub fn prenorm_layer(
     if !fused_ok(&all) || !super::frozen_base_ok(x, &bases, &weights.lora) || x.rank() != 3 {
         return Ok(None);
     }
-    Ok(Some(super::prenorm_layer::prenorm_layer(x, weights, spec)?))
+    Ok(Some(super::cpu::prenorm_layer::prenorm_layer(
+        x, weights, spec,
+    )?))
 }
 
 /// A whole decoder layer as one node with its backward written out
-/// ([`super::decoder_layer::decoder_layer`]) where the fused kernels run; `None` elsewhere (the
+/// ([`super::cpu::decoder_layer::decoder_layer`]) where the fused kernels run; `None` elsewhere (the
 /// caller then runs the layer op by op).
 pub fn decoder_layer(
     x: &Tensor,
-    weights: &super::decoder_layer::DecoderWeights,
-    spec: &super::decoder_layer::DecoderSpec,
+    weights: &super::cpu::decoder_layer::DecoderWeights,
+    spec: &super::cpu::decoder_layer::DecoderSpec,
 ) -> Result<Option<Tensor>> {
     let mut all = vec![
         x,
@@ -196,12 +197,12 @@ pub fn decoder_layer(
     if !fused_ok(&all) || !super::frozen_base_ok(x, &bases, &weights.lora) || x.rank() != 3 {
         return Ok(None);
     }
-    Ok(super::decoder_layer::decoder_layer(x, weights, spec)?)
+    Ok(super::cpu::decoder_layer::decoder_layer(x, weights, spec)?)
 }
 
 /// A token embedding lookup `table[ids] * scale` (`[n, s]` ids into `[n, s, h]`; row
 /// `padding_idx` untrained, as PyTorch's) as one node whose backward adds only the rows the
-/// tokens touched into the gradient sink ([`super::embeddings::token_embeddings`]) where the fused
+/// tokens touched into the gradient sink ([`super::cpu::embeddings::token_embeddings`]) where the fused
 /// kernels run; `None` elsewhere.
 pub fn token_embeddings(
     ids: &Tensor,
@@ -212,7 +213,7 @@ pub fn token_embeddings(
     if !fused_ok(&[table]) || ids.rank() != 2 {
         return Ok(None);
     }
-    Ok(Some(super::embeddings::token_embeddings(
+    Ok(Some(super::cpu::embeddings::token_embeddings(
         ids,
         table,
         scale,
@@ -284,7 +285,7 @@ pub fn grouped_attention(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    spec: &fused::AttentionSpec,
+    spec: &cpu::AttentionSpec,
 ) -> Result<Tensor> {
     if !spec.recompute {
         return grouped_attention_composed(q, k, v, spec);
@@ -300,7 +301,7 @@ pub fn grouped_attention_composed(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    spec: &fused::AttentionSpec,
+    spec: &cpu::AttentionSpec,
 ) -> Result<Tensor> {
     let (n, heads, s, d) = q.dims4()?;
     let kv = k.dim(1)?;

@@ -12,11 +12,11 @@
 //! dropout (PEFT's `lora_dropout`) is seeded like every dropout here: one mask per
 //! projection, layer and chunk, drawn again bit for bit by every replay.
 //!
-//! How it runs. On the CPU the fused layer nodes ([`super::encoder_layer`],
-//! [`super::prenorm_layer`], [`super::decoder_layer`]) take the frozen `W` as stored (a
+//! How it runs. On the CPU the fused layer nodes ([`super::cpu::encoder_layer`],
+//! [`super::cpu::prenorm_layer`], [`super::cpu::decoder_layer`]) take the frozen `W` as stored (a
 //! bf16 or f16 base read widened) and each adapter beside it: the low-rank branch
 //! `s (dropout(x) A^T) B^T` is added inside the node and its backward written out
-//! ([`super::lora_branch`]: `dB = s dy^T t`, `dA = (s dy B)^T dropout(x)`), and the frozen
+//! ([`super::cpu::lora_branch`]: `dB = s dy^T t`, `dA = (s dy B)^T dropout(x)`), and the frozen
 //! `W`'s own gradient is never computed. Elsewhere (off the CPU, or a node that does not
 //! take the layer) the projection runs as composed ops: without a dropout mask on the
 //! merged weight `W + s B A` (on the CPU one node, [`Adapter::merged`]), whose gradient
@@ -27,7 +27,7 @@
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
-pub use super::lora_branch::LoraInput;
+pub use super::cpu::lora_branch::LoraInput;
 use crate::names::targets_module;
 pub use crate::names::{is_adapter, target_matches, DEFAULT_TARGETS};
 use crate::{Error, Result};
@@ -157,8 +157,8 @@ impl Adapter {
     }
 
     /// The adapter as a layer node takes it (the low-rank branch inside the node).
-    pub fn input(&self) -> super::lora_branch::LoraInput {
-        super::lora_branch::LoraInput {
+    pub fn input(&self) -> super::cpu::lora_branch::LoraInput {
+        super::cpu::lora_branch::LoraInput {
             a: self.a.clone(),
             b: self.b.clone(),
             scale: self.scale,
@@ -224,7 +224,7 @@ impl Adapter {
             .map(|v| v * s)
             .collect();
         // W' [out, in] += (s B) [out, r] A [r, in]
-        super::gemm::product(
+        super::cpu::gemm::product(
             (out, input, rank),
             (&mut w, input),
             true,
@@ -234,11 +234,11 @@ impl Adapter {
         let params = [self.a.clone(), self.b.clone()];
         let backward: super::node::BackwardN = Box::new(move |dw| {
             let dw = dw.contiguous()?.to_dtype(DType::F32)?;
-            let view = super::packing::View::new(&dw)?;
+            let view = super::cpu::packing::View::new(&dw)?;
             let dw = view.values::<f32>()?;
             // dA [r, in] = (s B)^T [r, out] dW' [out, in]
             let mut da = vec![0f32; rank * input];
-            super::gemm::product(
+            super::cpu::gemm::product(
                 (rank, input, out),
                 (&mut da, input),
                 false,
@@ -248,7 +248,7 @@ impl Adapter {
             // dB [out, r] = dW' [out, in] (s A)^T [in, r]
             let a_scaled: Vec<f32> = a_vals.iter().map(|v| v * s).collect();
             let mut db = vec![0f32; out * rank];
-            super::gemm::product(
+            super::cpu::gemm::product(
                 (out, rank, input),
                 (&mut db, rank),
                 false,

@@ -15,50 +15,22 @@
 //! LayerNorm and the attention softmax widen half-precision inputs to f32 for their
 //! statistics and narrow the result back.
 
-mod accumulate;
-mod activation;
-pub mod attention;
-mod attention_grouped;
-mod attention_layout;
-mod attention_nodes;
 mod batch_norm;
-mod blocks;
-mod conv;
-mod conv3d;
-mod conv_unit;
-pub mod decoder_layer;
-mod decoder_passes;
-mod dense;
-mod dropout_ops;
-pub mod embeddings;
-pub mod encoder_layer;
+pub mod cpu;
 pub mod family_ops;
-pub mod fused;
-mod gated;
-mod gemm;
-pub mod infonce;
 mod layer_norm;
+mod linear;
 pub mod lora;
-mod lora_branch;
-mod math;
-pub(crate) mod maxsim;
 mod node;
-mod norm;
-mod packed_attention;
-mod packing;
-pub mod pooling;
-pub mod prenorm_layer;
-mod rows;
-mod softmax;
 
 pub use batch_norm::BatchNorm;
-pub use dense::Linear;
 pub use family_ops::{
     attention_with_bias, decoder_layer, glu, glu_composed, grouped_attention,
     grouped_attention_composed, pattern_bias, prenorm_layer, rms_norm, rotary, rotary_composed,
     self_attention_biased, token_embeddings, window_bias,
 };
 pub use layer_norm::LayerNorm;
+pub use linear::Linear;
 use lora::LoraInput;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,9 +40,9 @@ use candle_core::{DType, Tensor, D};
 use crate::precision::is_half;
 use crate::Result;
 
-pub use attention::{MASKED_BIAS, UNATTENDED_BIAS};
-pub use blocks::serial;
-pub use fused::{Act, AttentionSpec};
+pub use cpu::attention::{MASKED_BIAS, UNATTENDED_BIAS};
+pub use cpu::blocks::serial;
+pub use cpu::{Act, AttentionSpec};
 
 static FUSED: AtomicBool = AtomicBool::new(true);
 
@@ -118,7 +90,7 @@ fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
 }
 
 /// The residual block's tail, `norm(dropout(x) + residual)`, `dropout` the mask seed and
-/// probability ([`crate::rng::keep`]) or `None`: one node ([`fused::add_norm`]) where the
+/// probability ([`crate::rng::keep`]) or `None`: one node ([`cpu::add_norm`]) where the
 /// fused kernels run, else composed.
 pub fn add_norm(
     x: &Tensor,
@@ -145,13 +117,7 @@ pub fn add_norm(
     }
     if fused_ok(&[x, residual, &norm.weight, &norm.bias]) {
         let gamma_beta = Tensor::stack(&[&norm.weight, &norm.bias], 0)?;
-        return Ok(fused::add_norm(
-            x,
-            residual,
-            &gamma_beta,
-            norm.eps,
-            dropout,
-        )?);
+        return Ok(cpu::add_norm(x, residual, &gamma_beta, norm.eps, dropout)?);
     }
     add_norm_composed(x, residual, norm, dropout)
 }
@@ -166,7 +132,7 @@ pub fn add_norm_recomputed(
 ) -> Result<Tensor> {
     if fused_ok(&[x, residual, &norm.weight, &norm.bias]) {
         let gamma_beta = Tensor::stack(&[&norm.weight, &norm.bias], 0)?;
-        return Ok(fused::add_norm_recomputed(
+        return Ok(cpu::add_norm_recomputed(
             x,
             residual,
             &gamma_beta,
@@ -193,7 +159,7 @@ pub fn add_norm_recomputed(
 /// BERT's embeddings, `dropout(norm(words[ids] + types[type_ids] + positions[f..f+s]))`
 /// with `f` the `first_position` (0 for BERT, past the padding index for RoBERTa), as
 /// one node whose backward adds only the rows the tokens touched
-/// ([`embeddings::embeddings`]) where the fused kernels run; `None` elsewhere (the caller
+/// ([`cpu::embeddings::embeddings`]) where the fused kernels run; `None` elsewhere (the caller
 /// then runs the separate ops). With `recompute` it keeps nothing but the ids, else the
 /// sum under the LayerNorm.
 pub fn embeddings(
@@ -208,7 +174,7 @@ pub fn embeddings(
     if !fused_ok(&[words, types, positions, &norm.weight, &norm.bias]) {
         return Ok(None);
     }
-    Ok(Some(embeddings::embeddings_from(
+    Ok(Some(cpu::embeddings::embeddings_from(
         ids,
         tables,
         first_position,
@@ -220,12 +186,12 @@ pub fn embeddings(
 }
 
 /// A whole post-norm encoder layer (BERT's) as one node with its backward written out
-/// ([`encoder_layer::encoder_layer`]) where the fused kernels run; `None` elsewhere (the
+/// ([`cpu::encoder_layer::encoder_layer`]) where the fused kernels run; `None` elsewhere (the
 /// caller then runs the layer op by op).
 pub fn encoder_layer(
     x: &Tensor,
-    weights: &encoder_layer::LayerWeights,
-    spec: &encoder_layer::LayerSpec,
+    weights: &cpu::encoder_layer::LayerWeights,
+    spec: &cpu::encoder_layer::LayerSpec,
 ) -> Result<Option<Tensor>> {
     let mut all = vec![x, &spec.attention.bias];
     all.extend(weights.qkv_bias);
@@ -249,7 +215,7 @@ pub fn encoder_layer(
     if !fused_ok(&all) || !frozen_base_ok(x, &bases, &weights.lora) || x.rank() != 3 {
         return Ok(None);
     }
-    Ok(Some(encoder_layer::encoder_layer(x, weights, spec)?))
+    Ok(Some(cpu::encoder_layer::encoder_layer(x, weights, spec)?))
 }
 
 /// A transformer's feed-forward block without the residual, `down(act(up(x)))`. With
@@ -276,7 +242,7 @@ pub fn feed_forward(
     let mut all = vec![x, &up_weight, &up_bias, &down_weight];
     all.extend(down.bias());
     if fused_ok(&all) {
-        return Ok(fused::feed_forward_recomputed(
+        return Ok(cpu::feed_forward_recomputed(
             x,
             &up_weight,
             &up_bias,
@@ -309,11 +275,11 @@ pub fn add_norm_composed(
 }
 
 /// The mean of `x` `[n, s, h]` over the positions where `mask` `[n, s]` is 1, then
-/// [`l2_normalize`]d with `normalize`: the fused node ([`pooling::mean_pool`]) where it
+/// [`l2_normalize`]d with `normalize`: the fused node ([`cpu::pooling::mean_pool`]) where it
 /// runs, else the composed ops.
 pub fn mean_pool(x: &Tensor, mask: &Tensor, normalize: bool) -> Result<Tensor> {
     if fused_ok(&[x, mask]) {
-        return Ok(pooling::mean_pool(x, mask, normalize)?);
+        return Ok(cpu::pooling::mean_pool(x, mask, normalize)?);
     }
     mean_pool_composed(x, mask, normalize)
 }
@@ -340,7 +306,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     if fused_ok(&[x, weight, bias]) {
         return Ok(x
             .contiguous()?
-            .apply_op3(weight, bias, fused::LayerNorm { eps })?);
+            .apply_op3(weight, bias, cpu::LayerNorm { eps })?);
     }
     layer_norm_composed(x, weight, bias, eps)
 }
@@ -376,7 +342,7 @@ fn widened_layer_norm(
 }
 
 /// `x W^T + b` on the flattened rows of `x`: one node with a hand-written backward
-/// ([`fused::linear`]) where the fused kernels run, else composed as `(W x^T)^T`.
+/// ([`cpu::linear`]) where the fused kernels run, else composed as `(W x^T)^T`.
 ///
 /// The composed form is written this way round, candle's backward produces the weight gradient as one
 /// contiguous `[out, in]` matmul, with no transpose node on the weight: `x.matmul(W.t())`
@@ -393,7 +359,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         None => fused_ok(&[x, weight]),
     };
     if fits {
-        return Ok(fused::linear(x, weight, bias)?);
+        return Ok(cpu::linear(x, weight, bias)?);
     }
     linear_composed(x, weight, bias)
 }
@@ -425,7 +391,7 @@ pub fn masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tens
     if fused_ok(&[scores, bias]) && scores.rank() == 4 {
         return Ok(scores
             .contiguous()?
-            .apply_op2(&bias.contiguous()?.detach(), fused::MaskedSoftmax { scale })?);
+            .apply_op2(&bias.contiguous()?.detach(), cpu::MaskedSoftmax { scale })?);
     }
     masked_softmax_composed(scores, bias, scale)
 }
@@ -457,7 +423,7 @@ fn widened_softmax(
 /// The two give the same mask bit for bit.
 pub fn dropout(x: &Tensor, seed: u64, p: f32) -> Result<Tensor> {
     if fused_ok(&[x]) {
-        return Ok(x.contiguous()?.apply_op1(fused::Dropout { seed, p })?);
+        return Ok(x.contiguous()?.apply_op1(cpu::Dropout { seed, p })?);
     }
     dropout_composed(x, seed, p)
 }
@@ -475,7 +441,7 @@ pub fn bias_activation(x: &Tensor, bias: &Tensor, act: Act) -> Result<Tensor> {
     if fused_ok(&[x, bias]) {
         return Ok(x
             .contiguous()?
-            .apply_op2(bias, fused::BiasActivation { act })?);
+            .apply_op2(bias, cpu::BiasActivation { act })?);
     }
     bias_activation_composed(x, bias, act)
 }
@@ -493,18 +459,13 @@ pub fn bias_activation_composed(x: &Tensor, bias: &Tensor, act: Act) -> Result<T
 
 /// Scaled dot-product attention with an additive key mask and dropout on the
 /// probabilities, `dropout(softmax(scale * q k^T + bias)) v`, for `q`, `k`, `v`
-/// `[n, heads, s, d]`: one node ([`fused::attention`]) where the fused kernels run, else
+/// `[n, heads, s, d]`: one node ([`cpu::attention`]) where the fused kernels run, else
 /// [`attention_composed`]. With `spec.recompute` nothing of size `[n, heads, s, s]` is
 /// kept for the backward, which recomputes the probabilities (the composed form then runs
 /// inside a [`recomputed`] node).
-pub fn attention(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    spec: &fused::AttentionSpec,
-) -> Result<Tensor> {
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &cpu::AttentionSpec) -> Result<Tensor> {
     if fused_ok(&[q, k, v, &spec.bias]) && q.rank() == 4 {
-        return Ok(fused::attention(q, k, v, spec)?);
+        return Ok(cpu::attention(q, k, v, spec)?);
     }
     if spec.recompute {
         let spec = spec.clone();
@@ -516,40 +477,40 @@ pub fn attention(
 }
 
 /// A 2-D convolution without bias (`x [n, c_in, h, w]`, `weight [c_out, c_in, k, k]`,
-/// zero `padding`, `stride`): one node with a faster backward ([`fused::conv2d`]) where
+/// zero `padding`, `stride`): one node with a faster backward ([`cpu::conv2d`]) where
 /// the fused kernels run (the CPU), else candle's convolution and its backward.
 pub fn conv2d(x: &Tensor, weight: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
     if fused_ok(&[x, weight]) {
-        return Ok(fused::conv2d(x, weight, padding, stride)?);
+        return Ok(cpu::conv2d(x, weight, padding, stride)?);
     }
     Ok(x.conv2d(weight, padding, stride, 1, 1)?)
 }
 
 /// A 3-D convolution without bias (`x [n, c_in, d, h, w]`, a cubic `weight
 /// [c_out, c_in, k, k, k]`, zero `padding`, `stride`) as one node with its backward
-/// ([`fused::conv3d`]; candle has no 3-D convolution, so it runs whether or not the fused
+/// ([`cpu::conv3d`]; candle has no 3-D convolution, so it runs whether or not the fused
 /// kernels are on). f32 on the CPU only: anything else is refused by name.
 pub fn conv3d(x: &Tensor, weight: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
-    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
-    if !(cpu_f32(x) && cpu_f32(weight)) {
+    let fused_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    if !(fused_f32(x) && fused_f32(weight)) {
         return Err(crate::Error::InvalidArgument {
             what: "3-D convolution input",
             value: format!("{:?} on {:?}", x.dtype(), x.device()),
             reason: "the 3-D convolution runs on f32 tensors on the CPU",
         });
     }
-    Ok(fused::conv3d(x, weight, padding, stride)?)
+    Ok(cpu::conv3d(x, weight, padding, stride)?)
 }
 
 /// `f(inputs)` as one graph node that keeps only its inputs and recomputes the rest in
-/// the backward pass, bit for bit ([`fused::recomputed`]): selective recompute of a cheap
+/// the backward pass, bit for bit ([`cpu::recomputed`]): selective recompute of a cheap
 /// piece of a layer, on any device and dtype. Every tensor `f` reads that needs a
 /// gradient must be one of `inputs`.
 pub fn recomputed<F>(name: &'static str, inputs: &[&Tensor], f: F) -> Result<Tensor>
 where
     F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
 {
-    Ok(fused::recomputed(name, inputs, move |t| {
+    Ok(cpu::recomputed(name, inputs, move |t| {
         f(t).map_err(|e| match e {
             crate::Error::Candle(e) => e,
             e => candle_core::Error::Msg(e.to_string()),
@@ -560,19 +521,19 @@ where
 /// BERT's multi-head self-attention from the hidden states `x` `[n, s, h]`: the query,
 /// key and value projections, the split into `heads`, [`attention()`](fn@attention), and the heads merged
 /// back, `[n, s, h]` (before the output projection). Where the fused kernels run, one node
-/// over the three projections ([`fused::self_attention_projections`]); else composed.
+/// over the three projections ([`cpu::self_attention_projections`]); else composed.
 pub fn self_attention(
     x: &Tensor,
     [query, key, value]: [&Linear; 3],
     heads: usize,
-    spec: &fused::AttentionSpec,
+    spec: &cpu::AttentionSpec,
 ) -> Result<Tensor> {
     let merged = query.merges() && key.merges() && value.merges();
     if let (Some(bq), Some(bk), Some(bv), true) = (&query.bias, &key.bias, &value.bias, merged) {
         let (wq, wk, wv) = (query.weight()?, key.weight()?, value.weight()?);
         let ts = [x, &wq, &wk, &wv, bq, bk, bv, &spec.bias];
         if fused_ok(&ts) && x.rank() == 3 {
-            return Ok(fused::self_attention_projections(
+            return Ok(cpu::self_attention_projections(
                 x,
                 [&wq, &wk, &wv],
                 [bq, bk, bv],
@@ -589,7 +550,7 @@ pub fn self_attention_composed(
     x: &Tensor,
     projections: [&Linear; 3],
     heads: usize,
-    spec: &fused::AttentionSpec,
+    spec: &cpu::AttentionSpec,
 ) -> Result<Tensor> {
     multi_head(x, projections, heads, |q, k, v| attention(q, k, v, spec))
 }
@@ -621,7 +582,7 @@ pub fn attention_composed(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    spec: &fused::AttentionSpec,
+    spec: &cpu::AttentionSpec,
 ) -> Result<Tensor> {
     let bias = match spec.window {
         Some(w) => window_bias(q.dim(2)?, k.dim(2)?, w, q.device())?

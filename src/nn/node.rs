@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 
-use super::blocks::Float;
+use super::cpu::blocks::Float;
 
 /// The hand-written backward of a [`Node`]: the gradient of the node's output in, the
 /// gradients of its (up to three) inputs out. Runs on detached tensors, so it records no

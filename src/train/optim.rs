@@ -312,7 +312,7 @@ mod kernels {
     use candle_core::{CpuStorage, CustomOp2, InplaceOp2, Layout, Shape, Tensor, WithDType};
     use num_traits::Zero;
 
-    use crate::nn::fused::{for_blocks, parallel_ranges, Float, BLOCK_ROWS};
+    use crate::nn::cpu::{for_blocks, parallel_ranges, Float, BLOCK_ROWS};
 
     /// Elements per parallel block.
     const WIDTH: usize = 1024;
@@ -424,7 +424,7 @@ mod kernels {
                 let (c1, c2) = (T::of(1.0 - self.beta1), T::of(1.0 - self.beta2));
                 let mut out = vec![T::zero(); 2 * n];
                 let (m_out, v_out) = out.split_at_mut(n);
-                let v_ptr = crate::nn::fused::SharedMut(v_out.as_mut_ptr());
+                let v_ptr = crate::nn::cpu::SharedMut(v_out.as_mut_ptr());
                 for_blocks(m_out, WIDTH, |blk, chunk| {
                     let base = blk * BLOCK_ROWS * WIDTH;
                     let len = chunk.len();

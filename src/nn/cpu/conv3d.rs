@@ -15,7 +15,7 @@ use candle_core::Tensor;
 
 use super::blocks::{contiguous, parallel_ranges, SharedMut};
 use super::gemm::product;
-use super::node::node;
+use crate::nn::node::node;
 
 /// The most bytes of columns one piece of a 3-D convolution unfolds (8 MiB): a 5x5x5
 /// kernel unfolds each input value 125 times, so pieces are kept small; at 8 MiB a piece

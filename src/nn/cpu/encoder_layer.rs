@@ -39,17 +39,17 @@ use candle_core::{DType, Tensor};
 
 use super::attention::{self as kernel, KeyMask};
 use super::blocks::Float;
-use super::fused::AttentionSpec;
 use super::gemm::{bias_rows, column_sums, linear, product, product_new};
 use super::lora_branch::{node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights};
 use super::math::Act;
-use super::node::node_n_owned;
 use super::packed_attention::{attend, attention_backward};
 use super::packing::{Packing, View};
 use super::rows::{
     activate, activate_in_place, activate_with_slope, add_norm, dropped, norm, norm_backward,
     times_slope,
 };
+use super::AttentionSpec;
+use crate::nn::node::node_n_owned;
 
 /// The weights of one encoder layer, Hugging Face's BERT layer in order.
 #[derive(Debug, Clone)]

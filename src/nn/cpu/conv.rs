@@ -5,7 +5,7 @@
 use candle_core::Tensor;
 
 use super::blocks::contiguous;
-use super::node::node;
+use crate::nn::node::node;
 
 /// The most bytes of im2col columns one piece of a convolution unfolds (32 MiB): candle's
 /// CPU convolution unfolds its whole input at once (`rows x out_h x out_w x c_in x k x k`

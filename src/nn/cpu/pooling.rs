@@ -16,8 +16,8 @@
 use candle_core::{DType, Tensor};
 
 use super::blocks::Float;
-use super::node::node_n_owned;
 use super::packing::View;
+use crate::nn::node::node_n_owned;
 
 /// Below this norm a row is divided by it instead (`torch.nn.functional.normalize`).
 const MIN_NORM: f64 = 1e-12;

@@ -6,7 +6,7 @@
 use super::blocks::{in_serial, parallel_ranges, sum_partials, Float, SharedMut, BLOCK_ROWS};
 
 /// The gemm crate's parallelism for the layer's large products (candle's own choice).
-pub(super) fn parallelism() -> gemm::Parallelism {
+pub(in crate::nn) fn parallelism() -> gemm::Parallelism {
     if in_serial() {
         return gemm::Parallelism::None;
     }
@@ -17,16 +17,16 @@ pub(super) fn parallelism() -> gemm::Parallelism {
 }
 
 /// A matrix operand: its values, row stride and column stride.
-pub(super) type Operand<'a, T> = (&'a [T], usize, usize);
+pub(in crate::nn) type Operand<'a, T> = (&'a [T], usize, usize);
 
 /// The index of the last element `rows x cols` with these strides reach.
-pub(super) fn last(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
+pub(in crate::nn) fn last(rows: usize, cols: usize, rs: usize, cs: usize) -> usize {
     (rows - 1) * rs + (cols - 1) * cs
 }
 
 /// `dst [m, n] (+)= lhs [m, k] rhs [k, n]`, `dst` with row stride `dst_rs`; with
 /// `accumulate` the product is added to what `dst` holds.
-pub(super) fn product<T: Float>(
+pub(in crate::nn) fn product<T: Float>(
     (m, n, k): (usize, usize, usize),
     (dst, dst_rs): (&mut [T], usize),
     accumulate: bool,
@@ -45,7 +45,7 @@ pub(super) fn product<T: Float>(
 }
 
 /// `lhs [m, k] rhs [k, n]` into a new `[m, n]` buffer.
-pub(super) fn product_new<T: Float>(
+pub(in crate::nn) fn product_new<T: Float>(
     (m, n, k): (usize, usize, usize),
     lhs: Operand<T>,
     rhs: Operand<T>,
@@ -67,7 +67,7 @@ pub(super) fn product_new<T: Float>(
 ///
 /// # Safety
 /// `dst` addresses `m x n` elements with row stride `dst_rs`, overlapping no operand.
-pub(super) unsafe fn product_raw<T: Float>(
+pub(in crate::nn) unsafe fn product_raw<T: Float>(
     (m, n, k): (usize, usize, usize),
     (dst, dst_rs): (*mut T, usize),
     accumulate: bool,
@@ -108,7 +108,7 @@ pub(super) unsafe fn product_raw<T: Float>(
 
 /// Rows of `width` holding the biases side by side, `rows` times (the destination of
 /// products that add to them).
-pub(super) fn bias_rows<T: Float>(biases: &[&[T]], rows: usize) -> Vec<T> {
+pub(in crate::nn) fn bias_rows<T: Float>(biases: &[&[T]], rows: usize) -> Vec<T> {
     let width: usize = biases.iter().map(|b| b.len()).sum();
     let mut y = Vec::with_capacity(rows * width);
     for _ in 0..rows {
@@ -120,7 +120,7 @@ pub(super) fn bias_rows<T: Float>(biases: &[&[T]], rows: usize) -> Vec<T> {
 }
 
 /// `x [rows, k] W^T + b`, `W` `[out, k]`: the bias pre-filled, the product added to it.
-pub(super) fn linear<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, k: usize) -> Vec<T> {
+pub(in crate::nn) fn linear<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, k: usize) -> Vec<T> {
     let out = b.len();
     let mut y = bias_rows(&[b], rows);
     product((rows, out, k), (&mut y, out), true, (x, k, 1), (w, 1, k));
@@ -128,7 +128,7 @@ pub(super) fn linear<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, k: usize)
 }
 
 /// Column sums of `[rows, width]` (a bias gradient), in a fixed order.
-pub(super) fn column_sums<T: Float>(x: &[T], width: usize) -> Vec<T> {
+pub(in crate::nn) fn column_sums<T: Float>(x: &[T], width: usize) -> Vec<T> {
     let rows = x.len() / width.max(1);
     let blocks = rows.div_ceil(BLOCK_ROWS);
     let mut partials = vec![T::zero(); blocks * width];

@@ -14,15 +14,15 @@ use super::blocks::Float;
 /// layer's output is 0 at padding. Dropout masks are those of each element's place in the
 /// padded `[n, s, h]` tensor, so packing changes no mask.
 pub(crate) struct Packing {
-    pub(super) rows: Rows,
+    pub(in crate::nn) rows: Rows,
     /// The padded row of every packed row.
-    pub(super) padded: Vec<usize>,
+    pub(in crate::nn) padded: Vec<usize>,
     /// Every row is real: packed and padded are the same.
     identity: bool,
 }
 
 impl Packing {
-    pub(super) fn new<T: Float>(mask: &KeyMask<T>, n: usize, s: usize) -> Self {
+    pub(in crate::nn) fn new<T: Float>(mask: &KeyMask<T>, n: usize, s: usize) -> Self {
         let lengths: Vec<usize> = (0..n).map(|b| mask.len(b)).collect();
         let padded = lengths
             .iter()
@@ -38,7 +38,7 @@ impl Packing {
 
     /// The real tokens alone, wherever the padding is (a decoder's batches are padded on
     /// the left): each sequence's unmasked rows of the key bias `[n, s]`, packed in order.
-    pub(super) fn real<T: Float>(bias: &[T], n: usize, s: usize) -> Self {
+    pub(in crate::nn) fn real<T: Float>(bias: &[T], n: usize, s: usize) -> Self {
         let masked = T::of(super::attention::MASKED_BIAS);
         let mut lengths = Vec::with_capacity(n);
         let mut padded = Vec::with_capacity(n * s);
@@ -58,12 +58,12 @@ impl Packing {
         }
     }
 
-    pub(super) fn total(&self) -> usize {
+    pub(in crate::nn) fn total(&self) -> usize {
         self.padded.len()
     }
 
     /// The packed rows of `x` (`[n s, width]`).
-    pub(super) fn gather<'a, T: Float>(
+    pub(in crate::nn) fn gather<'a, T: Float>(
         &self,
         x: &'a [T],
         width: usize,
@@ -79,7 +79,12 @@ impl Packing {
     }
 
     /// The packed rows `y` put back at their padded places, 0 elsewhere.
-    pub(super) fn scatter<T: Float>(&self, y: Vec<T>, padded_rows: usize, width: usize) -> Vec<T> {
+    pub(in crate::nn) fn scatter<T: Float>(
+        &self,
+        y: Vec<T>,
+        padded_rows: usize,
+        width: usize,
+    ) -> Vec<T> {
         if self.identity {
             return y;
         }
@@ -121,7 +126,7 @@ impl<G: std::ops::Deref<Target = candle_core::Storage>> View<G> {
 }
 
 /// The packed input gradient and one gradient per weight of a [`packed_layer`]'s backward.
-pub(super) type LayerGrads<T> = (Vec<T>, Vec<Vec<T>>);
+pub(in crate::nn) type LayerGrads<T> = (Vec<T>, Vec<Vec<T>>);
 
 /// A whole layer as one graph node on the packed real rows of `x` `[n, s, h]`: the plumbing
 /// the pre-norm and decoder layer nodes share. `forward` gets the packed input rows and
@@ -131,7 +136,7 @@ pub(super) type LayerGrads<T> = (Vec<T>, Vec<Vec<T>>);
 /// weight's is ignored). The weights' gradients go into the open gradient sink (or to
 /// candle when none is open); a weight that is neither a variable nor computed from one (a
 /// frozen weight) gets none. Without a kept state the output is a plain tensor.
-pub(super) fn packed_layer<T: Float, K: Send + Sync + 'static>(
+pub(in crate::nn) fn packed_layer<T: Float, K: Send + Sync + 'static>(
     name: &'static str,
     x: &Tensor,
     weights: &[Option<&Tensor>],
@@ -155,7 +160,7 @@ pub(super) fn packed_layer<T: Float, K: Send + Sync + 'static>(
     let params: Vec<Option<Tensor>> = weights.iter().map(|t| t.cloned()).collect();
     let mut inputs = vec![x];
     inputs.extend(weights.iter().flatten());
-    super::node::node_n_owned(
+    crate::nn::node::node_n_owned(
         name,
         &inputs,
         out,

@@ -23,7 +23,6 @@ use candle_core::{DType, Tensor};
 
 use super::attention::{self as kernel, KeyMask};
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
-use super::fused::AttentionSpec;
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{column_sums, linear, product, product_new};
 use super::lora_branch::{node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights};
@@ -31,6 +30,7 @@ use super::math::Act;
 use super::packed_attention::{attend, attention_backward};
 use super::packing::{packed_layer, Packing, View};
 use super::rows::{add_row, dropped, norm, norm_backward};
+use super::AttentionSpec;
 
 /// A weight and its bias, when the layer has one.
 pub type Affine<'a> = (&'a Tensor, Option<&'a Tensor>);

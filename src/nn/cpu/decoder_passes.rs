@@ -16,13 +16,13 @@ use super::rows::{rms, rms_backward, rms_heads, rms_heads_backward};
 
 /// The layer's adapters (in the order of [`super::decoder_layer::DecoderWeights::lora`])
 /// and which slots take a gradient (a frozen weight's is not computed).
-pub(super) struct Adapters<'a, T> {
-    pub(super) branches: Branches<'a, T, 7>,
-    pub(super) wants: [bool; SLOTS],
+pub(in crate::nn) struct Adapters<'a, T> {
+    pub(in crate::nn) branches: Branches<'a, T, 7>,
+    pub(in crate::nn) wants: [bool; SLOTS],
 }
 
 /// Indices into [`Adapters::branches`].
-pub(super) mod lora {
+pub(in crate::nn) mod lora {
     pub const Q: usize = 0;
     pub const K: usize = 1;
     pub const V: usize = 2;
@@ -33,8 +33,8 @@ pub(super) mod lora {
 }
 
 /// Slots of the weights, in node-input order.
-pub(super) const SLOTS: usize = 20;
-pub(super) mod slot {
+pub(in crate::nn) const SLOTS: usize = 20;
+pub(in crate::nn) mod slot {
     pub const IN_NORM: usize = 0;
     pub const WQ: usize = 1;
     pub const WK: usize = 3;
@@ -52,27 +52,27 @@ pub(super) mod slot {
 
 /// The sizes of a layer applied to a batch.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Shape {
-    pub(super) n: usize,
-    pub(super) s: usize,
-    pub(super) h: usize,
-    pub(super) inter: usize,
-    pub(super) grouped: Grouped,
+pub(in crate::nn) struct Shape {
+    pub(in crate::nn) n: usize,
+    pub(in crate::nn) s: usize,
+    pub(in crate::nn) h: usize,
+    pub(in crate::nn) inter: usize,
+    pub(in crate::nn) grouped: Grouped,
 }
 
 impl Shape {
     /// Query width `heads d`.
-    pub(super) fn qd(&self) -> usize {
+    pub(in crate::nn) fn qd(&self) -> usize {
         self.grouped.heads * self.grouped.d
     }
 
     /// Key (and value) width `kv_heads d`.
-    pub(super) fn kd(&self) -> usize {
+    pub(in crate::nn) fn kd(&self) -> usize {
         self.grouped.kv_heads * self.grouped.d
     }
 
     /// The length of each slot's values.
-    pub(super) fn slot_len(&self, slot: usize) -> usize {
+    pub(in crate::nn) fn slot_len(&self, slot: usize) -> usize {
         let (h, i, qd, kd, d) = (self.h, self.inter, self.qd(), self.kd(), self.grouped.d);
         [
             h,
@@ -100,7 +100,7 @@ impl Shape {
 }
 
 /// What the forward keeps for the backward.
-pub(super) struct Kept<T> {
+pub(in crate::nn) struct Kept<T> {
     /// The projections before the q/k norms and rotation.
     qkv: Vec<T>,
     probs: Option<Vec<T>>,
@@ -114,27 +114,27 @@ pub(super) struct Kept<T> {
 }
 
 /// The packed rows' layout and the per-row constants of a chunk.
-pub(super) struct Chunk<T> {
-    pub(super) seqs: Sequences,
+pub(in crate::nn) struct Chunk<T> {
+    pub(in crate::nn) seqs: Sequences,
     /// Each packed row's place among its text's real tokens (its rotary position).
-    pub(super) positions: Vec<usize>,
-    pub(super) cos: Vec<T>,
-    pub(super) sin: Vec<T>,
-    pub(super) params: grouped::Params,
+    pub(in crate::nn) positions: Vec<usize>,
+    pub(in crate::nn) cos: Vec<T>,
+    pub(in crate::nn) sin: Vec<T>,
+    pub(in crate::nn) params: grouped::Params,
     /// Which norms the layer has: q/k norms, Gemma's post norms.
-    pub(super) qk_norm: bool,
-    pub(super) post_norms: bool,
+    pub(in crate::nn) qk_norm: bool,
+    pub(in crate::nn) post_norms: bool,
     /// The gate's activation, the norms' epsilon and weight offset (Gemma's 1), and
     /// whether the probabilities are recomputed in the backward.
-    pub(super) act: Act,
-    pub(super) eps: f64,
-    pub(super) offset: f64,
-    pub(super) recompute_probs: bool,
+    pub(in crate::nn) act: Act,
+    pub(in crate::nn) eps: f64,
+    pub(in crate::nn) offset: f64,
+    pub(in crate::nn) recompute_probs: bool,
     /// The rows whose output is wanted, when not every row's: each text's last (pooled)
     /// row, in text order. The queries, the attention output and the feed-forward then
     /// run on those rows alone (every row is still a key and a value), and the other rows
     /// pass their input through.
-    pub(super) pooled: Option<Vec<usize>>,
+    pub(in crate::nn) pooled: Option<Vec<usize>>,
 }
 
 impl<T: Float> Chunk<T> {
@@ -250,7 +250,7 @@ fn added<T: Float>(a: &[T], b: &[T]) -> Vec<T> {
 }
 
 /// The forward pass: the output rows and, when `keep`, what the backward reads.
-pub(super) fn forward<T: Float>(
+pub(in crate::nn) fn forward<T: Float>(
     x: &[T],
     (w, ad): (&[&[T]; SLOTS], &Adapters<T>),
     (packing, chunk): (&Packing, &Chunk<T>),
@@ -326,14 +326,14 @@ pub(super) fn forward<T: Float>(
 
 /// Every gradient: of the input, of the slots (a missing or frozen one's is empty and
 /// unused) and the adapters' `(dA, dB)` in the order of [`Adapters::branches`].
-pub(super) struct Grads<T> {
-    pub(super) dx: Vec<T>,
-    pub(super) slots: [Vec<T>; SLOTS],
-    pub(super) lora: AdapterGrads<T, 7>,
+pub(in crate::nn) struct Grads<T> {
+    pub(in crate::nn) dx: Vec<T>,
+    pub(in crate::nn) slots: [Vec<T>; SLOTS],
+    pub(in crate::nn) lora: AdapterGrads<T, 7>,
 }
 
 /// The backward pass from `dy`.
-pub(super) fn backward<T: Float>(
+pub(in crate::nn) fn backward<T: Float>(
     x: &[T],
     dy: &[T],
     (w, ad): (&[&[T]; SLOTS], &Adapters<T>),

@@ -20,7 +20,7 @@ pub struct BiasActivation {
     pub act: Act,
 }
 
-pub(super) fn bias_act_fwd<T: Float>(x: &[T], b: &[T], act: Act) -> Vec<T> {
+pub(in crate::nn) fn bias_act_fwd<T: Float>(x: &[T], b: &[T], act: Act) -> Vec<T> {
     let w = b.len();
     let mut out = vec![T::zero(); x.len()];
     for_blocks(&mut out, w, |blk, chunk| {
@@ -92,7 +92,7 @@ struct BiasActivationBackward {
     act: Act,
 }
 
-pub(super) fn bias_act_bwd<T: Float>(x: &[T], b: &[T], dy: &[T], act: Act) -> Vec<T> {
+pub(in crate::nn) fn bias_act_bwd<T: Float>(x: &[T], b: &[T], dy: &[T], act: Act) -> Vec<T> {
     let mut dx = Vec::with_capacity(x.len() + b.len());
     dx.extend_from_slice(dy);
     let db = bias_act_bwd_in_place(x, b, &mut dx, act);
@@ -186,7 +186,7 @@ impl candle_core::InplaceOp3 for BiasActivationBackwardInPlace {
 }
 
 /// `dy` turned into the gradient of `act(x + b)`'s input in place; returns `db`.
-pub(super) fn bias_activation_backward_in_place(
+pub(in crate::nn) fn bias_activation_backward_in_place(
     dy: &Tensor,
     x: &Tensor,
     b: &Tensor,

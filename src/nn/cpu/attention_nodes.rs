@@ -10,7 +10,7 @@ use super::accumulate::{AddInPlace, SumRows};
 use super::attention::{Dims, HeadLayout, KeyMask, Params, Rows};
 use super::blocks::with_values;
 use super::blocks::Float;
-use super::node::{node, node_n};
+use crate::nn::node::{node, node_n};
 
 /// What scaled dot-product attention needs besides `q`, `k`, `v`.
 #[derive(Debug, Clone)]

@@ -56,7 +56,7 @@ impl HeadLayout {
         }
     }
 
-    pub(super) fn at(&self, rows: &Rows, b: usize, h: usize) -> usize {
+    pub(in crate::nn) fn at(&self, rows: &Rows, b: usize, h: usize) -> usize {
         let start = match self.seq {
             Some(stride) => b * stride,
             None => rows.starts[b] * self.row,
@@ -120,11 +120,11 @@ pub struct Dims {
 /// every key is masked, which then attends as if none were).
 #[derive(Debug, Clone)]
 pub struct KeyMask<T> {
-    pub(super) bias: Vec<T>,
+    pub(in crate::nn) bias: Vec<T>,
     lengths: Vec<usize>,
-    pub(super) masking: Vec<bool>,
+    pub(in crate::nn) masking: Vec<bool>,
     /// A bias per head and (query, key) pair, `[heads, s, s]`, shared by the sequences.
-    pub(super) scores: Option<Vec<T>>,
+    pub(in crate::nn) scores: Option<Vec<T>>,
 }
 
 impl<T: Float> KeyMask<T> {
@@ -173,7 +173,7 @@ impl<T: Float> KeyMask<T> {
     }
 
     /// The probabilities kept: `heads * queries_b * L_b` summed over the sequences.
-    pub(super) fn kept_len(&self, dims: Dims, rows: &Rows) -> usize {
+    pub(in crate::nn) fn kept_len(&self, dims: Dims, rows: &Rows) -> usize {
         self.lengths
             .iter()
             .zip(&rows.queries)
@@ -182,7 +182,7 @@ impl<T: Float> KeyMask<T> {
     }
 
     /// Offset of sequence `b`'s kept probabilities.
-    pub(super) fn kept_offsets(&self, dims: Dims, rows: &Rows) -> Vec<usize> {
+    pub(in crate::nn) fn kept_offsets(&self, dims: Dims, rows: &Rows) -> Vec<usize> {
         let mut at = 0;
         self.lengths
             .iter()

@@ -53,7 +53,7 @@ impl InplaceOp2 for AddInPlace {
     }
 }
 
-pub(super) fn add_rows<T: Float>(y: &mut [T], b: &[T]) {
+pub(in crate::nn) fn add_rows<T: Float>(y: &mut [T], b: &[T]) {
     for_blocks(y, b.len(), |_, rows| {
         for row in rows.chunks_mut(b.len()) {
             for (v, &bias) in row.iter_mut().zip(b) {
@@ -73,7 +73,7 @@ pub fn add_in_place(acc: &Tensor, g: &Tensor) -> candle_core::Result<()> {
     acc.inplace_op2(&g.contiguous()?, &AddInPlace { rows: false })
 }
 
-pub(super) fn add_elementwise<T: Float>(acc: &mut [T], g: &[T]) {
+pub(in crate::nn) fn add_elementwise<T: Float>(acc: &mut [T], g: &[T]) {
     const WIDTH: usize = 1024;
     for_blocks(acc, WIDTH, |blk, chunk| {
         let base = blk * BLOCK_ROWS * WIDTH;

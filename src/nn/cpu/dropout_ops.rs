@@ -25,7 +25,7 @@ fn dropout_fwd<T: Float>(x: &[T], seed: u64, p: f32, start: u64) -> Vec<T> {
 
 /// `dropout(x) + residual` (the residual optional) in one pass, the elements of `x` from
 /// element `start` of the masked tensor on.
-pub(super) fn dropout_add_fwd<T: Float>(
+pub(in crate::nn) fn dropout_add_fwd<T: Float>(
     x: &[T],
     residual: Option<&[T]>,
     seed: u64,
@@ -54,9 +54,9 @@ pub(super) fn dropout_add_fwd<T: Float>(
 
 /// `dropout(x) + residual`, `CustomOp2(x, residual)`, without a backward: the forward of
 /// [`add_norm`].
-pub(super) struct DropoutAdd {
-    pub(super) seed: u64,
-    pub(super) p: f32,
+pub(in crate::nn) struct DropoutAdd {
+    pub(in crate::nn) seed: u64,
+    pub(in crate::nn) p: f32,
 }
 
 impl CustomOp2 for DropoutAdd {

@@ -11,7 +11,7 @@ use candle_core::Tensor;
 
 use super::conv::{channel_stats, ChannelStats};
 use super::conv3d::{read, Geometry, VOL2COL_BYTES};
-use super::node::node_n;
+use crate::nn::node::node_n;
 
 /// Where a unit's residual comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -116,7 +116,7 @@ pub fn value_and_grads(plan: &Plan) -> crate::Result<Option<(f64, Tensor, Tensor
     if let Some((q, p)) = plan.unnormalized {
         inputs.extend([q, p]);
     }
-    if !super::fused_ok(&inputs) || plan.terms.is_empty() {
+    if !crate::nn::fused_ok(&inputs) || plan.terms.is_empty() {
         return Ok(None);
     }
     Ok(Some(match plan.q.dtype() {

@@ -10,7 +10,7 @@ use super::blocks::{
     zeros_with_room, Float, BLOCK_ROWS,
 };
 use super::dropout_ops::{Dropout, DropoutAdd};
-use super::node::node;
+use crate::nn::node::node;
 
 /// Layer normalisation over the last dimension: `CustomOp3(x, gamma, beta)`.
 #[derive(Debug, Clone, Copy)]
@@ -26,7 +26,7 @@ fn ln_row<T: Float>(x: &[T], eps: f64) -> (T, T) {
     (mean, T::one() / (var + T::of(eps)).sqrt())
 }
 
-pub(super) fn ln_fwd<T: Float>(x: &[T], g: &[T], b: &[T], eps: f64) -> Vec<T> {
+pub(in crate::nn) fn ln_fwd<T: Float>(x: &[T], g: &[T], b: &[T], eps: f64) -> Vec<T> {
     let h = g.len();
     let mut out = vec![T::zero(); x.len()];
     for_blocks(&mut out, h, |blk, chunk| {
@@ -92,7 +92,7 @@ struct LayerNormBackward {
     eps: f64,
 }
 
-pub(super) fn ln_bwd<T: Float>(x: &[T], g: &[T], dy: &[T], eps: f64) -> Vec<T> {
+pub(in crate::nn) fn ln_bwd<T: Float>(x: &[T], g: &[T], dy: &[T], eps: f64) -> Vec<T> {
     let h = g.len();
     let mut dx = zeros_with_room(x.len(), 2 * h);
     let partials = for_blocks_with_partials(&mut dx, h, 2 * h, |blk, chunk, acc| {

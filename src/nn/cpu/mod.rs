@@ -25,27 +25,56 @@
 //! the composed versions elsewhere (CUDA), and the tests hold the two equal forward and
 //! backward.
 //!
-//! The kernels live in one file per op family (`norm`, `softmax`, `dropout_ops`,
-//! `activation`, `dense`, `conv`, `attention_nodes`, `accumulate`, and the embeddings and
-//! encoder layer nodes); this module is the one path they are reached by.
+//! The kernels live in this folder, one file per op family (`norm`, `softmax`,
+//! `dropout_ops`, `activation`, `dense`, `conv`, `attention_nodes`, `accumulate`, and the
+//! embeddings and layer nodes of every family); this module is the one path they are
+//! reached by. The CUDA kernels are the sibling folder [`crate::nn`]`::cuda`.
 
-pub use super::accumulate::add_in_place;
-pub use super::activation::BiasActivation;
-pub use super::attention_nodes::{
-    attention, self_attention, self_attention_projections, AttentionSpec,
-};
-pub(crate) use super::blocks::{for_blocks, parallel_ranges, SharedMut, BLOCK_ROWS};
-pub use super::blocks::{serial, Float};
-pub use super::conv::{batch_norm_train, conv2d};
-pub use super::conv3d::conv3d;
-pub use super::conv_unit::{conv_unit, Skip, UnitParams};
-pub use super::dense::{feed_forward_recomputed, linear};
-pub use super::dropout_ops::Dropout;
-pub use super::embeddings::embeddings_recomputed;
-pub use super::math::{exp, Act, EXP_UNDERFLOW_F32};
-pub use super::node::recomputed;
-pub use super::norm::{add_norm, add_norm_recomputed, LayerNorm};
-pub use super::softmax::MaskedSoftmax;
+pub(crate) mod accumulate;
+pub(crate) mod activation;
+pub mod attention;
+pub(crate) mod attention_grouped;
+pub(crate) mod attention_layout;
+pub(crate) mod attention_nodes;
+pub(crate) mod blocks;
+pub(crate) mod conv;
+pub(crate) mod conv3d;
+pub(crate) mod conv_unit;
+pub mod decoder_layer;
+pub(crate) mod decoder_passes;
+pub(crate) mod dense;
+pub(crate) mod dropout_ops;
+pub mod embeddings;
+pub mod encoder_layer;
+pub(crate) mod gated;
+pub(crate) mod gemm;
+pub mod infonce;
+pub(crate) mod lora_branch;
+pub(crate) mod math;
+pub(crate) mod maxsim;
+pub(crate) mod norm;
+pub(crate) mod packed_attention;
+pub(crate) mod packing;
+pub mod pooling;
+pub mod prenorm_layer;
+pub(crate) mod rows;
+pub(crate) mod softmax;
+
+pub use crate::nn::node::recomputed;
+pub use accumulate::add_in_place;
+pub use activation::BiasActivation;
+pub use attention_nodes::{attention, self_attention, self_attention_projections, AttentionSpec};
+pub(crate) use blocks::{for_blocks, parallel_ranges, SharedMut, BLOCK_ROWS};
+pub use blocks::{serial, Float};
+pub use conv::{batch_norm_train, conv2d};
+pub use conv3d::conv3d;
+pub use conv_unit::{conv_unit, Skip, UnitParams};
+pub use dense::{feed_forward_recomputed, linear};
+pub use dropout_ops::Dropout;
+pub use embeddings::embeddings_recomputed;
+pub use math::{exp, Act, EXP_UNDERFLOW_F32};
+pub use norm::{add_norm, add_norm_recomputed, LayerNorm};
+pub use softmax::MaskedSoftmax;
 
 #[cfg(test)]
 mod tests {
@@ -54,12 +83,12 @@ mod tests {
 
     use candle_core::Tensor;
 
-    use crate::nn::accumulate::{add_elementwise, add_rows};
-    use crate::nn::activation::{bias_act_bwd, bias_act_fwd};
-    use crate::nn::blocks::BASELINE_ONLY;
-    use crate::nn::dropout_ops::dropout_add_fwd;
-    use crate::nn::norm::{ln_bwd, ln_fwd};
-    use crate::nn::softmax::{softmax_bwd, softmax_fwd};
+    use crate::nn::cpu::accumulate::{add_elementwise, add_rows};
+    use crate::nn::cpu::activation::{bias_act_bwd, bias_act_fwd};
+    use crate::nn::cpu::blocks::BASELINE_ONLY;
+    use crate::nn::cpu::dropout_ops::dropout_add_fwd;
+    use crate::nn::cpu::norm::{ln_bwd, ln_fwd};
+    use crate::nn::cpu::softmax::{softmax_bwd, softmax_fwd};
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut state = seed;

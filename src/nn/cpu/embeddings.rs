@@ -13,9 +13,9 @@
 use candle_core::{DType, Tensor};
 
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
-use super::node::node_n_owned;
 use super::packing::View;
 use super::rows::{dropped, norm_backward, norm_row};
+use crate::nn::node::node_n_owned;
 
 /// The embeddings of `ids` and `type_ids` `[n, s]` from the tables `[words, types,
 /// positions]` (`[rows, h]` each), normalised with `[gamma, beta]`, with dropout `(seed,

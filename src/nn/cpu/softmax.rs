@@ -16,7 +16,7 @@ pub struct MaskedSoftmax {
     pub scale: f64,
 }
 
-pub(super) fn softmax_fwd<T: Float>(
+pub(in crate::nn) fn softmax_fwd<T: Float>(
     x: &[T],
     bias: &[T],
     k: usize,
@@ -90,7 +90,7 @@ struct SoftmaxBackward {
     scale: f64,
 }
 
-pub(super) fn softmax_bwd<T: Float>(p: &[T], dy: &[T], k: usize, scale: f64) -> Vec<T> {
+pub(in crate::nn) fn softmax_bwd<T: Float>(p: &[T], dy: &[T], k: usize, scale: f64) -> Vec<T> {
     let mut out = vec![T::zero(); p.len()];
     let scale = T::of(scale);
     for_blocks(&mut out, k, |blk, chunk| {

@@ -11,7 +11,7 @@ use super::math::Act;
 
 /// The LayerNorm statistics `(mean, 1 / sqrt(var + eps))` of a row (eight-lane sums).
 #[inline(always)]
-pub(super) fn stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
+pub(in crate::nn) fn stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
     let n = T::of(x.len() as f64);
     let mean = lane_sum(x) / n;
     let mut acc = [T::zero(); 8];
@@ -34,7 +34,7 @@ pub(super) fn stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
 /// `LayerNorm(dropout(a) + r)` row by row: returns the sums and the normalised rows.
 /// Dropout masks are those of each element's place in the padded `[n s, h]` tensor
 /// (`places[row]` the padded row of each row).
-pub(super) fn add_norm<T: Float>(
+pub(in crate::nn) fn add_norm<T: Float>(
     a: &[T],
     r: &[T],
     dropout: Option<(u64, f32)>,
@@ -72,7 +72,7 @@ pub(super) fn add_norm<T: Float>(
 
 /// `out = dropout(a) + r` for the elements from `start` on (of the masked tensor).
 #[inline(always)]
-pub(super) fn add_row<T: Float>(
+pub(in crate::nn) fn add_row<T: Float>(
     a: &[T],
     r: &[T],
     dropout: Option<(u64, f32)>,
@@ -106,7 +106,7 @@ pub(crate) fn norm_row<T: Float>(x: &[T], g: &[T], b: &[T], eps: f64, y: &mut [T
 }
 
 /// The normalised rows of `sum` (`y1` recomputed from the kept sum).
-pub(super) fn norm<T: Float>(sum: &[T], (g, b): (&[T], &[T]), eps: f64) -> Vec<T> {
+pub(in crate::nn) fn norm<T: Float>(sum: &[T], (g, b): (&[T], &[T]), eps: f64) -> Vec<T> {
     let h = g.len();
     let mut y = vec![T::zero(); sum.len()];
     for_blocks(&mut y, h, |blk, chunk| {
@@ -122,7 +122,7 @@ pub(super) fn norm<T: Float>(sum: &[T], (g, b): (&[T], &[T]), eps: f64) -> Vec<T
 }
 
 /// `act(u)` element by element.
-pub(super) fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<T> {
+pub(in crate::nn) fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<T> {
     let mut g = vec![T::zero(); u.len()];
     for_blocks(&mut g, width, |blk, chunk| {
         let base = blk * BLOCK_ROWS * width;
@@ -145,7 +145,7 @@ pub(super) fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<T> {
 }
 
 /// `act(u)` over `u` itself.
-pub(super) fn activate_in_place<T: Float>(u: &mut [T], act: Act, width: usize) {
+pub(in crate::nn) fn activate_in_place<T: Float>(u: &mut [T], act: Act, width: usize) {
     for_blocks(u, width, |_, chunk| {
         macro_rules! each {
             ($a:expr) => {
@@ -164,7 +164,11 @@ pub(super) fn activate_in_place<T: Float>(u: &mut [T], act: Act, width: usize) {
 }
 
 /// `act(u)` and `act'(u)` element by element, in one pass (one exponential each).
-pub(super) fn activate_with_slope<T: Float>(u: &[T], act: Act, width: usize) -> (Vec<T>, Vec<T>) {
+pub(in crate::nn) fn activate_with_slope<T: Float>(
+    u: &[T],
+    act: Act,
+    width: usize,
+) -> (Vec<T>, Vec<T>) {
     let mut g = vec![T::zero(); u.len()];
     let mut slope = vec![T::zero(); u.len()];
     let sp = SharedMut(slope.as_mut_ptr());
@@ -193,7 +197,7 @@ pub(super) fn activate_with_slope<T: Float>(u: &[T], act: Act, width: usize) -> 
 }
 
 /// In place, `dy` becomes `dy * slope`; returns its column sums (the bias gradient).
-pub(super) fn times_slope<T: Float>(slope: &[T], dy: &mut [T], width: usize) -> Vec<T> {
+pub(in crate::nn) fn times_slope<T: Float>(slope: &[T], dy: &mut [T], width: usize) -> Vec<T> {
     let partials = for_blocks_with_partials(dy, width, width, |blk, chunk, acc| {
         let base = blk * BLOCK_ROWS * width;
         let len = chunk.len();
@@ -281,7 +285,7 @@ pub(crate) fn dropped<'a, T: Float>(
 
 /// `1 / sqrt(mean(x^2) + eps)` of a row (eight-lane sums): RMSNorm's statistic.
 #[inline(always)]
-pub(super) fn rms_inv<T: Float>(x: &[T], eps: f64) -> T {
+pub(in crate::nn) fn rms_inv<T: Float>(x: &[T], eps: f64) -> T {
     let ms = lane_dot(x, x) / T::of(x.len() as f64);
     T::one() / (ms + T::of(eps)).sqrt()
 }
@@ -289,7 +293,7 @@ pub(super) fn rms_inv<T: Float>(x: &[T], eps: f64) -> T {
 /// RMSNorm of one row into `y`: `(x r) (offset + w)`, `r` = [`rms_inv`] (as transformers
 /// multiplies: the normalised row, then the scale).
 #[inline(always)]
-pub(super) fn rms_row<T: Float>(x: &[T], w: &[T], eps: f64, offset: T, y: &mut [T]) {
+pub(in crate::nn) fn rms_row<T: Float>(x: &[T], w: &[T], eps: f64, offset: T, y: &mut [T]) {
     let r = rms_inv(x, eps);
     for ((yv, &xv), &wv) in y.iter_mut().zip(x).zip(w) {
         *yv = xv * r * (offset + wv);
@@ -297,7 +301,7 @@ pub(super) fn rms_row<T: Float>(x: &[T], w: &[T], eps: f64, offset: T, y: &mut [
 }
 
 /// RMSNorm of every row of `x` (rows of `w.len()`).
-pub(super) fn rms<T: Float>(x: &[T], w: &[T], eps: f64, offset: T) -> Vec<T> {
+pub(in crate::nn) fn rms<T: Float>(x: &[T], w: &[T], eps: f64, offset: T) -> Vec<T> {
     let h = w.len();
     let mut y = vec![T::zero(); x.len()];
     for_blocks(&mut y, h, |blk, chunk| {
@@ -314,7 +318,7 @@ pub(super) fn rms<T: Float>(x: &[T], w: &[T], eps: f64, offset: T) -> Vec<T> {
 
 /// RMSNorm's backward over rows: the gradient of `x` from the output's `dy`, and the
 /// scale's (summed per block, in block order).
-pub(super) fn rms_backward<T: Float>(
+pub(in crate::nn) fn rms_backward<T: Float>(
     x: &[T],
     w: &[T],
     dy: &[T],
@@ -351,7 +355,7 @@ pub(super) fn rms_backward<T: Float>(
 
 /// Per-head RMSNorm in place: in every row of `width` of `x`, the `count` heads of `d`
 /// values from column `first` (the q/k norms of Qwen3 and Gemma3).
-pub(super) fn rms_heads<T: Float>(
+pub(in crate::nn) fn rms_heads<T: Float>(
     x: &mut [T],
     width: usize,
     (first, count, d): (usize, usize, usize),
@@ -373,7 +377,7 @@ pub(super) fn rms_heads<T: Float>(
 /// The backward of [`rms_heads`]: `dx` holds the gradient of the normalised heads and
 /// becomes that of `x` (the heads before the norm); returns the scale's gradient, summed
 /// over rows (per block, in block order) and heads.
-pub(super) fn rms_heads_backward<T: Float>(
+pub(in crate::nn) fn rms_heads_backward<T: Float>(
     x: &[T],
     dx: &mut [T],
     width: usize,

@@ -5,7 +5,7 @@
 
 use super::attention::{self as kernel, HeadLayout, KeyMask, Rows};
 use super::blocks::Float;
-use super::fused::AttentionSpec;
+use super::AttentionSpec;
 
 /// The attention kernel's parameters of a spec.
 fn params(attention: &AttentionSpec) -> kernel::Params {
@@ -19,7 +19,7 @@ fn params(attention: &AttentionSpec) -> kernel::Params {
 /// The attention of the packed `[rows, 3h]` `qkv` (sequences of `rows`): the context
 /// `[rows, h]` and, when `keep` and the probabilities are not recomputed, the
 /// probabilities.
-pub(super) fn attend<T: Float>(
+pub(in crate::nn) fn attend<T: Float>(
     qkv: &[T],
     (mask, rows): (&KeyMask<T>, &Rows),
     attention: &AttentionSpec,
@@ -50,7 +50,7 @@ pub(super) fn attend<T: Float>(
 
 /// `dqkv` `[rows, 3h]` from `dctx` `[rows, h]` (the backward of [`attend`]), and with
 /// `scores` the gradient of the mask's score bias `[heads, s, s]`.
-pub(super) fn attention_backward<T: Float>(
+pub(in crate::nn) fn attention_backward<T: Float>(
     qkv: &[T],
     probs: Option<&[T]>,
     dctx: &[T],

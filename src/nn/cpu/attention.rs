@@ -148,7 +148,7 @@ unsafe fn matmul<T: Float>(
 /// # Safety
 /// Every pointer must address the elements its strides reach; `dst`'s must not overlap
 /// the inputs' or another thread's.
-pub(super) unsafe fn gemm_into<T: Float>(
+pub(in crate::nn) unsafe fn gemm_into<T: Float>(
     (m, n, k): (usize, usize, usize),
     (dst, dst_rs): (*mut T, usize),
     accumulate: bool,
@@ -208,7 +208,7 @@ impl Params {
 
 /// Runs `f(task, scratch)` for tasks `0..count` on candle's CPU thread pool, each worker
 /// with a scratch buffer of `scratch` elements of its own.
-pub(super) fn for_tasks<T: Float>(
+pub(in crate::nn) fn for_tasks<T: Float>(
     count: usize,
     scratch: usize,
     f: impl Fn(usize, &mut [T]) + Sync,

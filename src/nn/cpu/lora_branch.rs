@@ -39,7 +39,7 @@ pub struct LoraInput {
 
 impl LoraInput {
     /// Whether the adapter fits a projection `in -> out`.
-    pub(super) fn fits(&self, input: usize, output: usize) -> bool {
+    pub(in crate::nn) fn fits(&self, input: usize, output: usize) -> bool {
         match (self.a.dims2(), self.b.dims2()) {
             (Ok((r, i)), Ok((o, r2))) => r == r2 && i == input && o == output,
             _ => false,
@@ -48,7 +48,7 @@ impl LoraInput {
 
     /// The adapter's values, copied (`r (in + out)` numbers: the node's own, whatever
     /// happens to the variables before its backward).
-    pub(super) fn values<T: Float>(&self) -> candle_core::Result<Held<T>> {
+    pub(in crate::nn) fn values<T: Float>(&self) -> candle_core::Result<Held<T>> {
         let read = |t: &Tensor| -> candle_core::Result<Vec<T>> {
             let t = t.detach().to_dtype(T::DTYPE)?.contiguous()?;
             let view = View::new(&t)?;
@@ -65,7 +65,7 @@ impl LoraInput {
 }
 
 /// An adapter's values held by a node between its forward and backward.
-pub(super) struct Held<T> {
+pub(in crate::nn) struct Held<T> {
     a: Vec<T>,
     b: Vec<T>,
     rank: usize,
@@ -75,7 +75,7 @@ pub(super) struct Held<T> {
 
 impl<T: Float> Held<T> {
     /// The branch on the held values.
-    pub(super) fn branch(&self) -> Branch<'_, T> {
+    pub(in crate::nn) fn branch(&self) -> Branch<'_, T> {
         Branch {
             a: &self.a,
             b: &self.b,
@@ -87,7 +87,7 @@ impl<T: Float> Held<T> {
 }
 
 /// The low-rank branch of one projection on a node's values.
-pub(super) struct Branch<'a, T> {
+pub(in crate::nn) struct Branch<'a, T> {
     a: &'a [T],
     b: &'a [T],
     rank: usize,
@@ -109,7 +109,7 @@ impl<T: Float> Branch<'_, T> {
     }
 
     /// Adds `s dropout(x) A^T B^T` to `dst` `[rows, out]` (row stride `dst_rs`).
-    pub(super) fn forward(
+    pub(in crate::nn) fn forward(
         &self,
         x: &[T],
         input: usize,
@@ -131,7 +131,7 @@ impl<T: Float> Branch<'_, T> {
 
     /// The backward from `dy` `[rows, out]` (an operand: values and row stride): adds the
     /// input's gradient into `dx` `[rows, in]` and returns `(dA, dB)`.
-    pub(super) fn backward(
+    pub(in crate::nn) fn backward(
         &self,
         x: &[T],
         input: usize,
@@ -183,14 +183,14 @@ impl<T: Float> Branch<'_, T> {
 /// contiguous, in the node's dtype: views of the variables, a base stored narrower read
 /// widened), which of them take a gradient (a frozen one's is not computed), and the
 /// values of its `P` projections' adapters.
-pub(super) struct NodeWeights<T, const S: usize, const P: usize> {
-    pub(super) slots: [Option<Tensor>; S],
-    pub(super) wants: [bool; S],
+pub(in crate::nn) struct NodeWeights<T, const S: usize, const P: usize> {
+    pub(in crate::nn) slots: [Option<Tensor>; S],
+    pub(in crate::nn) wants: [bool; S],
     lora: [Option<Held<T>>; P],
 }
 
 impl<T: Float, const S: usize, const P: usize> NodeWeights<T, S, P> {
-    pub(super) fn new(
+    pub(in crate::nn) fn new(
         slots: [Option<&Tensor>; S],
         lora: &[Option<LoraInput>; P],
     ) -> candle_core::Result<Self> {
@@ -212,7 +212,7 @@ impl<T: Float, const S: usize, const P: usize> NodeWeights<T, S, P> {
     }
 
     /// The adapters' branches.
-    pub(super) fn branches(&self) -> Branches<'_, T, P> {
+    pub(in crate::nn) fn branches(&self) -> Branches<'_, T, P> {
         Branches(std::array::from_fn(|p| {
             self.lora[p].as_ref().map(Held::branch)
         }))
@@ -221,7 +221,7 @@ impl<T: Float, const S: usize, const P: usize> NodeWeights<T, S, P> {
 
 /// A node's inputs after `x`: its slots, then each adapter's `A` and `B` (absent where the
 /// projection has none).
-pub(super) fn node_inputs<'a>(
+pub(in crate::nn) fn node_inputs<'a>(
     slots: &[Option<&'a Tensor>],
     lora: &'a [Option<LoraInput>],
 ) -> Vec<Option<&'a Tensor>> {
@@ -233,11 +233,11 @@ pub(super) fn node_inputs<'a>(
 }
 
 /// The branches of a node's `P` projections (`None` where a projection has no adapter).
-pub(super) struct Branches<'a, T, const P: usize>([Option<Branch<'a, T>>; P]);
+pub(in crate::nn) struct Branches<'a, T, const P: usize>([Option<Branch<'a, T>>; P]);
 
 impl<T: Float, const P: usize> Branches<'_, T, P> {
     /// [`Branch::forward`] of projection `p`'s adapter, if it has one.
-    pub(super) fn forward(
+    pub(in crate::nn) fn forward(
         &self,
         p: usize,
         (x, input): (&[T], usize),
@@ -251,7 +251,7 @@ impl<T: Float, const P: usize> Branches<'_, T, P> {
 
     /// [`Branch::backward`] of projection `p`'s adapter, if it has one, its `(dA, dB)`
     /// into `grads`.
-    pub(super) fn backward(
+    pub(in crate::nn) fn backward(
         &self,
         p: usize,
         (x, input): (&[T], usize),
@@ -267,7 +267,7 @@ impl<T: Float, const P: usize> Branches<'_, T, P> {
 }
 
 /// The adapters' `(dA, dB)` of a node's backward, by projection.
-pub(super) struct AdapterGrads<T, const P: usize>([Option<[Vec<T>; 2]>; P]);
+pub(in crate::nn) struct AdapterGrads<T, const P: usize>([Option<[Vec<T>; 2]>; P]);
 
 impl<T, const P: usize> Default for AdapterGrads<T, P> {
     fn default() -> Self {
@@ -278,7 +278,7 @@ impl<T, const P: usize> Default for AdapterGrads<T, P> {
 impl<T, const P: usize> AdapterGrads<T, P> {
     /// Two gradients per projection in the order of [`node_inputs`] (empty where it has
     /// no adapter).
-    pub(super) fn flat(self) -> impl Iterator<Item = Vec<T>> {
+    pub(in crate::nn) fn flat(self) -> impl Iterator<Item = Vec<T>> {
         self.0.into_iter().flat_map(|g| g.unwrap_or_default())
     }
 }

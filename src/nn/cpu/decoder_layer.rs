@@ -29,10 +29,10 @@ use candle_core::{DType, Tensor};
 use super::attention_grouped::{self as grouped, Grouped, Pattern, Sequences};
 use super::blocks::Float;
 use super::decoder_passes::{backward, forward, Adapters, Chunk, Shape, SLOTS};
-use super::fused::AttentionSpec;
 use super::lora_branch::{node_inputs, LoraInput, NodeWeights};
 use super::math::Act;
 use super::packing::{packed_layer, Packing, View};
+use super::AttentionSpec;
 
 /// A projection's weight and bias, when it has one.
 pub type Projection = (Tensor, Option<Tensor>);

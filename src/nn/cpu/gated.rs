@@ -17,8 +17,8 @@ use candle_core::{DType, Tensor};
 
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::math::Act;
-use super::node::node_n_owned;
 use super::packing::View;
+use crate::nn::node::node_n_owned;
 
 /// `act(a) * g` where `x = [a, g]` over its last dimension (`2 w` wide): `[.., w]`. One
 /// node over `x` (CPU, f32 or f64) keeping `x`; the plain forward when `x` is not tracked.
@@ -93,7 +93,7 @@ macro_rules! with_act {
 }
 
 /// `act(a) g` of the rows `[a, g]` of `x` (`[rows, 2w]` into `[rows, w]`).
-pub(super) fn glu_rows<T: Float>(x: &[T], act: Act, w: usize) -> Vec<T> {
+pub(in crate::nn) fn glu_rows<T: Float>(x: &[T], act: Act, w: usize) -> Vec<T> {
     let mut y = vec![T::zero(); x.len() / 2];
     for_blocks(&mut y, w, |blk, chunk| {
         let first = blk * BLOCK_ROWS;
@@ -111,7 +111,7 @@ pub(super) fn glu_rows<T: Float>(x: &[T], act: Act, w: usize) -> Vec<T> {
 }
 
 /// The gradient `[rows, 2w]` of the rows of `x` from that of [`glu_rows`]'s output `dy`.
-pub(super) fn glu_rows_backward<T: Float>(x: &[T], dy: &[T], act: Act, w: usize) -> Vec<T> {
+pub(in crate::nn) fn glu_rows_backward<T: Float>(x: &[T], dy: &[T], act: Act, w: usize) -> Vec<T> {
     let mut dx = vec![T::zero(); x.len()];
     for_blocks(&mut dx, 2 * w, |blk, chunk| {
         let first = blk * BLOCK_ROWS;
@@ -135,7 +135,7 @@ pub(super) fn glu_rows_backward<T: Float>(x: &[T], dy: &[T], act: Act, w: usize)
 /// One head's `d` values rotated in place with its place's tables `c`, `sn` (`transpose`:
 /// `R^T`, the backward).
 #[inline(always)]
-pub(super) fn rotate_head<T: Float>(x: &mut [T], c: &[T], sn: &[T], transpose: bool) {
+pub(in crate::nn) fn rotate_head<T: Float>(x: &mut [T], c: &[T], sn: &[T], transpose: bool) {
     let half = x.len() / 2;
     for i in 0..half {
         let (u, v) = (x[i], x[i + half]);
