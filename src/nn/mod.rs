@@ -17,7 +17,11 @@
 
 mod batch_norm;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
 pub mod family_ops;
+pub mod gpu;
+pub(crate) mod kernels;
 mod layer_norm;
 mod linear;
 pub mod lora;
@@ -78,6 +82,35 @@ pub(crate) fn frozen_base_ok(x: &Tensor, bases: &[&Tensor], lora: &[Option<LoraI
             && (t.dtype() == x.dtype()
                 || (matches!(t.dtype(), DType::BF16 | DType::F16) && !t.track_op()))
     }) && lora.iter().flatten().all(|l| cpu(&l.a) && cpu(&l.b))
+}
+
+/// Whether a GPU layer node ([`gpu`]) runs a layer on `x`: a CUDA tensor in f32, bf16 or
+/// f16, without LoRA adapters (those layers run op by op on a GPU), and the GPU nodes not
+/// turned off with `GRADCACHE_GPU_NODES=0` (which runs every layer op by op, for a
+/// side-by-side measurement).
+pub(crate) fn gpu_node_ok(x: &Tensor, lora: &[Option<LoraInput>]) -> bool {
+    let device = if x.device().is_cuda() {
+        matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
+    } else {
+        GPU_NODES_ON_CPU.load(Ordering::Relaxed)
+    };
+    device && x.rank() == 3 && lora.iter().all(Option::is_none) && gpu_nodes_enabled()
+}
+
+static GPU_NODES_ON_CPU: AtomicBool = AtomicBool::new(false);
+
+/// Runs the GPU layer nodes ([`gpu`]) on CPU tensors too, through the reference forms of
+/// their kernels, wherever the CPU's own nodes do not run (turn those off with
+/// [`set_fused_kernels`]): how the tests and the self-check prove the GPU nodes' algebra
+/// on a machine without a GPU. Off by default; slow (the reference forms loop in f64).
+pub fn run_gpu_nodes_on_cpu(on: bool) {
+    GPU_NODES_ON_CPU.store(on, Ordering::Relaxed);
+}
+
+/// `GRADCACHE_GPU_NODES` is not `0` (read once).
+fn gpu_nodes_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("GRADCACHE_GPU_NODES").map_or(true, |v| v.trim() != "0"))
 }
 
 /// `t` in `dtype`: a tracked cast, or `t` itself when it already is.
@@ -212,10 +245,13 @@ pub fn encoder_layer(
         weights.intermediate.0,
         weights.output.0,
     ];
-    if !fused_ok(&all) || !frozen_base_ok(x, &bases, &weights.lora) || x.rank() != 3 {
-        return Ok(None);
+    if fused_ok(&all) && frozen_base_ok(x, &bases, &weights.lora) && x.rank() == 3 {
+        return Ok(Some(cpu::encoder_layer::encoder_layer(x, weights, spec)?));
     }
-    Ok(Some(cpu::encoder_layer::encoder_layer(x, weights, spec)?))
+    if gpu_node_ok(x, &weights.lora) && spec.attention.window.is_none() {
+        return Ok(Some(gpu::encoder_layer(x, weights, spec)?));
+    }
+    Ok(None)
 }
 
 /// A transformer's feed-forward block without the residual, `down(act(up(x)))`. With

@@ -57,6 +57,7 @@ pub(crate) mod packed_attention;
 pub(crate) mod packing;
 pub mod pooling;
 pub mod prenorm_layer;
+pub(crate) mod reference;
 pub(crate) mod rows;
 pub(crate) mod softmax;
 
