@@ -13,7 +13,15 @@ BATCH pairs in mini-batches (chunks) of MINI, max_len tokens, in-batch negatives
 sentence-transformers' CachedMultipleNegativesRankingLoss; `precision = "bf16"` for
 gradcache). Prints pairs/s (mean of the steps after the first) and the peak GPU memory
 the run took (nvidia-smi's memory.used sampled every 0.1 s, minus the idle reading), as a
-Markdown table; writes it to OUT/gpu-table.md.
+Markdown table; writes it to OUT/gpu-table.md. Memory is read two ways on each side:
+nvidia-smi as above, and the most memory the framework's tensors held at once (gradcache:
+the CUDA memory pool's used-memory high mark, `gpu_memory.used_high` in metrics.jsonl;
+sentence-transformers: `torch.cuda.max_memory_allocated()`).
+
+`--profile` runs only the gradcache side of each shape for one step after a warm-up with
+`GRADCACHE_PROFILE=1` and prints where the step's time went (the device synchronised at
+each span: the phases, the replay's forward and backward, each layer's forward, the layer
+nodes' forward and backward) from metrics.jsonl's `"profile"` line.
 
 The decoder row (`--models qwen3-0.6b`): Qwen3-Embedding-0.6B's shape (28 layers, hidden
 1,024, 16 query and 8 KV heads of 128, feed-forward 3,072, vocabulary 151,669; random
@@ -152,6 +160,8 @@ def st_side(model_dir, pairs, batch, mini, max_len, steps, device):
     loss = losses.CachedMultipleNegativesRankingLoss(model, scale=20.0, mini_batch_size=mini)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-5, weight_decay=0.01)
     rates, first = [], None
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
     for step in range(steps + 1):
         at = step * batch % len(rows)
         b = rows[at:at + batch]
@@ -174,10 +184,14 @@ def st_side(model_dir, pairs, batch, mini, max_len, steps, device):
             torch.cuda.synchronize()
         if step:
             rates.append(len(b) / (time.perf_counter() - start))
-    print(f"{sum(rates) / len(rates):.2f} {first:.6f}")
+    peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
+    print(f"{sum(rates) / len(rates):.2f} {first:.6f} {peak}")
 
 
-def gradcache_side(binary, model_dir, pairs, eval_file, out, batch, mini, max_len, steps, device):
+def gradcache_side(binary, model_dir, pairs, eval_file, out, batch, mini, max_len, steps, device,
+                   profile=False):
+    """Trains; returns pairs/s (mean after the first step), the first loss, the pool's
+    peak bytes over the steps and (with `profile`) the last step's profile spans."""
     run = os.path.join(out, "gradcache-" + os.path.basename(model_dir))
     sets = {
         "model.pretrained": model_dir, "model.query_max_len": max_len,
@@ -197,11 +211,29 @@ def gradcache_side(binary, model_dir, pairs, eval_file, out, batch, mini, max_le
     args = [binary, "train", "--config", os.path.join(ROOT, config)]
     for k, v in sets.items():
         args += ["--set", f"{k}={v}"]
-    subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
-    steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-    steps = [r for r in steps if r.get("type") == "step"]
+    env = dict(os.environ)
+    if profile:
+        env["GRADCACHE_PROFILE"] = "1"
+    subprocess.run(args, check=True, stdout=subprocess.DEVNULL, env=env)
+    lines = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    steps = [r for r in lines if r.get("type") == "step"]
     rates = [r["pairs_per_sec"] for r in steps[1:]]
-    return sum(rates) / len(rates), steps[0]["loss"]
+    peak = max((r.get("gpu_memory") or {}).get("used_high", 0) for r in steps)
+    spans = [r["spans"] for r in lines if r.get("type") == "profile"]
+    return sum(rates) / len(rates), steps[0]["loss"], peak, (spans[-1] if spans else [])
+
+
+def gib(n):
+    return f"{n / 2**30:.1f} GiB"
+
+
+def profile_table(shape, spans):
+    rows = [f"## {shape}: one step's spans (GRADCACHE_PROFILE=1, device synchronised at each)",
+            "| span | count | total ms | mean ms | GPU pool peak |", "|---|---:|---:|---:|---:|"]
+    for e in spans:
+        rows.append(f"| {e['name']} | {e['count']} | {e['total_ms']:.1f} "
+                    f"| {e['total_ms'] / max(e['count'], 1):.3f} | {gib(e['gpu_peak_bytes'])} |")
+    return "\n".join(rows)
 
 
 def main():
@@ -218,6 +250,8 @@ def main():
     ap.add_argument("--decoder-mini", type=int, default=64)
     ap.add_argument("--decoder-layers", type=int, default=28, help=argparse.SUPPRESS)
     ap.add_argument("--st-side", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true",
+                    help="gradcache only, one profiled step after a warm-up per shape")
     a = ap.parse_args()
     global DECODER_LAYERS
     DECODER_LAYERS = a.decoder_layers
@@ -233,7 +267,8 @@ def main():
             f.write(json.dumps({"query": r["query"], "positive": r["positive"]}) + "\n")
     lines = [f"# {a.device}, max_len {a.max_len}, bf16, {a.steps} timed steps after one warm-up",
              "| model | batch / mini | gradcache pairs/s | sentence-transformers pairs/s | ratio "
-             "| gradcache peak GPU memory | sentence-transformers peak GPU memory "
+             "| peak GPU memory (nvidia-smi): gradcache / ST "
+             "| tensors' peak (pool high mark / max_memory_allocated): gradcache / ST "
              "| first loss: gradcache / sentence-transformers |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
     for shape in a.models.split(","):
@@ -243,9 +278,17 @@ def main():
         # The decoder trains one batch of distinct pairs over and over: the first step then
         # sees the same pairs on both sides whatever order each draws them in.
         train = pairs_file(a.out, batch)[0] if decoder else pairs
+        if a.profile:
+            _, _, peak, spans = gradcache_side(a.gradcache, model_dir, train, eval_file, a.out,
+                                               batch, mini, a.max_len, 1, a.device, profile=True)
+            lines.append(profile_table(f"{shape}, batch {batch} / mini {mini}", spans))
+            lines.append(f"pool peak over the two steps: {gib(peak)}\n")
+            print("\n".join(lines[-2:]), flush=True)
+            continue
         with GpuMemory() as mem_gc:
-            gc, gc_loss = gradcache_side(a.gradcache, model_dir, train, eval_file, a.out, batch,
-                                         mini, a.max_len, a.steps, a.device)
+            gc, gc_loss, gc_peak, _ = gradcache_side(a.gradcache, model_dir, train, eval_file,
+                                                     a.out, batch, mini, a.max_len, a.steps,
+                                                     a.device)
         with GpuMemory() as mem_st:
             res = subprocess.run([sys.executable, __file__, "--gradcache", a.gradcache,
                                   "--out", a.out, "--steps", str(a.steps), "--batch",
@@ -253,14 +296,15 @@ def main():
                                   str(a.max_len), "--device", a.device,
                                   "--st-side", model_dir, train, "-", "-"],
                                  check=True, capture_output=True, text=True)
-        st, st_loss = map(float, res.stdout.strip().splitlines()[-1].split())
+        st, st_loss, st_peak = map(float, res.stdout.strip().splitlines()[-1].split())
         lines.append(f"| {shape} (fresh) | {batch} / {mini} | {gc:.1f} | {st:.1f} | {gc / st:.2f}x "
-                     f"| {mem_gc.used()} | {mem_st.used()} "
+                     f"| {mem_gc.used()} / {mem_st.used()} | {gib(gc_peak)} / {gib(st_peak)} "
                      + (f"| {gc_loss:.5f} / {st_loss:.5f} |" if decoder else "| (dropout) |"))
         print(lines[-1], flush=True)
     table = "\n".join(lines)
     print(table)
-    with open(os.path.join(a.out, "gpu-table.md"), "w") as f:
+    name = "gpu-profile.md" if a.profile else "gpu-table.md"
+    with open(os.path.join(a.out, name), "w") as f:
         f.write(table + "\n")
 
 

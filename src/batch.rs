@@ -136,7 +136,16 @@ pub struct TokenBatch {
     /// A multi-vector (late-interaction) batch: which token vectors are kept and how
     /// many the output is padded to. `None` for a pooled (single-vector) batch.
     pub vectors: Option<TokenVectors>,
+    /// The attention mask's rows on the host, beside the tensor (the tokenizer's own
+    /// values, carried through every slice, selection, padding and concatenation), so
+    /// that chunking and the models' per-chunk bookkeeping (lengths, positions, the
+    /// pooled tokens) never wait for a GPU to read the mask back. `None`: read from the
+    /// tensor when needed.
+    host_mask: Option<HostMask>,
 }
+
+/// Rows of an attention mask on the host.
+type HostMask = std::sync::Arc<Vec<Vec<u32>>>;
 
 /// What a multi-vector (ColBERT) batch keeps of its tokens.
 ///
@@ -173,7 +182,49 @@ impl TokenBatch {
             token_type_ids,
             pool_from: 0,
             vectors: None,
+            host_mask: None,
         })
+    }
+
+    /// The same batch with its attention mask's rows given on the host too (the values
+    /// of `attention_mask`, which a tokenizer has before it makes the tensor): later
+    /// reads of the mask need not wait for the device.
+    pub fn with_host_mask(mut self, rows: Vec<Vec<u32>>) -> Result<Self> {
+        let fits = rows.len() == self.rows() && rows.iter().all(|r| r.len() == self.seq_len());
+        if !fits {
+            return Err(Error::Concat(format!(
+                "a host mask of {} rows for a token batch of {:?}",
+                rows.len(),
+                self.attention_mask.dims()
+            )));
+        }
+        self.host_mask = Some(std::sync::Arc::new(rows));
+        Ok(self)
+    }
+
+    /// The attention mask's rows (1 real, 0 padding): the host copy when the batch has
+    /// one, else read from the tensor (free on the CPU; on a GPU a wait for the device).
+    pub fn mask_rows(&self) -> Result<HostMask> {
+        if let Some(rows) = &self.host_mask {
+            return Ok(rows.clone());
+        }
+        let rows: Vec<Vec<u32>> = self
+            .attention_mask
+            .to_dtype(candle_core::DType::U32)?
+            .to_vec2()?;
+        Ok(std::sync::Arc::new(rows))
+    }
+
+    /// The host mask of columns `start..start + len` of rows `rows`, if there is one.
+    fn host_part(
+        &self,
+        rows: impl Iterator<Item = usize>,
+        start: usize,
+        len: usize,
+    ) -> Option<HostMask> {
+        self.host_mask
+            .as_ref()
+            .map(|m| std::sync::Arc::new(rows.map(|r| m[r][start..start + len].to_vec()).collect()))
     }
 
     /// The same batch as a multi-vector batch keeping the tokens `keep` marks (`[rows,
@@ -212,6 +263,7 @@ impl TokenBatch {
                 }),
                 None => None,
             },
+            host_mask: self.host_part(rows.iter().map(|&r| r as usize), 0, self.seq_len()),
         })
     }
 
@@ -234,11 +286,28 @@ impl TokenBatch {
         self.input_ids.dims().get(1).copied().unwrap_or(0)
     }
 
+    /// Whether each column takes part in some row: the host mask's when there is one
+    /// and no kept-token mask, else read from the device.
+    fn used_columns(&self) -> Result<Vec<u32>> {
+        if self.vectors.is_none() {
+            if let Some(m) = &self.host_mask {
+                let mut used = vec![0u32; self.seq_len()];
+                for row in m.iter() {
+                    for (u, &v) in used.iter_mut().zip(row) {
+                        *u = (*u).max(v);
+                    }
+                }
+                return Ok(used);
+            }
+        }
+        let used = self.used()?.max(0)?.to_dtype(candle_core::DType::U32)?;
+        Ok(used.to_vec1::<u32>()?)
+    }
+
     /// Drops the columns at either end where every row is padding (attention mask 0), so
     /// the batch is as long as its longest sequence, whichever side it is padded on.
     pub fn trim_padding(&self) -> Result<Self> {
-        let used = self.used()?.max(0)?.to_dtype(candle_core::DType::U32)?;
-        let used = used.to_vec1::<u32>()?;
+        let used = self.used_columns()?;
         let end = used.iter().rposition(|&m| m != 0).map_or(0, |i| i + 1);
         let start = used.iter().position(|&m| m != 0).unwrap_or(0).min(end);
         if start == 0 && end == self.seq_len() {
@@ -257,6 +326,7 @@ impl TokenBatch {
                 }),
                 None => None,
             },
+            host_mask: self.host_part(0..self.rows(), start, len),
         })
     }
 
@@ -266,6 +336,9 @@ impl TokenBatch {
         let s = self.seq_len();
         if s == 0 {
             return Ok(false);
+        }
+        if let (None, Some(m)) = (&self.vectors, &self.host_mask) {
+            return Ok(m.iter().any(|r| r[0] == 0 && r[s - 1] != 0));
         }
         let mask = self.used()?.to_dtype(candle_core::DType::U32)?;
         let first = mask.narrow(1, 0, 1)?.flatten_all()?.to_vec1::<u32>()?;
@@ -297,6 +370,17 @@ impl TokenBatch {
                 }),
                 None => None,
             },
+            host_mask: self.host_mask.as_ref().map(|m| {
+                let zeros = vec![0u32; pad];
+                std::sync::Arc::new(
+                    m.iter()
+                        .map(|r| match left {
+                            true => [&zeros[..], r].concat(),
+                            false => [r, &zeros[..]].concat(),
+                        })
+                        .collect(),
+                )
+            }),
         })
     }
 }
@@ -308,6 +392,13 @@ impl Batch for TokenBatch {
 
     /// The real tokens of each row (its attention mask's sum).
     fn token_lengths(&self) -> Result<Option<Vec<usize>>> {
+        if let Some(m) = &self.host_mask {
+            return Ok(Some(
+                m.iter()
+                    .map(|r| r.iter().map(|&v| v as usize).sum())
+                    .collect(),
+            ));
+        }
         let lengths = self
             .attention_mask
             .to_dtype(candle_core::DType::U32)?
@@ -330,6 +421,7 @@ impl Batch for TokenBatch {
                 }),
                 None => None,
             },
+            host_mask: self.host_part(start..start + len, 0, self.seq_len()),
         }
         .trim_padding()
     }
@@ -376,12 +468,20 @@ impl Batch for TokenBatch {
                 ))
             }
         };
+        let host_mask = padded
+            .iter()
+            .map(|p| p.host_mask.as_ref())
+            .collect::<Option<Vec<_>>>()
+            .map(|parts| {
+                std::sync::Arc::new(parts.iter().flat_map(|m| m.iter().cloned()).collect())
+            });
         Ok(Self {
             input_ids: field(|b| &b.input_ids)?,
             attention_mask: field(|b| &b.attention_mask)?,
             token_type_ids: field(|b| &b.token_type_ids)?,
             pool_from: padded[0].pool_from,
             vectors,
+            host_mask,
         })
     }
 }

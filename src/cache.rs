@@ -632,16 +632,30 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         let _flush = crate::denormal::flush();
         let comm = &*self.comm;
         let mut meter = PhaseMeter::start();
-        let reps = dist::agree(comm, self.represent(step, queries, passages))?;
+        let phase = crate::profile::phase;
+        let reps = {
+            let _p = phase("step.1 represent");
+            dist::agree(comm, self.represent(step, queries, passages))?
+        };
         let represent = meter.lap();
-        let mut cache = reps.into_cache_across(&self.loss, comm)?;
-        if loss_scale != 1.0 {
-            cache.scale(loss_scale)?;
-        }
+        let cache = {
+            let _p = phase("step.2 loss");
+            let mut cache = reps.into_cache_across(&self.loss, comm)?;
+            if loss_scale != 1.0 {
+                cache.scale(loss_scale)?;
+            }
+            cache
+        };
         let loss = meter.lap();
-        let out = dist::agree(comm, cache.replay())?;
+        let out = {
+            let _p = phase("step.3 replay");
+            dist::agree(comm, cache.replay())?
+        };
         let replay = meter.lap();
-        let grads = dist::reduce_gradients(comm, &self.params, out.grads, self.bucket_bytes)?;
+        let grads = {
+            let _p = phase("step.4 reduce");
+            dist::reduce_gradients(comm, &self.params, out.grads, self.bucket_bytes)?
+        };
         let reduce = meter.lap();
         Ok(StepOutput {
             loss: out.loss,

@@ -84,6 +84,7 @@ pub mod nn;
 pub mod params;
 pub mod pool;
 pub mod precision;
+pub mod profile;
 pub mod recompute;
 pub mod replay;
 pub mod retrieval;

@@ -164,8 +164,17 @@ impl LossScaler {
 
 /// Whether every gradient value is finite (summed in f64, where no finite f32 values can
 /// overflow, so the sum is finite exactly when every term is).
+///
+/// Gradients off the CPU are checked on their device and read back at once: `sum(0 g)`
+/// is 0 exactly when every value is finite (an inf or NaN makes it NaN), and one read for
+/// all of them waits for the device once per step.
 pub fn all_finite(grads: &Gradients) -> Result<bool> {
+    let mut on_device = Vec::new();
     for (_, g) in grads.iter() {
+        if !g.device().is_cpu() {
+            on_device.push((g.to_dtype(DType::F32)? * 0.0)?.sum_all()?);
+            continue;
+        }
         let sum = g
             .to_dtype(DType::F64)?
             .abs()?
@@ -175,7 +184,11 @@ pub fn all_finite(grads: &Gradients) -> Result<bool> {
             return Ok(false);
         }
     }
-    Ok(true)
+    if on_device.is_empty() {
+        return Ok(true);
+    }
+    let sums = candle_core::Tensor::stack(&on_device, 0)?.to_vec1::<f32>()?;
+    Ok(sums.iter().all(|s| *s == 0.0))
 }
 
 #[cfg(test)]

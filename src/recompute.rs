@@ -231,6 +231,7 @@ pub trait LayerStack {
         let aux = self.aux(input)?;
         let mut x = self.embed(input, &aux, ctx)?;
         for i in 0..self.num_layers() {
+            let _s = crate::profile::span(|| format!("layer.{i:02}.forward"));
             x = self.layer(i, &x, &aux, ctx)?;
         }
         self.head(&x, &aux, ctx)

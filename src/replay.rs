@@ -38,8 +38,14 @@ where
     F: FnOnce() -> Result<Tensor>,
 {
     let sink = Sink::open_if_none();
-    let output = f()?;
-    let store = surrogate(&output, cotangent)?.backward()?;
+    let output = {
+        let _s = crate::profile::span(|| "replay.forward".into());
+        f()?
+    };
+    let store = {
+        let _s = crate::profile::span(|| "replay.backward".into());
+        surrogate(&output, cotangent)?.backward()?
+    };
     let grads = params.grads_from(&store);
     drop((store, output));
     // `store` (and with it every activation of the re-run graph) is dropped here.
@@ -69,8 +75,14 @@ where
 {
     let sink = Sink::open_if_none();
     let x = Var::from_tensor(&x.detach())?;
-    let output = f(x.as_tensor())?;
-    let store = surrogate(&output, cotangent)?.backward()?;
+    let output = {
+        let _s = crate::profile::span(|| "checkpoint.recompute-forward".into());
+        f(x.as_tensor())?
+    };
+    let store = {
+        let _s = crate::profile::span(|| "checkpoint.backward".into());
+        surrogate(&output, cotangent)?.backward()?
+    };
     let input = match store.get(x.as_tensor()) {
         Some(g) => g.detach(),
         // The output does not depend on x: its gradient is zero.

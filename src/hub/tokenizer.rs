@@ -221,11 +221,13 @@ impl Tokenizer {
         );
         let tensor = |v: Vec<u32>, len: usize| Tensor::from_vec(v, (rows, len), device);
         let Some(side) = &self.vectors else {
+            let host_mask = mask.chunks(len.max(1)).map(<[u32]>::to_vec).collect();
             return Ok(TokenBatch::new(
                 tensor(ids, len)?,
                 tensor(mask, len)?,
                 tensor(types, len)?,
             )?
+            .with_host_mask(host_mask)?
             .with_pool_from(self.pool_from()?));
         };
         let (ids, mask, types, keep, len) =

@@ -606,10 +606,7 @@ impl LayerStack for Bert {
         // The pooling's mask: the prompt (with the special token before it) left out when
         // the batch says so, counted from each sequence's first real token (the padding
         // may be on the left); the attention still sees every real token.
-        let rows: Vec<Vec<u32>> = input
-            .attention_mask
-            .to_dtype(candle_core::DType::U32)?
-            .to_vec2()?;
+        let rows = input.mask_rows()?;
         let first: Vec<usize> = rows
             .iter()
             .map(|r| r.iter().position(|&m| m != 0).unwrap_or(0))

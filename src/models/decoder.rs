@@ -179,11 +179,11 @@ impl Decoder {
 
     /// The chunk's positions and rotary tables, from its attention mask `[n, s]`.
     pub(super) fn aux(&self, input: &TokenBatch, dtype: DType) -> Result<DecoderAux> {
-        let mask: Vec<Vec<u32>> = input.attention_mask.to_dtype(DType::U32)?.to_vec2()?;
+        let mask = input.mask_rows()?;
         let s = input.seq_len();
         let device = input.input_ids.device();
         let mut positions = Vec::with_capacity(mask.len() * s);
-        for row in &mask {
+        for row in mask.iter() {
             let mut seen = 0u32;
             for &m in row {
                 if m != 0 {

@@ -57,6 +57,11 @@ pub fn set_fused_kernels(on: bool) {
     FUSED.store(on, Ordering::Relaxed);
 }
 
+/// Whether the fused CPU kernels are on ([`set_fused_kernels`]).
+pub fn fused_kernels() -> bool {
+    FUSED.load(Ordering::Relaxed)
+}
+
 /// Whether the fused CPU kernels can run on these tensors: all on the CPU, all f32 or all
 /// f64 (and not turned off with [`set_fused_kernels`]).
 pub(crate) fn fused_ok(ts: &[&Tensor]) -> bool {
@@ -107,10 +112,22 @@ pub fn run_gpu_nodes_on_cpu(on: bool) {
     GPU_NODES_ON_CPU.store(on, Ordering::Relaxed);
 }
 
-/// `GRADCACHE_GPU_NODES` is not `0` (read once).
+/// The GPU nodes are on: not turned off by [`set_gpu_nodes`] nor by
+/// `GRADCACHE_GPU_NODES=0` (read once).
 fn gpu_nodes_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("GRADCACHE_GPU_NODES").map_or(true, |v| v.trim() != "0"))
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    GPU_NODES.load(Ordering::Relaxed)
+        && *ENV
+            .get_or_init(|| std::env::var("GRADCACHE_GPU_NODES").map_or(true, |v| v.trim() != "0"))
+}
+
+static GPU_NODES: AtomicBool = AtomicBool::new(true);
+
+/// Turns the GPU layer nodes on (the default) or off for the whole process: off, a GPU
+/// runs every layer op by op through candle's kernels and autograd, which the self-check
+/// and the benchmarks set side by side with the nodes.
+pub fn set_gpu_nodes(on: bool) {
+    GPU_NODES.store(on, Ordering::Relaxed);
 }
 
 /// `t` in `dtype`: a tracked cast, or `t` itself when it already is.
@@ -465,7 +482,20 @@ pub fn dropout(x: &Tensor, seed: u64, p: f32) -> Result<Tensor> {
 }
 
 /// Dropout as a product with a mask tensor.
+///
+/// On a GPU the mask is never built: one node whose forward and backward are the dropout
+/// kernel ([`kernels::dropout`], the mask of every element drawn where it is used), where
+/// a mask tensor would be drawn on the host and copied to the device at every call.
 pub fn dropout_composed(x: &Tensor, seed: u64, p: f32) -> Result<Tensor> {
+    if x.device().is_cuda() {
+        let y = kernels::dropout(&x.detach(), seed, p)?;
+        return Ok(node::node(
+            "gradcache-dropout",
+            [x, x, x],
+            y,
+            Box::new(move |g| Ok([Some(kernels::dropout(g, seed, p)?), None, None])),
+        )?);
+    }
     let mask = crate::rng::dropout_mask(seed, p, x.shape(), x.dtype(), x.device())?;
     Ok(x.mul(&mask)?)
 }

@@ -117,13 +117,18 @@ impl Moments {
     }
 }
 
-/// Whether the fused CPU update runs on this weight and gradient (f32 or f64, contiguous,
-/// on the CPU, the same dtype).
+/// Whether the fused update runs on this weight and gradient: contiguous, the same dtype,
+/// f32 or f64 on the CPU, f32 on a GPU (one kernel each for the moments and the weight,
+/// `src/nn/cuda/optim.cu`, giving the CPU's bits).
 fn fused_update(w: &Tensor, g: &Tensor) -> bool {
     let dtype = w.dtype();
-    matches!(dtype, DType::F32 | DType::F64)
-        && w.device().is_cpu()
-        && g.device().is_cpu()
+    let device = if w.device().is_cpu() {
+        matches!(dtype, DType::F32 | DType::F64)
+    } else {
+        w.device().is_cuda() && dtype == DType::F32
+    };
+    device
+        && w.device().same_device(g.device())
         && g.dtype() == dtype
         && w.is_contiguous()
         && g.is_contiguous()
@@ -290,15 +295,25 @@ impl Schedule {
 /// `torch.nn.utils.clip_grad_norm_`). Returns the norm before clipping.
 pub fn clip_grad_norm(grads: &mut Gradients, max_norm: f64) -> Result<f64> {
     let mut total = 0f64;
+    // Gradients off the CPU: each one's sum of squares stays on its device, and all of
+    // them are read back at once (one wait for the device per step, not one per tensor).
+    let mut on_device: Vec<Tensor> = Vec::new();
     for (_, g) in grads.iter() {
-        total += match kernels::sum_of_squares(g)? {
-            Some(sum) => sum,
-            None => g
-                .to_dtype(DType::F64)?
-                .sqr()?
-                .sum_all()?
-                .to_scalar::<f64>()?,
-        };
+        match kernels::sum_of_squares(g)? {
+            Some(sum) => total += sum,
+            None if g.device().is_cpu() => {
+                total += g
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?
+            }
+            None => on_device.push(g.to_dtype(DType::F32)?.sqr()?.sum_all()?),
+        }
+    }
+    if !on_device.is_empty() {
+        let sums = Tensor::stack(&on_device, 0)?.to_dtype(DType::F64)?;
+        total += sums.to_vec1::<f64>()?.iter().sum::<f64>();
     }
     let norm = total.sqrt();
     if norm.is_finite() && norm > max_norm && norm > 0.0 {
@@ -373,6 +388,24 @@ mod kernels {
             "gradcache-sgd"
         }
 
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            w: &mut candle_core::CudaStorage,
+            wl: &Layout,
+            g: &candle_core::CudaStorage,
+            gl: &Layout,
+        ) -> candle_core::Result<()> {
+            use crate::nn::cuda;
+            let n = wl.shape().elem_count();
+            let args = (
+                cuda::storage_ptr_f32(w, wl)?,
+                cuda::storage_ptr_f32(g, gl)?,
+                n,
+            );
+            cuda::sgd(&w.device, args, self.lr as f32)
+        }
+
         fn cpu_fwd(
             &self,
             w: &mut CpuStorage,
@@ -405,6 +438,36 @@ mod kernels {
     impl CustomOp2 for AdamWMoments {
         fn name(&self) -> &'static str {
             "gradcache-adamw-moments"
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            mv: &candle_core::CudaStorage,
+            ml: &Layout,
+            g: &candle_core::CudaStorage,
+            gl: &Layout,
+        ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+            use crate::nn::cuda;
+            let n = gl.shape().elem_count();
+            if ml.shape().elem_count() != 2 * n {
+                candle_core::bail!(
+                    "optimizer: moments of {:?} for a gradient of {n}",
+                    ml.shape()
+                );
+            }
+            let args = (
+                cuda::storage_ptr_f32(mv, ml)?,
+                cuda::storage_ptr_f32(g, gl)?,
+                n,
+            );
+            let out = cuda::adamw_moments(
+                &g.device,
+                args,
+                (self.beta1 as f32, self.beta2 as f32),
+                ((1.0 - self.beta1) as f32, (1.0 - self.beta2) as f32),
+            )?;
+            Ok((out, ml.shape().clone()))
         }
 
         fn cpu_fwd(
@@ -454,6 +517,33 @@ mod kernels {
     impl InplaceOp2 for AdamWWeights {
         fn name(&self) -> &'static str {
             "gradcache-adamw-weights"
+        }
+
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(
+            &self,
+            w: &mut candle_core::CudaStorage,
+            wl: &Layout,
+            mv: &candle_core::CudaStorage,
+            ml: &Layout,
+        ) -> candle_core::Result<()> {
+            use crate::nn::cuda;
+            let n = wl.shape().elem_count();
+            if ml.shape().elem_count() != 2 * n {
+                candle_core::bail!("optimizer: moments of {:?} for a weight of {n}", ml.shape());
+            }
+            let args = (
+                cuda::storage_ptr_f32(w, wl)?,
+                cuda::storage_ptr_f32(mv, ml)?,
+                n,
+            );
+            cuda::adamw_weights(
+                &w.device,
+                args,
+                (self.lr as f32, self.eps as f32),
+                (self.m_correction as f32, self.v_correction as f32),
+                self.decay.map(|d| d as f32),
+            )
         }
 
         fn cpu_fwd(

@@ -44,6 +44,13 @@ pub struct StepReport {
     /// The step met a NaN or infinite loss or gradient (an f16 overflow, or
     /// `train.on_nonfinite = "skip"`) and changed no weight, optimizer state or statistic.
     pub skipped: bool,
+    /// On a GPU, its memory pool during the step: the most in use at once (the high mark
+    /// of what the tensors really held) and the most the pool held from the driver; `None`
+    /// on the CPU.
+    pub gpu_memory: Option<crate::device::PoolMemory>,
+    /// Where the step's time went, with `GRADCACHE_PROFILE=1` ([`crate::profile`]);
+    /// empty otherwise.
+    pub profile: Vec<crate::profile::Entry>,
 }
 
 /// What the dynamic loss scaler did in a step.

@@ -253,6 +253,7 @@ impl<T: Task> Run<T> {
         notes: Vec<String>,
     ) -> Result<Self> {
         let optimizer = Optimizer::new(settings.optim.kind(), gc.params().clone())?;
+        crate::profile::set_device(&device);
         let schedule = Schedule {
             lr: settings.optim.lr,
             warmup: settings.optim.warmup(settings.steps),
@@ -556,6 +557,9 @@ impl<T: Task> Run<T> {
         let position = self.task.position(self.step);
         let buffers = Buffers::take(&self.gc.buffers()?)?;
         let batch = self.task.next_batch(self.step)?;
+        crate::device::reset_pool_peaks(&self.device);
+        // The profile of this step alone (not of an evaluation before it).
+        drop(crate::profile::take());
         let start = Instant::now();
         let heap_at_start = memory::current_bytes();
         let (_, peak, out) = memory::measure(|| self.update(&batch, start));
@@ -594,13 +598,17 @@ impl<T: Task> Run<T> {
             flops: u.flops,
             loss_scaling: u.scaling,
             skipped: u.skipped,
+            gpu_memory: crate::device::pool_memory(&self.device),
+            profile: crate::profile::take(),
         })
     }
 
     /// The work of a step, from the batch to the updated weights.
     fn update(&mut self, batch: &T::Batch, start: Instant) -> Result<Update> {
+        let tokenize = crate::profile::phase("step.0 tokenize");
         let inputs = self.task.inputs(batch, &*self.comm);
         let (q, p) = dist::agree(&*self.comm, inputs)?;
+        drop(tokenize);
         let tokenize_ms = ms(start.elapsed());
         let flops = self.task.step_flops(&q, &p)?;
         let loss_scale = self.scaler.map(|s| s.scale);
@@ -617,6 +625,7 @@ impl<T: Task> Run<T> {
             Err(e) => return Err(e),
         };
         meter.lap();
+        let optimizer_phase = crate::profile::phase("step.5 optimizer");
         let optimizer_start = Instant::now();
         let lr = self.schedule.lr_at(self.step);
         let max_norm = match self.settings.optim.max_grad_norm {
@@ -668,6 +677,7 @@ impl<T: Task> Run<T> {
                 }
             }
         }
+        drop(optimizer_phase);
         let (_, optimizer_peak) = meter.lap();
         let (t, m) = (times, peaks);
         let phase_peaks = PhasePeaks {

@@ -557,10 +557,13 @@ impl Run<TextPairs> {
 
 /// The device this rank trains on: with NCCL its local GPU, else `device` (the CPU unset).
 fn run_device(cfg: &Config, comm: &dyn Collective) -> Result<Device> {
-    if cfg.dist.backend == Backend::Nccl {
-        return Ok(comm.device());
-    }
-    cfg.device.unwrap_or_default().open()
+    let device = if cfg.dist.backend == Backend::Nccl {
+        comm.device()
+    } else {
+        cfg.device.unwrap_or_default().open()?
+    };
+    crate::device::check_precision(&device, cfg.precision)?;
+    Ok(device)
 }
 
 /// `cpu` or `cuda:N`.
@@ -683,10 +686,8 @@ fn in_length_order(q: &TokenBatch, p: &TokenBatch) -> Result<(TokenBatch, TokenB
     let rows = q.rows();
     let group = p.rows() / rows.max(1);
     let lengths = |b: &TokenBatch| -> Result<Vec<u32>> {
-        Ok(b.attention_mask
-            .to_dtype(DType::U32)?
-            .sum(1)?
-            .to_vec1::<u32>()?)
+        let rows = b.mask_rows()?;
+        Ok(rows.iter().map(|r| r.iter().sum()).collect())
     };
     let (ql, pl) = (lengths(q)?, lengths(p)?);
     let key = |i: usize| ql[i] + (0..group).map(|j| pl[i * group + j]).max().unwrap_or(0);

@@ -138,7 +138,16 @@ impl Observer for Console {
                     "phases_ms": r.phases, "phase_peak_bytes": r.phase_peaks, "flops": r.flops,
                     "gflops_per_sec": r.flops / seconds.max(1e-9) / 1e9,
                     "loss_scale": r.loss_scaling.map(|s| s.used),
-                    "skipped": r.skipped}));
+                    "skipped": r.skipped, "gpu_memory": r.gpu_memory}));
+                if !r.profile.is_empty() {
+                    self.line(
+                        serde_json::json!({"type": "profile", "step": r.step, "spans": r.profile}),
+                    );
+                    let table = profile_table(&r.profile);
+                    self.bar.suspend(|| {
+                        tracing::info!("step {} profile (GRADCACHE_PROFILE):\n{table}", r.step)
+                    });
+                }
                 if let Some(s) = r.loss_scaling.filter(|s| s.skipped) {
                     self.bar.suspend(|| {
                         tracing::warn!(
@@ -227,6 +236,32 @@ fn phase_summary(r: &gradcache::train::trainer::StepReport) -> String {
     .chain((r.heap_peak_bytes > 0).then(|| format!("heap peak {:.1} MiB", mib(r.heap_peak_bytes))))
     .collect::<Vec<_>>()
     .join(", ")
+}
+
+/// The profile of a step as aligned lines: span, count, total and mean milliseconds, and
+/// the GPU memory pool's peak.
+fn profile_table(entries: &[gradcache::profile::Entry]) -> String {
+    let width = entries
+        .iter()
+        .map(|e| e.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    let mut out = format!(
+        "  {:width$}  {:>6}  {:>10}  {:>9}  {:>12}",
+        "span", "count", "total ms", "mean ms", "GPU peak MiB"
+    );
+    for e in entries {
+        out += &format!(
+            "\n  {:width$}  {:>6}  {:>10.2}  {:>9.3}  {:>12.1}",
+            e.name,
+            e.count,
+            e.total_ms,
+            e.total_ms / e.count.max(1) as f64,
+            e.gpu_peak_bytes as f64 / 1048576.0
+        );
+    }
+    out
 }
 
 #[cfg(test)]

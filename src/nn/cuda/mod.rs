@@ -667,22 +667,37 @@ pub(crate) fn from_heads(
     Ok(out)
 }
 
-/// AdamW's new moments `[m'; v']` (f32, see `src/train/optim.rs`).
+/// The device address of element `layout.start_offset()` of an f32 CUDA storage (a
+/// custom op's operand), which must be contiguous.
+pub(crate) fn storage_ptr_f32(
+    s: &CudaStorage,
+    layout: &candle_core::Layout,
+) -> candle_core::Result<u64> {
+    let stream = s.device.cuda_stream();
+    let Some((start, _)) = layout.contiguous_offsets() else {
+        candle_core::bail!("an optimizer kernel was given a strided tensor")
+    };
+    let base = s.as_cuda_slice::<f32>()?.device_ptr(&stream).0;
+    Ok(base + (start * 4) as u64)
+}
+
+/// AdamW's new moments `[m'; v']` from `[m; v]` at `mv` and the gradient at `g` (`n`
+/// elements each, f32; see `src/train/optim.rs`).
 pub(crate) fn adamw_moments(
-    mv: &Tensor,
-    g: &Tensor,
+    dev: &CudaDevice,
+    (mv, g, n): (u64, u64, usize),
     (b1, b2): (f32, f32),
     (c1, c2): (f32, f32),
-) -> candle_core::Result<Tensor> {
-    let dev = device(g)?;
-    let n = g.elem_count();
-    let (out, out_ptr) = empty(&dev, DType::F32, mv.shape().clone())?;
+) -> candle_core::Result<CudaStorage> {
+    // SAFETY: the kernel writes all 2n elements.
+    let out = unsafe { dev.alloc::<f32>(2 * n)? };
+    let out_ptr = out.device_ptr(&dev.cuda_stream()).0;
     if n > 0 {
         launch!(
-            function!(&dev, Module::Optim, "adamw_moments"),
+            function!(dev, Module::Optim, "adamw_moments"),
             elementwise(n),
-            ptr(mv)?,
-            ptr(g)?,
+            mv,
+            g,
             out_ptr,
             n,
             b1,
@@ -691,16 +706,14 @@ pub(crate) fn adamw_moments(
             c2,
         );
     }
-    Ok(out)
+    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
 }
 
-/// AdamW's weight update in place on the f32 weight at `w` (`n` elements).
-#[allow(clippy::too_many_arguments)]
+/// AdamW's weight update in place on the f32 weight at `w` from the new moments at `mv`
+/// (`n` elements).
 pub(crate) fn adamw_weights(
     dev: &CudaDevice,
-    w: u64,
-    n: usize,
-    mv: &Tensor,
+    (w, mv, n): (u64, u64, usize),
     (lr, eps): (f32, f32),
     (mc, vc): (f32, f32),
     decay: Option<f32>,
@@ -710,7 +723,7 @@ pub(crate) fn adamw_weights(
             function!(dev, Module::Optim, "adamw_weights"),
             elementwise(n),
             w,
-            ptr(mv)?,
+            mv,
             n,
             lr,
             eps,
@@ -726,9 +739,7 @@ pub(crate) fn adamw_weights(
 /// `w -= lr g` in place on the f32 weight at `w` (`n` elements).
 pub(crate) fn sgd(
     dev: &CudaDevice,
-    w: u64,
-    n: usize,
-    g: &Tensor,
+    (w, g, n): (u64, u64, usize),
     lr: f32,
 ) -> candle_core::Result<()> {
     if n > 0 {
@@ -736,24 +747,10 @@ pub(crate) fn sgd(
             function!(dev, Module::Optim, "sgd"),
             elementwise(n),
             w,
-            ptr(g)?,
+            g,
             n,
             lr,
         );
     }
     Ok(())
-}
-
-/// The device address of a CUDA storage's f32 slice at `layout`'s start (an in-place
-/// op's destination).
-pub(crate) fn storage_ptr_f32(
-    s: &mut CudaStorage,
-    layout: &candle_core::Layout,
-) -> candle_core::Result<u64> {
-    let stream = s.device.cuda_stream();
-    let Some((start, _)) = layout.contiguous_offsets() else {
-        candle_core::bail!("an in-place CUDA kernel was given a strided tensor")
-    };
-    let base = s.as_cuda_slice::<f32>()?.device_ptr(&stream).0;
-    Ok(base + (start * 4) as u64)
 }

@@ -98,7 +98,11 @@ pub fn encoder_layer(
     }
     let tracked = inputs.iter().any(|t| t.track_op());
     let layer = Layer::new(x, w, spec, dims)?;
-    let (y, kept) = layer.forward(tracked)?;
+    let (y, kept) = {
+        let pass = if tracked { "replay" } else { "first-pass" };
+        let _s = crate::profile::span(|| format!("node.encoder-layer.forward.{pass}"));
+        layer.forward(tracked)?
+    };
     let y = y.reshape((n, s, h))?;
     if !tracked {
         return Ok(y);
@@ -108,8 +112,69 @@ pub fn encoder_layer(
         "gradcache-gpu-encoder-layer",
         &inputs,
         y,
-        Box::new(move |dy| layer.backward(dy, &kept, &wants)),
+        Box::new(move |dy| {
+            let _s = crate::profile::span(|| "node.encoder-layer.backward".into());
+            layer.backward(dy, &kept, &wants)
+        }),
     )
+}
+
+/// The same layer composed of candle's differentiable ops (any device and dtype; the
+/// half-precision rules of [`crate::nn`]): what the node replaces, and what the tests
+/// and the self-check hold it to. No LoRA adapters (see [`encoder_layer`]).
+pub fn encoder_layer_composed(
+    x: &Tensor,
+    w: &LayerWeights,
+    spec: &LayerSpec,
+) -> crate::Result<Tensor> {
+    use crate::nn::{add_norm_composed, bias_activation_composed, linear_composed};
+    let (n, s, h) = x.dims3()?;
+    let heads = spec.heads;
+    let dtype = x.dtype();
+    let cast = |t: &Tensor| t.to_dtype(dtype);
+    let split = |t: Tensor| -> crate::Result<Tensor> {
+        Ok(t.reshape((n, s, heads, h / heads))?
+            .transpose(1, 2)?
+            .contiguous()?)
+    };
+    let project = |i: usize| -> crate::Result<Tensor> {
+        split(linear_composed(
+            x,
+            &cast(w.qkv[i])?,
+            Some(&cast(w.qkv_bias[i])?),
+        )?)
+    };
+    let (q, k, v) = (project(0)?, project(1)?, project(2)?);
+    let mut attention = spec.attention.clone();
+    if let Some(b) = &spec.score_bias {
+        attention.bias = attention
+            .bias
+            .to_dtype(b.dtype())?
+            .broadcast_add(&b.reshape((1, heads, s, s))?)?;
+    }
+    let ctx = crate::nn::attention_composed(&q, &k, &v, &attention)?;
+    let ctx = ctx.transpose(1, 2)?.reshape((n, s, h))?;
+    let a = linear_composed(
+        &ctx,
+        &cast(w.attention_output.0)?,
+        Some(&cast(w.attention_output.1)?),
+    )?;
+    let norm = |(g, b): (&Tensor, &Tensor)| crate::nn::LayerNorm {
+        weight: g.clone(),
+        bias: b.clone(),
+        eps: spec.eps,
+        has_bias: true,
+    };
+    let y1 = add_norm_composed(
+        &a,
+        x,
+        &norm(w.attention_norm),
+        spec.attention_output_dropout,
+    )?;
+    let u = linear_composed(&y1, &cast(w.intermediate.0)?, None)?;
+    let g = bias_activation_composed(&u, &cast(w.intermediate.1)?, spec.act)?;
+    let o = linear_composed(&g, &cast(w.output.0)?, Some(&cast(w.output.1)?))?;
+    add_norm_composed(&o, &y1, &norm(w.output_norm), spec.output_dropout)
 }
 
 /// The sixteen weights in node-input order.

@@ -12,4 +12,4 @@
 
 pub mod encoder_layer;
 
-pub use encoder_layer::encoder_layer;
+pub use encoder_layer::{encoder_layer, encoder_layer_composed};

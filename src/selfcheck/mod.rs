@@ -6,6 +6,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
+mod kernels;
+
 use crate::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
 use crate::precision::{all_finite, LossScaler, Precision};
 use crate::{GradCache, Gradients, InfoNce, ParamStore, Recompute, Result, TokenBatch};
@@ -14,7 +16,7 @@ use crate::{GradCache, Gradients, InfoNce, ParamStore, Recompute, Result, TokenB
 #[derive(Debug, Clone, PartialEq)]
 pub struct CheckResult {
     /// What was checked.
-    pub name: &'static str,
+    pub name: String,
     /// The measured value (a relative error, or 0/1 for a yes/no property).
     pub value: f64,
     /// The largest value that passes.
@@ -128,7 +130,7 @@ pub fn run(device: &Device) -> Result<Vec<CheckResult>> {
     .with_dropout(false);
     let (cached, full) = (gc.cache_step(0, &q, &p)?, gc.full_batch_step(0, &q, &p)?);
     out.push(CheckResult {
-        name: "f32 cached == full batch, shared tower, chunks of 3",
+        name: "f32 cached == full batch, shared tower, chunks of 3".into(),
         value: relative_error(&cached.grads, &full.grads, is_key_bias)?,
         limit: 1e-5,
     });
@@ -147,7 +149,7 @@ pub fn run(device: &Device) -> Result<Vec<CheckResult>> {
     .with_dropout(false);
     let (cached, full) = (gc.cache_step(0, &q, &p)?, gc.full_batch_step(0, &q, &p)?);
     out.push(CheckResult {
-        name: "f32 cached + checkpointed == full batch, two towers, chunks of 2/5",
+        name: "f32 cached + checkpointed == full batch, two towers, chunks of 2/5".into(),
         value: relative_error(&cached.grads, &full.grads, is_key_bias)?,
         limit: 1e-5,
     });
@@ -166,7 +168,7 @@ pub fn run(device: &Device) -> Result<Vec<CheckResult>> {
         (Precision::F16, 1e-2, "f16 cached step against f32"),
     ] {
         out.push(CheckResult {
-            name,
+            name: name.into(),
             value: relative_error(&step(precision, 1.0)?, &reference, is_key_bias)?,
             limit,
         });
@@ -178,7 +180,7 @@ pub fn run(device: &Device) -> Result<Vec<CheckResult>> {
     let mut scaled = step(Precision::F16, scaler.scale)?;
     let finite = scaler.unscale(&mut scaled)?;
     out.push(CheckResult {
-        name: "f16 at loss scale 2^10, unscaled, against f32",
+        name: "f16 at loss scale 2^10, unscaled, against f32".into(),
         value: if finite {
             relative_error(&scaled, &reference, is_key_bias)?
         } else {
@@ -188,9 +190,10 @@ pub fn run(device: &Device) -> Result<Vec<CheckResult>> {
     });
     let overflowed = step(Precision::F16, 2f64.powi(30))?;
     out.push(CheckResult {
-        name: "f16 at loss scale 2^30 overflows and is detected (1: missed)",
+        name: "f16 at loss scale 2^30 overflows and is detected (1: missed)".into(),
         value: f64::from(u8::from(all_finite(&overflowed)?)),
         limit: 0.0,
     });
+    out.extend(kernels::run(device)?);
     Ok(out)
 }

@@ -1,0 +1,141 @@
+//! Where a step's time goes on a GPU (`GRADCACHE_PROFILE=1`; off by default, and then
+//! nothing here costs more than a flag read).
+//!
+//! A GPU runs the kernels a step queues while the host goes on queueing, so the host's
+//! clock says when work was queued, not when it ran. With profiling on, the device is
+//! synchronised at the boundary of every span and phase, and the time between two
+//! synchronisations is the device's time for what was queued between them (plus the
+//! host's own work, which the spans also show when the device waits for it): the
+//! phases of a step (the representation pass, the loss, the replay's forward and
+//! backward, the gradient reduction, the optimizer), every layer node's forward and
+//! backward summed over layers and chunks, and the peak of the GPU memory pool in each
+//! phase. The synchronisations slow the step a little; the profile is for finding the
+//! largest costs, the benchmark (profiling off) for the speed.
+//!
+//! The trainer prints the spans after each step and writes them into `metrics.jsonl`
+//! (a `"profile"` line per step).
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use candle_core::Device;
+
+/// Whether `GRADCACHE_PROFILE` is set to something other than `0` (read once).
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("GRADCACHE_PROFILE").is_ok_and(|v| v.trim() != "0"))
+}
+
+/// One span's totals over the spans of that name since [`take`].
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct Entry {
+    /// What was timed.
+    pub name: String,
+    /// How many spans of that name ended.
+    pub count: u64,
+    /// Their total time, milliseconds.
+    pub total_ms: f64,
+    /// The most GPU memory in use (the pool's high mark, bytes) from the start of the
+    /// phase each of them ran in to its end; 0 off a GPU.
+    pub gpu_peak_bytes: u64,
+}
+
+struct State {
+    device: Option<Device>,
+    entries: BTreeMap<String, Entry>,
+}
+
+fn state() -> &'static Mutex<State> {
+    static STATE: OnceLock<Mutex<State>> = OnceLock::new();
+    STATE.get_or_init(|| {
+        Mutex::new(State {
+            device: None,
+            entries: BTreeMap::new(),
+        })
+    })
+}
+
+/// The device whose queue the spans wait for (the trainer's).
+pub fn set_device(device: &Device) {
+    if let Ok(mut s) = state().lock() {
+        s.device = Some(device.clone());
+    }
+}
+
+fn device() -> Option<Device> {
+    state().lock().ok().and_then(|s| s.device.clone())
+}
+
+/// Waits for the device's queue when profiling (a no-op otherwise).
+pub fn sync() {
+    if !enabled() {
+        return;
+    }
+    if let Some(d) = device() {
+        let _ = d.synchronize();
+    }
+}
+
+/// A timed span: the device's queue is drained when it starts and when it ends.
+#[must_use]
+pub struct Span {
+    name: String,
+    start: Instant,
+}
+
+/// Starts a span named `name` when profiling; `None` (nothing timed) otherwise.
+pub fn span(name: impl FnOnce() -> String) -> Option<Span> {
+    if !enabled() {
+        return None;
+    }
+    sync();
+    Some(Span {
+        name: name(),
+        start: Instant::now(),
+    })
+}
+
+impl Drop for Span {
+    fn drop(&mut self) {
+        sync();
+        record(std::mem::take(&mut self.name), self.start.elapsed());
+    }
+}
+
+/// Starts a phase of a step: a [`span`] from which the GPU memory pool's high mark
+/// starts afresh (the spans inside it report the phase's peak so far).
+pub fn phase(name: &'static str) -> Option<Span> {
+    let s = span(|| name.to_string())?;
+    if let Some(d) = device() {
+        crate::device::reset_pool_peaks(&d);
+    }
+    Some(s)
+}
+
+/// Adds `elapsed` to the entry `name`, with the pool's high mark since the phase began.
+pub fn record(name: String, elapsed: Duration) {
+    if !enabled() {
+        return;
+    }
+    let peak = device()
+        .and_then(|d| crate::device::pool_memory(&d))
+        .map_or(0, |m| m.used_high);
+    if let Ok(mut s) = state().lock() {
+        let e = s.entries.entry(name.clone()).or_insert_with(|| Entry {
+            name,
+            ..Entry::default()
+        });
+        e.count += 1;
+        e.total_ms += elapsed.as_secs_f64() * 1e3;
+        e.gpu_peak_bytes = e.gpu_peak_bytes.max(peak);
+    }
+}
+
+/// The entries since the last call, in name order, and a fresh start.
+pub fn take() -> Vec<Entry> {
+    match state().lock() {
+        Ok(mut s) => std::mem::take(&mut s.entries).into_values().collect(),
+        Err(_) => Vec::new(),
+    }
+}
