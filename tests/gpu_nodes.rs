@@ -3,7 +3,9 @@
 //! cached step (loss and every parameter gradient, dropout on, padded rows, two towers,
 //! BERT and MPNet with its relative position bias), its selective-recompute sites give the
 //! gradients of keeping, bit for bit, and every gradient of one node matches f64 finite
-//! differences. `gradcache self-check --device cuda` holds the CUDA kernels to the same
+//! differences; the decoder node gives the op-by-op step of every decoder family's layout
+//! (q/k norms, grouped heads, biases, causal and windowed patterns, Gemma's norms,
+//! bidirectional layers), padded on the left and on the right. `gradcache self-check --device cuda` holds the CUDA kernels to the same
 //! reference forms on a GPU.
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -46,9 +48,13 @@ fn tokens(seed: usize, rows: usize) -> TokenBatch {
     TokenBatch::new(t(ids), t(mask), t(vec![0; rows * len])).unwrap()
 }
 
+/// The kernel switches are the process's: the steps that set them run one at a time.
+static SWITCHES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// One cached step of two towers with the CPU's nodes off: through the GPU nodes with
 /// `gpu`, else the composed layer op by op.
 fn step(family: &str, gpu: bool, recompute: Recompute, precision: Precision) -> StepOutput {
+    let _one = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
     gradcache::nn::set_fused_kernels(false);
     gradcache::nn::run_gpu_nodes_on_cpu(gpu);
     let cfg = config(family);
@@ -305,6 +311,86 @@ fn every_gradient_of_the_node_matches_finite_differences() {
                 err <= 1e-6 * largest.max(1.0),
                 "{name}[{e}]: analytic {} vs numeric {numeric} (largest {largest})",
                 g[e]
+            );
+        }
+    }
+}
+
+/// One cached two-tower step of a tiny decoder of `family`'s layout (left or right
+/// padding, dropout on the probabilities) with the CPU's nodes off: through the GPU
+/// decoder node with `gpu`, else op by op.
+fn decoder_step(family: &str, gpu: bool, recompute: Recompute, left: bool) -> StepOutput {
+    use common::decoders::{config, perturb, tokens};
+    let _one = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+    gradcache::nn::set_fused_kernels(false);
+    gradcache::nn::run_gpu_nodes_on_cpu(gpu);
+    let cfg = config(family);
+    let store = ParamStore::new(21, DType::F32, &Device::Cpu);
+    let options = |pooling| BertOptions {
+        pooling,
+        normalize: true,
+        recompute: recompute.clone(),
+        ..Default::default()
+    };
+    let q = BertEncoder::build(&store, "query", &cfg, &options(Pooling::LastToken)).unwrap();
+    let p = BertEncoder::build(&store, "passage", &cfg, &options(Pooling::Mean)).unwrap();
+    perturb(&store);
+    let loss = InfoNce::new(0.1).unwrap().with_symmetric(true);
+    let gc = GradCache::two_towers(q, p, 3, 4, loss)
+        .unwrap()
+        .with_seed(5);
+    let out = gc
+        .cache_step(2, &tokens(1, 6, left), &tokens(2, 12, left))
+        .unwrap();
+    gradcache::nn::run_gpu_nodes_on_cpu(false);
+    gradcache::nn::set_fused_kernels(true);
+    out
+}
+
+/// The largest error of `got` against `want` over the parameters, each relative to its
+/// largest entry (floored at 1e-3 of the largest in the model).
+fn gradient_error(got: &gradcache::Gradients, want: &gradcache::Gradients) -> f64 {
+    let global = want
+        .iter()
+        .map(|(_, g)| common::max_abs(g))
+        .fold(0.0, f64::max);
+    assert_eq!(got.len(), want.len(), "the same parameters get gradients");
+    want.iter()
+        .map(|(name, w)| {
+            let g = got
+                .get(name)
+                .unwrap_or_else(|| panic!("no gradient for `{name}`"));
+            common::max_diff(g, w) / common::max_abs(w).max(1e-3 * global)
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn the_gpu_decoder_node_gives_the_composed_step() {
+    for family in common::decoders::FAMILIES {
+        for left in [true, false] {
+            let what = format!("{family}, left padding {left}");
+            let composed = decoder_step(family, false, Recompute::Off, left);
+            let node = decoder_step(family, true, Recompute::Off, left);
+            let loss_err = ((node.loss - composed.loss) / composed.loss).abs();
+            assert!(
+                loss_err <= 1e-6,
+                "{what}: loss {} vs {}",
+                node.loss,
+                composed.loss
+            );
+            let err = gradient_error(&node.grads, &composed.grads);
+            assert!(err <= 1e-5, "{what}: max gradient error {err:e}");
+        }
+        // Recomputing the probabilities gives keeping's gradients bit for bit.
+        let off = decoder_step(family, true, Recompute::Off, true);
+        let selective = decoder_step(family, true, Recompute::Attention, true);
+        assert_eq!(off.loss.to_bits(), selective.loss.to_bits(), "{family}");
+        for (name, g) in off.grads.iter() {
+            assert_eq!(
+                common::bits(g),
+                common::bits(selective.grads.get(name).unwrap()),
+                "{family}: `{name}` under selective recompute"
             );
         }
     }

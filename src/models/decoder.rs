@@ -316,7 +316,7 @@ impl Decoder {
             post_mlp_norm: layer.post_mlp_norm.as_ref(),
             lora: std::array::from_fn(|p| projections[p].lora_input()),
         };
-        if let Some(y) = crate::nn::decoder_layer(x, &weights, &spec)? {
+        if let Some(y) = crate::nn::decoder_layer(x, &weights, &spec, &aux.positions)? {
             return Ok(y);
         }
         self.composed_layer(layer, &projections, x, &spec, &aux.positions)

@@ -159,13 +159,15 @@ pub fn prenorm_layer(
     )?))
 }
 
-/// A whole decoder layer as one node with its backward written out
-/// ([`super::cpu::decoder_layer::decoder_layer`]) where the fused kernels run; `None` elsewhere (the
-/// caller then runs the layer op by op).
+/// A whole decoder layer as one node with its backward written out where one runs: the
+/// CPU's ([`super::cpu::decoder_layer::decoder_layer`]) where the fused kernels run, the
+/// GPU's ([`super::gpu::decoder_layer`], each token's rotary row at `positions` `[n s]`)
+/// on a GPU; `None` elsewhere (the caller then runs the layer op by op).
 pub fn decoder_layer(
     x: &Tensor,
     weights: &super::cpu::decoder_layer::DecoderWeights,
     spec: &super::cpu::decoder_layer::DecoderSpec,
+    positions: &Tensor,
 ) -> Result<Option<Tensor>> {
     let mut all = vec![
         x,
@@ -194,10 +196,15 @@ pub fn decoder_layer(
         .into_iter()
         .flatten(),
     );
-    if !fused_ok(&all) || !super::frozen_base_ok(x, &bases, &weights.lora) || x.rank() != 3 {
-        return Ok(None);
+    if fused_ok(&all) && super::frozen_base_ok(x, &bases, &weights.lora) && x.rank() == 3 {
+        return Ok(super::cpu::decoder_layer::decoder_layer(x, weights, spec)?);
     }
-    Ok(super::cpu::decoder_layer::decoder_layer(x, weights, spec)?)
+    if super::gpu_node_ok(x, &weights.lora) {
+        return Ok(Some(super::gpu::decoder_layer(
+            x, weights, spec, positions,
+        )?));
+    }
+    Ok(None)
 }
 
 /// A token embedding lookup `table[ids] * scale` (`[n, s]` ids into `[n, s, h]`; row

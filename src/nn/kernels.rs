@@ -190,14 +190,16 @@ pub(crate) fn dropout(x: &Tensor, seed: u64, p: f32) -> candle_core::Result<Tens
 
 /// Attention probabilities from the scores `[n, heads, s, s]`:
 /// `softmax(scale scores + key_bias (+ score_bias))` over the keys (`key_bias` `[n, s]`,
-/// `score_bias` `[heads, s, s]`, both in [`acc`]), and with `dropout` the probabilities
-/// through its mask (of each element's index in the scores).
+/// `score_bias` `[heads, s, s]`, both in [`acc`]; a decoder's `pattern` (causal, window)
+/// adds -10000 where it hides a key), and with `dropout` the probabilities through its
+/// mask (of each element's index in the scores).
 pub(crate) fn softmax_forward(
     scores: &Tensor,
     key_bias: &Tensor,
     score_bias: Option<&Tensor>,
     scale: f64,
     dropout: Option<(u64, f32)>,
+    pattern: (bool, Option<usize>),
 ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
     let (scores, key_bias) = (c(scores)?, c(key_bias)?);
     let score_bias = score_bias.map(c).transpose()?;
@@ -217,8 +219,22 @@ pub(crate) fn softmax_forward(
     }
     dispatch!(
         &scores,
-        super::cuda::softmax_forward(&scores, &key_bias, score_bias.as_ref(), scale, dropout),
-        reference::softmax_forward(&scores, &key_bias, score_bias.as_ref(), scale, dropout)
+        super::cuda::softmax_forward(
+            &scores,
+            &key_bias,
+            score_bias.as_ref(),
+            scale,
+            dropout,
+            pattern
+        ),
+        reference::softmax_forward(
+            &scores,
+            &key_bias,
+            score_bias.as_ref(),
+            scale,
+            dropout,
+            pattern
+        )
     )
 }
 
@@ -285,4 +301,139 @@ pub(crate) fn from_heads(
         super::cuda::from_heads(&refs, width),
         reference::from_heads(&refs, width)
     )
+}
+
+/// RMSNorm over the rows of `x` `[rows, w]` (`weight` `[w]` in [`acc`]): `(x r (offset +
+/// weight), r)` with each row's `r = 1 / sqrt(mean(x^2) + eps)` `[rows]` in [`acc`].
+pub(crate) fn rms_forward(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    offset: f64,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (x, weight) = (c(x)?, c(weight)?);
+    if weight.dims() != [x.dim(1)?] {
+        candle_core::bail!(
+            "rms_norm: rows {:?} and weight {:?}",
+            x.dims(),
+            weight.dims()
+        );
+    }
+    dispatch!(
+        &x,
+        super::cuda::rms_forward(&x, &weight, eps, offset),
+        reference::rms_forward(&x, &weight, eps, offset)
+    )
+}
+
+/// The backward of [`rms_forward`] to its input.
+pub(crate) fn rms_backward(
+    dy: &Tensor,
+    x: &Tensor,
+    rstd: &Tensor,
+    weight: &Tensor,
+    offset: f64,
+) -> candle_core::Result<Tensor> {
+    let (dy, x, rstd, weight) = (c(dy)?, c(x)?, c(rstd)?, c(weight)?);
+    dispatch!(
+        &dy,
+        super::cuda::rms_backward(&dy, &x, &rstd, &weight, offset),
+        reference::rms_backward(&dy, &x, &rstd, &weight, offset)
+    )
+}
+
+/// RMSNorm's weight gradient `sum_rows dy x r` in [`acc`].
+pub(crate) fn rms_param_grads(
+    dy: &Tensor,
+    x: &Tensor,
+    rstd: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let (dy, x, rstd) = (c(dy)?, c(x)?, c(rstd)?);
+    dispatch!(
+        &dy,
+        super::cuda::rms_param_grads(&dy, &x, &rstd),
+        reference::rms_param_grads(&dy, &x, &rstd)
+    )
+}
+
+/// The gated unit `act(gate) up` of `up` `[rows, 2w]` (the gate's columns first).
+pub(crate) fn glu_forward(up: &Tensor, act: Act) -> candle_core::Result<Tensor> {
+    let up = c(up)?;
+    if up.dim(1)? % 2 != 0 {
+        candle_core::bail!("glu: {:?} has an odd width", up.dims());
+    }
+    dispatch!(
+        &up,
+        super::cuda::glu_forward(&up, act),
+        reference::glu_forward(&up, act)
+    )
+}
+
+/// The backward of [`glu_forward`]: the gradient of `up`, `[rows, 2w]`.
+pub(crate) fn glu_backward(dout: &Tensor, up: &Tensor, act: Act) -> candle_core::Result<Tensor> {
+    let (dout, up) = (c(dout)?, c(up)?);
+    dispatch!(
+        &up,
+        super::cuda::glu_backward(&dout, &up, act),
+        reference::glu_backward(&dout, &up, act)
+    )
+}
+
+/// Rotary position embedding of `x` `[n, heads, s, d]`: token `(b, t)` takes row
+/// `positions[b s + t]` (u32 `[n s]`) of the tables `cos`, `sin` `[positions, d]` (in
+/// [`acc`]); `x cos + rotate_half(x) sin`.
+pub(crate) fn rotary_forward(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let (x, cos, sin, positions) = (c(x)?, c(cos)?, c(sin)?, c(positions)?);
+    check_rotary(&x, &cos, &sin, &positions)?;
+    dispatch!(
+        &x,
+        super::cuda::rotary_forward(&x, &cos, &sin, &positions),
+        reference::rotary_forward(&x, &cos, &sin, &positions)
+    )
+}
+
+/// The backward of [`rotary_forward`], times `mult`.
+pub(crate) fn rotary_backward(
+    dy: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+    mult: f64,
+) -> candle_core::Result<Tensor> {
+    let (dy, cos, sin, positions) = (c(dy)?, c(cos)?, c(sin)?, c(positions)?);
+    check_rotary(&dy, &cos, &sin, &positions)?;
+    dispatch!(
+        &dy,
+        super::cuda::rotary_backward(&dy, &cos, &sin, &positions, mult),
+        reference::rotary_backward(&dy, &cos, &sin, &positions, mult)
+    )
+}
+
+fn check_rotary(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+) -> candle_core::Result<()> {
+    let (n, _, s, d) = x.dims4()?;
+    let fits = d % 2 == 0
+        && cos.rank() == 2
+        && cos.dim(1)? == d
+        && sin.dims() == cos.dims()
+        && positions.elem_count() == n * s
+        && positions.dtype() == DType::U32;
+    if !fits {
+        candle_core::bail!(
+            "rotary: {:?} with tables {:?} and positions {:?}",
+            x.dims(),
+            cos.dims(),
+            positions.dims()
+        );
+    }
+    Ok(())
 }

@@ -5,6 +5,7 @@
 // Each test binary uses a different subset.
 #![allow(dead_code)]
 
+pub mod decoders;
 pub mod families;
 
 use std::cell::{Cell, RefCell};

@@ -246,7 +246,8 @@ pub(crate) fn dropout(x: &Tensor, seed: u64, p: f32) -> candle_core::Result<Tens
     tensor(v, x.shape().clone(), x.dtype())
 }
 
-/// The softmax of `scale scores + key_bias (+ score_bias)` over the last dimension of
+/// The softmax of `scale scores + key_bias (+ score_bias)` (-10000 more where the
+/// decoder's `pattern` (causal, window) hides a key) over the last dimension of
 /// `[n, heads, s, s]`, and the probabilities after dropout (`None` without).
 pub(crate) fn softmax_forward(
     scores: &Tensor,
@@ -254,6 +255,7 @@ pub(crate) fn softmax_forward(
     score_bias: Option<&Tensor>,
     scale: f64,
     dropout: Option<(u64, f32)>,
+    pattern: (bool, Option<usize>),
 ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
     let (n, heads, s, s2) = scores.dims4()?;
     if s2 != s {
@@ -263,13 +265,22 @@ pub(crate) fn softmax_forward(
     let sb = score_bias.map(values).transpose()?;
     let dtype = scores.dtype();
     let scale = narrow(scale, dtype);
+    let (causal, window) = pattern;
+    let sees = |q: usize, k: usize| match (causal, window) {
+        (true, w) => k <= q && w.is_none_or(|w| q - k <= w),
+        (false, Some(w)) => q.abs_diff(k) <= w,
+        (false, None) => true,
+    };
     let mut p = vec![0f64; x.len()];
     for row in 0..n * heads * s {
         let (b, head, q) = (row / (heads * s), (row / s) % heads, row % s);
         let z: Vec<f64> = (0..s)
             .map(|k| {
                 let lin = narrow(scale * x[row * s + k], dtype);
-                lin + kb[b * s + k] + sb.as_ref().map_or(0.0, |v| v[(head * s + q) * s + k])
+                let hidden = if sees(q, k) { 0.0 } else { -10000.0 };
+                lin + kb[b * s + k]
+                    + sb.as_ref().map_or(0.0, |v| v[(head * s + q) * s + k])
+                    + hidden
             })
             .collect();
         let mx = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -358,6 +369,152 @@ pub(crate) fn from_heads(
         }
     }
     tensor(out, (n * s, width), first.dtype())
+}
+
+/// RMSNorm over the rows of `x` `[rows, w]`: `(x r (offset + weight), r)`, `r = 1 /
+/// sqrt(mean(x^2) + eps)` per row (in [`acc`]).
+pub(crate) fn rms_forward(
+    x: &Tensor,
+    weight: &Tensor,
+    eps: f64,
+    offset: f64,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (rows, w) = x.dims2()?;
+    let (xv, g) = (values(x)?, values(weight)?);
+    let a = acc(x.dtype());
+    let rstd: Vec<f64> = (0..rows)
+        .map(|r| {
+            let ms = xv[r * w..(r + 1) * w].iter().map(|v| v * v).sum::<f64>() / w as f64;
+            1.0 / (ms + eps).sqrt()
+        })
+        .collect();
+    let rstd = rounded(rstd, a)?;
+    let y = (0..rows * w)
+        .map(|i| narrow(xv[i] * rstd[i / w], a) * (offset + g[i % w]))
+        .collect();
+    Ok((tensor(y, (rows, w), x.dtype())?, tensor(rstd, rows, a)?))
+}
+
+/// The backward of [`rms_forward`]: `dx = r (g - x r^2 mean(g x))`, `g = dy (offset + w)`.
+pub(crate) fn rms_backward(
+    dy: &Tensor,
+    x: &Tensor,
+    rstd: &Tensor,
+    weight: &Tensor,
+    offset: f64,
+) -> candle_core::Result<Tensor> {
+    let (rows, w) = dy.dims2()?;
+    let (d, xv, r, g) = (values(dy)?, values(x)?, values(rstd)?, values(weight)?);
+    let mut dx = vec![0f64; rows * w];
+    for (row, &rr) in r.iter().enumerate().take(rows) {
+        let at = |j: usize| row * w + j;
+        let mean_gx = (0..w)
+            .map(|j| d[at(j)] * (offset + g[j]) * xv[at(j)])
+            .sum::<f64>()
+            / w as f64;
+        for j in 0..w {
+            dx[at(j)] = rr * (d[at(j)] * (offset + g[j]) - xv[at(j)] * rr * rr * mean_gx);
+        }
+    }
+    tensor(dx, (rows, w), dy.dtype())
+}
+
+/// RMSNorm's weight gradient `sum_rows dy x r`, in [`acc`].
+pub(crate) fn rms_param_grads(
+    dy: &Tensor,
+    x: &Tensor,
+    rstd: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let (rows, w) = dy.dims2()?;
+    let (d, xv, r) = (values(dy)?, values(x)?, values(rstd)?);
+    let mut sums = vec![0f64; w];
+    for row in 0..rows {
+        for (j, s) in sums.iter_mut().enumerate() {
+            *s += d[row * w + j] * xv[row * w + j] * r[row];
+        }
+    }
+    tensor(sums, w, acc(dy.dtype()))
+}
+
+/// The gated unit over `up` `[rows, 2w]`: `act(gate) up`, `[rows, w]`.
+pub(crate) fn glu_forward(up: &Tensor, act: Act) -> candle_core::Result<Tensor> {
+    let (rows, w2) = up.dims2()?;
+    let w = w2 / 2;
+    let u = values(up)?;
+    let out = (0..rows * w)
+        .map(|i| {
+            let (r, j) = (i / w, i % w);
+            act_value(act, u[r * w2 + j]) * u[r * w2 + w + j]
+        })
+        .collect();
+    tensor(out, (rows, w), up.dtype())
+}
+
+/// The backward of [`glu_forward`]: `[dgate, dup]` `[rows, 2w]`.
+pub(crate) fn glu_backward(dout: &Tensor, up: &Tensor, act: Act) -> candle_core::Result<Tensor> {
+    let (rows, w2) = up.dims2()?;
+    let w = w2 / 2;
+    let (d, u) = (values(dout)?, values(up)?);
+    let mut out = vec![0f64; rows * w2];
+    for r in 0..rows {
+        for j in 0..w {
+            let (g, v, dd) = (u[r * w2 + j], u[r * w2 + w + j], d[r * w + j]);
+            out[r * w2 + j] = dd * v * act_slope(act, g);
+            out[r * w2 + w + j] = dd * act_value(act, g);
+        }
+    }
+    tensor(out, (rows, w2), up.dtype())
+}
+
+/// Rotary position embedding of `x` `[n, heads, s, d]`, token `(b, t)` at position
+/// `positions[b s + t]` of the tables `cos`, `sin` `[positions, d]`: `x cos +
+/// rotate_half(x) sin`.
+pub(crate) fn rotary_forward(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+) -> candle_core::Result<Tensor> {
+    rotary(x, cos, sin, positions, 1.0, false)
+}
+
+/// The backward of [`rotary_forward`], times `mult`.
+pub(crate) fn rotary_backward(
+    dy: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+    mult: f64,
+) -> candle_core::Result<Tensor> {
+    rotary(dy, cos, sin, positions, mult, true)
+}
+
+fn rotary(
+    x: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+    positions: &Tensor,
+    mult: f64,
+    backward: bool,
+) -> candle_core::Result<Tensor> {
+    let (_, heads, s, d) = x.dims4()?;
+    let (xv, c, sn) = (values(x)?, values(cos)?, values(sin)?);
+    let pos: Vec<u32> = positions.flatten_all()?.to_vec1()?;
+    let half = d / 2;
+    let out = (0..xv.len())
+        .map(|i| {
+            let (e, t, b) = (i % d, (i / d) % s, i / (d * s * heads));
+            let row = pos[b * s + t] as usize * d;
+            let v = match (backward, e < half) {
+                (false, true) => xv[i] * c[row + e] - xv[i + half] * sn[row + e],
+                (false, false) => xv[i] * c[row + e] + xv[i - half] * sn[row + e],
+                (true, true) => xv[i] * c[row + e] + xv[i + half] * sn[row + e + half],
+                (true, false) => xv[i] * c[row + e] - xv[i - half] * sn[row + e - half],
+            };
+            mult * v
+        })
+        .collect();
+    tensor(out, x.shape().clone(), x.dtype())
 }
 
 fn act_value(act: Act, x: f64) -> f64 {

@@ -16,12 +16,22 @@
 //! are f32. [`crate::nn::kernels`] is the one dispatch point of each: these launchers on
 //! CUDA tensors, the CPU reference forms ([`crate::nn::cpu::reference`]) elsewhere.
 
-use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig};
+use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Shape, Storage, Tensor};
 
 use super::Act;
+
+pub(crate) use attention::{
+    from_heads, rotary_backward, rotary_forward, softmax_backward, softmax_forward, to_heads,
+};
+pub(crate) use optim::{adamw_moments, adamw_weights, sgd, storage_ptr_f32};
+pub(crate) use rows::{
+    act_backward, act_forward, add_norm_backward, add_norm_forward, bias_act_forward, column_sums,
+    dropout, glu_backward, glu_forward, norm_apply, norm_param_grads, rms_backward, rms_forward,
+    rms_param_grads,
+};
 
 /// Loads kernel `name` of `module` on `dev` (once per device; candle keeps the module).
 macro_rules! function {
@@ -79,11 +89,23 @@ pub(crate) fn load_all(dev: &CudaDevice) -> candle_core::Result<()> {
                 "act_fwd",
                 "act_bwd",
                 "dropout",
+                "rms_fwd",
+                "rms_bwd",
+                "rms_param_sums",
+                "glu_fwd",
+                "glu_bwd",
             ],
         ),
         (
             Module::Attention,
-            &["softmax_fwd", "softmax_bwd", "to_heads", "from_heads"],
+            &[
+                "softmax_fwd",
+                "softmax_bwd",
+                "to_heads",
+                "from_heads",
+                "rotary_fwd",
+                "rotary_bwd",
+            ],
         ),
         (Module::Optim, &[]),
     ];
@@ -101,7 +123,7 @@ pub(crate) fn load_all(dev: &CudaDevice) -> candle_core::Result<()> {
 }
 
 /// The name of the copy of kernel `name` for element type `dtype` (`name_f32`, ...).
-fn typed(name: &str, dtype: DType) -> candle_core::Result<String> {
+pub(super) fn typed(name: &str, dtype: DType) -> candle_core::Result<String> {
     let suffix = match dtype {
         DType::F32 => "f32",
         DType::BF16 => "bf16",
@@ -141,7 +163,7 @@ pub(crate) fn ptr(t: &Tensor) -> candle_core::Result<u64> {
 }
 
 /// The address of an optional tensor, 0 (a null pointer) for none.
-fn ptr_or_null(t: Option<&Tensor>) -> candle_core::Result<u64> {
+pub(super) fn ptr_or_null(t: Option<&Tensor>) -> candle_core::Result<u64> {
     t.map_or(Ok(0), ptr)
 }
 
@@ -203,7 +225,7 @@ macro_rules! launch {
 }
 
 /// A grid-stride launch over `total` elements.
-fn elementwise(total: usize) -> LaunchConfig {
+pub(super) fn elementwise(total: usize) -> LaunchConfig {
     const THREADS: u32 = 256;
     let blocks = total.div_ceil(THREADS as usize).clamp(1, 1 << 20) as u32;
     LaunchConfig {
@@ -214,7 +236,7 @@ fn elementwise(total: usize) -> LaunchConfig {
 }
 
 /// One block per row of `width` elements.
-fn per_row(rows: usize, width: usize) -> LaunchConfig {
+pub(super) fn per_row(rows: usize, width: usize) -> LaunchConfig {
     let threads = width.next_multiple_of(32).clamp(32, 256) as u32;
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
@@ -224,7 +246,7 @@ fn per_row(rows: usize, width: usize) -> LaunchConfig {
 }
 
 /// One warp per row.
-fn warp_per_row(rows: usize) -> LaunchConfig {
+pub(super) fn warp_per_row(rows: usize) -> LaunchConfig {
     const WARPS: usize = 4;
     LaunchConfig {
         grid_dim: (rows.div_ceil(WARPS).max(1) as u32, 1, 1),
@@ -235,7 +257,7 @@ fn warp_per_row(rows: usize) -> LaunchConfig {
 
 /// The dropout arguments of a kernel: seed, threshold `ceil(p 2^24)` (0: no dropout) and
 /// the scale `1 / (1 - p)` rounded to f32, as [`crate::rng::keep`] and the CPU kernels.
-fn dropout_args(dropout: Option<(u64, f32)>) -> (u64, u32, f32) {
+pub(super) fn dropout_args(dropout: Option<(u64, f32)>) -> (u64, u32, f32) {
     match dropout.filter(|&(_, p)| p > 0.0) {
         Some((seed, p)) => (
             seed,
@@ -246,7 +268,7 @@ fn dropout_args(dropout: Option<(u64, f32)>) -> (u64, u32, f32) {
     }
 }
 
-fn act_code(act: Act) -> i32 {
+pub(super) fn act_code(act: Act) -> i32 {
     match act {
         Act::GeluErf => 0,
         Act::GeluTanh => 1,
@@ -255,502 +277,10 @@ fn act_code(act: Act) -> i32 {
     }
 }
 
-fn i32_of(n: usize, what: &str) -> candle_core::Result<i32> {
+pub(super) fn i32_of(n: usize, what: &str) -> candle_core::Result<i32> {
     i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("{what} {n} is too large")))
 }
 
-/// See [`crate::nn::kernels::add_norm_forward`].
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn add_norm_forward(
-    x: &Tensor,
-    bias: Option<&Tensor>,
-    residual: &Tensor,
-    gamma: &Tensor,
-    beta: &Tensor,
-    eps: f64,
-    dropout: Option<(u64, f32)>,
-    keep_sum: bool,
-) -> candle_core::Result<(Tensor, Option<Tensor>, Tensor)> {
-    let dev = device(x)?;
-    let (rows, width) = x.dims2()?;
-    let (y, y_ptr) = empty(&dev, x.dtype(), (rows, width))?;
-    let sum = if keep_sum {
-        Some(empty(&dev, DType::F32, (rows, width))?)
-    } else {
-        None
-    };
-    let (stats, stats_ptr) = empty(&dev, DType::F32, (rows, 2))?;
-    let (seed, threshold, scale) = dropout_args(dropout);
-    if rows > 0 {
-        launch!(
-            function!(&dev, Module::Rows, &typed("add_norm_fwd", x.dtype())?),
-            per_row(rows, width),
-            ptr(x)?,
-            ptr_or_null(bias)?,
-            ptr(residual)?,
-            ptr(gamma)?,
-            ptr(beta)?,
-            y_ptr,
-            sum.as_ref().map_or(0, |s| s.1),
-            stats_ptr,
-            i32_of(width, "width")?,
-            eps as f32,
-            seed,
-            threshold,
-            scale,
-        );
-    }
-    Ok((y, sum.map(|s| s.0), stats))
-}
-
-/// See [`crate::nn::kernels::norm_apply`].
-pub(crate) fn norm_apply(
-    sum: &Tensor,
-    stats: &Tensor,
-    gamma: &Tensor,
-    beta: &Tensor,
-    dtype: DType,
-) -> candle_core::Result<Tensor> {
-    let dev = device(sum)?;
-    let (rows, width) = sum.dims2()?;
-    let (y, y_ptr) = empty(&dev, dtype, (rows, width))?;
-    let total = rows * width;
-    if total > 0 {
-        launch!(
-            function!(&dev, Module::Rows, &typed("norm_apply", dtype)?),
-            elementwise(total),
-            ptr(sum)?,
-            ptr(stats)?,
-            ptr(gamma)?,
-            ptr(beta)?,
-            y_ptr,
-            i32_of(width, "width")?,
-            total,
-        );
-    }
-    Ok(y)
-}
-
-/// See [`crate::nn::kernels::add_norm_backward`].
-pub(crate) fn add_norm_backward(
-    dy: &Tensor,
-    sum: &Tensor,
-    stats: &Tensor,
-    gamma: &Tensor,
-    dropout: Option<(u64, f32)>,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let dev = device(dy)?;
-    let (rows, width) = dy.dims2()?;
-    let (dsum, dsum_ptr) = empty(&dev, dy.dtype(), (rows, width))?;
-    let (seed, threshold, scale) = dropout_args(dropout);
-    let dpre = if threshold > 0 {
-        Some(empty(&dev, dy.dtype(), (rows, width))?)
-    } else {
-        None
-    };
-    if rows > 0 {
-        launch!(
-            function!(&dev, Module::Rows, &typed("add_norm_bwd", dy.dtype())?),
-            per_row(rows, width),
-            ptr(dy)?,
-            ptr(sum)?,
-            ptr(stats)?,
-            ptr(gamma)?,
-            dsum_ptr,
-            dpre.as_ref().map_or(0, |d| d.1),
-            i32_of(width, "width")?,
-            seed,
-            threshold,
-            scale,
-        );
-    }
-    let dpre = match dpre {
-        Some((t, _)) => t,
-        None => dsum.clone(),
-    };
-    Ok((dsum, dpre))
-}
-
-/// Rows per chunk of the column sums' first pass.
-const CHUNK_ROWS: usize = 64;
-
-/// The grid of a column-sum pass over `chunks` chunks of rows and `width` columns.
-fn column_grid(width: usize, chunks: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (width.div_ceil(128).max(1) as u32, chunks.max(1) as u32, 1),
-        block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-/// Sums the rows of f32 partials `[chunks, width]` in order into `[width]`.
-fn finish_column_sums(dev: &CudaDevice, partial: &Tensor) -> candle_core::Result<Tensor> {
-    let (chunks, width) = partial.dims2()?;
-    let (out, out_ptr) = empty(dev, DType::F32, width)?;
-    launch!(
-        function!(dev, Module::Rows, &typed("column_sums", DType::F32)?),
-        column_grid(width, 1),
-        ptr(partial)?,
-        out_ptr,
-        i32_of(chunks, "chunks")?,
-        i32_of(width, "width")?,
-        i32_of(chunks.max(1), "chunks")?,
-    );
-    Ok(out)
-}
-
-/// See [`crate::nn::kernels::column_sums`].
-pub(crate) fn column_sums(x: &Tensor) -> candle_core::Result<Tensor> {
-    let dev = device(x)?;
-    let (rows, width) = x.dims2()?;
-    let chunks = rows.div_ceil(CHUNK_ROWS).max(1);
-    let (partial, partial_ptr) = empty(&dev, DType::F32, (chunks, width))?;
-    launch!(
-        function!(&dev, Module::Rows, &typed("column_sums", x.dtype())?),
-        column_grid(width, chunks),
-        ptr(x)?,
-        partial_ptr,
-        i32_of(rows, "rows")?,
-        i32_of(width, "width")?,
-        i32_of(CHUNK_ROWS, "chunk")?,
-    );
-    finish_column_sums(&dev, &partial)
-}
-
-/// See [`crate::nn::kernels::norm_param_grads`].
-pub(crate) fn norm_param_grads(
-    dy: &Tensor,
-    sum: &Tensor,
-    stats: &Tensor,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let dev = device(dy)?;
-    let (rows, width) = dy.dims2()?;
-    let chunks = rows.div_ceil(CHUNK_ROWS).max(1);
-    let (partial, partial_ptr) = empty(&dev, DType::F32, (2 * chunks, width))?;
-    launch!(
-        function!(&dev, Module::Rows, &typed("norm_param_sums", dy.dtype())?),
-        column_grid(width, chunks),
-        ptr(dy)?,
-        ptr(sum)?,
-        ptr(stats)?,
-        partial_ptr,
-        i32_of(rows, "rows")?,
-        i32_of(width, "width")?,
-        i32_of(CHUNK_ROWS, "chunk")?,
-    );
-    let dgamma = finish_column_sums(&dev, &partial.narrow(0, 0, chunks)?)?;
-    let dbeta = finish_column_sums(&dev, &partial.narrow(0, chunks, chunks)?)?;
-    Ok((dgamma, dbeta))
-}
-
-/// See [`crate::nn::kernels::bias_act_forward`].
-pub(crate) fn bias_act_forward(
-    u: &Tensor,
-    bias: &Tensor,
-    act: Act,
-) -> candle_core::Result<(Tensor, Tensor)> {
-    let dev = device(u)?;
-    let (rows, width) = u.dims2()?;
-    let (pre, pre_ptr) = empty(&dev, u.dtype(), (rows, width))?;
-    let (g, g_ptr) = empty(&dev, u.dtype(), (rows, width))?;
-    let total = rows * width;
-    if total > 0 {
-        launch!(
-            function!(&dev, Module::Rows, &typed("bias_act_fwd", u.dtype())?),
-            elementwise(total),
-            ptr(u)?,
-            ptr(bias)?,
-            pre_ptr,
-            g_ptr,
-            i32_of(width, "width")?,
-            total,
-            act_code(act),
-        );
-    }
-    Ok((pre, g))
-}
-
-/// See [`crate::nn::kernels::act_forward`].
-pub(crate) fn act_forward(pre: &Tensor, act: Act) -> candle_core::Result<Tensor> {
-    let dev = device(pre)?;
-    let total = pre.elem_count();
-    let (g, g_ptr) = empty(&dev, pre.dtype(), pre.shape().clone())?;
-    if total > 0 {
-        launch!(
-            function!(&dev, Module::Rows, &typed("act_fwd", pre.dtype())?),
-            elementwise(total),
-            ptr(pre)?,
-            g_ptr,
-            total,
-            act_code(act),
-        );
-    }
-    Ok(g)
-}
-
-/// See [`crate::nn::kernels::act_backward`].
-pub(crate) fn act_backward(dg: &Tensor, pre: &Tensor, act: Act) -> candle_core::Result<Tensor> {
-    let dev = device(dg)?;
-    let total = dg.elem_count();
-    let (dpre, dpre_ptr) = empty(&dev, dg.dtype(), dg.shape().clone())?;
-    if total > 0 {
-        launch!(
-            function!(&dev, Module::Rows, &typed("act_bwd", dg.dtype())?),
-            elementwise(total),
-            ptr(dg)?,
-            ptr(pre)?,
-            dpre_ptr,
-            total,
-            act_code(act),
-        );
-    }
-    Ok(dpre)
-}
-
-/// See [`crate::nn::kernels::dropout`].
-pub(crate) fn dropout(x: &Tensor, seed: u64, p: f32) -> candle_core::Result<Tensor> {
-    let dev = device(x)?;
-    let total = x.elem_count();
-    let (y, y_ptr) = empty(&dev, x.dtype(), x.shape().clone())?;
-    let (seed, threshold, scale) = dropout_args(Some((seed, p)));
-    if total > 0 {
-        launch!(
-            function!(&dev, Module::Rows, &typed("dropout", x.dtype())?),
-            elementwise(total),
-            ptr(x)?,
-            y_ptr,
-            total,
-            0u64,
-            seed,
-            threshold,
-            scale,
-        );
-    }
-    Ok(y)
-}
-
-/// See [`crate::nn::kernels::softmax_forward`].
-pub(crate) fn softmax_forward(
-    scores: &Tensor,
-    key_bias: &Tensor,
-    score_bias: Option<&Tensor>,
-    scale: f64,
-    dropout: Option<(u64, f32)>,
-) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-    let dev = device(scores)?;
-    let (n, heads, s, _) = scores.dims4()?;
-    let rows = n * heads * s;
-    let (probs, probs_ptr) = empty(&dev, scores.dtype(), scores.shape().clone())?;
-    let (seed, threshold, keep_scale) = dropout_args(dropout);
-    let dropped = if threshold > 0 {
-        Some(empty(&dev, scores.dtype(), scores.shape().clone())?)
-    } else {
-        None
-    };
-    if rows > 0 {
-        launch!(
-            function!(
-                &dev,
-                Module::Attention,
-                &typed("softmax_fwd", scores.dtype())?
-            ),
-            warp_per_row(rows),
-            ptr(scores)?,
-            ptr(key_bias)?,
-            ptr_or_null(score_bias)?,
-            probs_ptr,
-            dropped.as_ref().map_or(0, |d| d.1),
-            i32_of(rows, "rows")?,
-            i32_of(s, "length")?,
-            i32_of(heads, "heads")?,
-            scale as f32,
-            seed,
-            threshold,
-            keep_scale,
-        );
-    }
-    Ok((probs, dropped.map(|d| d.0)))
-}
-
-/// See [`crate::nn::kernels::softmax_backward`].
-pub(crate) fn softmax_backward(
-    probs: &Tensor,
-    d: &Tensor,
-    dropout: Option<(u64, f32)>,
-) -> candle_core::Result<Tensor> {
-    let dev = device(probs)?;
-    let s = probs.dim(candle_core::D::Minus1)?;
-    let rows = probs.elem_count() / s.max(1);
-    let (dz, dz_ptr) = empty(&dev, probs.dtype(), probs.shape().clone())?;
-    let (seed, threshold, keep_scale) = dropout_args(dropout);
-    if rows > 0 {
-        launch!(
-            function!(
-                &dev,
-                Module::Attention,
-                &typed("softmax_bwd", probs.dtype())?
-            ),
-            warp_per_row(rows),
-            ptr(probs)?,
-            ptr(d)?,
-            dz_ptr,
-            i32_of(rows, "rows")?,
-            i32_of(s, "length")?,
-            seed,
-            threshold,
-            keep_scale,
-        );
-    }
-    Ok(dz)
-}
-
-/// See [`crate::nn::kernels::to_heads`].
-pub(crate) fn to_heads(
-    src: &Tensor,
-    first: usize,
-    (n, heads, s, d): (usize, usize, usize, usize),
-    bias: Option<&Tensor>,
-) -> candle_core::Result<Tensor> {
-    let dev = device(src)?;
-    let width = src.dim(1)?;
-    let (out, out_ptr) = empty(&dev, src.dtype(), (n, heads, s, d))?;
-    let total = n * heads * s * d;
-    if total > 0 {
-        launch!(
-            function!(&dev, Module::Attention, &typed("to_heads", src.dtype())?),
-            elementwise(total),
-            ptr(src)?,
-            ptr_or_null(bias)?,
-            out_ptr,
-            i32_of(s, "length")?,
-            i32_of(heads, "heads")?,
-            i32_of(d, "head size")?,
-            i32_of(width, "width")?,
-            i32_of(first, "column")?,
-            total,
-        );
-    }
-    Ok(out)
-}
-
-/// See [`crate::nn::kernels::from_heads`].
-pub(crate) fn from_heads(
-    parts: &[(&Tensor, usize, f64)],
-    width: usize,
-) -> candle_core::Result<Tensor> {
-    let Some((first, _, _)) = parts.first() else {
-        candle_core::bail!("from_heads: no parts")
-    };
-    let dev = device(first)?;
-    let (n, _, s, _) = first.dims4()?;
-    let (out, out_ptr) = empty(&dev, first.dtype(), (n * s, width))?;
-    for &(part, column, mult) in parts {
-        let (_, heads, s, d) = part.dims4()?;
-        let total = part.elem_count();
-        if total == 0 {
-            continue;
-        }
-        launch!(
-            function!(&dev, Module::Attention, &typed("from_heads", part.dtype())?),
-            elementwise(total),
-            ptr(part)?,
-            out_ptr,
-            i32_of(s, "length")?,
-            i32_of(heads, "heads")?,
-            i32_of(d, "head size")?,
-            i32_of(width, "width")?,
-            i32_of(column, "column")?,
-            mult as f32,
-            total,
-        );
-    }
-    Ok(out)
-}
-
-/// The device address of element `layout.start_offset()` of an f32 CUDA storage (a
-/// custom op's operand), which must be contiguous.
-pub(crate) fn storage_ptr_f32(
-    s: &CudaStorage,
-    layout: &candle_core::Layout,
-) -> candle_core::Result<u64> {
-    let stream = s.device.cuda_stream();
-    let Some((start, _)) = layout.contiguous_offsets() else {
-        candle_core::bail!("an optimizer kernel was given a strided tensor")
-    };
-    let base = s.as_cuda_slice::<f32>()?.device_ptr(&stream).0;
-    Ok(base + (start * 4) as u64)
-}
-
-/// AdamW's new moments `[m'; v']` from `[m; v]` at `mv` and the gradient at `g` (`n`
-/// elements each, f32; see `src/train/optim.rs`).
-pub(crate) fn adamw_moments(
-    dev: &CudaDevice,
-    (mv, g, n): (u64, u64, usize),
-    (b1, b2): (f32, f32),
-    (c1, c2): (f32, f32),
-) -> candle_core::Result<CudaStorage> {
-    // SAFETY: the kernel writes all 2n elements.
-    let out = unsafe { dev.alloc::<f32>(2 * n)? };
-    let out_ptr = out.device_ptr(&dev.cuda_stream()).0;
-    if n > 0 {
-        launch!(
-            function!(dev, Module::Optim, "adamw_moments"),
-            elementwise(n),
-            mv,
-            g,
-            out_ptr,
-            n,
-            b1,
-            b2,
-            c1,
-            c2,
-        );
-    }
-    Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-}
-
-/// AdamW's weight update in place on the f32 weight at `w` from the new moments at `mv`
-/// (`n` elements).
-pub(crate) fn adamw_weights(
-    dev: &CudaDevice,
-    (w, mv, n): (u64, u64, usize),
-    (lr, eps): (f32, f32),
-    (mc, vc): (f32, f32),
-    decay: Option<f32>,
-) -> candle_core::Result<()> {
-    if n > 0 {
-        launch!(
-            function!(dev, Module::Optim, "adamw_weights"),
-            elementwise(n),
-            w,
-            mv,
-            n,
-            lr,
-            eps,
-            mc,
-            vc,
-            decay.unwrap_or(1.0),
-            i32::from(decay.is_some()),
-        );
-    }
-    Ok(())
-}
-
-/// `w -= lr g` in place on the f32 weight at `w` (`n` elements).
-pub(crate) fn sgd(
-    dev: &CudaDevice,
-    (w, g, n): (u64, u64, usize),
-    lr: f32,
-) -> candle_core::Result<()> {
-    if n > 0 {
-        launch!(
-            function!(dev, Module::Optim, "sgd"),
-            elementwise(n),
-            w,
-            g,
-            n,
-            lr,
-        );
-    }
-    Ok(())
-}
+mod attention;
+mod optim;
+mod rows;

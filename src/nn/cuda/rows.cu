@@ -219,3 +219,92 @@ FOR_TYPES(ACT_BWD)
             st(y + i, ld(x + i) * drop_factor(seed, offset + i, threshold, scale));             \
     }
 FOR_TYPES(DROPOUT)
+
+// RMSNorm of one row per block: `y = x r (offset + w)`, `r = 1 / sqrt(mean(x^2) + eps)`
+// (the normalised row, then the scale, as transformers multiplies); `rstd` gets r. w is f32.
+#define RMS_FWD(name, T)                                                                        \
+    extern "C" __global__ void rms_fwd_##name(const T *x, const float *w, T *y, float *rstd,    \
+                                              int width, float eps, float offset) {             \
+        __shared__ float scratch[32];                                                           \
+        const size_t base = (size_t)blockIdx.x * width;                                         \
+        float acc = 0.0f;                                                                       \
+        for (int j = threadIdx.x; j < width; j += blockDim.x) {                                 \
+            const float v = ld(x + base + j);                                                   \
+            acc += v * v;                                                                       \
+        }                                                                                       \
+        const float r = rsqrtf(block_sum(acc, scratch) / (float)width + eps);                   \
+        for (int j = threadIdx.x; j < width; j += blockDim.x)                                   \
+            st(y + base + j, __fmul_rn(__fmul_rn(ld(x + base + j), r), offset + w[j]));         \
+        if (threadIdx.x == 0) rstd[blockIdx.x] = r;                                             \
+    }
+FOR_TYPES(RMS_FWD)
+
+// The backward of RMS_FWD, one row per block: with `g = dy (offset + w)`,
+// `dx = r (g - x r^2 mean(g x))`.
+#define RMS_BWD(name, T)                                                                        \
+    extern "C" __global__ void rms_bwd_##name(const T *dy, const T *x, const float *rstd,       \
+                                              const float *w, T *dx, int width, float offset) { \
+        __shared__ float scratch[32];                                                           \
+        const size_t base = (size_t)blockIdx.x * width;                                         \
+        const float r = rstd[blockIdx.x];                                                       \
+        float acc = 0.0f;                                                                       \
+        for (int j = threadIdx.x; j < width; j += blockDim.x)                                   \
+            acc += ld(dy + base + j) * (offset + w[j]) * ld(x + base + j);                      \
+        const float mean_gx = block_sum(acc, scratch) / (float)width;                           \
+        for (int j = threadIdx.x; j < width; j += blockDim.x) {                                 \
+            const float g = ld(dy + base + j) * (offset + w[j]);                                \
+            const float v = ld(x + base + j);                                                   \
+            st(dx + base + j, r * (g - v * r * r * mean_gx));                                   \
+        }                                                                                       \
+    }
+FOR_TYPES(RMS_BWD)
+
+// RMSNorm's weight gradient in partial column sums (as COLUMN_SUMS):
+// `sum_r dy[r, j] x[r, j] rstd[r]` into partial[c, j].
+#define RMS_PARAM_SUMS(name, T)                                                                 \
+    extern "C" __global__ void rms_param_sums_##name(const T *dy, const T *x, const float *rstd, \
+                                                     float *partial, int rows, int width,       \
+                                                     int rows_per_chunk) {                      \
+        const int j = blockIdx.x * blockDim.x + threadIdx.x;                                    \
+        if (j >= width) return;                                                                 \
+        const int first = blockIdx.y * rows_per_chunk;                                          \
+        const int last = min(rows, first + rows_per_chunk);                                     \
+        float acc = 0.0f;                                                                       \
+        for (int r = first; r < last; ++r) {                                                    \
+            const size_t i = (size_t)r * width + j;                                             \
+            acc += ld(dy + i) * ld(x + i) * rstd[r];                                            \
+        }                                                                                       \
+        partial[(size_t)blockIdx.y * width + j] = acc;                                          \
+    }
+FOR_TYPES(RMS_PARAM_SUMS)
+
+// The gated unit over `up` `[rows, 2 width]` (the gate's columns, then the up
+// projection's): `out = act(gate) up`, `[rows, width]`.
+#define GLU_FWD(name, T)                                                                        \
+    extern "C" __global__ void glu_fwd_##name(const T *up, T *out, int width, size_t total,     \
+                                              int act) {                                        \
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;               \
+             i += (size_t)gridDim.x * blockDim.x) {                                             \
+            const size_t r = i / width;                                                         \
+            const int j = (int)(i % width);                                                     \
+            const T *row = up + r * 2 * width;                                                  \
+            st(out + i, __fmul_rn(act_value(act, ld(row + j)), ld(row + width + j)));           \
+        }                                                                                       \
+    }
+FOR_TYPES(GLU_FWD)
+
+// Its backward: `dgate = dout up act'(gate)`, `dup = dout act(gate)`, into `[rows, 2 width]`.
+#define GLU_BWD(name, T)                                                                        \
+    extern "C" __global__ void glu_bwd_##name(const T *dout, const T *up, T *dup, int width,    \
+                                              size_t total, int act) {                          \
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;               \
+             i += (size_t)gridDim.x * blockDim.x) {                                             \
+            const size_t r = i / width;                                                         \
+            const int j = (int)(i % width);                                                     \
+            const T *row = up + r * 2 * width;                                                  \
+            const float g = ld(row + j), u = ld(row + width + j), d = ld(dout + i);             \
+            st(dup + r * 2 * width + j, d * u * act_slope(act, g));                             \
+            st(dup + r * 2 * width + width + j, d * act_value(act, g));                         \
+        }                                                                                       \
+    }
+FOR_TYPES(GLU_BWD)

@@ -321,6 +321,7 @@ impl Layer {
             self.score_bias.as_ref(),
             self.spec.attention.scale,
             self.spec.attention.dropout,
+            (false, None),
         )
     }
 

@@ -10,6 +10,8 @@
 //! graph-free first pass). On CPU tensors they run through the kernels' reference forms,
 //! which is how the tests prove their algebra without a GPU.
 
+pub mod decoder_layer;
 pub mod encoder_layer;
 
+pub use decoder_layer::decoder_layer;
 pub use encoder_layer::{encoder_layer, encoder_layer_composed};
