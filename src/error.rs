@@ -297,6 +297,21 @@ pub enum Error {
     #[error("device `{device}` is unavailable: {reason}")]
     DeviceUnavailable { device: String, reason: String },
 
+    /// A training step needed more GPU memory than the device had. The step did not
+    /// count and nothing was written for it.
+    #[error(
+        "device `{device}` ran out of memory in step {step} ({chunks}): lower {settings}, or \
+         set train.memory_budget to have the chunk sizes chosen for you; the step did not \
+         count and no checkpoint was written for it ({detail})"
+    )]
+    DeviceOutOfMemory {
+        device: String,
+        step: u64,
+        chunks: String,
+        settings: String,
+        detail: String,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

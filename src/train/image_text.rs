@@ -144,6 +144,17 @@ impl run::Task for ImageText {
         &self.cfg
     }
 
+    fn chunk_settings(&self) -> (String, String) {
+        let t = &self.cfg.train;
+        (
+            format!(
+                "chunks of {} images and {} captions",
+                t.image_chunk, t.text_chunk
+            ),
+            "train.image_chunk (train.volume_chunk for volumes) and train.text_chunk".into(),
+        )
+    }
+
     /// The scenes of update `step`: a seeded permutation per epoch, cut into batches.
     fn next_batch(&mut self, step: u64) -> Result<Vec<usize>> {
         let n = self.data.train.len();

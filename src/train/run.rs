@@ -122,6 +122,12 @@ pub trait Task: Sized {
     /// Retrieval metrics on the held-out data (evaluation mode: no dropout).
     fn evaluate(&self, gc: &TaskCache<Self>) -> Result<RetrievalMetrics>;
 
+    /// The chunk sizes the step ran with and the settings that lower them, for the error
+    /// of a step that ran out of GPU memory: `(chunks, settings)`.
+    fn chunk_settings(&self) -> (String, String) {
+        ("the chunks as configured".into(), "the chunk sizes".into())
+    }
+
     /// The batch's examples as a user finds them in the data (e.g. `lines 3, 17, 52 of
     /// train.jsonl`), for the error of a non-finite step.
     fn describe_batch(&self, batch: &Self::Batch) -> String {
@@ -570,7 +576,7 @@ impl<T: Task> Run<T> {
                 // stood (best effort; the step's own error is the one to report).
                 let _ = buffers.put_back();
                 let _ = self.task.seek(position, self.step);
-                return Err(e);
+                return Err(self.out_of_memory(e));
             }
         };
         if u.skipped {
@@ -601,6 +607,23 @@ impl<T: Task> Run<T> {
             gpu_memory: crate::device::pool_memory(&self.device),
             profile: crate::profile::take(),
         })
+    }
+
+    /// `e` as [`Error::DeviceOutOfMemory`] when it is the GPU running out of memory
+    /// (naming the device, the step, the chunk sizes and what to lower), else as it is.
+    fn out_of_memory(&self, e: Error) -> Error {
+        let text = e.to_string();
+        if !is_out_of_memory(&text) {
+            return e;
+        }
+        let (chunks, settings) = self.task.chunk_settings();
+        Error::DeviceOutOfMemory {
+            device: crate::train::trainer::describe_device(&self.device),
+            step: self.step + 1,
+            chunks,
+            settings,
+            detail: text,
+        }
     }
 
     /// The work of a step, from the batch to the updated weights.
@@ -897,4 +920,50 @@ pub(super) fn check_fingerprint(
         });
     }
     Ok(())
+}
+
+/// Whether an error's text is the GPU running out of memory (cudarc's driver error for a
+/// failed allocation, or cuBLAS failing to allocate its workspace).
+fn is_out_of_memory(text: &str) -> bool {
+    [
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        "CUBLAS_STATUS_ALLOC_FAILED",
+        "out of memory",
+    ]
+    .iter()
+    .any(|m| text.contains(m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gpu_out_of_memory_error_names_the_device_the_step_and_what_to_lower() {
+        let driver = candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        );
+        assert!(is_out_of_memory(&Error::Candle(driver).to_string()));
+        assert!(is_out_of_memory("cuBLAS: CUBLAS_STATUS_ALLOC_FAILED"));
+        assert!(!is_out_of_memory(
+            "matmul is only supported for contiguous tensors"
+        ));
+        let e = Error::DeviceOutOfMemory {
+            device: "cuda:0".into(),
+            step: 7,
+            chunks: "chunks of 256 queries and 256 passages".into(),
+            settings: "train.query_chunk and train.passage_chunk".into(),
+            detail: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+        }
+        .to_string();
+        for part in [
+            "`cuda:0` ran out of memory in step 7",
+            "chunks of 256 queries",
+            "lower train.query_chunk and train.passage_chunk",
+            "train.memory_budget",
+            "no checkpoint was written",
+        ] {
+            assert!(e.contains(part), "{part}: {e}");
+        }
+    }
 }

@@ -116,6 +116,23 @@ impl Task for TextPairs {
     }
 
     /// `lines 3, 17, 52 of train.jsonl` (rows of a Parquet file, pairs of a BEIR split).
+    fn chunk_settings(&self) -> (String, String) {
+        let t = &self.cfg.train;
+        match t.chunk_tokens {
+            Some(tokens) => (
+                format!("chunks of up to {tokens} padded tokens"),
+                "train.chunk_tokens".into(),
+            ),
+            None => (
+                format!(
+                    "chunks of {} queries and {} passages",
+                    t.query_chunk, t.passage_chunk
+                ),
+                "train.query_chunk and train.passage_chunk".into(),
+            ),
+        }
+    }
+
     fn describe_batch(&self, batch: &TextBatch) -> String {
         let d = &self.cfg.data;
         let unit = crate::train::formats::origin_unit(Layout::of(&d.train_file));
@@ -567,7 +584,7 @@ fn run_device(cfg: &Config, comm: &dyn Collective) -> Result<Device> {
 }
 
 /// `cpu` or `cuda:N`.
-fn describe_device(device: &Device) -> String {
+pub(crate) fn describe_device(device: &Device) -> String {
     match device.location() {
         candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
         candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),

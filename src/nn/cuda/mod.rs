@@ -175,7 +175,8 @@ pub(crate) fn empty(
     shape: impl Into<Shape>,
 ) -> candle_core::Result<(Tensor, u64)> {
     let shape = shape.into();
-    let n = shape.elem_count();
+    // (An empty tensor still gets one element: the pool refuses a zero-byte allocation.)
+    let n = shape.elem_count().max(1);
     let stream = dev.cuda_stream();
     // SAFETY: every element is written by the kernel the caller launches next.
     let (slice, addr) = unsafe {

@@ -119,8 +119,11 @@ pub(crate) fn add_norm_backward(
     Ok((dsum, dpre))
 }
 
-/// Rows per chunk of the column sums' first pass.
-const CHUNK_ROWS: usize = 64;
+/// Rows per chunk of the column sums' first pass: 64, or more where that would take more
+/// chunks than a grid's second dimension holds.
+fn chunk_rows(rows: usize) -> usize {
+    64.max(rows.div_ceil(65_535))
+}
 
 /// The grid of a column-sum pass over `chunks` chunks of rows and `width` columns.
 fn column_grid(width: usize, chunks: usize) -> LaunchConfig {
@@ -151,7 +154,8 @@ fn finish_column_sums(dev: &CudaDevice, partial: &Tensor) -> candle_core::Result
 pub(crate) fn column_sums(x: &Tensor) -> candle_core::Result<Tensor> {
     let dev = device(x)?;
     let (rows, width) = x.dims2()?;
-    let chunks = rows.div_ceil(CHUNK_ROWS).max(1);
+    let per = chunk_rows(rows);
+    let chunks = rows.div_ceil(per).max(1);
     let (partial, partial_ptr) = empty(&dev, DType::F32, (chunks, width))?;
     launch!(
         function!(&dev, Module::Rows, &typed("column_sums", x.dtype())?),
@@ -160,7 +164,7 @@ pub(crate) fn column_sums(x: &Tensor) -> candle_core::Result<Tensor> {
         partial_ptr,
         i32_of(rows, "rows")?,
         i32_of(width, "width")?,
-        i32_of(CHUNK_ROWS, "chunk")?,
+        i32_of(per, "chunk")?,
     );
     finish_column_sums(&dev, &partial)
 }
@@ -173,7 +177,8 @@ pub(crate) fn norm_param_grads(
 ) -> candle_core::Result<(Tensor, Tensor)> {
     let dev = device(dy)?;
     let (rows, width) = dy.dims2()?;
-    let chunks = rows.div_ceil(CHUNK_ROWS).max(1);
+    let per = chunk_rows(rows);
+    let chunks = rows.div_ceil(per).max(1);
     let (partial, partial_ptr) = empty(&dev, DType::F32, (2 * chunks, width))?;
     launch!(
         function!(&dev, Module::Rows, &typed("norm_param_sums", dy.dtype())?),
@@ -184,7 +189,7 @@ pub(crate) fn norm_param_grads(
         partial_ptr,
         i32_of(rows, "rows")?,
         i32_of(width, "width")?,
-        i32_of(CHUNK_ROWS, "chunk")?,
+        i32_of(per, "chunk")?,
     );
     let dgamma = finish_column_sums(&dev, &partial.narrow(0, 0, chunks)?)?;
     let dbeta = finish_column_sums(&dev, &partial.narrow(0, chunks, chunks)?)?;
@@ -339,7 +344,8 @@ pub(crate) fn rms_param_grads(
 ) -> candle_core::Result<Tensor> {
     let dev = device(dy)?;
     let (rows, width) = dy.dims2()?;
-    let chunks = rows.div_ceil(CHUNK_ROWS).max(1);
+    let per = chunk_rows(rows);
+    let chunks = rows.div_ceil(per).max(1);
     let (partial, partial_ptr) = empty(&dev, DType::F32, (chunks, width))?;
     launch!(
         function!(&dev, Module::Rows, &typed("rms_param_sums", dy.dtype())?),
@@ -350,7 +356,7 @@ pub(crate) fn rms_param_grads(
         partial_ptr,
         i32_of(rows, "rows")?,
         i32_of(width, "width")?,
-        i32_of(CHUNK_ROWS, "chunk")?,
+        i32_of(per, "chunk")?,
     );
     finish_column_sums(&dev, &partial)
 }

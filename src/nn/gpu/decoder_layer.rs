@@ -268,6 +268,7 @@ impl Layer {
                 .bias
                 .detach()
                 .to_dtype(a)?
+                .contiguous()?
                 .reshape((dims.n, dims.s))?,
             cos,
             sin,

@@ -268,11 +268,13 @@ impl Layer {
             .bias
             .detach()
             .to_dtype(a)?
+            .contiguous()?
             .reshape((dims.n, dims.s))?;
         let score_bias = match &spec.score_bias {
             Some(b) => Some(
                 b.detach()
                     .to_dtype(a)?
+                    .contiguous()?
                     .reshape((dims.heads, dims.s, dims.s))?,
             ),
             None => None,
