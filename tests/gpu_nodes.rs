@@ -395,3 +395,88 @@ fn the_gpu_decoder_node_gives_the_composed_step() {
         }
     }
 }
+
+/// One cached step of a shared tower of `family` (a BERT, or a tiny decoder's layout)
+/// with LoRA adapters of rank 2 on every projection (dropout `p` on their inputs, B moved
+/// off zero) and the base frozen, with the CPU's nodes off: through the GPU nodes with
+/// `gpu`, else op by op.
+fn lora_step(family: &str, gpu: bool, p: f64) -> StepOutput {
+    use gradcache::nn::lora::LoraSpec;
+    let _one = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+    gradcache::nn::set_fused_kernels(false);
+    gradcache::nn::run_gpu_nodes_on_cpu(gpu);
+    let decoder = family != "bert";
+    let cfg = if decoder {
+        common::decoders::config(family)
+    } else {
+        config(family)
+    };
+    let store = ParamStore::new(7, DType::F32, &Device::Cpu)
+        .with_frozen(gradcache::params::Freeze::default().all_but_adapters());
+    let options = BertOptions {
+        pooling: if decoder {
+            Pooling::LastToken
+        } else {
+            Pooling::Mean
+        },
+        normalize: true,
+        lora: Some(LoraSpec {
+            rank: 2,
+            alpha: 4.0,
+            targets: vec![],
+            rslora: false,
+            dropout: p,
+        }),
+        ..Default::default()
+    };
+    let enc = BertEncoder::build(&store, "", &cfg, &options).unwrap();
+    for (i, (name, var)) in store.params().iter().enumerate() {
+        if name.contains(".lora_B.") {
+            let moved = common::random(40 + i as u64, var.dims())
+                .affine(0.3, 0.0)
+                .unwrap();
+            var.set(&moved).unwrap();
+        }
+    }
+    let loss = InfoNce::new(0.1).unwrap().with_symmetric(true);
+    let gc = GradCache::shared(enc, 4, loss).unwrap().with_seed(5);
+    let (q, p) = if decoder {
+        (
+            common::decoders::tokens(1, 6, true),
+            common::decoders::tokens(2, 6, true),
+        )
+    } else {
+        (tokens(1, 6), tokens(2, 6))
+    };
+    let out = gc.cache_step(3, &q, &p).unwrap();
+    gradcache::nn::run_gpu_nodes_on_cpu(false);
+    gradcache::nn::set_fused_kernels(true);
+    out
+}
+
+#[test]
+fn lora_adapters_inside_the_gpu_nodes_give_the_composed_step() {
+    for family in ["bert", "qwen3", "gemma3_text"] {
+        let composed = lora_step(family, false, 0.3);
+        let node = lora_step(family, true, 0.3);
+        assert!(
+            !node.grads.is_empty() && node.grads.iter().all(|(n, _)| n.contains(".lora_")),
+            "{family}: only the adapters train"
+        );
+        let loss_err = ((node.loss - composed.loss) / composed.loss).abs();
+        assert!(
+            loss_err <= 1e-6,
+            "{family}: loss {} vs {}",
+            node.loss,
+            composed.loss
+        );
+        let err = gradient_error(&node.grads, &composed.grads);
+        assert!(err <= 1e-5, "{family}: max gradient error {err:e}");
+        // The adapters' dropout acts (the masks are drawn inside the node).
+        let plain = lora_step(family, true, 0.0);
+        assert!(
+            (plain.loss - node.loss).abs() > 1e-5,
+            "{family}: LoRA dropout changed nothing"
+        );
+    }
+}

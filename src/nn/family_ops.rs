@@ -199,7 +199,7 @@ pub fn decoder_layer(
     if fused_ok(&all) && super::frozen_base_ok(x, &bases, &weights.lora) && x.rank() == 3 {
         return Ok(super::cpu::decoder_layer::decoder_layer(x, weights, spec)?);
     }
-    if super::gpu_node_ok(x, &weights.lora) {
+    if super::gpu_node_ok(x) {
         return Ok(Some(super::gpu::decoder_layer(
             x, weights, spec, positions,
         )?));

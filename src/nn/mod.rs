@@ -90,16 +90,15 @@ pub(crate) fn frozen_base_ok(x: &Tensor, bases: &[&Tensor], lora: &[Option<LoraI
 }
 
 /// Whether a GPU layer node ([`gpu`]) runs a layer on `x`: a CUDA tensor in f32, bf16 or
-/// f16, without LoRA adapters (those layers run op by op on a GPU), and the GPU nodes not
-/// turned off with `GRADCACHE_GPU_NODES=0` (which runs every layer op by op, for a
-/// side-by-side measurement).
-pub(crate) fn gpu_node_ok(x: &Tensor, lora: &[Option<LoraInput>]) -> bool {
+/// f16, and the GPU nodes not turned off with `GRADCACHE_GPU_NODES=0` (which runs every
+/// layer op by op, for a side-by-side measurement).
+pub(crate) fn gpu_node_ok(x: &Tensor) -> bool {
     let device = if x.device().is_cuda() {
         matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
     } else {
         GPU_NODES_ON_CPU.load(Ordering::Relaxed)
     };
-    device && x.rank() == 3 && lora.iter().all(Option::is_none) && gpu_nodes_enabled()
+    device && x.rank() == 3 && gpu_nodes_enabled()
 }
 
 static GPU_NODES_ON_CPU: AtomicBool = AtomicBool::new(false);
@@ -265,7 +264,7 @@ pub fn encoder_layer(
     if fused_ok(&all) && frozen_base_ok(x, &bases, &weights.lora) && x.rank() == 3 {
         return Ok(Some(cpu::encoder_layer::encoder_layer(x, weights, spec)?));
     }
-    if gpu_node_ok(x, &weights.lora) && spec.attention.window.is_none() {
+    if gpu_node_ok(x) && spec.attention.window.is_none() {
         return Ok(Some(gpu::encoder_layer(x, weights, spec)?));
     }
     Ok(None)

@@ -22,12 +22,15 @@
 //! outputs, the rotated queries and keys and the gated activation are recomputed in the
 //! backward with the forward's kernels. Every product runs in the activations' dtype with
 //! f32 accumulation; a weight's gradient returns in the weight's dtype (none for a frozen
-//! one). LoRA adapters run op by op (the caller does not build this node for them).
+//! one). A LoRA adapter on a projection adds its low-rank branch (`super::lora`) beside
+//! the frozen base weight.
 
 use candle_core::{DType, Tensor};
 
+use super::lora::{self, Adapter, AdapterGrads};
 use crate::nn::cpu::decoder_layer::{DecoderSpec, DecoderWeights};
 use crate::nn::kernels::{self as k, acc};
+use crate::nn::lora::LoraInput;
 use crate::nn::node::node_n;
 
 /// The layer on `x` `[n, s, h]` with each token's rotary position `positions` (`[n s]`
@@ -92,14 +95,45 @@ pub fn decoder_layer(
             positions.dims()
         );
     }
-    if w.lora.iter().any(Option::is_some) {
-        candle_core::bail!("decoder layer (GPU node): LoRA adapters run op by op");
+    let shapes = [
+        (h, dims.qd()),
+        (h, dims.kd()),
+        (h, dims.kd()),
+        (dims.qd(), h),
+        (h, inter),
+        (h, inter),
+        (inter, h),
+    ];
+    let adapter_fits = |l: &LoraInput, (i, o): (usize, usize)| {
+        let r = l.a.dim(0).unwrap_or(0);
+        l.a.dims() == [r, i] && l.b.dims() == [o, r]
+    };
+    if let Some(p) = (0..7).find(|&p| {
+        w.lora[p]
+            .as_ref()
+            .is_some_and(|l| !adapter_fits(l, shapes[p]))
+    }) {
+        candle_core::bail!(
+            "decoder layer: the LoRA adapter of projection {p} does not fit its weight"
+        );
     }
     let weights = Slots::of(w);
     let mut inputs: Vec<&Tensor> = vec![x];
     inputs.extend(weights.present());
+    // Each adapter's A and B, after the weights: the index of its A among the inputs.
+    let mut adapter_input = [None; 7];
+    for (p, l) in w.lora.iter().enumerate() {
+        if let Some(l) = l {
+            adapter_input[p] = Some(inputs.len());
+            inputs.extend([&l.a, &l.b]);
+        }
+    }
     let tracked = inputs.iter().any(|t| t.track_op());
-    let layer = Layer::new(x, &weights, spec, positions, dims)?;
+    let adapters = (
+        std::array::from_fn(|p| w.lora[p].as_ref().map(Adapter::new)),
+        adapter_input,
+    );
+    let layer = Layer::new(x, &weights, spec, positions, dims, adapters)?;
     let (y, kept) = {
         let pass = if tracked { "replay" } else { "first-pass" };
         let _s = crate::profile::span(|| format!("node.decoder-layer.forward.{pass}"));
@@ -206,6 +240,10 @@ impl Slots {
 /// Everything the layer computes with, detached.
 struct Layer {
     x: Tensor,
+    /// The LoRA adapters of the q, k, v, o, gate, up and down projections, and each one's
+    /// `A` among the node's inputs.
+    adapters: [Option<Adapter>; 7],
+    adapter_input: [Option<usize>; 7],
     /// The weights by slot, detached (cast where they are used).
     w: [Option<Tensor>; SLOTS],
     /// Each present slot's index among the node's inputs.
@@ -245,6 +283,7 @@ impl Layer {
         spec: &DecoderSpec,
         positions: &Tensor,
         dims: Dims,
+        (adapters, adapter_input): ([Option<Adapter>; 7], [Option<usize>; 7]),
     ) -> candle_core::Result<Self> {
         let dtype = x.dtype();
         let a = acc(dtype);
@@ -261,6 +300,8 @@ impl Layer {
         spec.rotary = (cos.clone(), sin.clone());
         Ok(Self {
             x: x.detach().contiguous()?.reshape((dims.rows(), dims.h))?,
+            adapters,
+            adapter_input,
             w: weights.0.clone().map(|w| w.map(|t| t.detach())),
             input_of,
             key_bias: spec
@@ -342,8 +383,31 @@ impl Layer {
         Ok((y.reshape(t.shape())?, Some(r)))
     }
 
-    fn linear(&self, x: &Tensor, w: usize, b: usize) -> candle_core::Result<Tensor> {
+    /// The q, k, v adapters with their widths, in the stacked product's order.
+    fn qkv_adapters(&self) -> [(Option<&Adapter>, usize); 3] {
+        let d = self.dims;
+        [
+            (self.adapters[0].as_ref(), d.qd()),
+            (self.adapters[1].as_ref(), d.kd()),
+            (self.adapters[2].as_ref(), d.kd()),
+        ]
+    }
+
+    /// The gate and up adapters with their widths.
+    fn gate_up_adapters(&self, inter: usize) -> [(Option<&Adapter>, usize); 2] {
+        [
+            (self.adapters[4].as_ref(), inter),
+            (self.adapters[5].as_ref(), inter),
+        ]
+    }
+
+    /// `x W^T (+ b)` of weight slot `w`, with the adapter of projection `p` if any.
+    fn linear(&self, x: &Tensor, w: usize, b: usize, p: usize) -> candle_core::Result<Tensor> {
         let y = x.matmul(&self.weight(w)?.t()?)?;
+        let y = match &self.adapters[p] {
+            Some(a) => (y + a.delta(x)?)?,
+            None => y,
+        };
         match self.get(b, self.dtype)? {
             Some(b) => y.broadcast_add(&b),
             None => Ok(y),
@@ -396,6 +460,10 @@ impl Layer {
         let (n1, r1) = self.rms(&self.x, IN_NORM)?;
         let (wqkv, bqkv) = self.qkv()?;
         let qkv = n1.matmul(&wqkv.t()?)?;
+        let qkv = match lora::stacked_delta(&self.qkv_adapters(), &n1)? {
+            Some(delta) => (qkv + delta)?,
+            None => qkv,
+        };
         drop((n1, wqkv));
         let q0 = k::to_heads(&qkv, 0, (d.n, d.heads, d.s, d.d), bqkv.as_ref())?;
         let k0 = k::to_heads(&qkv, d.qd(), (d.n, d.kv_heads, d.s, d.d), bqkv.as_ref())?;
@@ -416,7 +484,7 @@ impl Layer {
             .reshape((d.n, d.heads, d.s, d.d))?;
         drop(dropped);
         let ctx = k::from_heads(&[(&ctx, 0, 1.0)], d.qd())?;
-        let a_pre = self.linear(&ctx, WO, BO)?;
+        let a_pre = self.linear(&ctx, WO, BO, 3)?;
         let (a, a_kept) = match self.w[POST_ATTN] {
             Some(_) => {
                 let (a, r) = self.rms(&a_pre, POST_ATTN)?;
@@ -428,13 +496,18 @@ impl Layer {
         let (n2, r2) = self.rms(&x1, MLP_NORM)?;
         let (wgu, bgu) = self.gate_up()?;
         let up = n2.matmul(&wgu.t()?)?;
+        let inter = wgu.dim(0)? / 2;
+        let up = match lora::stacked_delta(&self.gate_up_adapters(inter), &n2)? {
+            Some(delta) => (up + delta)?,
+            None => up,
+        };
         let up = match bgu {
             Some(b) => up.broadcast_add(&b)?,
             None => up,
         };
         drop((n2, wgu));
         let gated = k::glu_forward(&up, self.spec.act)?;
-        let m_pre = self.linear(&gated, WD, BD)?;
+        let m_pre = self.linear(&gated, WD, BD, 6)?;
         drop(gated);
         let (m, m_kept) = match self.w[POST_MLP] {
             Some(_) => {
@@ -515,11 +588,19 @@ impl Layer {
         if want(BD) {
             put(BD, k::column_sums(&dm)?)?;
         }
-        if want(WD) {
+        let mut adapter_grads: Vec<(usize, AdapterGrads)> = Vec::new();
+        let mut dgated = dm.matmul(&self.weight(WD)?)?;
+        if want(WD) || self.adapters[6].is_some() {
             let gated = k::glu_forward(&kept.up, self.spec.act)?;
-            put(WD, dm.t()?.matmul(&gated)?)?;
+            if want(WD) {
+                put(WD, dm.t()?.matmul(&gated)?)?;
+            }
+            if let Some(a) = &self.adapters[6] {
+                let g = a.backward(&dm, &gated)?;
+                dgated = (dgated + &g.x)?;
+                adapter_grads.push((6, g));
+            }
         }
-        let dgated = dm.matmul(&self.weight(WD)?)?;
         drop(dm);
         let dup = k::glu_backward(&dgated, &kept.up, self.spec.act)?;
         drop(dgated);
@@ -536,9 +617,16 @@ impl Layer {
             put(WG, dw.narrow(0, 0, inter)?.contiguous()?)?;
             put(WU, dw.narrow(0, inter, inter)?.contiguous()?)?;
         }
-        drop(n2);
         let (wgu, _) = self.gate_up()?;
-        let dn2 = dup.matmul(&wgu)?;
+        let inter = wgu.dim(0)? / 2;
+        let (gu_grads, gu_dx) = lora::stacked_backward(&self.gate_up_adapters(inter), &dup, &n2)?;
+        for (p, g) in gu_grads.into_iter().enumerate() {
+            if let Some(g) = g {
+                adapter_grads.push((4 + p, g));
+            }
+        }
+        drop(n2);
+        let dn2 = lora::plus(dup.matmul(&wgu)?, gu_dx)?;
         drop((dup, wgu));
         if want(MLP_NORM) {
             put(MLP_NORM, k::rms_param_grads(&dn2, &kept.x1, &kept.r2)?)?;
@@ -562,7 +650,12 @@ impl Layer {
         if want(WO) {
             put(WO, da.t()?.matmul(&kept.ctx)?)?;
         }
-        let dctx = da.matmul(&self.weight(WO)?)?;
+        let mut dctx = da.matmul(&self.weight(WO)?)?;
+        if let Some(a) = &self.adapters[3] {
+            let g = a.backward(&da, &kept.ctx)?;
+            dctx = (dctx + &g.x)?;
+            adapter_grads.push((3, g));
+        }
         drop(da);
 
         // The attention.
@@ -636,8 +729,14 @@ impl Layer {
                 put(w, dw.narrow(0, at, len)?.contiguous()?)?;
             }
         }
+        let (qkv_grads, qkv_dx) = lora::stacked_backward(&self.qkv_adapters(), &dqkv, &n1)?;
+        for (p, g) in qkv_grads.into_iter().enumerate() {
+            if let Some(g) = g {
+                adapter_grads.push((p, g));
+            }
+        }
         let (wqkv, _) = self.qkv()?;
-        let dn1 = dqkv.matmul(&wqkv)?;
+        let dn1 = lora::plus(dqkv.matmul(&wqkv)?, qkv_dx)?;
         drop((dqkv, wqkv));
         if want(IN_NORM) {
             put(IN_NORM, k::rms_param_grads(&dn1, &self.x, &kept.r1)?)?;
@@ -646,6 +745,12 @@ impl Layer {
         if wants.first().copied().unwrap_or(false) {
             let dx = (rms_back(&dn1, &self.x, &kept.r1, IN_NORM)? + dx1)?;
             grads[0] = Some(dx.reshape((d.n, d.s, d.h))?);
+        }
+        for (p, g) in adapter_grads {
+            if let Some(i) = self.adapter_input[p] {
+                grads[i] = Some(g.a);
+                grads[i + 1] = Some(g.b);
+            }
         }
         Ok(grads)
     }

@@ -29,11 +29,13 @@
 //! each f32 master weight, made again in the backward rather than kept); each weight's
 //! gradient is computed in that dtype with f32 accumulation and returned in the weight's
 //! own dtype. The norms run in f32 (their scale and shift, sums and statistics), as the
-//! composed layer widens them. Padding rows are computed like the others (their keys are
+//! composed layer widens them. A LoRA adapter on a projection adds its low-rank branch
+//! (`super::lora`) beside the frozen base weight, whose own gradient is not computed. Padding rows are computed like the others (their keys are
 //! masked, and no gradient reaches them from the pooling).
 
 use candle_core::{DType, Tensor};
 
+use super::lora::{self, Adapter, AdapterGrads};
 use crate::nn::cpu::encoder_layer::{LayerSpec, LayerWeights};
 use crate::nn::kernels::{self as k, acc};
 use crate::nn::node::node_n;
@@ -69,7 +71,16 @@ pub fn encoder_layer(
         && spec
             .score_bias
             .as_ref()
-            .is_none_or(|b| b.elem_count() == heads * s * s);
+            .is_none_or(|b| b.elem_count() == heads * s * s)
+        && w.lora
+            .iter()
+            .zip([(h, h), (h, h), (h, h), (h, h), (h, inter), (inter, h)])
+            .all(|(l, (i, o))| {
+                l.as_ref().is_none_or(|l| {
+                    l.a.dims() == [l.a.dim(0).unwrap_or(0), i]
+                        && l.b.dims() == [o, l.a.dim(0).unwrap_or(0)]
+                })
+            });
     if !fits {
         candle_core::bail!(
             "encoder layer: hidden size {h}, {heads} heads, {s} tokens and the weights \
@@ -78,10 +89,8 @@ pub fn encoder_layer(
             w.output.0.dims()
         );
     }
-    if w.lora.iter().any(Option::is_some) || spec.attention.window.is_some() {
-        candle_core::bail!(
-            "encoder layer (GPU node): LoRA adapters and windowed attention run op by op"
-        );
+    if spec.attention.window.is_some() {
+        candle_core::bail!("encoder layer (GPU node): windowed attention runs op by op");
     }
     let dims = Dims {
         n,
@@ -96,8 +105,16 @@ pub fn encoder_layer(
     if let Some(b) = &spec.score_bias {
         inputs.push(b);
     }
+    // Each adapter's A and B, after the weights: the index of its A among the inputs.
+    let mut adapter_input = [None; 6];
+    for (p, l) in w.lora.iter().enumerate() {
+        if let Some(l) = l {
+            adapter_input[p] = Some(inputs.len());
+            inputs.extend([&l.a, &l.b]);
+        }
+    }
     let tracked = inputs.iter().any(|t| t.track_op());
-    let layer = Layer::new(x, w, spec, dims)?;
+    let layer = Layer::new(x, w, spec, dims, adapter_input)?;
     let (y, kept) = {
         let pass = if tracked { "replay" } else { "first-pass" };
         let _s = crate::profile::span(|| format!("node.encoder-layer.forward.{pass}"));
@@ -221,6 +238,10 @@ impl Dims {
 struct Layer {
     x: Tensor,
     weights: [Tensor; 16],
+    /// The LoRA adapters of the query, key, value, attention output, up and down
+    /// projections, and each one's `A` among the node's inputs.
+    adapters: [Option<Adapter>; 6],
+    adapter_input: [Option<usize>; 6],
     key_bias: Tensor,
     score_bias: Option<Tensor>,
     dims: Dims,
@@ -260,6 +281,7 @@ impl Layer {
         w: &LayerWeights,
         spec: &LayerSpec,
         dims: Dims,
+        adapter_input: [Option<usize>; 6],
     ) -> candle_core::Result<Self> {
         let dtype = x.dtype();
         let a = acc(dtype);
@@ -286,6 +308,8 @@ impl Layer {
                 .contiguous()?
                 .reshape((dims.n * dims.s, dims.h))?,
             weights: all_weights(w).map(Tensor::detach),
+            adapters: std::array::from_fn(|p| w.lora[p].as_ref().map(Adapter::new)),
+            adapter_input,
             key_bias,
             score_bias,
             dims,
@@ -327,8 +351,22 @@ impl Layer {
         )
     }
 
+    /// `x W^T` of weight `w` plus its adapter's branch (projection `p`), if any.
+    fn project(&self, x: &Tensor, w: usize, p: usize) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&self.w(w)?.t()?)?;
+        match &self.adapters[p] {
+            Some(a) => y + a.delta(x)?,
+            None => Ok(y),
+        }
+    }
+
+    /// The query, key and value adapters with their widths, in the stacked product's order.
+    fn qkv_adapters(&self) -> [(Option<&Adapter>, usize); 3] {
+        std::array::from_fn(|p| (self.adapters[p].as_ref(), self.dims.h))
+    }
+
     fn first_norm(&self, ctx: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-        let a = ctx.matmul(&self.w(WO)?.t()?)?;
+        let a = self.project(ctx, WO, 3)?;
         let bo = self.w(BO)?;
         let (y1, sum, stats) = k::add_norm_forward(
             &a,
@@ -344,7 +382,7 @@ impl Layer {
     }
 
     fn intermediate(&self, y1: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-        let u = y1.matmul(&self.w(WI)?.t()?)?;
+        let u = self.project(y1, WI, 4)?;
         k::bias_act_forward(&u, &self.w(BI)?, self.spec.act)
     }
 
@@ -354,7 +392,7 @@ impl Layer {
         y1: &Tensor,
         keep_sum: bool,
     ) -> candle_core::Result<(Tensor, Option<Tensor>, Tensor)> {
-        let o = g.matmul(&self.w(WD)?.t()?)?;
+        let o = self.project(g, WD, 5)?;
         k::add_norm_forward(
             &o,
             Some(&self.w(BD)?),
@@ -372,6 +410,10 @@ impl Layer {
         let d = self.dims;
         let (wqkv, bqkv) = self.qkv_weights()?;
         let qkv = self.x.matmul(&wqkv.t()?)?;
+        let qkv = match lora::stacked_delta(&self.qkv_adapters(), &self.x)? {
+            Some(delta) => (qkv + delta)?,
+            None => qkv,
+        };
         let shape = d.heads_shape();
         let q = k::to_heads(&qkv, 0, shape, Some(&bqkv))?;
         let kk = k::to_heads(&qkv, d.h, shape, Some(&bqkv))?;
@@ -473,9 +515,14 @@ impl Layer {
         if want(WD) {
             put(WD, dpre2.t()?.matmul(&g)?)?;
         }
-        drop(g);
-        let dact = dpre2.matmul(&self.w(WD)?)?;
-        drop(dpre2);
+        let mut adapter_grads: Vec<(usize, AdapterGrads)> = Vec::new();
+        let mut dact = dpre2.matmul(&self.w(WD)?)?;
+        if let Some(a) = &self.adapters[5] {
+            let grads = a.backward(&dpre2, &g)?;
+            dact = (dact + &grads.x)?;
+            adapter_grads.push((5, grads));
+        }
+        drop((g, dpre2));
         let dpre = k::act_backward(&dact, &pre, self.spec.act)?;
         drop((dact, pre));
         if want(BI) {
@@ -484,9 +531,13 @@ impl Layer {
         if want(WI) {
             put(WI, dpre.t()?.matmul(&y1)?)?;
         }
-        drop(y1);
-        let dy1 = (dpre.matmul(&self.w(WI)?)? + dsum2)?;
-        drop(dpre);
+        let mut dy1 = (dpre.matmul(&self.w(WI)?)? + dsum2)?;
+        if let Some(a) = &self.adapters[4] {
+            let grads = a.backward(&dpre, &y1)?;
+            dy1 = (dy1 + &grads.x)?;
+            adapter_grads.push((4, grads));
+        }
+        drop((y1, dpre));
 
         // The first norm and the attention output.
         let (dsum1, dpre1) = k::add_norm_backward(
@@ -508,7 +559,12 @@ impl Layer {
         if want(WO) {
             put(WO, dpre1.t()?.matmul(&kept.ctx)?)?;
         }
-        let dctx = dpre1.matmul(&self.w(WO)?)?;
+        let mut dctx = dpre1.matmul(&self.w(WO)?)?;
+        if let Some(a) = &self.adapters[3] {
+            let grads = a.backward(&dpre1, &kept.ctx)?;
+            dctx = (dctx + &grads.x)?;
+            adapter_grads.push((3, grads));
+        }
         drop(dpre1);
 
         // The attention.
@@ -529,8 +585,9 @@ impl Layer {
         drop(dctx);
         let dz = k::softmax_backward(&probs, &dd, dropout)?;
         drop((dd, probs));
+        let score_at = 17;
         let score_grad = match &self.score_bias {
-            Some(b) if wants.last().copied().unwrap_or(false) => {
+            Some(b) if wants.get(score_at).copied().unwrap_or(false) => {
                 let per_text = dz.reshape((d.n, d.heads * d.s * d.s))?;
                 let db = k::column_sums(&per_text)?.reshape((1, d.heads, d.s, d.s))?;
                 Some(db.to_dtype(b.dtype())?)
@@ -558,17 +615,28 @@ impl Layer {
                 put(WQ + i, dw.narrow(0, i * d.h, d.h)?.contiguous()?)?;
             }
         }
+        let (qkv_grads, qkv_dx) = lora::stacked_backward(&self.qkv_adapters(), &dqkv, &self.x)?;
+        for (p, g) in qkv_grads.into_iter().enumerate() {
+            if let Some(g) = g {
+                adapter_grads.push((p, g));
+            }
+        }
         if wants.first().copied().unwrap_or(false) {
             let (wqkv, _) = self.qkv_weights()?;
-            let dx = (dqkv.matmul(&wqkv)? + dsum1)?;
+            let dx = lora::plus((dqkv.matmul(&wqkv)? + dsum1)?, qkv_dx)?;
             grads[0] = Some(dx.reshape((d.n, d.s, d.h))?);
+        }
+        for (p, g) in adapter_grads {
+            if let Some(i) = self.adapter_input[p] {
+                grads[i] = Some(g.a);
+                grads[i + 1] = Some(g.b);
+            }
         }
         for (i, g) in weight_grads {
             grads[i + 1] = Some(g);
         }
         if let Some(g) = score_grad {
-            let last = grads.len() - 1;
-            grads[last] = Some(g);
+            grads[score_at] = Some(g);
         }
         Ok(grads)
     }

@@ -12,6 +12,7 @@
 
 pub mod decoder_layer;
 pub mod encoder_layer;
+mod lora;
 
 pub use decoder_layer::decoder_layer;
 pub use encoder_layer::{encoder_layer, encoder_layer_composed};
