@@ -27,6 +27,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::attention::Attention;
 use super::lora::{self, Adapter, AdapterGrads};
 use crate::nn::cpu::decoder_layer::{DecoderSpec, DecoderWeights};
 use crate::nn::kernels::{self as k, acc};
@@ -429,29 +430,20 @@ impl Layer {
         Ok(((q, rq), (kk, rk)))
     }
 
-    /// `q` `[n, heads, s, d]` as each key-value head's stacked query rows
-    /// `[n, kv_heads, group s, d]` (a view: the heads of a group are consecutive).
-    fn grouped(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+    fn attention(&self) -> Attention {
         let d = self.dims;
-        t.reshape((d.n, d.kv_heads, d.heads / d.kv_heads * d.s, t.dim(3)?))
-    }
-
-    fn probabilities(
-        &self,
-        q: &Tensor,
-        kk: &Tensor,
-    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-        let d = self.dims;
-        let scores = self.grouped(q)?.matmul(&kk.t()?)?;
-        let scores = scores.reshape((d.n, d.heads, d.s, d.s))?;
-        k::softmax_forward(
-            &scores,
-            &self.key_bias,
-            None,
-            self.spec.attention.scale,
-            self.spec.attention.dropout,
-            (self.spec.causal, self.spec.attention.window),
-        )
+        Attention {
+            key_bias: self.key_bias.clone(),
+            score_bias: None,
+            scale: self.spec.attention.scale,
+            dropout: self.spec.attention.dropout,
+            pattern: (self.spec.causal, self.spec.attention.window),
+            n: d.n,
+            heads: d.heads,
+            kv_heads: d.kv_heads,
+            s: d.s,
+            d: d.d,
+        }
     }
 
     /// The layer's output `[n s, h]` and, when `keep`, what the backward reads.
@@ -475,15 +467,11 @@ impl Layer {
         )?;
         drop(qkv);
         let ((q, rq), (kk, rk)) = self.rotated(&q0, &k0)?;
-        let (probs, dropped) = self.probabilities(&q, &kk)?;
+        let attention = self.attention();
+        let (probs, dropped) = attention.probabilities(&q, &kk)?;
         drop((q, kk));
-        let p = dropped.as_ref().unwrap_or(&probs);
-        let ctx = self
-            .grouped(p)?
-            .matmul(&v)?
-            .reshape((d.n, d.heads, d.s, d.d))?;
+        let ctx = attention.context(dropped.as_ref().unwrap_or(&probs), &v)?;
         drop(dropped);
-        let ctx = k::from_heads(&[(&ctx, 0, 1.0)], d.qd())?;
         let a_pre = self.linear(&ctx, WO, BO, 3)?;
         let (a, a_kept) = match self.w[POST_ATTN] {
             Some(_) => {
@@ -659,30 +647,12 @@ impl Layer {
         drop(da);
 
         // The attention.
-        let dctx = k::to_heads(&dctx, 0, (d.n, d.heads, d.s, d.d), None)?;
         let ((q, _), (kk, _)) = self.rotated(&kept.q0, &kept.k0)?;
-        let probs = match &kept.probs {
-            Some(p) => p.clone(),
-            None => self.probabilities(&q, &kk)?.0,
-        };
-        let dropout = self.spec.attention.dropout;
-        let dropped = match dropout.filter(|&(_, p)| p > 0.0) {
-            Some((seed, p)) => k::dropout(&probs, seed, p)?,
-            None => probs.clone(),
-        };
-        let dctx_g = self.grouped(&dctx)?;
-        let dv = self.grouped(&dropped)?.t()?.matmul(&dctx_g)?;
-        drop(dropped);
-        let dd = dctx_g
-            .matmul(&kept.v.t()?)?
-            .reshape((d.n, d.heads, d.s, d.s))?;
-        drop((dctx, dctx_g));
-        let dz = k::softmax_backward(&probs, &dd, dropout)?;
-        drop((dd, probs));
-        let dz_g = self.grouped(&dz)?;
-        let dq = dz_g.matmul(&kk)?.reshape((d.n, d.heads, d.s, d.d))?;
-        let dk = dz_g.t()?.matmul(&self.grouped(&q)?)?;
-        drop((dz, dz_g, q, kk));
+        let grads_attention =
+            self.attention()
+                .backward(&dctx, (&q, &kk, &kept.v), kept.probs.as_ref(), false)?;
+        drop((dctx, q, kk));
+        let (dq, dk, dv) = (grads_attention.q, grads_attention.k, grads_attention.v);
         let scale = self.spec.attention.scale;
         let dq = k::rotary_backward(&dq, &self.cos, &self.sin, &self.positions, scale)?;
         let dk = k::rotary_backward(&dk, &self.cos, &self.sin, &self.positions, scale)?;

@@ -35,6 +35,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::attention::Attention;
 use super::lora::{self, Adapter, AdapterGrads};
 use crate::nn::cpu::encoder_layer::{LayerSpec, LayerWeights};
 use crate::nn::kernels::{self as k, acc};
@@ -261,6 +262,9 @@ struct Kept {
     norm2: Option<(Tensor, Tensor)>,
 }
 
+/// The score bias's place among the node's inputs (after `x` and the sixteen weights).
+const SCORE_BIAS: usize = 17;
+
 /// Indices of the weights in [`all_weights`].
 const WQ: usize = 0;
 const BQ: usize = 3;
@@ -335,20 +339,20 @@ impl Layer {
         Ok((w, b))
     }
 
-    fn probabilities(
-        &self,
-        q: &Tensor,
-        k: &Tensor,
-    ) -> candle_core::Result<(Tensor, Option<Tensor>)> {
-        let scores = q.matmul(&k.t()?)?;
-        k::softmax_forward(
-            &scores,
-            &self.key_bias,
-            self.score_bias.as_ref(),
-            self.spec.attention.scale,
-            self.spec.attention.dropout,
-            (false, None),
-        )
+    fn attention(&self) -> Attention {
+        let d = self.dims;
+        Attention {
+            key_bias: self.key_bias.clone(),
+            score_bias: self.score_bias.clone(),
+            scale: self.spec.attention.scale,
+            dropout: self.spec.attention.dropout,
+            pattern: (false, None),
+            n: d.n,
+            heads: d.heads,
+            kv_heads: d.heads,
+            s: d.s,
+            d: d.d,
+        }
     }
 
     /// `x W^T` of weight `w` plus its adapter's branch (projection `p`), if any.
@@ -419,10 +423,10 @@ impl Layer {
         let kk = k::to_heads(&qkv, d.h, shape, Some(&bqkv))?;
         let v = k::to_heads(&qkv, 2 * d.h, shape, Some(&bqkv))?;
         drop(qkv);
-        let (probs, dropped) = self.probabilities(&q, &kk)?;
-        let ctx = dropped.as_ref().unwrap_or(&probs).matmul(&v)?;
+        let attention = self.attention();
+        let (probs, dropped) = attention.probabilities(&q, &kk)?;
+        let ctx = attention.context(dropped.as_ref().unwrap_or(&probs), &v)?;
         drop(dropped);
-        let ctx = k::from_heads(&[(&ctx, 0, 1.0)], d.h)?;
         let (y1, sum1, stats1) = self.first_norm(&ctx)?;
         let (pre, g) = self.intermediate(&y1)?;
         let (y, sum2, stats2) = self.second_norm(&g, &y1, keep)?;
@@ -568,35 +572,18 @@ impl Layer {
         drop(dpre1);
 
         // The attention.
-        let shape = d.heads_shape();
-        let dctx = k::to_heads(&dctx, 0, shape, None)?;
-        let probs = match &kept.probs {
-            Some(p) => p.clone(),
-            None => self.probabilities(&kept.q, &kept.k)?.0,
-        };
-        let dropout = self.spec.attention.dropout;
-        let dropped = match dropout.filter(|&(_, p)| p > 0.0) {
-            Some((seed, p)) => k::dropout(&probs, seed, p)?,
-            None => probs.clone(),
-        };
-        let dv = dropped.t()?.matmul(&dctx)?;
-        drop(dropped);
-        let dd = dctx.matmul(&kept.v.t()?)?;
+        let grads_attention = self.attention().backward(
+            &dctx,
+            (&kept.q, &kept.k, &kept.v),
+            kept.probs.as_ref(),
+            wants.get(SCORE_BIAS).copied().unwrap_or(false),
+        )?;
         drop(dctx);
-        let dz = k::softmax_backward(&probs, &dd, dropout)?;
-        drop((dd, probs));
-        let score_at = 17;
-        let score_grad = match &self.score_bias {
-            Some(b) if wants.get(score_at).copied().unwrap_or(false) => {
-                let per_text = dz.reshape((d.n, d.heads * d.s * d.s))?;
-                let db = k::column_sums(&per_text)?.reshape((1, d.heads, d.s, d.s))?;
-                Some(db.to_dtype(b.dtype())?)
-            }
+        let (dq, dk, dv) = (grads_attention.q, grads_attention.k, grads_attention.v);
+        let score_grad = match (&self.score_bias, grads_attention.score_bias) {
+            (Some(b), Some(g)) => Some(g.reshape((1, d.heads, d.s, d.s))?.to_dtype(b.dtype())?),
             _ => None,
         };
-        let dq = dz.matmul(&kept.k)?;
-        let dk = dz.t()?.matmul(&kept.q)?;
-        drop(dz);
         let scale = self.spec.attention.scale;
         let dqkv = k::from_heads(
             &[(&dq, 0, scale), (&dk, d.h, scale), (&dv, 2 * d.h, 1.0)],
@@ -636,7 +623,7 @@ impl Layer {
             grads[i + 1] = Some(g);
         }
         if let Some(g) = score_grad {
-            grads[score_at] = Some(g);
+            grads[SCORE_BIAS] = Some(g);
         }
         Ok(grads)
     }

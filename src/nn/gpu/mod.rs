@@ -10,6 +10,7 @@
 //! graph-free first pass). On CPU tensors they run through the kernels' reference forms,
 //! which is how the tests prove their algebra without a GPU.
 
+mod attention;
 pub mod decoder_layer;
 pub mod encoder_layer;
 mod lora;
