@@ -9,44 +9,14 @@
 //! reference forms on a GPU.
 
 use candle_core::{DType, Device, Tensor, Var};
-use gradcache::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
+use gradcache::bert::{BertEncoder, BertOptions, Pooling};
 use gradcache::nn::cpu::encoder_layer::{LayerSpec, LayerWeights};
 use gradcache::nn::{Act, AttentionSpec};
-use gradcache::{GradCache, InfoNce, ParamStore, Precision, Recompute, StepOutput, TokenBatch};
+use gradcache::{GradCache, InfoNce, ParamStore, Precision, Recompute, StepOutput};
 
 mod common;
+use common::encoders::{config, tokens};
 use common::rel_err_with_zeros;
-
-fn config(family: &str) -> BertConfig {
-    let mut cfg = BertConfig::new(60, 16, 3, 2, 24, 32);
-    cfg.initializer_range = 0.2;
-    if family == "mpnet" {
-        cfg.model_type = Some("mpnet".into());
-        cfg.pad_token_id = Some(1);
-        cfg.extra
-            .insert("relative_attention_num_buckets".into(), 8.into());
-    }
-    cfg
-}
-
-/// Rows of different lengths, right-padded.
-fn tokens(seed: usize, rows: usize) -> TokenBatch {
-    let len = 9;
-    let (mut ids, mut mask) = (vec![], vec![]);
-    for r in 0..rows {
-        let real = 3 + (r * 7 + seed) % (len - 2);
-        for c in 0..len {
-            ids.push(if c < real {
-                1 + ((r * 31 + c * 17 + seed * 13) % 59) as u32
-            } else {
-                0
-            });
-            mask.push(u32::from(c < real));
-        }
-    }
-    let t = |v| Tensor::from_vec(v, (rows, len), &Device::Cpu).unwrap();
-    TokenBatch::new(t(ids), t(mask), t(vec![0; rows * len])).unwrap()
-}
 
 /// The kernel switches are the process's: the steps that set them run one at a time.
 static SWITCHES: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -85,7 +55,9 @@ fn step(family: &str, gpu: bool, recompute: Recompute, precision: Precision) -> 
 fn key_biases(family: &str) -> Vec<String> {
     let key = match family {
         "mpnet" => "attention.attn.k.bias",
-        _ => "attention.self.key.bias",
+        "bert" => "attention.self.key.bias",
+        // ModernBERT's key bias is a third of `attn.Wqkv.bias`.
+        _ => return Vec::new(),
     };
     ["query.", "passage."]
         .iter()
@@ -95,7 +67,7 @@ fn key_biases(family: &str) -> Vec<String> {
 
 #[test]
 fn the_gpu_layer_node_gives_the_composed_step() {
-    for family in ["bert", "mpnet"] {
+    for family in ["bert", "mpnet", "modernbert", "modernbert-biased"] {
         let zero = key_biases(family);
         let zero: Vec<&str> = zero.iter().map(String::as_str).collect();
         for recompute in [Recompute::Off, Recompute::EveryLayer] {

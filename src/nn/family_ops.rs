@@ -127,9 +127,10 @@ pub fn self_attention_biased(
     })
 }
 
-/// A whole pre-norm layer (ModernBERT's) as one node with its backward written out
-/// ([`super::cpu::prenorm_layer::prenorm_layer`]) where the fused kernels run; `None` elsewhere
-/// (the caller then runs the layer op by op).
+/// A whole pre-norm layer (ModernBERT's) as one node with its backward written out where
+/// one runs: the CPU's ([`super::cpu::prenorm_layer::prenorm_layer`]) where the fused
+/// kernels run, the GPU's ([`super::gpu::prenorm_layer`]) on a GPU; `None` elsewhere (the
+/// caller then runs the layer op by op).
 pub fn prenorm_layer(
     x: &Tensor,
     weights: &PreNormWeights,
@@ -151,12 +152,15 @@ pub fn prenorm_layer(
     ];
     all.extend(projections.iter().filter_map(|(_, b)| *b));
     let bases: Vec<&Tensor> = projections.iter().map(|(w, _)| *w).collect();
-    if !fused_ok(&all) || !super::frozen_base_ok(x, &bases, &weights.lora) || x.rank() != 3 {
-        return Ok(None);
+    if fused_ok(&all) && super::frozen_base_ok(x, &bases, &weights.lora) && x.rank() == 3 {
+        return Ok(Some(super::cpu::prenorm_layer::prenorm_layer(
+            x, weights, spec,
+        )?));
     }
-    Ok(Some(super::cpu::prenorm_layer::prenorm_layer(
-        x, weights, spec,
-    )?))
+    if super::gpu_node_ok(x) {
+        return Ok(Some(super::gpu::prenorm_layer(x, weights, spec)?));
+    }
+    Ok(None)
 }
 
 /// A whole decoder layer as one node with its backward written out where one runs: the

@@ -36,29 +36,31 @@ macro_rules! dispatch {
 }
 
 /// `LayerNorm(dropout(x + bias) + residual)` over the rows of `x` `[rows, w]` (the
-/// residual block's tail; `bias` `[w]` optional, `gamma`, `beta` `[w]` in [`acc`]):
-/// `(y, sum, stats)`, the normalised rows in `x`'s dtype, the sum under the norm (kept
-/// for the backward with `keep_sum`) and each row's `(mean, 1 / sqrt(var + eps))`
-/// `[rows, 2]`, both in [`acc`].
+/// residual block's tail; `bias` `[w]` and the residual optional: without either, a
+/// plain LayerNorm; `gamma`, `beta` `[w]` in [`acc`]): `(y, sum, stats)`, the normalised
+/// rows in `x`'s dtype, the sum under the norm (kept for the backward with `keep_sum`)
+/// and each row's `(mean, 1 / sqrt(var + eps))` `[rows, 2]`, both in [`acc`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn add_norm_forward(
     x: &Tensor,
     bias: Option<&Tensor>,
-    residual: &Tensor,
+    residual: Option<&Tensor>,
     gamma: &Tensor,
     beta: &Tensor,
     eps: f64,
     dropout: Option<(u64, f32)>,
     keep_sum: bool,
 ) -> candle_core::Result<(Tensor, Option<Tensor>, Tensor)> {
-    let (x, residual) = (c(x)?, c(residual)?);
+    let x = c(x)?;
+    let residual = residual.map(c).transpose()?;
     let bias = bias.map(c).transpose()?;
     let (gamma, beta) = (c(gamma)?, c(beta)?);
-    if residual.dims() != x.dims() || gamma.dims() != [x.dim(1)?] || beta.dims() != gamma.dims() {
+    let residual_fits = residual.as_ref().is_none_or(|r| r.dims() == x.dims());
+    if !residual_fits || gamma.dims() != [x.dim(1)?] || beta.dims() != gamma.dims() {
         candle_core::bail!(
             "add_norm: rows {:?}, residual {:?}, scale {:?}, shift {:?} do not fit",
             x.dims(),
-            residual.dims(),
+            residual.as_ref().map(|r| r.dims().to_vec()),
             gamma.dims(),
             beta.dims()
         );
@@ -68,7 +70,7 @@ pub(crate) fn add_norm_forward(
         super::cuda::add_norm_forward(
             &x,
             bias.as_ref(),
-            &residual,
+            residual.as_ref(),
             &gamma,
             &beta,
             eps,
@@ -78,7 +80,7 @@ pub(crate) fn add_norm_forward(
         reference::add_norm_forward(
             &x,
             bias.as_ref(),
-            &residual,
+            residual.as_ref(),
             &gamma,
             &beta,
             eps,

@@ -112,7 +112,7 @@ fn rows(device: &Device, dtype: DType, out: &mut Vec<CheckResult>) -> Result<()>
         let (y, sum, stats) = k::add_norm_forward(
             &x,
             Some(&bias),
-            &residual,
+            Some(&residual),
             &gamma,
             &beta,
             1e-5,
@@ -122,7 +122,7 @@ fn rows(device: &Device, dtype: DType, out: &mut Vec<CheckResult>) -> Result<()>
         let (y_r, sum_r, stats_r) = k::add_norm_forward(
             &cpu(&x)?,
             Some(&cpu(&bias)?),
-            &cpu(&residual)?,
+            Some(&cpu(&residual)?),
             &cpu(&gamma)?,
             &cpu(&beta)?,
             1e-5,

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod decoders;
+pub mod encoders;
 pub mod families;
 
 use std::cell::{Cell, RefCell};

@@ -62,12 +62,13 @@ fn factor(dropout: Option<(u64, f32)>, index: usize, dtype: DType) -> f64 {
     }
 }
 
-/// `LayerNorm(dropout(x + bias) + residual)` over rows `[rows, w]`: `(y, sum, stats)`.
+/// `LayerNorm(dropout(x + bias) + residual)` over rows `[rows, w]` (no residual: a
+/// LayerNorm of `dropout(x + bias)`): `(y, sum, stats)`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn add_norm_forward(
     x: &Tensor,
     bias: Option<&Tensor>,
-    residual: &Tensor,
+    residual: Option<&Tensor>,
     gamma: &Tensor,
     beta: &Tensor,
     eps: f64,
@@ -75,7 +76,11 @@ pub(crate) fn add_norm_forward(
     keep_sum: bool,
 ) -> candle_core::Result<(Tensor, Option<Tensor>, Tensor)> {
     let (rows, w) = x.dims2()?;
-    let (xv, rv) = (values(x)?, values(residual)?);
+    let xv = values(x)?;
+    let rv = match residual {
+        Some(r) => values(r)?,
+        None => vec![0.0; xv.len()],
+    };
     let bv = bias.map(values).transpose()?;
     let (g, b) = (values(gamma)?, values(beta)?);
     let mut sum = vec![0f64; rows * w];

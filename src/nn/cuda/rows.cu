@@ -17,8 +17,8 @@ __device__ __forceinline__ float normalized(float v, float mean, float rstd, flo
 }
 
 // LayerNorm(dropout(x + bias) + residual) of one row per block (blockDim.x a multiple of
-// 32). `bias` may be null; `sum_out` (the normalised sum, kept for the backward) may be
-// null. `stats` gets (mean, 1 / sqrt(var + eps)) of each row. gamma and beta are f32.
+// 32). `bias` and `residual` may be null (a plain LayerNorm of x); `sum_out` (the
+// normalised sum, kept for the backward) may be null. `stats` gets (mean, 1 / sqrt(var + eps)) of each row. gamma and beta are f32.
 #define ADD_NORM_FWD(name, T)                                                                   \
     extern "C" __global__ void add_norm_fwd_##name(                                             \
         const T *x, const T *bias, const T *residual, const float *gamma, const float *beta,    \
@@ -31,7 +31,7 @@ __device__ __forceinline__ float normalized(float v, float mean, float rstd, flo
         for (int j = threadIdx.x; j < width; j += blockDim.x) {                                 \
             float v = ld(x + base + j);                                                         \
             if (bias) v += ld(bias + j);                                                        \
-            v = __fmul_rn(v, drop_factor(seed, base + j, threshold, scale)) + ld(residual + base + j); \
+            v = __fmul_rn(v, drop_factor(seed, base + j, threshold, scale)) + (residual ? ld(residual + base + j) : 0.0f); \
             if (sum_out) sum_out[base + j] = v;                                                 \
             acc += v;                                                                           \
         }                                                                                       \
@@ -40,7 +40,7 @@ __device__ __forceinline__ float normalized(float v, float mean, float rstd, flo
         for (int j = threadIdx.x; j < width; j += blockDim.x) {                                 \
             float v = ld(x + base + j);                                                         \
             if (bias) v += ld(bias + j);                                                        \
-            v = __fmul_rn(v, drop_factor(seed, base + j, threshold, scale)) + ld(residual + base + j); \
+            v = __fmul_rn(v, drop_factor(seed, base + j, threshold, scale)) + (residual ? ld(residual + base + j) : 0.0f); \
             acc += (v - mean) * (v - mean);                                                     \
         }                                                                                       \
         const float var = block_sum(acc, scratch) / (float)width;                               \
@@ -48,7 +48,7 @@ __device__ __forceinline__ float normalized(float v, float mean, float rstd, flo
         for (int j = threadIdx.x; j < width; j += blockDim.x) {                                 \
             float v = ld(x + base + j);                                                         \
             if (bias) v += ld(bias + j);                                                        \
-            v = __fmul_rn(v, drop_factor(seed, base + j, threshold, scale)) + ld(residual + base + j); \
+            v = __fmul_rn(v, drop_factor(seed, base + j, threshold, scale)) + (residual ? ld(residual + base + j) : 0.0f); \
             st(y + base + j, normalized(v, mean, rstd, gamma[j], beta[j]));                     \
         }                                                                                       \
         if (threadIdx.x == 0) {                                                                 \

@@ -12,7 +12,7 @@ use super::*;
 pub(crate) fn add_norm_forward(
     x: &Tensor,
     bias: Option<&Tensor>,
-    residual: &Tensor,
+    residual: Option<&Tensor>,
     gamma: &Tensor,
     beta: &Tensor,
     eps: f64,
@@ -35,7 +35,7 @@ pub(crate) fn add_norm_forward(
             per_row(rows, width),
             ptr(x)?,
             ptr_or_null(bias)?,
-            ptr(residual)?,
+            ptr_or_null(residual)?,
             ptr(gamma)?,
             ptr(beta)?,
             y_ptr,

@@ -375,7 +375,7 @@ impl Layer {
         let (y1, sum, stats) = k::add_norm_forward(
             &a,
             Some(&bo),
-            &self.x,
+            Some(&self.x),
             &self.norm(G1)?,
             &self.norm(B1)?,
             self.spec.eps,
@@ -400,7 +400,7 @@ impl Layer {
         k::add_norm_forward(
             &o,
             Some(&self.w(BD)?),
-            y1,
+            Some(y1),
             &self.norm(G2)?,
             &self.norm(B2)?,
             self.spec.eps,

@@ -14,6 +14,8 @@ mod attention;
 pub mod decoder_layer;
 pub mod encoder_layer;
 mod lora;
+pub mod prenorm_layer;
 
 pub use decoder_layer::decoder_layer;
 pub use encoder_layer::{encoder_layer, encoder_layer_composed};
+pub use prenorm_layer::prenorm_layer;

@@ -1,0 +1,57 @@
+//! Tiny encoders of the BERT, MPNet and ModernBERT layouts (tests/fused_bert.rs,
+//! tests/gpu_nodes.rs): the configs and right-padded token rows of different lengths.
+
+use candle_core::{Device, Tensor};
+use gradcache::bert::BertConfig;
+use gradcache::TokenBatch;
+
+/// A tiny encoder of `family`'s layout: `bert`, `mpnet` (its relative position bias over
+/// few buckets), `modernbert` (global and windowed layers, GeGLU, no biases) or
+/// `modernbert-biased`.
+pub fn config(family: &str) -> BertConfig {
+    let mut cfg = BertConfig::new(60, 16, 3, 2, 24, 32);
+    cfg.initializer_range = 0.2;
+    if family.starts_with("modernbert") {
+        cfg.model_type = Some("modernbert".into());
+        let biased = family == "modernbert-biased";
+        for (key, value) in [
+            ("embedding_dropout", 0.1.into()),
+            ("attention_dropout", 0.1.into()),
+            ("mlp_dropout", 0.1.into()),
+            ("global_attn_every_n_layers", 2.into()),
+            ("local_attention", 4.into()),
+            ("norm_bias", biased.into()),
+            ("attention_bias", biased.into()),
+            ("mlp_bias", biased.into()),
+        ] {
+            cfg.extra.insert(key.into(), value);
+        }
+    }
+    if family == "mpnet" {
+        cfg.model_type = Some("mpnet".into());
+        cfg.pad_token_id = Some(1);
+        // Few buckets, so the short test rows reach the logarithmic ones too.
+        cfg.extra
+            .insert("relative_attention_num_buckets".into(), 8.into());
+    }
+    cfg
+}
+
+/// Rows of different lengths, right-padded.
+pub fn tokens(seed: usize, rows: usize) -> TokenBatch {
+    let len = 9;
+    let (mut ids, mut mask) = (vec![], vec![]);
+    for r in 0..rows {
+        let real = 3 + (r * 7 + seed) % (len - 2);
+        for c in 0..len {
+            ids.push(if c < real {
+                1 + ((r * 31 + c * 17 + seed * 13) % 59) as u32
+            } else {
+                0
+            });
+            mask.push(u32::from(c < real));
+        }
+    }
+    let t = |v| Tensor::from_vec(v, (rows, len), &Device::Cpu).unwrap();
+    TokenBatch::new(t(ids), t(mask), t(vec![0; rows * len])).unwrap()
+}
