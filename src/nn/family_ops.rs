@@ -233,10 +233,14 @@ pub fn token_embeddings(
 }
 
 /// RMSNorm over the last dimension, `x / sqrt(mean(x^2) + eps) * (offset + weight)`
-/// (`offset` 0 for Llama and the Qwen models, 1 for Gemma's `(1 + weight)`), composed of
-/// differentiable ops; the statistics in f32 for a half-precision `x`, the result in its
-/// dtype, as transformers computes it.
+/// (`offset` 0 for Llama and the Qwen models, 1 for Gemma's `(1 + weight)`): a GPU node
+/// on a GPU ([`super::gpu::rms_norm`]), else composed of differentiable ops; the
+/// statistics in f32 for a half-precision `x`, the result in its dtype, as transformers
+/// computes it.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset: f64) -> Result<Tensor> {
+    if super::gpu_op_ok(x) {
+        return Ok(super::gpu::rms_norm(x, weight, eps, offset)?);
+    }
     let dtype = x.dtype();
     let wide_dtype = if crate::precision::is_half(dtype) {
         candle_core::DType::F32

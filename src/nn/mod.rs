@@ -93,12 +93,17 @@ pub(crate) fn frozen_base_ok(x: &Tensor, bases: &[&Tensor], lora: &[Option<LoraI
 /// f16, and the GPU nodes not turned off with `GRADCACHE_GPU_NODES=0` (which runs every
 /// layer op by op, for a side-by-side measurement).
 pub(crate) fn gpu_node_ok(x: &Tensor) -> bool {
+    x.rank() == 3 && gpu_op_ok(x)
+}
+
+/// [`gpu_node_ok`] for a GPU node over a tensor of any rank (a norm).
+pub(crate) fn gpu_op_ok(x: &Tensor) -> bool {
     let device = if x.device().is_cuda() {
         matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
     } else {
         GPU_NODES_ON_CPU.load(Ordering::Relaxed)
     };
-    device && x.rank() == 3 && gpu_nodes_enabled()
+    device && x.rank() >= 1 && gpu_nodes_enabled()
 }
 
 static GPU_NODES_ON_CPU: AtomicBool = AtomicBool::new(false);
@@ -349,9 +354,12 @@ pub fn mean_pool_composed(x: &Tensor, mask: &Tensor, normalize: bool) -> Result<
     }
 }
 
-/// Layer norm over the last dimension: the fused kernel where it runs, else
-/// [`layer_norm_composed`].
+/// Layer norm over the last dimension: the fused kernel where it runs (the CPU), a GPU
+/// node on a GPU ([`gpu::layer_norm`]), else [`layer_norm_composed`].
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if gpu_op_ok(x) && !fused_ok(&[x, weight, bias]) {
+        return Ok(gpu::layer_norm(x, weight, bias, eps)?);
+    }
     if is_half(x.dtype()) {
         return widened_layer_norm(layer_norm, x, weight, bias, eps);
     }

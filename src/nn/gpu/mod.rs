@@ -14,8 +14,10 @@ mod attention;
 pub mod decoder_layer;
 pub mod encoder_layer;
 mod lora;
+pub mod norms;
 pub mod prenorm_layer;
 
 pub use decoder_layer::decoder_layer;
 pub use encoder_layer::{encoder_layer, encoder_layer_composed};
+pub use norms::{layer_norm, rms_norm};
 pub use prenorm_layer::prenorm_layer;
