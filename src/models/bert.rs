@@ -160,6 +160,9 @@ pub struct BertAux {
     last_token_only: bool,
     /// Each sequence's first real token (where the pooling's positions count from).
     first: Vec<usize>,
+    /// Each sequence's first and last pooled position (`(0, 0)` for none), from the
+    /// batch's host mask.
+    kept: Vec<(usize, usize)>,
     /// MPNet's relative position bucket of every (query, key) pair `[s s]`.
     buckets: Option<Tensor>,
     /// A multi-vector batch: the kept tokens `[n, s]` (in the head's dtype) and the token
@@ -611,6 +614,16 @@ impl LayerStack for Bert {
             .iter()
             .map(|r| r.iter().position(|&m| m != 0).unwrap_or(0))
             .collect();
+        let kept: Vec<(usize, usize)> = rows
+            .iter()
+            .zip(&first)
+            .map(|(r, &f)| {
+                let pooled = |t: usize| r[t] != 0 && t >= f + input.pool_from;
+                let first = (0..r.len()).find(|&t| pooled(t));
+                let last = (0..r.len()).rev().find(|&t| pooled(t));
+                (first.unwrap_or(0), last.unwrap_or(0))
+            })
+            .collect();
         let mask = if input.pool_from > 0 {
             let s = mask.dim(1)?;
             let keep: Vec<f32> = first
@@ -635,6 +648,7 @@ impl LayerStack for Bert {
             modern,
             decoder,
             first,
+            kept,
             buckets,
             vectors,
         })
@@ -777,9 +791,9 @@ impl LayerStack for Bert {
         }
         let pooling = self.options.pooling;
         if self.dense.is_empty() {
-            return pooling.pool(x, &aux.mask, &aux.first, self.options.normalize);
+            return pooling.pool(x, &aux.mask, &aux.first, &aux.kept, self.options.normalize);
         }
-        let mut y = pooling.pool(x, &aux.mask, &aux.first, false)?;
+        let mut y = pooling.pool(x, &aux.mask, &aux.first, &aux.kept, false)?;
         for dense in &self.dense {
             y = dense.forward(&y)?;
         }

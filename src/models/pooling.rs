@@ -77,7 +77,9 @@ impl Pooling {
     /// real token, 0 for padding on either side and for a prompt left out of the
     /// pooling), as sentence-transformers does; `first[i]` is the first real token of
     /// sequence `i` (past its padding on the left), where weighted-mean positions count
-    /// from. `cls` takes the first token the mask keeps.
+    /// from; `kept[i]` is the first and the last position the mask keeps in sequence `i`
+    /// (`(0, 0)` for a row it keeps none of; read on the host, so no pooling waits for a
+    /// GPU): `cls` takes the first, `lasttoken` the last.
     /// Mean pooling runs as one node (see [`crate::nn::mean_pool`]); the others are
     /// composed of differentiable ops. Normalises the result with `normalize`.
     pub fn pool(
@@ -85,6 +87,7 @@ impl Pooling {
         x: &Tensor,
         mask: &Tensor,
         first: &[usize],
+        kept: &[(usize, usize)],
         normalize: bool,
     ) -> Result<Tensor> {
         let (n, s, h) = x.dims3()?;
@@ -92,17 +95,13 @@ impl Pooling {
             let rows = Tensor::new(rows.as_slice(), x.device())?;
             Ok(x.reshape((n * s, h))?.index_select(&rows, 0)?)
         };
-        let rows_mask =
-            || -> Result<Vec<Vec<f32>>> { Ok(mask.to_dtype(candle_core::DType::F32)?.to_vec2()?) };
         let pooled = match self {
             Pooling::Mean => return crate::nn::mean_pool(x, mask, normalize),
             Pooling::Cls => {
                 // The first position the mask keeps (position 0 for a row it keeps none
                 // of), as sentence-transformers' argmax of the mask.
-                let rows: Vec<u32> = rows_mask()?
-                    .iter()
-                    .enumerate()
-                    .map(|(i, m)| (i * s + m.iter().position(|&v| v != 0.0).unwrap_or(0)) as u32)
+                let rows: Vec<u32> = (0..n)
+                    .map(|i| (i * s + kept.get(i).map_or(0, |k| k.0)) as u32)
                     .collect();
                 pick(rows)?
             }
@@ -134,10 +133,8 @@ impl Pooling {
             }
             Pooling::LastToken => {
                 // The last position the mask keeps (position 0 for a row it keeps none of).
-                let rows: Vec<u32> = rows_mask()?
-                    .iter()
-                    .enumerate()
-                    .map(|(i, m)| (i * s + m.iter().rposition(|&v| v != 0.0).unwrap_or(0)) as u32)
+                let rows: Vec<u32> = (0..n)
+                    .map(|i| (i * s + kept.get(i).map_or(0, |k| k.1)) as u32)
                     .collect();
                 let rows = Tensor::new(rows.as_slice(), x.device())?;
                 let masked = x.broadcast_mul(&mask.unsqueeze(2)?)?;
