@@ -308,10 +308,10 @@ fn self_check_passes_on_the_cpu_and_rejects_an_unavailable_gpu() {
     assert!(ok, "{stderr}\n{stdout}");
     assert_eq!(
         stdout.lines().filter(|l| l.starts_with("ok ")).count(),
-        10,
+        15,
         "{stdout}"
     );
-    assert!(stdout.contains("all 10 checks passed on cpu"), "{stdout}");
+    assert!(stdout.contains("all 15 checks passed on cpu"), "{stdout}");
     let (ok, stderr) = gradcache(&["self-check", "--device", "cuda"]);
     assert!(
         !ok && stderr.contains("device `cuda:0` is unavailable"),

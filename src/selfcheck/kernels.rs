@@ -458,17 +458,6 @@ fn layer_node(device: &Device, out: &mut Vec<CheckResult>) -> Result<()> {
     decoder_node(device, out)
 }
 
-/// A tiny Qwen3-layout decoder (q/k norms, two key-value heads for four query heads,
-/// a windowed layer, dropout on the probabilities), two towers, left-padded rows.
-const TINY_QWEN3: &str = r#"{
-  "model_type": "qwen3", "vocab_size": 60, "hidden_size": 32, "num_hidden_layers": 2,
-  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-  "intermediate_size": 48, "hidden_act": "silu", "max_position_embeddings": 64,
-  "rms_norm_eps": 1e-6, "rope_theta": 50.0, "attention_dropout": 0.1,
-  "use_sliding_window": true, "sliding_window": 3, "max_window_layers": 1,
-  "initializer_range": 0.2
-}"#;
-
 /// The decoder node's cached step on `device` against the op-by-op layers on `device`
 /// (f32, bf16) and, off the CPU, against the node's step on the CPU (f32).
 fn decoder_node(device: &Device, out: &mut Vec<CheckResult>) -> Result<()> {
@@ -532,11 +521,11 @@ fn decoder_node(device: &Device, out: &mut Vec<CheckResult>) -> Result<()> {
     Ok(())
 }
 
-/// One cached two-tower step of [`TINY_QWEN3`] on `device` (last-token and mean pooling).
+/// One cached two-tower step of [`super::TINY_QWEN3`] on `device` (last-token and mean pooling).
 fn decoder_step(device: &Device, precision: crate::Precision) -> Result<crate::Gradients> {
     use crate::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
     let cfg: BertConfig =
-        serde_json::from_str(TINY_QWEN3).map_err(|e| crate::Error::InvalidArgument {
+        serde_json::from_str(super::TINY_QWEN3).map_err(|e| crate::Error::InvalidArgument {
             what: "self-check decoder config",
             value: e.to_string(),
             reason: "does not parse",
@@ -552,24 +541,7 @@ fn decoder_step(device: &Device, precision: crate::Precision) -> Result<crate::G
     let p = BertEncoder::build(&store, "passage", &cfg, &options(Pooling::Mean))?;
     let loss = crate::InfoNce::new(0.1)?.with_symmetric(true);
     let gc = crate::GradCache::two_towers(q, p, 3, 4, loss)?.with_seed(5);
-    let left = |seed: u64, rows: usize| -> Result<crate::TokenBatch> {
-        let len = 12;
-        let (mut ids, mut mask) = (vec![], vec![]);
-        for r in 0..rows {
-            let real = 3 + (r * 5 + seed as usize) % (len - 3);
-            for c in 0..len {
-                let at = c + real >= len;
-                ids.push(if at {
-                    1 + ((r * 31 + c * 17 + seed as usize * 13) % 59) as u32
-                } else {
-                    0
-                });
-                mask.push(u32::from(at));
-            }
-        }
-        let t = |v: Vec<u32>| Tensor::from_vec(v, (rows, len), device);
-        crate::TokenBatch::new(t(ids)?, t(mask)?, t(vec![0u32; rows * len])?)
-    };
+    let left = |seed, rows| super::families::rows(seed, rows, true, device);
     Ok(gc.cache_step(2, &left(1, 6)?, &left(2, 12)?)?.grads)
 }
 

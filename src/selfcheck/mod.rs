@@ -6,6 +6,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+mod families;
 mod kernels;
 
 use crate::bert::{BertConfig, BertEncoder, BertOptions, Pooling};
@@ -36,6 +37,17 @@ pub const TINY_BERT: &str = r#"{
   "num_attention_heads": 4, "intermediate_size": 48, "hidden_act": "gelu",
   "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
   "max_position_embeddings": 32, "type_vocab_size": 2, "initializer_range": 0.2
+}"#;
+
+/// A tiny Qwen3-layout decoder (q/k norms, two key-value heads for four query heads,
+/// a windowed layer, dropout on the probabilities), two towers, left-padded rows.
+pub const TINY_QWEN3: &str = r#"{
+  "model_type": "qwen3", "vocab_size": 60, "hidden_size": 32, "num_hidden_layers": 2,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+  "intermediate_size": 48, "hidden_act": "silu", "max_position_embeddings": 64,
+  "rms_norm_eps": 1e-6, "rope_theta": 50.0, "attention_dropout": 0.1,
+  "use_sliding_window": true, "sliding_window": 3, "max_window_layers": 1,
+  "initializer_range": 0.2
 }"#;
 
 /// `rows` right-padded token rows of different lengths (ids below 60) on `device`.
@@ -195,5 +207,6 @@ pub fn run(device: &Device) -> Result<Vec<CheckResult>> {
         limit: 0.0,
     });
     out.extend(kernels::run(device)?);
+    families::run(device, &mut out)?;
     Ok(out)
 }
