@@ -19,9 +19,11 @@ the CUDA memory pool's used-memory high mark, `gpu_memory.used_high` in metrics.
 sentence-transformers: `torch.cuda.max_memory_allocated()`).
 
 `--profile` runs only the gradcache side of each shape for one step after a warm-up with
-`GRADCACHE_PROFILE=1` and prints where the step's time went (the device synchronised at
-each span: the phases, the replay's forward and backward, each layer's forward, the layer
-nodes' forward and backward) from metrics.jsonl's `"profile"` line.
+`GRADCACHE_PROFILE=cupti` (or the environment's `GRADCACHE_PROFILE`) and prints where the
+step's time went (the device synchronised at each span: the phases, the replay's forward
+and backward, each layer's forward, the layer nodes' forward and backward) and what it
+asked of the driver (launches, allocations, copies each way, the host's waits) from
+metrics.jsonl's `"profile"` line.
 
 The decoder row (`--models qwen3-0.6b`): Qwen3-Embedding-0.6B's shape (28 layers, hidden
 1,024, 16 query and 8 KV heads of 128, feed-forward 3,072, vocabulary 151,669; random
@@ -213,7 +215,7 @@ def gradcache_side(binary, model_dir, pairs, eval_file, out, batch, mini, max_le
         args += ["--set", f"{k}={v}"]
     env = dict(os.environ)
     if profile:
-        env["GRADCACHE_PROFILE"] = "1"
+        env["GRADCACHE_PROFILE"] = os.environ.get("GRADCACHE_PROFILE", "cupti")
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL, env=env)
     lines = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     steps = [r for r in lines if r.get("type") == "step"]
@@ -228,11 +230,13 @@ def gib(n):
 
 
 def profile_table(shape, spans):
-    rows = [f"## {shape}: one step's spans (GRADCACHE_PROFILE=1, device synchronised at each)",
-            "| span | count | total ms | mean ms | GPU pool peak |", "|---|---:|---:|---:|---:|"]
+    rows = [f"## {shape}: one step's spans (GRADCACHE_PROFILE, device synchronised at each)",
+            "| span | count | total ms | mean ms | GPU pool peak | MiB moved |",
+            "|---|---:|---:|---:|---:|---:|"]
     for e in spans:
         rows.append(f"| {e['name']} | {e['count']} | {e['total_ms']:.1f} "
-                    f"| {e['total_ms'] / max(e['count'], 1):.3f} | {gib(e['gpu_peak_bytes'])} |")
+                    f"| {e['total_ms'] / max(e['count'], 1):.3f} | {gib(e['gpu_peak_bytes'])} "
+                    f"| {e.get('bytes', 0) / 2**20:.1f} |")
     return "\n".join(rows)
 
 

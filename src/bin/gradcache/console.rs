@@ -238,8 +238,8 @@ fn phase_summary(r: &gradcache::train::trainer::StepReport) -> String {
     .join(", ")
 }
 
-/// The profile of a step as aligned lines: span, count, total and mean milliseconds, and
-/// the GPU memory pool's peak.
+/// The profile of a step as aligned lines: span, count, total and mean milliseconds, the
+/// GPU memory pool's peak, and the bytes a counted driver call moved.
 fn profile_table(entries: &[gradcache::profile::Entry]) -> String {
     let width = entries
         .iter()
@@ -248,17 +248,18 @@ fn profile_table(entries: &[gradcache::profile::Entry]) -> String {
         .unwrap_or(4)
         .max(4);
     let mut out = format!(
-        "  {:width$}  {:>6}  {:>10}  {:>9}  {:>12}",
-        "span", "count", "total ms", "mean ms", "GPU peak MiB"
+        "  {:width$}  {:>8}  {:>10}  {:>9}  {:>12}  {:>10}",
+        "span", "count", "total ms", "mean ms", "GPU peak MiB", "MiB moved"
     );
     for e in entries {
         out += &format!(
-            "\n  {:width$}  {:>6}  {:>10.2}  {:>9.3}  {:>12.1}",
+            "\n  {:width$}  {:>8}  {:>10.2}  {:>9.3}  {:>12.1}  {:>10.1}",
             e.name,
             e.count,
             e.total_ms,
             e.total_ms / e.count.max(1) as f64,
-            e.gpu_peak_bytes as f64 / 1048576.0
+            e.gpu_peak_bytes as f64 / 1048576.0,
+            e.bytes as f64 / 1048576.0
         );
     }
     out

@@ -13,7 +13,9 @@
 //! largest costs, the benchmark (profiling off) for the speed.
 //!
 //! The trainer prints the spans after each step and writes them into `metrics.jsonl`
-//! (a `"profile"` line per step).
+//! (a `"profile"` line per step). With `GRADCACHE_PROFILE=cupti` on a GPU the step's
+//! driver calls are counted too ([`cupti`]): kernel launches, allocations, copies each way
+//! with their bytes, and the time the host waited for the device.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
@@ -21,10 +23,21 @@ use std::time::{Duration, Instant};
 
 use candle_core::Device;
 
+#[cfg(feature = "cuda")]
+mod cupti;
+
 /// Whether `GRADCACHE_PROFILE` is set to something other than `0` (read once).
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("GRADCACHE_PROFILE").is_ok_and(|v| v.trim() != "0"))
+    *ON.get_or_init(|| {
+        std::env::var("GRADCACHE_PROFILE").is_ok_and(|v| !matches!(v.trim(), "" | "0"))
+    })
+}
+
+/// Whether `GRADCACHE_PROFILE=cupti`: the driver calls are counted too.
+fn counting() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("GRADCACHE_PROFILE").is_ok_and(|v| v.trim() == "cupti"))
 }
 
 /// One span's totals over the spans of that name since [`take`].
@@ -39,11 +52,15 @@ pub struct Entry {
     /// The most GPU memory in use (the pool's high mark, bytes) from the start of the
     /// phase each of them ran in to its end; 0 off a GPU.
     pub gpu_peak_bytes: u64,
+    /// The bytes a counted driver call moved (allocations, copies); 0 for a span.
+    pub bytes: u64,
 }
 
 struct State {
     device: Option<Device>,
     entries: BTreeMap<String, Entry>,
+    /// Why the driver calls are not counted, when they were asked for.
+    uncounted: Option<String>,
 }
 
 fn state() -> &'static Mutex<State> {
@@ -52,15 +69,32 @@ fn state() -> &'static Mutex<State> {
         Mutex::new(State {
             device: None,
             entries: BTreeMap::new(),
+            uncounted: None,
         })
     })
 }
 
 /// The device whose queue the spans wait for (the trainer's).
 pub fn set_device(device: &Device) {
+    let uncounted = if counting() {
+        start_counting(device).err()
+    } else {
+        None
+    };
     if let Ok(mut s) = state().lock() {
         s.device = Some(device.clone());
+        s.uncounted = uncounted;
     }
+}
+
+/// Starts counting the driver calls on a GPU.
+fn start_counting(device: &Device) -> Result<(), String> {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return cupti::start();
+    }
+    let _ = device;
+    Err("needs a GPU".into())
 }
 
 fn device() -> Option<Device> {
@@ -73,7 +107,11 @@ pub fn sync() {
         return;
     }
     if let Some(d) = device() {
+        #[cfg(feature = "cuda")]
+        cupti::OWN_SYNC.with(|o| o.set(true));
         let _ = d.synchronize();
+        #[cfg(feature = "cuda")]
+        cupti::OWN_SYNC.with(|o| o.set(false));
     }
 }
 
@@ -132,10 +170,28 @@ pub fn record(name: String, elapsed: Duration) {
     }
 }
 
-/// The entries since the last call, in name order, and a fresh start.
+/// The entries since the last call, in name order (the driver's counts last), and a
+/// fresh start.
 pub fn take() -> Vec<Entry> {
-    match state().lock() {
-        Ok(mut s) => std::mem::take(&mut s.entries).into_values().collect(),
-        Err(_) => Vec::new(),
+    let (mut entries, uncounted) = match state().lock() {
+        Ok(mut s) => (
+            std::mem::take(&mut s.entries)
+                .into_values()
+                .collect::<Vec<_>>(),
+            s.uncounted.clone(),
+        ),
+        Err(_) => return Vec::new(),
+    };
+    if counting() {
+        if let Some(why) = uncounted {
+            entries.push(Entry {
+                name: format!("cuda.not-counted ({why})"),
+                ..Entry::default()
+            });
+        } else {
+            #[cfg(feature = "cuda")]
+            entries.extend(cupti::take());
+        }
     }
+    entries
 }
