@@ -34,10 +34,16 @@ pub trait Grad: candle_core::WithDType + std::ops::AddAssign {}
 impl Grad for f32 {}
 impl Grad for f64 {}
 
-/// One parameter's accumulated gradient.
+/// One parameter's accumulated gradient: values on the CPU (the CPU nodes write slices),
+/// or a tensor on any device (the GPU nodes hand over tensors, added in place).
 struct Buffer {
-    values: CpuStorage,
+    values: Values,
     shape: candle_core::Shape,
+}
+
+enum Values {
+    Cpu(CpuStorage),
+    Tensor(Tensor),
 }
 
 thread_local! {
@@ -77,9 +83,14 @@ impl Sink {
         for (name, var) in params.iter() {
             if let Some(b) = held.remove(&var.id()) {
                 let t = match b.values {
-                    CpuStorage::F32(v) => Tensor::from_vec(v, b.shape, &candle_core::Device::Cpu)?,
-                    CpuStorage::F64(v) => Tensor::from_vec(v, b.shape, &candle_core::Device::Cpu)?,
-                    other => {
+                    Values::Tensor(t) => t,
+                    Values::Cpu(CpuStorage::F32(v)) => {
+                        Tensor::from_vec(v, b.shape, &candle_core::Device::Cpu)?
+                    }
+                    Values::Cpu(CpuStorage::F64(v)) => {
+                        Tensor::from_vec(v, b.shape, &candle_core::Device::Cpu)?
+                    }
+                    Values::Cpu(other) => {
                         return Err(crate::Error::Candle(candle_core::Error::Msg(format!(
                             "gradient sink: a {:?} gradient",
                             other.dtype()
@@ -123,11 +134,11 @@ fn with_buffer<T: Grad>(
             Some(b) => {
                 let acc: &mut [T] = match (&mut b.values, T::DTYPE) {
                     // SAFETY: T is f32 (checked by the dtype).
-                    (CpuStorage::F32(v), candle_core::DType::F32) => unsafe {
+                    (Values::Cpu(CpuStorage::F32(v)), candle_core::DType::F32) => unsafe {
                         std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut T, v.len())
                     },
                     // SAFETY: T is f64 (checked by the dtype).
-                    (CpuStorage::F64(v), candle_core::DType::F64) => unsafe {
+                    (Values::Cpu(CpuStorage::F64(v)), candle_core::DType::F64) => unsafe {
                         std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut T, v.len())
                     },
                     _ => candle_core::bail!(
@@ -141,7 +152,7 @@ fn with_buffer<T: Grad>(
                     sink.insert(
                         param.id(),
                         Buffer {
-                            values: T::to_cpu_storage_owned(values),
+                            values: Values::Cpu(T::to_cpu_storage_owned(values)),
                             shape: param.shape().clone(),
                         },
                     );
@@ -190,6 +201,56 @@ pub(crate) fn deposit<T: Grad>(
     }
     let grad = grad.unwrap_or_default();
     Tensor::from_vec(grad, param.shape(), &candle_core::Device::Cpu).map(Some)
+}
+
+/// Adds the tensor `grad` (`param`'s shape and dtype, on any device) to the open sink's
+/// buffer for `param`, in place (the first one is kept as it is): `None` when it did,
+/// `Some(grad)` for candle's backward when no sink is open or `param` is not a variable
+/// (a weight computed from variables; a frozen one gets `None`). Where a GPU node's
+/// gradients go: candle's backward would meet each with a zero-filled accumulator and an
+/// addition, and the gradient cache add each chunk's into the step's sum again.
+pub(crate) fn deposit_tensor(param: &Tensor, grad: Tensor) -> candle_core::Result<Option<Tensor>> {
+    if grad.shape() != param.shape() || grad.dtype() != param.dtype() {
+        candle_core::bail!(
+            "gradient sink: a {:?} {:?} gradient for a {:?} {:?} parameter",
+            grad.dims(),
+            grad.dtype(),
+            param.dims(),
+            param.dtype()
+        );
+    }
+    if !param.is_variable() {
+        return Ok(param.track_op().then_some(grad));
+    }
+    SINKS.with(|s| {
+        let mut s = s.borrow_mut();
+        let Some(sink) = s.last_mut() else {
+            return Ok(Some(grad));
+        };
+        match sink.get_mut(&param.id()) {
+            Some(Buffer {
+                values: Values::Tensor(acc),
+                ..
+            }) => {
+                crate::nn::cpu::add_in_place(acc, &grad)?;
+            }
+            Some(_) => candle_core::bail!(
+                "gradient sink: one parameter's gradients come as values and as tensors"
+            ),
+            None => {
+                // The buffer is added to in place: it must own its storage.
+                let owned = grad.contiguous()?.copy()?;
+                sink.insert(
+                    param.id(),
+                    Buffer {
+                        values: Values::Tensor(owned),
+                        shape: param.shape().clone(),
+                    },
+                );
+            }
+        }
+        Ok(None)
+    })
 }
 
 /// Whether `param` takes a gradient: a variable, or a tensor computed from one (a frozen
@@ -260,4 +321,47 @@ pub(crate) fn deposit_rows<T: Grad>(
     let mut dense = vec![T::from_f64(0.0); rows * width];
     scatter(&mut dense);
     Tensor::from_vec(dense, (rows, width), &candle_core::Device::Cpu).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn tensors_deposited_in_a_sink_are_summed_there_in_order() {
+        let param =
+            Var::from_tensor(&Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu).unwrap())
+                .unwrap();
+        let g = |v: [f32; 3]| Tensor::new(&v, &Device::Cpu).unwrap();
+        // No sink: the gradient goes back to candle.
+        let back = deposit_tensor(param.as_tensor(), g([1.0, 2.0, 3.0])).unwrap();
+        assert!(back.is_some());
+        let sink = Sink::open();
+        assert!(deposit_tensor(param.as_tensor(), g([1.0, 2.0, 3.0]))
+            .unwrap()
+            .is_none());
+        assert!(deposit_tensor(param.as_tensor(), g([0.5, -2.0, 1.0]))
+            .unwrap()
+            .is_none());
+        // A frozen weight gets none, a computed one hands its gradient back.
+        let frozen = Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(deposit_tensor(&frozen, g([1.0, 1.0, 1.0]))
+            .unwrap()
+            .is_none());
+        let computed = (param.as_tensor() * 2.0).unwrap();
+        assert!(deposit_tensor(&computed, g([1.0, 1.0, 1.0]))
+            .unwrap()
+            .is_some());
+        // The wrong shape is refused.
+        assert!(deposit_tensor(
+            param.as_tensor(),
+            g([1.0, 1.0, 1.0]).reshape((3, 1)).unwrap()
+        )
+        .is_err());
+        let params = Params::new([("w".to_string(), param.clone())]);
+        let grads = sink.take(&params).unwrap();
+        let sum: Vec<f32> = grads.get("w").unwrap().to_vec1().unwrap();
+        assert_eq!(sum, vec![1.5, 0.0, 4.0]);
+    }
 }

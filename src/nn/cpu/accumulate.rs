@@ -19,6 +19,20 @@ impl InplaceOp2 for AddInPlace {
         "gradcache-add-in-place"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        if self.rows {
+            candle_core::bail!("add in place: a row bias on a GPU");
+        }
+        crate::nn::cuda::add_in_place(s1, l1, s2, l2)
+    }
+
     fn cpu_fwd(
         &self,
         s1: &mut CpuStorage,
@@ -63,9 +77,10 @@ pub(in crate::nn) fn add_rows<T: Float>(y: &mut [T], b: &[T]) {
     });
 }
 
-/// `acc += g` element by element, in place, for same-shape contiguous CPU tensors in f32
-/// or f64 (gradient accumulation without a new tensor per addition); the caller must own
-/// `acc`'s storage. Each element is the same `acc + g` as [`Tensor::add`] computes.
+/// `acc += g` element by element, in place, for same-shape contiguous tensors in f32 or
+/// f64 on the CPU, f32 on a GPU (gradient accumulation without a new tensor per
+/// addition); the caller must own `acc`'s storage. Each element is the same `acc + g` as
+/// [`Tensor::add`] computes.
 pub fn add_in_place(acc: &Tensor, g: &Tensor) -> candle_core::Result<()> {
     if acc.shape() != g.shape() {
         candle_core::bail!("add in place: shapes {:?} and {:?}", acc.dims(), g.dims());

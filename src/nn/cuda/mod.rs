@@ -28,9 +28,9 @@ pub(crate) use attention::{
 };
 pub(crate) use optim::{adamw_moments, adamw_weights, sgd, storage_ptr_f32};
 pub(crate) use rows::{
-    act_backward, act_forward, add_norm_backward, add_norm_forward, bias_act_forward, column_sums,
-    dropout, glu_backward, glu_forward, norm_apply, norm_param_grads, rms_backward, rms_forward,
-    rms_param_grads,
+    act_backward, act_forward, add_in_place, add_norm_backward, add_norm_forward, bias_act_forward,
+    column_sums, dropout, glu_backward, glu_forward, norm_apply, norm_param_grads, rms_backward,
+    rms_forward, rms_param_grads,
 };
 
 /// Loads kernel `name` of `module` on `dev` (once per device; candle keeps the module).
@@ -94,6 +94,7 @@ pub(crate) fn load_all(dev: &CudaDevice) -> candle_core::Result<()> {
                 "rms_param_sums",
                 "glu_fwd",
                 "glu_bwd",
+                "add_in_place",
             ],
         ),
         (

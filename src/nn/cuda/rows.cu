@@ -308,3 +308,13 @@ FOR_TYPES(GLU_FWD)
         }                                                                                       \
     }
 FOR_TYPES(GLU_BWD)
+
+// `acc += g` element by element, in place (a parameter's gradient summed across chunks
+// where it is written).
+#define ADD_IN_PLACE(name, T)                                                                   \
+    extern "C" __global__ void add_in_place_##name(T *acc, const T *g, size_t total) {          \
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;               \
+             i += (size_t)gridDim.x * blockDim.x)                                               \
+            st(acc + i, ld(acc + i) + ld(g + i));                                               \
+    }
+FOR_TYPES(ADD_IN_PLACE)

@@ -403,3 +403,31 @@ pub(crate) fn glu_backward(dout: &Tensor, up: &Tensor, act: Act) -> candle_core:
     }
     Ok(dup)
 }
+
+/// `acc += g` in place on f32 CUDA storages of `n` elements (a gradient summed where it
+/// is written).
+pub(crate) fn add_in_place(
+    acc: &candle_core::CudaStorage,
+    acc_layout: &candle_core::Layout,
+    g: &candle_core::CudaStorage,
+    g_layout: &candle_core::Layout,
+) -> candle_core::Result<()> {
+    let n = acc_layout.shape().elem_count();
+    if g_layout.shape().elem_count() != n {
+        candle_core::bail!(
+            "add in place: {n} and {} elements",
+            g_layout.shape().elem_count()
+        );
+    }
+    let dev = acc.device.clone();
+    if n > 0 {
+        launch!(
+            function!(&dev, Module::Rows, &typed("add_in_place", DType::F32)?),
+            elementwise(n),
+            super::storage_ptr_f32(acc, acc_layout)?,
+            super::storage_ptr_f32(g, g_layout)?,
+            n,
+        );
+    }
+    Ok(())
+}

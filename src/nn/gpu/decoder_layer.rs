@@ -145,13 +145,16 @@ pub fn decoder_layer(
         return Ok(y);
     }
     let wants: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
+    let originals: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
     node_n(
         "gradcache-gpu-decoder-layer",
         &inputs,
         y,
         Box::new(move |dy| {
             let _s = crate::profile::span(|| "node.decoder-layer.backward".into());
-            layer.backward(dy, &kept, &wants)
+            let mut grads = layer.backward(dy, &kept, &wants)?;
+            super::into_sink(&mut grads, &originals)?;
+            Ok(grads)
         }),
     )
 }

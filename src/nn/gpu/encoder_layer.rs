@@ -126,13 +126,16 @@ pub fn encoder_layer(
         return Ok(y);
     }
     let wants: Vec<bool> = inputs.iter().map(|t| t.track_op()).collect();
+    let originals: Vec<Tensor> = inputs.iter().map(|t| (*t).clone()).collect();
     node_n(
         "gradcache-gpu-encoder-layer",
         &inputs,
         y,
         Box::new(move |dy| {
             let _s = crate::profile::span(|| "node.encoder-layer.backward".into());
-            layer.backward(dy, &kept, &wants)
+            let mut grads = layer.backward(dy, &kept, &wants)?;
+            super::into_sink(&mut grads, &originals)?;
+            Ok(grads)
         }),
     )
 }

@@ -21,3 +21,22 @@ pub use decoder_layer::decoder_layer;
 pub use encoder_layer::{encoder_layer, encoder_layer_composed};
 pub use norms::{layer_norm, rms_norm};
 pub use prenorm_layer::prenorm_layer;
+
+use candle_core::Tensor;
+
+/// Moves a node's parameter gradients into the open gradient sink ([`crate::sink`]):
+/// each input's after the first (`inputs` in node-input order) that is a variable is
+/// added there in place and handed to candle as `None`; the first input's (the layer's
+/// activation, which may be a variable: a checkpointed segment's input) and a computed
+/// tensor's stay for candle's backward, as does every gradient without a sink.
+pub(super) fn into_sink(
+    grads: &mut [Option<Tensor>],
+    inputs: &[Tensor],
+) -> candle_core::Result<()> {
+    for (g, input) in grads.iter_mut().zip(inputs).skip(1) {
+        if let Some(grad) = g.take() {
+            *g = crate::sink::deposit_tensor(input, grad)?;
+        }
+    }
+    Ok(())
+}
