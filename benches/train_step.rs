@@ -15,6 +15,7 @@
 //! cargo bench --bench train_step                # both configurations, 4 steps each
 //! cargo bench --bench train_step -- --quick     # the quickstart, 2 steps
 //! cargo bench --bench train_step -- --drift     # only the first-against-last line
+//! cargo bench --bench train_step -- --sgemm-shapes  # candle's f32 products at our shapes
 //! GRADCACHE_MINILM=/path/to/all-MiniLM-L6-v2 cargo bench --bench train_step
 //! ```
 //!
@@ -99,8 +100,13 @@ fn drift(steps: usize) -> anyhow::Result<()> {
 
 /// candle's f32 matmul throughput at `n^3`, best of 5, in GFLOP/s.
 fn sgemm_peak(n: usize) -> anyhow::Result<f64> {
-    let a = Tensor::randn(0f32, 1., (n, n), &Device::Cpu)?;
-    let b = Tensor::randn(0f32, 1., (n, n), &Device::Cpu)?;
+    sgemm(n, n, n)
+}
+
+/// candle's f32 matmul throughput `[m, k] x [k, n]`, best of 5, in GFLOP/s.
+fn sgemm(m: usize, k: usize, n: usize) -> anyhow::Result<f64> {
+    let a = Tensor::randn(0f32, 1., (m, k), &Device::Cpu)?;
+    let b = Tensor::randn(0f32, 1., (k, n), &Device::Cpu)?;
     a.matmul(&b)?; // warm up
     let mut best = f64::MAX;
     for _ in 0..5 {
@@ -109,8 +115,18 @@ fn sgemm_peak(n: usize) -> anyhow::Result<f64> {
         let _ = c.to_dtype(DType::F32)?;
         best = best.min(t.elapsed().as_secs_f64());
     }
-    Ok(2.0 * (n as f64).powi(3) / best / 1e9)
+    Ok(2.0 * (m * k * n) as f64 / best / 1e9)
 }
+
+/// The products the encoders and decoders run, `(m, k, n)`: 2048^3, a MiniLM chunk's
+/// projection and feed-forward, BERT-base's feed-forward, the 0.6B decoder's gate/up.
+const SHAPES: [(usize, usize, usize); 5] = [
+    (2048, 2048, 2048),
+    (8192, 384, 384),
+    (2048, 384, 1536),
+    (4096, 768, 3072),
+    (2048, 1024, 3072),
+];
 
 fn row(label: &str, r: &StepReport, p: &PhaseTimes, peak: f64) {
     let secs = p.total_ms() / 1e3;
@@ -178,6 +194,13 @@ fn main() -> anyhow::Result<()> {
     // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
     unsafe { gradcache::pool::short_spin() };
     let quick = std::env::args().any(|a| a == "--quick");
+    if std::env::args().any(|a| a == "--sgemm-shapes") {
+        // One line per product shape: `m k n GFLOP/s`.
+        for (m, k, n) in SHAPES {
+            println!("{m} {k} {n} {:.1}", sgemm(m, k, n)?);
+        }
+        return Ok(());
+    }
     let peak = sgemm_peak(2048)?;
     if std::env::args().any(|a| a == "--sgemm") {
         println!("{peak:.1}");
