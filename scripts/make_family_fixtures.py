@@ -113,6 +113,13 @@ def wordpiece(texts):
     return fast
 
 
+def distilbert_wordpiece(texts):
+    """DistilBERT's tokenizer: BERT's WordPiece without token types in its inputs."""
+    fast = wordpiece(texts)
+    fast.model_input_names = ["input_ids", "attention_mask"]
+    return fast
+
+
 def mpnet_wordpiece(texts):
     """MPNet's tokenizer: BERT's WordPiece with RoBERTa's special tokens and template."""
     tok = tokenizers.BertWordPieceTokenizer(
@@ -244,6 +251,14 @@ def tiny(kind, vocab, tokenizer):
             local_rope_theta=100.0, pad_token_id=tokenizer.pad_token_id,
             bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
             cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id,
+        )
+    if kind == "distilbert":
+        # DistilBERT's own names (dim, n_layers, n_heads, hidden_dim, activation, dropout,
+        # attention_dropout); learned positions, as the distilled checkpoints have.
+        return transformers.DistilBertConfig(
+            vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+            activation="gelu", max_position_embeddings=40,
+            pad_token_id=tokenizer.pad_token_id,
         )
     if kind == "mpnet":
         return transformers.MPNetConfig(
@@ -536,6 +551,7 @@ def main():
         ("xlm-roberta", unigram),
         ("mpnet", mpnet_wordpiece),
         ("modernbert", modernbert_bpe),
+        ("distilbert", distilbert_wordpiece),
     ]
     only = sys.argv[1:]
     for kind, make_tokenizer in families:

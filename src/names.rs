@@ -44,9 +44,9 @@ fn glob(pattern: &[u8], text: &[u8]) -> bool {
 /// Every family's attention and feed-forward projections, as PEFT's `target_modules`
 /// names them: BERT and RoBERTa (`query`, `key`, `value`, the `dense` of
 /// `attention.output`, `intermediate` and `output`), MPNet (`attn.q` .. `attn.o`),
-/// ModernBERT (`Wqkv`, `Wo`, `Wi`) and the decoders (`q_proj` .. `down_proj`). The
-/// default targets.
-pub const DEFAULT_TARGETS: [&str; 18] = [
+/// DistilBERT (`q_lin` .. `out_lin`, `ffn.lin1`, `ffn.lin2`), ModernBERT (`Wqkv`, `Wo`,
+/// `Wi`) and the decoders (`q_proj` .. `down_proj`). The default targets.
+pub const DEFAULT_TARGETS: [&str; 24] = [
     "query",
     "key",
     "value",
@@ -55,6 +55,12 @@ pub const DEFAULT_TARGETS: [&str; 18] = [
     "attn.k",
     "attn.v",
     "attn.o",
+    "q_lin",
+    "k_lin",
+    "v_lin",
+    "out_lin",
+    "ffn.lin1",
+    "ffn.lin2",
     "Wqkv",
     "Wo",
     "Wi",

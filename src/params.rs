@@ -315,6 +315,37 @@ impl ParamStore {
 }
 
 impl ParamStore {
+    /// The weights file that serves `name`, with the name inside it: the longest prefix's
+    /// (a Dense module's file under its directory's name, inside the tower the model's
+    /// weights file serves); where that file lacks it, the longest fallback that holds it
+    /// (the pretrained model a checkpoint's frozen weights come from).
+    fn source<'a>(&'a self, name: &'a str) -> Option<(&'a str, &'a Arc<WeightFile>)> {
+        let longest = |fallback: bool| {
+            self.sources
+                .iter()
+                .filter(|s| s.fallback == fallback)
+                .filter_map(|s| {
+                    name.strip_prefix(s.prefix.as_str())
+                        .map(|n| (s.prefix.len(), n, &s.file))
+                })
+                .filter(|(_, n, file)| !fallback || file.holds(n))
+                .max_by_key(|&(len, _, _)| len)
+                .map(|(_, n, file)| (n, file))
+        };
+        match longest(false) {
+            Some((n, file)) if !file.holds(n) => longest(true).or(Some((n, file))),
+            None => longest(true),
+            found => found,
+        }
+    }
+
+    /// Whether the variable `name` is (or would be) read from a weights file rather than
+    /// drawn from the seed.
+    pub fn reads_from_file(&self, name: &str) -> bool {
+        self.source(name)
+            .is_some_and(|(rest, file)| file.holds(rest))
+    }
+
     /// What a model gets for the variable `name`: the variable, or a detached view of it
     /// (same storage) when it is frozen.
     fn served(&self, name: &str, var: &Var) -> Tensor {
@@ -345,28 +376,7 @@ impl SimpleBackend for ParamStore {
             }
             return Ok(self.served(name, &var));
         }
-        // The longest prefix serves a name (a Dense module's file under its directory's
-        // name, inside the tower the model's weights file serves); where that file lacks
-        // it, the longest fallback that holds it (the pretrained model a checkpoint's
-        // frozen weights come from).
-        let longest = |fallback: bool| {
-            self.sources
-                .iter()
-                .filter(|s| s.fallback == fallback)
-                .filter_map(|s| {
-                    name.strip_prefix(s.prefix.as_str())
-                        .map(|n| (s.prefix.len(), n, &s.file))
-                })
-                .filter(|(_, n, file)| !fallback || file.holds(n))
-                .max_by_key(|&(len, _, _)| len)
-                .map(|(_, n, file)| (n, file))
-        };
-        let source = match longest(false) {
-            Some((n, file)) if !file.holds(n) => longest(true).or(Some((n, file))),
-            None => longest(true),
-            found => found,
-        };
-        let value = match source {
+        let value = match self.source(name) {
             // A LoRA adapter a pretrained model does not hold starts fresh.
             Some((rest, file)) if !is_adapter(name) || file.holds(rest) => {
                 file.load(rest, &s, dtype, &self.device)

@@ -28,7 +28,14 @@ mod common;
 use common::families::{fixture, reference, refs};
 use common::{max_abs, max_diff};
 
-const FAMILIES: [&str; 5] = ["bert", "roberta", "xlm-roberta", "mpnet", "modernbert"];
+const FAMILIES: [&str; 6] = [
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "mpnet",
+    "modernbert",
+    "distilbert",
+];
 const MAX_LEN: usize = 32;
 
 fn load(dir: &Path, pooling: Option<Pooling>) -> EmbeddingModel {
@@ -341,14 +348,17 @@ fn another_model_type_is_refused_naming_the_supported_families() {
     let dir = with_head(tmp.path(), r#"{"pooling_mode": "mean"}"#, None);
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    cfg["model_type"] = "distilbert".into();
+    cfg["model_type"] = "electra".into();
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let err = EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default())
         .err()
         .unwrap();
     let text = err.to_string();
     assert!(
-        text.contains("distilbert") && text.contains("xlm-roberta") && text.contains("qwen3"),
+        text.contains("electra")
+            && text.contains("distilbert")
+            && text.contains("xlm-roberta")
+            && text.contains("qwen3"),
         "{text}"
     );
 }
@@ -431,7 +441,13 @@ fn the_composed_ops_match_transformers_too() {
     // The path a GPU or a half dtype takes (the fused CPU kernels off).
     gradcache::nn::set_fused_kernels(false);
     let result = std::panic::catch_unwind(|| {
-        for family in ["roberta", "xlm-roberta", "mpnet", "modernbert"] {
+        for family in [
+            "roberta",
+            "xlm-roberta",
+            "mpnet",
+            "modernbert",
+            "distilbert",
+        ] {
             let r = reference(family);
             let model = load(&fixture(family), None);
             let got = model.embed(&refs(&r.texts), 4).unwrap();

@@ -11,7 +11,7 @@ use gradcache::bert::{BertEncoder, BertOptions, Pooling};
 use gradcache::{GradCache, InfoNce, ParamStore, Precision, Recompute, StepOutput};
 
 mod common;
-use common::encoders::{config, tokens};
+use common::encoders::{config, key_bias, tokens};
 use common::rel_err_with_zeros;
 
 fn step(family: &str, fused: bool, recompute: Recompute) -> StepOutput {
@@ -42,24 +42,24 @@ fn step_in(family: &str, fused: bool, recompute: Recompute, precision: Precision
 
 #[test]
 fn fused_kernels_give_the_composed_step() {
-    for family in ["bert", "mpnet", "modernbert", "modernbert-biased"] {
+    for family in [
+        "bert",
+        "distilbert",
+        "mpnet",
+        "modernbert",
+        "modernbert-biased",
+    ] {
         fused_equals_composed(family);
     }
 }
 
 fn fused_equals_composed(family: &str) {
     let cfg = config(family);
-    let key_bias = match family {
-        "mpnet" => Some("attention.attn.k.bias"),
-        "bert" => Some("attention.self.key.bias"),
-        // ModernBERT's key bias is a third of `attn.Wqkv.bias`.
-        _ => None,
-    };
     let zero: Vec<String> = ["query.", "passage."]
         .iter()
         .flat_map(|p| {
             (0..cfg.num_hidden_layers)
-                .filter_map(move |i| key_bias.map(|k| format!("{p}encoder.layer.{i}.{k}")))
+                .filter_map(move |i| key_bias(family, i).map(|k| format!("{p}{k}")))
         })
         .collect();
     let zero: Vec<&str> = zero.iter().map(String::as_str).collect();

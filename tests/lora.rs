@@ -26,7 +26,7 @@ fn config(family: &str) -> BertConfig {
         cfg.extra.insert(key.into(), value);
     };
     match family {
-        "bert" => {}
+        "bert" | "distilbert" => {}
         "mpnet" => {
             set("relative_attention_num_buckets", 8.into());
         }
@@ -61,7 +61,7 @@ fn serialized() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-const FAMILIES: [&str; 4] = ["bert", "mpnet", "modernbert", "qwen3"];
+const FAMILIES: [&str; 5] = ["bert", "distilbert", "mpnet", "modernbert", "qwen3"];
 
 /// Rows of different lengths, right-padded.
 fn tokens(seed: usize, rows: usize) -> TokenBatch {

@@ -92,6 +92,7 @@ fn write_model_files(
         ("camembert", _) => "CamembertModel",
         ("mpnet", _) => "MPNetModel",
         ("modernbert", _) => "ModernBertModel",
+        ("distilbert", _) => "DistilBertModel",
         _ => "BertModel",
     };
     config["architectures"] = json!([architecture]);

@@ -42,6 +42,9 @@ pub use super::dense::{DenseActivation, DenseSpec};
 use super::modernbert::{ModernAux, ModernBert};
 pub use super::pooling::Pooling;
 
+mod build;
+pub use build::{create_dense, load_pretrained, with_model_weights};
+
 /// Encoder options that are not part of the Hugging Face config.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct BertOptions {
@@ -140,6 +143,9 @@ pub struct Bert {
     activation: Activation,
     hidden_dropout: Dropout,
     attention_dropout: Dropout,
+    /// Dropout on the attention's output projection: the hidden dropout, none in
+    /// DistilBERT.
+    attention_output_dropout: Dropout,
     options: BertOptions,
     /// The `Dense` modules after the pooling.
     dense: Vec<Dense>,
@@ -170,163 +176,7 @@ pub struct BertAux {
     vectors: Option<(Tensor, usize)>,
 }
 
-fn embedding(rows: usize, width: usize, std: f64, vb: VarBuilder) -> Result<Embedding> {
-    let init = Init::Randn {
-        mean: 0.0,
-        stdev: std,
-    };
-    Ok(Embedding::new(
-        vb.get_with_hints((rows, width), "weight", init)?,
-        width,
-    ))
-}
-
 impl Bert {
-    /// Builds the model under `vb` with Hugging Face names (`embeddings.*`,
-    /// `encoder.layer.{i}.*`). Fresh weights: normal(0, `initializer_range`), LayerNorm
-    /// ones and zeros, biases zero, as Hugging Face initialises BERT.
-    pub fn new(cfg: &BertConfig, options: &BertOptions, vb: VarBuilder) -> Result<Self> {
-        let path = Path::new("config");
-        cfg.validate(path)?;
-        let (h, std, eps) = (cfg.hidden_size, cfg.initializer_range, cfg.layer_norm_eps);
-        let lora = options.lora.as_ref();
-        let linear = |i: usize, o: usize, vb: VarBuilder| {
-            Linear::normal(i, o, std, vb.clone())?.adapted(lora, &vb)
-        };
-        let family = cfg.family(path)?;
-        let dense = dense_modules(h, &options.dense, &vb)?;
-        if family.is_decoder() {
-            let decoder = Decoder::new(cfg, cfg.decoder(path)?, options.lora.as_ref(), vb)?;
-            return Ok(Self {
-                embeddings: None,
-                layers: Vec::new(),
-                modern: None,
-                decoder: Some(Box::new(decoder)),
-                relative_bias: None,
-                heads: cfg.num_attention_heads,
-                first_position: 0,
-                max_positions: cfg.max_tokens(),
-                activation: Activation::Gelu,
-                hidden_dropout: Dropout::new(0.0)?,
-                attention_dropout: Dropout::new(0.0)?,
-                options: options.clone(),
-                dense,
-            });
-        }
-        if family == Family::ModernBert {
-            let modern = ModernBert::new(cfg, &cfg.modern(path)?, options.lora.as_ref(), vb)?;
-            return Ok(Self {
-                embeddings: None,
-                layers: Vec::new(),
-                modern: Some(Box::new(modern)),
-                decoder: None,
-                relative_bias: None,
-                heads: cfg.num_attention_heads,
-                first_position: 0,
-                max_positions: cfg.max_tokens(),
-                activation: cfg.activation(path)?,
-                hidden_dropout: Dropout::new(0.0)?,
-                attention_dropout: Dropout::new(0.0)?,
-                options: options.clone(),
-                dense,
-            });
-        }
-        let e = vb.pp("embeddings");
-        let token_types = match family {
-            Family::MpNet => None,
-            _ => Some(embedding(
-                cfg.type_vocab_size,
-                h,
-                std,
-                e.pp("token_type_embeddings"),
-            )?),
-        };
-        let embeddings = Embeddings {
-            words: embedding(cfg.vocab_size, h, std, e.pp("word_embeddings"))?,
-            positions: embedding(
-                cfg.max_position_embeddings,
-                h,
-                std,
-                e.pp("position_embeddings"),
-            )?,
-            token_types,
-            norm: LayerNorm::new(h, eps, e.pp("LayerNorm"))?,
-        };
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| {
-                let l = vb.pp(format!("encoder.layer.{i}"));
-                let a = l.pp("attention");
-                // MPNet names the projections `attention.attn.{q,k,v,o}` and the norm
-                // `attention.LayerNorm`; BERT `attention.self.*`, `attention.output.*`.
-                let (q, k, v, o, norm) = match family {
-                    Family::MpNet => {
-                        let attn = a.pp("attn");
-                        (
-                            attn.pp("q"),
-                            attn.pp("k"),
-                            attn.pp("v"),
-                            attn.pp("o"),
-                            a.pp("LayerNorm"),
-                        )
-                    }
-                    _ => {
-                        let s = a.pp("self");
-                        let out = a.pp("output");
-                        (
-                            s.pp("query"),
-                            s.pp("key"),
-                            s.pp("value"),
-                            out.pp("dense"),
-                            out.pp("LayerNorm"),
-                        )
-                    }
-                };
-                Ok(Layer {
-                    query: linear(h, h, q)?,
-                    key: linear(h, h, k)?,
-                    value: linear(h, h, v)?,
-                    attention_output: linear(h, h, o)?,
-                    attention_norm: LayerNorm::new(h, eps, norm)?,
-                    intermediate: linear(
-                        h,
-                        cfg.intermediate_size,
-                        l.pp("intermediate").pp("dense"),
-                    )?,
-                    output: linear(cfg.intermediate_size, h, l.pp("output").pp("dense"))?,
-                    output_norm: LayerNorm::new(h, eps, l.pp("output").pp("LayerNorm"))?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let relative_bias = match family {
-            Family::MpNet => {
-                let buckets = cfg.relative_attention_buckets();
-                let table = embedding(
-                    buckets,
-                    cfg.num_attention_heads,
-                    std,
-                    vb.pp("encoder").pp("relative_attention_bias"),
-                )?;
-                Some(RelativeBias { table, buckets })
-            }
-            _ => None,
-        };
-        Ok(Self {
-            embeddings: Some(embeddings),
-            layers,
-            modern: None,
-            decoder: None,
-            relative_bias,
-            heads: cfg.num_attention_heads,
-            first_position: cfg.first_position(),
-            max_positions: cfg.max_tokens(),
-            activation: cfg.activation(path)?,
-            hidden_dropout: Dropout::new(cfg.hidden_dropout_prob as f32)?,
-            attention_dropout: Dropout::new(cfg.attention_probs_dropout_prob as f32)?,
-            options: options.clone(),
-            dense,
-        })
-    }
-
     /// The last hidden state `[n, s, hidden]` (no pooling).
     pub fn hidden_states(&self, input: &TokenBatch, ctx: &Ctx) -> Result<Tensor> {
         let mut aux = self.aux(input)?;
@@ -469,7 +319,11 @@ impl Bert {
                 recompute: recompute(SITE_ATTENTION_PROBS),
                 window: None,
             },
-            attention_output_dropout: self.hidden_dropout.mask(ctx, id, site::ATTENTION_OUTPUT),
+            attention_output_dropout: self.attention_output_dropout.mask(
+                ctx,
+                id,
+                site::ATTENTION_OUTPUT,
+            ),
             output_dropout: self.hidden_dropout.mask(ctx, id, site::FEED_FORWARD_OUTPUT),
             recompute_attention_norm: recompute(SITE_ATTENTION_NORM),
             recompute_intermediate: recompute(SITE_INTERMEDIATE),
@@ -484,32 +338,6 @@ impl Bert {
         }
         crate::nn::encoder_layer(x, &weights, &spec)
     }
-}
-
-/// The `Dense` modules of `specs` under `vb`, each taking the previous one's output (the
-/// first, the pooled `hidden` width).
-fn dense_modules(hidden: usize, specs: &[DenseSpec], vb: &VarBuilder) -> Result<Vec<Dense>> {
-    let mut width = hidden;
-    specs
-        .iter()
-        .map(|spec| {
-            let named = !spec.path.is_empty() && !spec.path.contains(['.', '/', '\\']);
-            if spec.in_features != width || !named {
-                return Err(Error::InvalidArgument {
-                    what: "Dense module",
-                    value: format!(
-                        "`{}` ({} -> {})",
-                        spec.path, spec.in_features, spec.out_features
-                    ),
-                    reason: "each Dense module takes the previous output's width (the first, \
-                             the hidden size) and is a directory of the model (a name \
-                             without `.` or `/`)",
-                });
-            }
-            width = spec.out_features;
-            Dense::new(spec, vb.clone())
-        })
-        .collect()
 }
 
 impl RelativeBias {
@@ -748,7 +576,8 @@ impl LayerStack for Bert {
             &attended,
             x,
             &layer.attention_norm,
-            self.hidden_dropout.mask(ctx, id, site::ATTENTION_OUTPUT),
+            self.attention_output_dropout
+                .mask(ctx, id, site::ATTENTION_OUTPUT),
             SITE_ATTENTION_NORM,
         )?;
         let out = crate::nn::feed_forward(
@@ -806,89 +635,3 @@ impl LayerStack for Bert {
 
 /// A BERT model as a gradient-cache tower, with its checkpointing policy.
 pub type BertEncoder = Recomputed<Bert>;
-
-impl Recomputed<Bert> {
-    /// Builds a BERT tower over `store` (names under `prefix`, `""` for a shared tower):
-    /// variables the store serves from a weights file are loaded, others are initialised
-    /// from the store's seed.
-    pub fn build(
-        store: &ParamStore,
-        prefix: &str,
-        cfg: &BertConfig,
-        options: &BertOptions,
-    ) -> Result<Self> {
-        let tower = Tower::build(store, prefix, |vb| Bert::new(cfg, options, vb))?;
-        Recomputed::new(tower, options.recompute.clone())
-    }
-}
-
-/// `store` reading the names under `prefix` from a pretrained model's files: its weights
-/// (under the base name `BertFor...`, `RobertaFor...`, `...ForCausalLM` checkpoints keep
-/// them under) and each Dense module's from its directory; as fallbacks (`fallback`) for
-/// names a checkpoint read first lacks (the frozen weights of a LoRA run).
-pub fn with_model_weights(
-    files: &ModelFiles,
-    prefix: &str,
-    options: &BertOptions,
-    store: ParamStore,
-    fallback: bool,
-) -> Result<ParamStore> {
-    let probe = WeightFile::open(&files.weights, "")?;
-    let file_prefix = ["bert.", "roberta.", "mpnet.", "model."]
-        .into_iter()
-        .find(|p| {
-            [
-                "embeddings.word_embeddings.weight",
-                "embeddings.tok_embeddings.weight",
-                "embed_tokens.weight",
-            ]
-            .iter()
-            .any(|t| probe.contains(&format!("{p}{t}")))
-        })
-        .unwrap_or("");
-    let add = |store: ParamStore, prefix: &str, file: WeightFile| match fallback {
-        true => store.with_fallback_weights(prefix, Arc::new(file)),
-        false => store.with_weights(prefix, Arc::new(file)),
-    };
-    let mut store = add(
-        store,
-        prefix,
-        WeightFile::open(&files.weights, file_prefix)?,
-    );
-    for dense in &options.dense {
-        let weights = files.dir.join(&dense.path).join("model.safetensors");
-        let module = match prefix {
-            "" => dense.path.clone(),
-            p => format!("{p}.{}", dense.path),
-        };
-        store = add(store, &module, WeightFile::open(&weights, "")?);
-    }
-    Ok(store)
-}
-
-/// Creates the variables of the `Dense` modules `specs` under `prefix` in `store`, drawn
-/// from its seed: a projection a model's files do not have (the one a multi-vector run
-/// adds), created before a weights file serves the names around it.
-pub fn create_dense(store: &ParamStore, prefix: &str, specs: &[DenseSpec]) -> Result<()> {
-    for spec in specs {
-        Tower::build(store, prefix, |vb| Dense::new(spec, vb))?;
-    }
-    Ok(())
-}
-
-/// Loads a pretrained BERT tower from a model's files into `store` under `prefix` (`""`
-/// for a shared tower). Weight names may carry the `bert.` prefix of Hugging Face
-/// `BertFor...` checkpoints or not; the `Dense` modules of `options` read their weights
-/// from their directories. Returns the encoder, its config, and the store (which now reads
-/// those names from the weights files).
-pub fn load_pretrained(
-    files: &ModelFiles,
-    prefix: &str,
-    options: &BertOptions,
-    store: ParamStore,
-) -> Result<(BertEncoder, BertConfig, ParamStore)> {
-    let cfg = BertConfig::from_file(&files.config)?;
-    let store = with_model_weights(files, prefix, options, store, false)?;
-    let encoder = BertEncoder::build(&store, prefix, &cfg, options)?;
-    Ok((encoder, cfg, store))
-}

@@ -64,6 +64,79 @@ pub struct BertConfig {
     pub keys: Vec<String>,
 }
 
+/// DistilBERT's `config.json`, which names BERT's fields its own way (transformers'
+/// `DistilBertConfig`): read under BERT's names, written back under its own.
+mod distilbert {
+    use serde_json::{json, Value};
+
+    /// DistilBERT's name of a BERT field, BERT's name, and transformers' default for a
+    /// file that leaves it out.
+    type Name = (&'static str, &'static str, fn() -> Value);
+
+    /// Each field DistilBERT names its own way.
+    const NAMES: [Name; 7] = [
+        ("dim", "hidden_size", || json!(768)),
+        ("n_layers", "num_hidden_layers", || json!(6)),
+        ("n_heads", "num_attention_heads", || json!(12)),
+        ("hidden_dim", "intermediate_size", || json!(3072)),
+        ("activation", "hidden_act", || json!("gelu")),
+        ("dropout", "hidden_dropout_prob", || json!(0.1)),
+        ("attention_dropout", "attention_probs_dropout_prob", || {
+            json!(0.1)
+        }),
+    ];
+
+    /// BERT's fields DistilBERT does not have (no token types; its LayerNorms' epsilon is
+    /// fixed at 1e-12, BERT's default).
+    const BERT_ONLY: [&str; 3] = [
+        "type_vocab_size",
+        "layer_norm_eps",
+        "position_embedding_type",
+    ];
+
+    /// DistilBERT's name of the BERT field `bert` (itself where DistilBERT shares it).
+    pub fn own_name(bert: &'static str) -> &'static str {
+        NAMES
+            .iter()
+            .find(|(_, ours, _)| *ours == bert)
+            .map_or(bert, |(theirs, _, _)| theirs)
+    }
+
+    fn is_distilbert(value: &Value) -> bool {
+        value.get("model_type").and_then(Value::as_str) == Some("distilbert")
+    }
+
+    /// A DistilBERT config under BERT's names (one token type); any other as it is.
+    pub fn to_bert_names(mut value: Value) -> Value {
+        if !is_distilbert(&value) {
+            return value;
+        }
+        if let Some(map) = value.as_object_mut() {
+            for (theirs, ours, default) in NAMES {
+                let v = map.remove(theirs).unwrap_or_else(default);
+                map.insert(ours.into(), v);
+            }
+            map.insert("type_vocab_size".into(), json!(1));
+        }
+        value
+    }
+
+    /// A DistilBERT config (as BERT's fields serialise it) under DistilBERT's names.
+    pub fn to_own_names(mut value: Value) -> Value {
+        if let Some(map) = value.as_object_mut() {
+            for (theirs, ours, _) in NAMES {
+                if let Some(v) = map.remove(ours) {
+                    map.insert(theirs.into(), v);
+                }
+            }
+            for key in BERT_ONLY {
+                map.remove(key);
+            }
+        }
+        value
+    }
+}
+
 mod defaults {
     pub fn pad_token_id() -> Option<usize> {
         Some(0)
@@ -121,8 +194,8 @@ pub struct ModernSettings {
 }
 
 /// The `model_type`s [`Family`] accepts, for errors.
-pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, modernbert \
-    (encoders); qwen3, qwen2, llama, mistral, gemma3_text (decoders)";
+pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, distilbert, \
+    modernbert (encoders); qwen3, qwen2, llama, mistral, gemma3_text (decoders)";
 
 impl BertConfig {
     /// A BERT of the given size with Hugging Face's defaults for everything else (GELU,
@@ -209,6 +282,7 @@ impl BertConfig {
             .as_object()
             .map(|o| o.keys().cloned().collect())
             .unwrap_or_default();
+        let value = distilbert::to_bert_names(value);
         let mut cfg: BertConfig = serde_json::from_value(value).map_err(|e| Error::ModelFile {
             path: path.to_path_buf(),
             reason: e.to_string(),
@@ -256,6 +330,9 @@ impl BertConfig {
     /// field.
     pub fn to_json(&self) -> serde_json::Value {
         let mut value = serde_json::to_value(self).unwrap_or_default();
+        if matches!(self.family(Path::new("config")), Ok(Family::DistilBert)) {
+            return distilbert::to_own_names(value);
+        }
         let decoder = self
             .family(Path::new("config"))
             .is_ok_and(Family::is_decoder);
@@ -273,6 +350,7 @@ impl BertConfig {
             None | Some("bert") => Ok(Family::Bert),
             Some("roberta" | "xlm-roberta" | "camembert") => Ok(Family::Roberta),
             Some("mpnet") => Ok(Family::MpNet),
+            Some("distilbert") => Ok(Family::DistilBert),
             Some("modernbert") => Ok(Family::ModernBert),
             Some("qwen3") => Ok(Family::Qwen3),
             Some("qwen2") => Ok(Family::Qwen2),
@@ -416,6 +494,16 @@ impl BertConfig {
             .map_or(32, |v| v as usize)
     }
 
+    /// DistilBERT's `sinusoidal_pos_embds`: the position table starts from sinusoids.
+    pub fn sinusoidal_positions(&self) -> bool {
+        matches!(self.family(Path::new("config")), Ok(Family::DistilBert))
+            && self
+                .extra
+                .get("sinusoidal_pos_embds")
+                .and_then(|v| v.as_bool())
+                == Some(true)
+    }
+
     /// The longest sequence the position embeddings cover, in tokens (special tokens
     /// included).
     pub fn max_tokens(&self) -> usize {
@@ -465,6 +553,11 @@ impl BertConfig {
                 reason: "must be at least 4",
             });
         }
+        // A field as the file names it (DistilBERT's own names).
+        let own = |field: &'static str| match self.family(path) {
+            Ok(Family::DistilBert) => distilbert::own_name(field),
+            _ => field,
+        };
         self.activation(path)?;
         if self.position_embedding_type != "absolute" {
             return Err(Error::UnsupportedConfig {
@@ -492,7 +585,7 @@ impl BertConfig {
         for (field, value) in positive {
             if value == 0 {
                 return Err(Error::InvalidConfig {
-                    field,
+                    field: own(field),
                     value: "0".into(),
                     reason: "must be at least 1",
                 });
@@ -500,9 +593,12 @@ impl BertConfig {
         }
         if self.hidden_size % self.num_attention_heads != 0 {
             return Err(Error::InvalidConfig {
-                field: "num_attention_heads",
+                field: own("num_attention_heads"),
                 value: self.num_attention_heads.to_string(),
-                reason: "must divide hidden_size",
+                reason: match own("hidden_size") {
+                    "dim" => "must divide dim",
+                    _ => "must divide hidden_size",
+                },
             });
         }
         for (field, p) in [
@@ -514,7 +610,7 @@ impl BertConfig {
         ] {
             if !(0.0..1.0).contains(&p) {
                 return Err(Error::InvalidConfig {
-                    field,
+                    field: own(field),
                     value: p.to_string(),
                     reason: "a drop probability must be in [0, 1)",
                 });
@@ -531,7 +627,10 @@ impl BertConfig {
             "relu" => Ok(Activation::Relu),
             "silu" | "swish" => Ok(Activation::Silu),
             other => Err(Error::UnsupportedConfig {
-                field: "hidden_act",
+                field: match self.family(path) {
+                    Ok(Family::DistilBert) => distilbert::own_name("hidden_act"),
+                    _ => "hidden_act",
+                },
                 value: other.to_string(),
                 supported: "gelu, gelu_new, gelu_pytorch_tanh, relu, silu",
                 path: path.to_path_buf(),

@@ -16,6 +16,11 @@ pub enum Family {
     /// of the distance between tokens, one learned value per bucket and head, shared by
     /// every layer).
     MpNet,
+    /// `distilbert`: BERT's post-norm layers under other names (`q_lin`, `sa_layer_norm`,
+    /// `ffn.lin1`, ...) and config keys (`dim`, `n_layers`, ...), no token types, no
+    /// dropout on the attention's output projection; learned positions, or sinusoidal
+    /// ones as the starting values of the table (`sinusoidal_pos_embds`).
+    DistilBert,
     /// `modernbert`: pre-norm layers without biases, rotary position embeddings (a theta
     /// per layer type), a GeGLU feed-forward, global and sliding-window (local) attention
     /// as the config's layer types say, a final norm; no position table, no token types.

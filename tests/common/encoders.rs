@@ -1,12 +1,12 @@
-//! Tiny encoders of the BERT, MPNet and ModernBERT layouts (tests/fused_bert.rs,
+//! Tiny encoders of the BERT, DistilBERT, MPNet and ModernBERT layouts (tests/fused_bert.rs,
 //! tests/gpu_nodes.rs): the configs and right-padded token rows of different lengths.
 
 use candle_core::{Device, Tensor};
 use gradcache::bert::BertConfig;
 use gradcache::TokenBatch;
 
-/// A tiny encoder of `family`'s layout: `bert`, `mpnet` (its relative position bias over
-/// few buckets), `modernbert` (global and windowed layers, GeGLU, no biases) or
+/// A tiny encoder of `family`'s layout: `bert`, `distilbert`, `mpnet` (its relative
+/// position bias over few buckets), `modernbert` (global and windowed layers, GeGLU, no biases) or
 /// `modernbert-biased`.
 pub fn config(family: &str) -> BertConfig {
     let mut cfg = BertConfig::new(60, 16, 3, 2, 24, 32);
@@ -27,6 +27,12 @@ pub fn config(family: &str) -> BertConfig {
             cfg.extra.insert(key.into(), value);
         }
     }
+    if family == "distilbert" {
+        // BERT's layer under other names, no token types, no dropout on the attention's
+        // output projection.
+        cfg.model_type = Some("distilbert".into());
+        cfg.type_vocab_size = 1;
+    }
     if family == "mpnet" {
         cfg.model_type = Some("mpnet".into());
         cfg.pad_token_id = Some(1);
@@ -35,6 +41,18 @@ pub fn config(family: &str) -> BertConfig {
             .insert("relative_attention_num_buckets".into(), 8.into());
     }
     cfg
+}
+
+/// Each layer's key bias of `family` (`None`: ModernBERT's is a third of
+/// `attn.Wqkv.bias`), whose gradient is rounding noise: softmax ignores a constant added to
+/// every score of a row.
+pub fn key_bias(family: &str, layer: usize) -> Option<String> {
+    match family {
+        "mpnet" => Some(format!("encoder.layer.{layer}.attention.attn.k.bias")),
+        "distilbert" => Some(format!("transformer.layer.{layer}.attention.k_lin.bias")),
+        "bert" => Some(format!("encoder.layer.{layer}.attention.self.key.bias")),
+        _ => None,
+    }
 }
 
 /// Rows of different lengths, right-padded.

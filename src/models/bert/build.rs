@@ -1,0 +1,341 @@
+//! Building a [`Bert`]: the weights of each family under its Hugging Face names, fresh
+//! from the store's seed or read from a pretrained model's files, and the `Dense` modules
+//! after the pooling.
+
+use super::*;
+
+/// Where a post-norm family keeps its layers' weights (Hugging Face module names).
+struct LayerNames {
+    /// The layers' list: `{layers}.{i}`.
+    layers: &'static str,
+    /// Under a layer: the query, key, value and attention output projections, the
+    /// feed-forward's up and down projections.
+    projections: [&'static str; 6],
+    attention_norm: &'static str,
+    output_norm: &'static str,
+}
+
+impl LayerNames {
+    fn of(family: Family) -> Self {
+        match family {
+            Family::MpNet => Self {
+                layers: "encoder.layer",
+                projections: [
+                    "attention.attn.q",
+                    "attention.attn.k",
+                    "attention.attn.v",
+                    "attention.attn.o",
+                    "intermediate.dense",
+                    "output.dense",
+                ],
+                attention_norm: "attention.LayerNorm",
+                output_norm: "output.LayerNorm",
+            },
+            Family::DistilBert => Self {
+                layers: "transformer.layer",
+                projections: [
+                    "attention.q_lin",
+                    "attention.k_lin",
+                    "attention.v_lin",
+                    "attention.out_lin",
+                    "ffn.lin1",
+                    "ffn.lin2",
+                ],
+                attention_norm: "sa_layer_norm",
+                output_norm: "output_layer_norm",
+            },
+            _ => Self {
+                layers: "encoder.layer",
+                projections: [
+                    "attention.self.query",
+                    "attention.self.key",
+                    "attention.self.value",
+                    "attention.output.dense",
+                    "intermediate.dense",
+                    "output.dense",
+                ],
+                attention_norm: "attention.output.LayerNorm",
+                output_norm: "output.LayerNorm",
+            },
+        }
+    }
+}
+
+impl Bert {
+    /// Builds the model under `vb` with Hugging Face names (`embeddings.*`,
+    /// `encoder.layer.{i}.*`; DistilBERT's `transformer.layer.{i}.*`). Fresh weights: normal(0, `initializer_range`), LayerNorm
+    /// ones and zeros, biases zero, as Hugging Face initialises BERT.
+    pub fn new(cfg: &BertConfig, options: &BertOptions, vb: VarBuilder) -> Result<Self> {
+        let path = Path::new("config");
+        cfg.validate(path)?;
+        let (h, std, eps) = (cfg.hidden_size, cfg.initializer_range, cfg.layer_norm_eps);
+        let lora = options.lora.as_ref();
+        let linear = |i: usize, o: usize, vb: VarBuilder| {
+            Linear::normal(i, o, std, vb.clone())?.adapted(lora, &vb)
+        };
+        let family = cfg.family(path)?;
+        let dense = dense_modules(h, &options.dense, &vb)?;
+        if family.is_decoder() {
+            let decoder = Decoder::new(cfg, cfg.decoder(path)?, options.lora.as_ref(), vb)?;
+            return Ok(Self {
+                embeddings: None,
+                layers: Vec::new(),
+                modern: None,
+                decoder: Some(Box::new(decoder)),
+                relative_bias: None,
+                heads: cfg.num_attention_heads,
+                first_position: 0,
+                max_positions: cfg.max_tokens(),
+                activation: Activation::Gelu,
+                hidden_dropout: Dropout::new(0.0)?,
+                attention_dropout: Dropout::new(0.0)?,
+                attention_output_dropout: Dropout::new(0.0)?,
+                options: options.clone(),
+                dense,
+            });
+        }
+        if family == Family::ModernBert {
+            let modern = ModernBert::new(cfg, &cfg.modern(path)?, options.lora.as_ref(), vb)?;
+            return Ok(Self {
+                embeddings: None,
+                layers: Vec::new(),
+                modern: Some(Box::new(modern)),
+                decoder: None,
+                relative_bias: None,
+                heads: cfg.num_attention_heads,
+                first_position: 0,
+                max_positions: cfg.max_tokens(),
+                activation: cfg.activation(path)?,
+                hidden_dropout: Dropout::new(0.0)?,
+                attention_dropout: Dropout::new(0.0)?,
+                attention_output_dropout: Dropout::new(0.0)?,
+                options: options.clone(),
+                dense,
+            });
+        }
+        let e = vb.pp("embeddings");
+        let token_types = match family {
+            Family::MpNet | Family::DistilBert => None,
+            _ => Some(embedding(
+                cfg.type_vocab_size,
+                h,
+                std,
+                e.pp("token_type_embeddings"),
+            )?),
+        };
+        let embeddings = Embeddings {
+            words: embedding(cfg.vocab_size, h, std, e.pp("word_embeddings"))?,
+            positions: embedding(
+                cfg.max_position_embeddings,
+                h,
+                std,
+                e.pp("position_embeddings"),
+            )?,
+            token_types,
+            norm: LayerNorm::new(h, eps, e.pp("LayerNorm"))?,
+        };
+        let names = LayerNames::of(family);
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let l = vb.pp(format!("{}.{i}", names.layers));
+                let at = |name: &str| name.split('.').fold(l.clone(), |vb, part| vb.pp(part));
+                let [q, k, v, o, up, down] = names.projections;
+                Ok(Layer {
+                    query: linear(h, h, at(q))?,
+                    key: linear(h, h, at(k))?,
+                    value: linear(h, h, at(v))?,
+                    attention_output: linear(h, h, at(o))?,
+                    attention_norm: LayerNorm::new(h, eps, at(names.attention_norm))?,
+                    intermediate: linear(h, cfg.intermediate_size, at(up))?,
+                    output: linear(cfg.intermediate_size, h, at(down))?,
+                    output_norm: LayerNorm::new(h, eps, at(names.output_norm))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let relative_bias = match family {
+            Family::MpNet => {
+                let buckets = cfg.relative_attention_buckets();
+                let table = embedding(
+                    buckets,
+                    cfg.num_attention_heads,
+                    std,
+                    vb.pp("encoder").pp("relative_attention_bias"),
+                )?;
+                Some(RelativeBias { table, buckets })
+            }
+            _ => None,
+        };
+        Ok(Self {
+            embeddings: Some(embeddings),
+            layers,
+            modern: None,
+            decoder: None,
+            relative_bias,
+            heads: cfg.num_attention_heads,
+            first_position: cfg.first_position(),
+            max_positions: cfg.max_tokens(),
+            activation: cfg.activation(path)?,
+            hidden_dropout: Dropout::new(cfg.hidden_dropout_prob as f32)?,
+            attention_dropout: Dropout::new(cfg.attention_probs_dropout_prob as f32)?,
+            attention_output_dropout: Dropout::new(match family {
+                Family::DistilBert => 0.0,
+                _ => cfg.hidden_dropout_prob as f32,
+            })?,
+            options: options.clone(),
+            dense,
+        })
+    }
+}
+
+fn embedding(rows: usize, width: usize, std: f64, vb: VarBuilder) -> Result<Embedding> {
+    let init = Init::Randn {
+        mean: 0.0,
+        stdev: std,
+    };
+    Ok(Embedding::new(
+        vb.get_with_hints((rows, width), "weight", init)?,
+        width,
+    ))
+}
+
+/// The `Dense` modules of `specs` under `vb`, each taking the previous one's output (the
+/// first, the pooled `hidden` width).
+fn dense_modules(hidden: usize, specs: &[DenseSpec], vb: &VarBuilder) -> Result<Vec<Dense>> {
+    let mut width = hidden;
+    specs
+        .iter()
+        .map(|spec| {
+            let named = !spec.path.is_empty() && !spec.path.contains(['.', '/', '\\']);
+            if spec.in_features != width || !named {
+                return Err(Error::InvalidArgument {
+                    what: "Dense module",
+                    value: format!(
+                        "`{}` ({} -> {})",
+                        spec.path, spec.in_features, spec.out_features
+                    ),
+                    reason: "each Dense module takes the previous output's width (the first, \
+                             the hidden size) and is a directory of the model (a name \
+                             without `.` or `/`)",
+                });
+            }
+            width = spec.out_features;
+            Dense::new(spec, vb.clone())
+        })
+        .collect()
+}
+
+impl Recomputed<Bert> {
+    /// Builds a BERT tower over `store` (names under `prefix`, `""` for a shared tower):
+    /// variables the store serves from a weights file are loaded, others are initialised
+    /// from the store's seed.
+    pub fn build(
+        store: &ParamStore,
+        prefix: &str,
+        cfg: &BertConfig,
+        options: &BertOptions,
+    ) -> Result<Self> {
+        let tower = Tower::build(store, prefix, |vb| Bert::new(cfg, options, vb))?;
+        sinusoidal_positions(store, prefix, cfg)?;
+        Recomputed::new(tower, options.recompute.clone())
+    }
+}
+
+/// DistilBERT's `sinusoidal_pos_embds`: a fresh position table starts from the sinusoids
+/// transformers writes there (column `j` of position `p`: the sine (even `j`) or cosine
+/// (odd `j`) of `p / 10000^(2 floor(j / 2) / dim)`, in f64 rounded to f32) and trains from
+/// them as transformers 5 trains it; a table read from a file stays as it is.
+fn sinusoidal_positions(store: &ParamStore, prefix: &str, cfg: &BertConfig) -> Result<()> {
+    if !cfg.sinusoidal_positions() {
+        return Ok(());
+    }
+    let name = match prefix {
+        "" => "embeddings.position_embeddings.weight".to_string(),
+        p => format!("{p}.embeddings.position_embeddings.weight"),
+    };
+    let Some(var) = store.get(&name).filter(|_| !store.reads_from_file(&name)) else {
+        return Ok(());
+    };
+    let (rows, dim) = var.dims2()?;
+    let table: Vec<f32> = (0..rows)
+        .flat_map(|p| {
+            (0..dim).map(move |j| {
+                let angle = p as f64 / 10_000f64.powf((2 * (j / 2)) as f64 / dim as f64);
+                (if j % 2 == 0 { angle.sin() } else { angle.cos() }) as f32
+            })
+        })
+        .collect();
+    let table = Tensor::from_vec(table, (rows, dim), var.device())?.to_dtype(var.dtype())?;
+    var.set(&table)?;
+    Ok(())
+}
+
+/// `store` reading the names under `prefix` from a pretrained model's files: its weights
+/// (under the base name `BertFor...`, `RobertaFor...`, `...ForCausalLM` checkpoints keep
+/// them under) and each Dense module's from its directory; as fallbacks (`fallback`) for
+/// names a checkpoint read first lacks (the frozen weights of a LoRA run).
+pub fn with_model_weights(
+    files: &ModelFiles,
+    prefix: &str,
+    options: &BertOptions,
+    store: ParamStore,
+    fallback: bool,
+) -> Result<ParamStore> {
+    let probe = WeightFile::open(&files.weights, "")?;
+    let file_prefix = ["bert.", "roberta.", "mpnet.", "distilbert.", "model."]
+        .into_iter()
+        .find(|p| {
+            [
+                "embeddings.word_embeddings.weight",
+                "embeddings.tok_embeddings.weight",
+                "embed_tokens.weight",
+            ]
+            .iter()
+            .any(|t| probe.contains(&format!("{p}{t}")))
+        })
+        .unwrap_or("");
+    let add = |store: ParamStore, prefix: &str, file: WeightFile| match fallback {
+        true => store.with_fallback_weights(prefix, Arc::new(file)),
+        false => store.with_weights(prefix, Arc::new(file)),
+    };
+    let mut store = add(
+        store,
+        prefix,
+        WeightFile::open(&files.weights, file_prefix)?,
+    );
+    for dense in &options.dense {
+        let weights = files.dir.join(&dense.path).join("model.safetensors");
+        let module = match prefix {
+            "" => dense.path.clone(),
+            p => format!("{p}.{}", dense.path),
+        };
+        store = add(store, &module, WeightFile::open(&weights, "")?);
+    }
+    Ok(store)
+}
+
+/// Creates the variables of the `Dense` modules `specs` under `prefix` in `store`, drawn
+/// from its seed: a projection a model's files do not have (the one a multi-vector run
+/// adds), created before a weights file serves the names around it.
+pub fn create_dense(store: &ParamStore, prefix: &str, specs: &[DenseSpec]) -> Result<()> {
+    for spec in specs {
+        Tower::build(store, prefix, |vb| Dense::new(spec, vb))?;
+    }
+    Ok(())
+}
+
+/// Loads a pretrained BERT tower from a model's files into `store` under `prefix` (`""`
+/// for a shared tower). Weight names may carry the `bert.` prefix of Hugging Face
+/// `BertFor...` checkpoints or not; the `Dense` modules of `options` read their weights
+/// from their directories. Returns the encoder, its config, and the store (which now reads
+/// those names from the weights files).
+pub fn load_pretrained(
+    files: &ModelFiles,
+    prefix: &str,
+    options: &BertOptions,
+    store: ParamStore,
+) -> Result<(BertEncoder, BertConfig, ParamStore)> {
+    let cfg = BertConfig::from_file(&files.config)?;
+    let store = with_model_weights(files, prefix, options, store, false)?;
+    let encoder = BertEncoder::build(&store, prefix, &cfg, options)?;
+    Ok((encoder, cfg, store))
+}
