@@ -382,6 +382,41 @@ fn the_shipped_distillation_config_learns() {
     common::assert_learns(Trainer::new(cfg, None).unwrap());
 }
 
+#[test]
+fn the_shipped_colbert_config_fine_tunes_a_pretrained_colbert_as_it_is() {
+    // configs/colbert.toml sets nothing a pretrained ColBERT brings, so `--set
+    // model.pretrained=...` alone fine-tunes one of another width and lengths: the
+    // fixture (8-d vectors, queries of 12 tokens, documents of 20, a 32-token model) keeps
+    // its own, where the shipped 128-d projection and 64-token documents were refused.
+    let dir = tempfile::tempdir().unwrap();
+    quickstart_sample(dir.path(), 0..32, 1000..1008);
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/colbert/pylate");
+    let mut sets = shipped_run(dir.path());
+    sets.extend([
+        format!("model.pretrained=\"{}\"", fixture.display()),
+        "train.steps=1".into(),
+        "train.batch_size=8".into(),
+        "train.query_chunk=4".into(),
+        "train.passage_chunk=4".into(),
+        "train.eval_every=0".into(),
+        "train.checkpoint_every=0".into(),
+    ]);
+    let cfg = Config::load(Path::new("configs/colbert.toml"), &sets).unwrap();
+    let mut trainer = Trainer::new(cfg, None).unwrap();
+    assert!(trainer.train_step().unwrap().loss.is_finite());
+    let out = dir.path().join("export");
+    trainer.export(&out, Side::Query).unwrap();
+    let read = |p: PathBuf| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    let st = read(out.join("config_sentence_transformers.json"));
+    assert_eq!(
+        (st["query_length"].as_u64(), st["document_length"].as_u64()),
+        (Some(12), Some(20))
+    );
+    assert_eq!(read(out.join("1_Dense/config.json"))["out_features"], 8);
+}
+
 /// A shipped config's run shortened to 20 steps over `dir`'s train.jsonl and eval.jsonl,
 /// evaluated before and after.
 fn shipped_run(dir: &Path) -> Vec<String> {
