@@ -254,15 +254,30 @@ def colbert_train(model_dir, pairs_path, batch, mini, steps):
     print(f"{sum(rates) / len(rates):.2f}")
 
 
-def sgemm():
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+def sgemm_at(m, k, n):
+    """torch's f32 product [m, k] x [k, n], best of 5 after a warm-up, in GFLOP/s."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
     a @ b
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
-    print(f"{2 * 2048 ** 3 / best / 1e9:.1f}")
+    return 2 * m * k * n / best / 1e9
+
+
+def sgemm():
+    print(f"{sgemm_at(2048, 2048, 2048):.1f}")
+
+
+# The shapes of `cargo bench --bench train_step -- --sgemm-shapes`, in its order.
+SHAPES = [(2048, 2048, 2048), (8192, 384, 384), (2048, 384, 1536), (4096, 768, 3072),
+          (2048, 1024, 3072)]
+
+
+def sgemm_shapes():
+    for m, k, n in SHAPES:
+        print(f"{m} {k} {n} {sgemm_at(m, k, n):.1f}")
 
 
 if __name__ == "__main__":
@@ -281,5 +296,7 @@ if __name__ == "__main__":
         colbert_train(args[0], args[1], int(args[2]), int(args[3]), int(args[4]))
     elif cmd == "memory":
         memory(int(args[0]), int(args[1]))
+    elif cmd == "sgemm-shapes":
+        sgemm_shapes()
     else:
         sgemm()
