@@ -328,11 +328,22 @@ impl EmbeddingModel {
         if !prompts.is_empty() && !prompt_pooled {
             settings += " (left out of the pooling: include_prompt false)";
         }
+        let sparse = head.as_ref().and_then(|h| h.sparse);
+        if let Some(spec) = sparse {
+            settings = format!(
+                "sparse (SPLADE): {} pooling of {} over the MLM head's logits, similarity {} \
+                 ({similarity_src}); {head_note}",
+                spec.strategy.name(),
+                spec.activation.name(),
+                similarity.sentence_transformers_name(),
+            );
+        }
         let bert_options = BertOptions {
             lora: adapter.map(|a| a.spec.clone()),
             pooling,
-            normalize,
+            normalize: normalize && sparse.is_none(),
             dense: dense.iter().map(DenseLayer::spec).collect(),
+            sparse,
             ..Default::default()
         };
         let mut store = ParamStore::new(0, DType::F32, &options.device);

@@ -15,7 +15,9 @@ use serde_json::{json, Value};
 
 use crate::hub::files::{read_modules, MODULES, SENTENCE_TRANSFORMERS_CONFIG};
 use crate::loss::Similarity;
-use crate::models::bert::{DenseActivation, DenseSpec, Pooling};
+use crate::models::bert::{
+    DenseActivation, DenseSpec, Pooling, SparseSpec, SpladeActivation, SpladeStrategy,
+};
 use crate::{Error, Result};
 
 /// What a sentence-transformers model directory says about its head.
@@ -34,6 +36,9 @@ pub struct SentenceTransformersConfig {
     pub similarity: Option<Similarity>,
     /// The query and passage prompts of `config_sentence_transformers.json`.
     pub prompts: Prompts,
+    /// A `SparseEncoder`'s `SpladePooling` (then `pooling` is unused): the model is the
+    /// transformer's masked-language-model head, pooled into one vocabulary-wide vector.
+    pub sparse: Option<SparseSpec>,
 }
 
 /// The texts put before queries and passages (e5's `query: ` / `passage: `, an
@@ -158,9 +163,11 @@ enum Module {
     Pooling,
     Dense,
     Normalize,
+    SpladePooling,
 }
 
-const SUPPORTED_MODULES: &str = "Transformer, Pooling, Dense, Normalize (in that order)";
+const SUPPORTED_MODULES: &str = "Transformer, Pooling, Dense, Normalize (in that order), or \
+    Transformer (fill-mask) and SpladePooling";
 
 /// The kind of a module type name of either layout: read from its class name, the last
 /// part of the path.
@@ -170,6 +177,9 @@ fn module_kind(type_name: &str) -> Option<Module> {
         "Pooling" => Some(Module::Pooling),
         "Dense" => Some(Module::Dense),
         "Normalize" => Some(Module::Normalize),
+        // The transformer of a SparseEncoder saved before sentence-transformers 5.4.
+        "MLMTransformer" => Some(Module::Transformer),
+        "SpladePooling" => Some(Module::SpladePooling),
         _ => None,
     }
 }
@@ -333,6 +343,7 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
     let mut pooling = None;
     let mut dense = Vec::new();
     let mut normalize = false;
+    let mut sparse = None;
     let mut last = None;
     for (ty, path) in read_modules(&modules_path)? {
         let kind = module_kind(&ty).ok_or_else(|| Error::UnsupportedConfig {
@@ -343,7 +354,7 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
         })?;
         let in_order = match kind {
             Module::Transformer => last.is_none(),
-            Module::Pooling => last == Some(Module::Transformer),
+            Module::Pooling | Module::SpladePooling => last == Some(Module::Transformer),
             Module::Dense => matches!(last, Some(Module::Pooling | Module::Dense)),
             Module::Normalize => matches!(last, Some(Module::Pooling | Module::Dense)),
         };
@@ -360,8 +371,20 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
             Module::Pooling => pooling = Some(read_pooling(&dir.join(&path).join("config.json"))?),
             Module::Dense => dense.push(read_dense(&dir.join(&path))?),
             Module::Normalize => normalize = true,
+            Module::SpladePooling => {
+                sparse = Some(read_splade_pooling(&dir.join(&path).join("config.json"))?);
+                pooling = Some((Pooling::Mean, true));
+            }
         }
         last = Some(kind);
+    }
+    if sparse.is_some() && last != Some(Module::SpladePooling) {
+        return Err(Error::UnsupportedConfig {
+            field: "modules",
+            value: format!("{last:?} after SpladePooling"),
+            supported: SUPPORTED_MODULES,
+            path: modules_path,
+        });
     }
     let Some((pooling, include_prompt)) = pooling else {
         return Err(Error::UnsupportedConfig {
@@ -380,6 +403,8 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
     let prompts = Prompts::from_sentence_transformers(&st_config, &st_path)?;
     let similarity = if st_path.is_file() {
         match st_config["similarity_fn_name"].as_str() {
+            // A SparseEncoder's default.
+            None if sparse.is_some() => Some(Similarity::Dot),
             None => None,
             Some(name) => Some(
                 Similarity::from_sentence_transformers_name(name).ok_or_else(|| {
@@ -402,5 +427,34 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
         normalize,
         similarity,
         prompts,
+        sparse,
     }))
+}
+
+/// The settings of a `SpladePooling` module's `config.json` (`pooling_strategy`,
+/// `activation_function`; `embedding_dimension` is the vocabulary's size, read from the
+/// model). A strategy or activation this crate does not run is refused by name.
+pub fn read_splade_pooling(path: &Path) -> Result<SparseSpec> {
+    let config = read_json(path)?;
+    let name = |key: &str, default: &'static str| -> String {
+        config[key].as_str().unwrap_or(default).to_string()
+    };
+    let strategy = name("pooling_strategy", "max");
+    let strategy = SpladeStrategy::from_name(&strategy).ok_or(Error::UnsupportedConfig {
+        field: "pooling_strategy",
+        value: strategy,
+        supported: "max, sum",
+        path: path.to_path_buf(),
+    })?;
+    let activation = name("activation_function", "relu");
+    let activation = SpladeActivation::from_name(&activation).ok_or(Error::UnsupportedConfig {
+        field: "activation_function",
+        value: activation,
+        supported: "relu, log1p_relu",
+        path: path.to_path_buf(),
+    })?;
+    Ok(SparseSpec {
+        strategy,
+        activation,
+    })
 }

@@ -11,6 +11,7 @@
 pub mod distillation;
 pub mod matryoshka;
 pub mod maxsim;
+pub mod splade;
 
 use std::ops::Range;
 
@@ -23,6 +24,7 @@ use crate::{Error, Result};
 pub use distillation::{MaxSimDistillation, TeacherScores};
 pub use matryoshka::Matryoshka;
 pub use maxsim::MaxSim;
+pub use splade::{Flops, SpladeLoss};
 
 /// The most logits (2^22, 16 MiB of f32) one row block of the composed loss holds when no
 /// block size is set: one block up to a batch of 2,048 pairs without hard negatives, row

@@ -41,6 +41,8 @@ use super::dense::Dense;
 pub use super::dense::{DenseActivation, DenseSpec};
 use super::modernbert::{ModernAux, ModernBert};
 pub use super::pooling::Pooling;
+use super::sparse::MlmHead;
+pub use super::sparse::{SparseSpec, SpladeActivation, SpladeStrategy};
 
 mod build;
 pub use build::{create_dense, load_pretrained, with_model_weights};
@@ -67,6 +69,9 @@ pub struct BertOptions {
     /// A multi-vector (ColBERT) head: a token vector per kept token instead of a pooled
     /// vector; its batches must be multi-vector ones ([`crate::batch::TokenVectors`]).
     pub multi_vector: bool,
+    /// A sparse (SPLADE) head: the masked-language model's logits pooled into one
+    /// vocabulary-wide vector instead of the pooling, `Dense` modules and normalisation.
+    pub sparse: Option<SparseSpec>,
 }
 
 /// The sites of BERT that selective recompute can recompute instead of keeping (Hugging
@@ -149,6 +154,8 @@ pub struct Bert {
     options: BertOptions,
     /// The `Dense` modules after the pooling.
     dense: Vec<Dense>,
+    /// A sparse model's MLM head (then the pooling, `Dense` and normalisation are not).
+    sparse: Option<MlmHead>,
 }
 
 /// Per-chunk data every layer reads: the additive attention bias `[n, 1, 1, s]` and the
@@ -617,6 +624,9 @@ impl LayerStack for Bert {
                              tokenizer with_vectors) and a pooled model plain ones",
                 })
             }
+        }
+        if let Some(head) = &self.sparse {
+            return head.pool(x, &aux.mask);
         }
         let pooling = self.options.pooling;
         if self.dense.is_empty() {

@@ -1,6 +1,6 @@
 //! Models that the gradient cache trains: [`bert`], the trainable BERT-family encoder
 //! (whose layer stack is also ModernBERT's and the decoder embedders': Qwen3, Qwen2,
-//! Llama, Mistral, Gemma3);
+//! Llama, Mistral, Gemma3; with a sparse head, a SPLADE model);
 //! [`resnet`], an image tower with BatchNorm; [`lstm`], a recurrent text tower whose
 //! backward through time is checkpointed in segments of time steps; and [`toy`], tiny
 //! towers for tests, examples and benchmarks. New towers land here; each
@@ -19,5 +19,6 @@ pub mod lstm;
 mod modernbert;
 mod pooling;
 pub mod resnet;
+pub(crate) mod sparse;
 pub mod toy;
 pub mod vnet;

@@ -119,6 +119,7 @@ fn encoder(
         precision,
         dense: Vec::new(),
         multi_vector: false,
+        sparse: None,
     };
     BertEncoder::build(store, prefix, &cfg, &options)
 }

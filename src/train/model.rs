@@ -156,6 +156,9 @@ pub(super) fn bert_options(
             .map(|l| l.spec().map(|(spec, _)| spec))
             .transpose()?,
         multi_vector: cfg.model.multi_vector.is_some(),
+        // The trainer builds no sparse model yet (issue 49): the library's `BertOptions`
+        // does.
+        sparse: None,
     })
 }
 

@@ -74,6 +74,28 @@ impl Bert {
             Linear::normal(i, o, std, vb.clone())?.adapted(lora, &vb)
         };
         let family = cfg.family(path)?;
+        if options.sparse.is_some() {
+            if crate::models::sparse::MlmNames::of(family).is_none() {
+                return Err(Error::UnsupportedConfig {
+                    field: "model_type",
+                    value: cfg.model_type.clone().unwrap_or_else(|| "bert".into()),
+                    supported: crate::models::sparse::SPARSE_FAMILIES,
+                    path: path.to_path_buf(),
+                });
+            }
+            if options.multi_vector || !options.dense.is_empty() {
+                return Err(Error::InvalidArgument {
+                    what: "sparse model",
+                    value: format!(
+                        "multi-vector: {}, Dense modules: {}",
+                        options.multi_vector,
+                        options.dense.len()
+                    ),
+                    reason: "a sparse (SPLADE) model's vector is its MLM head's pooled \
+                             logits: no multi-vector head, no Dense modules",
+                });
+            }
+        }
         let dense = dense_modules(h, &options.dense, &vb)?;
         if family.is_decoder() {
             let decoder = Decoder::new(cfg, cfg.decoder(path)?, options.lora.as_ref(), vb)?;
@@ -92,6 +114,7 @@ impl Bert {
                 attention_output_dropout: Dropout::new(0.0)?,
                 options: options.clone(),
                 dense,
+                sparse: None,
             });
         }
         if family == Family::ModernBert {
@@ -111,6 +134,7 @@ impl Bert {
                 attention_output_dropout: Dropout::new(0.0)?,
                 options: options.clone(),
                 dense,
+                sparse: None,
             });
         }
         let e = vb.pp("embeddings");
@@ -135,6 +159,15 @@ impl Bert {
             norm: LayerNorm::new(h, eps, e.pp("LayerNorm"))?,
         };
         let names = LayerNames::of(family);
+        let sparse = match options.sparse {
+            Some(spec) => Some(MlmHead::new(
+                cfg,
+                spec,
+                embeddings.words.embeddings().clone(),
+                &vb,
+            )?),
+            None => None,
+        };
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let l = vb.pp(format!("{}.{i}", names.layers));
@@ -183,6 +216,7 @@ impl Bert {
             })?,
             options: options.clone(),
             dense,
+            sparse,
         })
     }
 }
@@ -302,6 +336,24 @@ pub fn with_model_weights(
         prefix,
         WeightFile::open(&files.weights, file_prefix)?,
     );
+    // A sparse model's MLM head sits beside the base model in the file, each module under
+    // its own name (`cls.*`, `vocab_transform.*`, ...).
+    if options.sparse.is_some() {
+        let cfg = BertConfig::from_file(&files.config)?;
+        if let Some(names) = crate::models::sparse::MlmNames::of(cfg.family(&files.config)?) {
+            for module in names.modules {
+                let name = match prefix {
+                    "" => module.to_string(),
+                    p => format!("{p}.{module}"),
+                };
+                store = add(
+                    store,
+                    &name,
+                    WeightFile::open(&files.weights, &format!("{module}."))?,
+                );
+            }
+        }
+    }
     for dense in &options.dense {
         let weights = files.dir.join(&dense.path).join("model.safetensors");
         let module = match prefix {
