@@ -273,3 +273,12 @@ pub fn check_precision(device: &Device, precision: crate::Precision) -> Result<(
     let _ = (device, precision);
     Ok(())
 }
+
+/// `cpu` or `cuda:N` (`metal:N`).
+pub fn describe(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+    }
+}

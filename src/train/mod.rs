@@ -4,7 +4,7 @@
 //! SGD, the warmup schedule, clipping), [`metrics`] (retrieval quality), [`checkpoint`]
 //! (training checkpoints written atomically, exact resume), [`run`] (the one training
 //! loop and the [`Task`] trait every kind of training implements), [`trainer`] (text
-//! pairs, and the export of a finished run) and [`image_text`] (CLIP-style training of a
+//! pairs; the export of a finished run is `run_export`'s) and [`image_text`] (CLIP-style training of a
 //! ResNet and a text tower on the generated [`shapes`] data set).
 //!
 //! A new kind of training implements [`Task`] (its batches, its inputs, its evaluation,
@@ -29,6 +29,7 @@ mod multi_vector_config;
 pub mod optim;
 pub mod report;
 pub mod run;
+mod run_export;
 pub mod shapes;
 pub mod stream;
 mod text_data;
