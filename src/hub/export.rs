@@ -34,6 +34,9 @@ use crate::models::bert::{BertConfig, BertOptions, Pooling};
 use crate::params::Params;
 use crate::{Error, Result};
 
+/// A sparse model's `SpladePooling` module directory.
+const SPLADE_POOLING: &str = "1_SpladePooling";
+
 /// What an export records in `config_sentence_transformers.json` besides the similarity.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExportNotes {
@@ -77,6 +80,7 @@ fn write_model_files(
     dir: &Path,
     cfg: &BertConfig,
     weights: &HashMap<String, Tensor>,
+    masked_lm: bool,
 ) -> Result<fs::Permissions> {
     let config_path = dir.join("config.json");
     let mut config = cfg.to_json();
@@ -94,6 +98,12 @@ fn write_model_files(
         ("modernbert", _) => "ModernBertModel",
         ("distilbert", _) => "DistilBertModel",
         _ => "BertModel",
+    };
+    // A sparse model is its family's masked-language model.
+    let architecture = match (masked_lm, architecture) {
+        (true, "DistilBertModel") => "DistilBertForMaskedLM",
+        (true, _) => "BertForMaskedLM",
+        (false, a) => a,
     };
     config["architectures"] = json!([architecture]);
     config["model_type"] = json!(model_type);
@@ -172,6 +182,32 @@ pub fn export_bert(
         }
         dense_weights.push(own);
     }
+    // A sparse model's file is its `*ForMaskedLM`'s: the base model under the family's
+    // prefix, the head under its own names beside it.
+    let sparse = options.sparse;
+    if sparse.is_some() {
+        let family = cfg.family(Path::new("config.json"))?;
+        let names =
+            crate::models::sparse::MlmNames::of(family).ok_or_else(|| Error::InvalidArgument {
+                what: "sparse export",
+                value: cfg.model_type.clone().unwrap_or_else(|| "bert".into()),
+                reason: "a sparse head exists for bert and distilbert models",
+            })?;
+        let base = match family {
+            crate::models::bert::Family::DistilBert => "distilbert.",
+            _ => "bert.",
+        };
+        weights = weights
+            .into_iter()
+            .map(|(n, t)| {
+                let head = names
+                    .modules
+                    .iter()
+                    .any(|m| n.starts_with(&format!("{m}.")));
+                (if head { n } else { format!("{base}{n}") }, t)
+            })
+            .collect();
+    }
     if weights.is_empty() {
         return Err(Error::InvalidArgument {
             what: "export prefix",
@@ -184,7 +220,7 @@ pub fn export_bert(
     let written = (|| -> Result<()> {
     fs::create_dir_all(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
     let colbert = notes.multi_vector.as_ref();
-    if colbert.is_none() {
+    if colbert.is_none() && sparse.is_none() {
         let pooling_dir = tmp.join("1_Pooling");
         fs::create_dir_all(&pooling_dir).map_err(|e| Error::io("create", &pooling_dir, e))?;
     }
@@ -195,7 +231,7 @@ pub fn export_bert(
             write_json(&config_path, adapter_config)?;
             write_weights(adapters, &tmp.join("adapter_model.safetensors"), &config_path)?
         }
-        None => write_model_files(&tmp, cfg, &weights)?,
+        None => write_model_files(&tmp, cfg, &weights, sparse.is_some())?,
     };
 
     let mut plain = tokenizer.inner().clone();
@@ -246,8 +282,25 @@ pub fn export_bert(
     let mut modules = vec![
         json!({"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}),
     ];
-    if colbert.is_none() {
-        modules.push(json!({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}));
+    match sparse {
+        Some(spec) => {
+            let pooling_dir = tmp.join(SPLADE_POOLING);
+            fs::create_dir_all(&pooling_dir)
+                .map_err(|e| Error::io("create", &pooling_dir, e))?;
+            write_json(
+                &pooling_dir.join("config.json"),
+                &json!({
+                    "pooling_strategy": spec.strategy.name(),
+                    "activation_function": spec.activation.name(),
+                    "embedding_dimension": cfg.vocab_size,
+                }),
+            )?;
+            modules.push(json!({"idx": 1, "name": "1", "path": SPLADE_POOLING, "type": "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling"}));
+        }
+        None if colbert.is_none() => {
+            modules.push(json!({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}));
+        }
+        None => {}
     }
     for (spec, own) in options.dense.iter().zip(&dense_weights) {
         let idx = modules.len();
@@ -270,7 +323,7 @@ pub fn export_bert(
         modules.push(json!({"idx": idx, "name": idx.to_string(), "path": spec.path, "type": class}));
     }
     // PyLate normalises every token vector itself: no Normalize module.
-    if options.normalize && colbert.is_none() {
+    if options.normalize && colbert.is_none() && sparse.is_none() {
         let idx = modules.len();
         let path = format!("{idx}_Normalize");
         let normalize_dir = tmp.join(&path);
@@ -278,10 +331,11 @@ pub fn export_bert(
         modules.push(json!({"idx": idx, "name": idx.to_string(), "path": path, "type": "sentence_transformers.models.Normalize"}));
     }
     write_json(&tmp.join(MODULES), &json!(modules))?;
-    write_json(
-        &tmp.join("sentence_bert_config.json"),
-        &json!({"max_seq_length": tokenizer.max_len(), "do_lower_case": false}),
-    )?;
+    let mut transformer = json!({"max_seq_length": tokenizer.max_len(), "do_lower_case": false});
+    if sparse.is_some() {
+        transformer["transformer_task"] = json!("fill-mask");
+    }
+    write_json(&tmp.join("sentence_bert_config.json"), &transformer)?;
     let st_config = match colbert {
         Some(c) => json!({
             "model_type": "ColBERT",
@@ -296,6 +350,12 @@ pub fn export_bert(
             "attend_to_expansion_tokens": c.attend_to_expansion_tokens,
             "skiplist_words": c.skiplist_words,
         }),
+        None if sparse.is_some() => json!({
+            "model_type": "SparseEncoder",
+            "similarity_fn_name": Similarity::Dot.sentence_transformers_name(),
+            "prompts": notes.prompts.to_sentence_transformers(),
+            "default_prompt_name": null,
+        }),
         None => json!({
             "similarity_fn_name": similarity.sentence_transformers_name(),
             "prompts": notes.prompts.to_sentence_transformers(),
@@ -304,7 +364,7 @@ pub fn export_bert(
         }),
     };
     write_json(&tmp.join(SENTENCE_TRANSFORMERS_CONFIG), &st_config)?;
-    if colbert.is_none() {
+    if colbert.is_none() && sparse.is_none() {
         write_json(
             &tmp.join(POOLING),
             &pooling_config(cfg.hidden_size, options.pooling, !notes.prompt_left_out),

@@ -24,7 +24,7 @@ use crate::{Error, Result};
 pub use distillation::{MaxSimDistillation, TeacherScores};
 pub use matryoshka::Matryoshka;
 pub use maxsim::MaxSim;
-pub use splade::{Flops, SpladeLoss};
+pub use splade::{Flops, SpladeLoss, WeightScale};
 
 /// The most logits (2^22, 16 MiB of f32) one row block of the composed loss holds when no
 /// block size is set: one block up to a batch of 2,048 pairs without hard negatives, row

@@ -96,6 +96,32 @@ pub struct SpladeLoss<L> {
     documents: Flops,
     queries: Option<Flops>,
     documents_only: bool,
+    scale: WeightScale,
+}
+
+/// The fraction of the regularisers' weights in effect (1 by default): a handle the
+/// trainer keeps to warm the weights up step by step while the loss sits inside the
+/// gradient cache.
+#[derive(Debug, Clone)]
+pub struct WeightScale(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+impl WeightScale {
+    fn new() -> Self {
+        Self(std::sync::Arc::new(std::sync::atomic::AtomicU64::new(
+            1f64.to_bits(),
+        )))
+    }
+
+    /// Sets the fraction (the weights are the configured ones times it).
+    pub fn set(&self, fraction: f64) {
+        self.0
+            .store(fraction.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The fraction in effect.
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(std::sync::atomic::Ordering::Relaxed))
+    }
 }
 
 /// The loss's value split into its parts (the base loss, each regulariser's weighted
@@ -119,7 +145,23 @@ impl<L: Loss> SpladeLoss<L> {
             documents,
             queries: None,
             documents_only: false,
+            scale: WeightScale::new(),
         }
+    }
+
+    /// The handle that scales both regularisers' weights (a warm-up).
+    pub fn weight_scale(&self) -> &WeightScale {
+        &self.scale
+    }
+
+    /// The documents' and queries' regularisers at the current scale.
+    fn scaled(&self) -> (Flops, Option<Flops>) {
+        let s = self.scale.get();
+        let scale = |f: &Flops| Flops {
+            weight: f.weight * s,
+            ..*f
+        };
+        (scale(&self.documents), self.queries.as_ref().map(scale))
     }
 
     /// With a regulariser on the queries.
@@ -151,15 +193,16 @@ impl<L: Loss> SpladeLoss<L> {
     /// The value split into the base loss and the two weighted regularisers.
     pub fn parts(&self, queries: &Tensor, passages: &Tensor) -> Result<SpladeParts> {
         let base = self.inner.value_and_grads(queries, passages)?.loss;
+        let (doc, query) = self.scaled();
         let (documents, queries) = if self.documents_only {
             let all = Tensor::cat(&[queries, passages], 0)?;
-            (self.documents.value_and_grad(&all)?.0, 0.0)
+            (doc.value_and_grad(&all)?.0, 0.0)
         } else {
-            let q = match &self.queries {
+            let q = match &query {
                 Some(f) => f.value_and_grad(queries)?.0,
                 None => 0.0,
             };
-            (self.documents.value_and_grad(passages)?.0, q)
+            (doc.value_and_grad(passages)?.0, q)
         };
         Ok(SpladeParts {
             base,
@@ -172,12 +215,13 @@ impl<L: Loss> SpladeLoss<L> {
 impl<L: Loss> Loss for SpladeLoss<L> {
     fn forward(&self, queries: &Tensor, passages: &Tensor) -> Result<Tensor> {
         let mut loss = self.inner.forward(queries, passages)?;
+        let (doc, query) = self.scaled();
         if self.documents_only {
             let all = Tensor::cat(&[queries, passages], 0)?;
-            return Ok((loss + self.documents.forward(&all)?)?);
+            return Ok((loss + doc.forward(&all)?)?);
         }
-        loss = (loss + self.documents.forward(passages)?)?;
-        if let Some(q) = &self.queries {
+        loss = (loss + doc.forward(passages)?)?;
+        if let Some(q) = &query {
             loss = (loss + q.forward(queries)?)?;
         }
         Ok(loss)
@@ -189,19 +233,20 @@ impl<L: Loss> Loss for SpladeLoss<L> {
 
     fn value_and_grads(&self, queries: &Tensor, passages: &Tensor) -> Result<LossValue> {
         let mut out = self.inner.value_and_grads(queries, passages)?;
+        let (doc, query) = self.scaled();
         if self.documents_only {
             let all = Tensor::cat(&[queries, passages], 0)?;
-            let (value, grad) = self.documents.value_and_grad(&all)?;
+            let (value, grad) = doc.value_and_grad(&all)?;
             let q = queries.dim(0)?;
             out.loss += value;
             out.grad_queries = (out.grad_queries + grad.narrow(0, 0, q)?)?;
             out.grad_passages = (out.grad_passages + grad.narrow(0, q, passages.dim(0)?)?)?;
             return Ok(out);
         }
-        let (value, grad) = self.documents.value_and_grad(passages)?;
+        let (value, grad) = doc.value_and_grad(passages)?;
         out.loss += value;
         out.grad_passages = (out.grad_passages + grad)?;
-        if let Some(f) = &self.queries {
+        if let Some(f) = &query {
             let (value, grad) = f.value_and_grad(queries)?;
             out.loss += value;
             out.grad_queries = (out.grad_queries + grad)?;

@@ -236,10 +236,15 @@ pub struct ModelConfig {
     /// by MaxSim.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub multi_vector: Option<MultiVectorSettings>,
+    /// A sparse (SPLADE) model: the masked-language model's logits pooled into one
+    /// vocabulary-wide vector, scored by dot products.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sparse: Option<SparseSettings>,
 }
 
 pub use super::lora_config::{BaseDtype, LoraConfig, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK};
 pub use super::multi_vector_config::{DistillationConfig, MultiVectorSettings};
+pub use super::sparse_config::{SparseSettings, SpladeConfig};
 
 impl Default for ModelConfig {
     fn default() -> Self {
@@ -260,6 +265,7 @@ impl Default for ModelConfig {
             lora: None,
             base_dtype: BaseDtype::F32,
             multi_vector: None,
+            sparse: None,
         }
     }
 }
@@ -338,6 +344,10 @@ pub struct LossConfig {
     /// `[loss.distillation]`: learn a teacher's scores given in the data (multi-vector).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub distillation: Option<DistillationConfig>,
+    /// `[loss.splade]`: the FLOPS regularisers of a sparse model (`[model.sparse]`); a
+    /// sparse run without the section gets sentence-transformers' documented weights.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub splade: Option<SpladeConfig>,
 }
 
 use super::config_file::config_error;
@@ -374,6 +384,7 @@ impl Default for LossConfig {
             false_negative_margin: None,
             false_negative_guide: None,
             distillation: None,
+            splade: None,
         }
     }
 }
@@ -729,6 +740,7 @@ impl Config {
                 (m.lora.is_some(), t.memory_budget.is_some()),
             )?;
         }
+        self.validate_sparse()?;
         if let Some(d) = &self.loss.distillation {
             let temperature_set = self.loss.temperature != LossConfig::default().temperature;
             d.validate(m.multi_vector.is_some(), t.hard_negatives, temperature_set)?;

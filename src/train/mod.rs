@@ -31,6 +31,7 @@ pub mod report;
 pub mod run;
 mod run_export;
 pub mod shapes;
+mod sparse_config;
 pub mod stream;
 mod text_data;
 mod text_loss;

@@ -156,9 +156,19 @@ pub(super) fn bert_options(
             .map(|l| l.spec().map(|(spec, _)| spec))
             .transpose()?,
         multi_vector: cfg.model.multi_vector.is_some(),
-        // The trainer builds no sparse model yet (issue 49): the library's `BertOptions`
-        // does.
-        sparse: None,
+        sparse: match (&cfg.model.sparse, head.and_then(|h| h.sparse)) {
+            (Some(settings), own) => Some(settings.resolve(own)?),
+            (None, Some(_)) => {
+                return Err(crate::Error::InvalidConfig {
+                    field: "model.sparse",
+                    value: "unset".into(),
+                    reason: "the pretrained model is a sparse (SPLADE) SparseEncoder: set \
+                             [model.sparse] (its own pooling fills what the section leaves \
+                             unset) to train it as one",
+                })
+            }
+            (None, None) => None,
+        },
     })
 }
 

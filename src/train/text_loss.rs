@@ -1,19 +1,23 @@
 //! The loss of a text-pair run: InfoNCE over single vectors (with its Matryoshka
 //! widths); over MaxSim scores of token matrices for a multi-vector model; or, with
 //! `[loss.distillation]`, the KL divergence from the data's teacher scores to a
-//! multi-vector model's.
+//! multi-vector model's; or, for a sparse model, InfoNCE on dot products plus the FLOPS
+//! regularisers of `[loss.splade]`.
 
 use candle_core::{Device, Tensor};
 
 use crate::dist::Collective;
 use crate::hub::multi_vector::MultiVectorHead;
 use crate::loss::{
-    Guide, InfoNce, Loss, LossValue, Matryoshka, MaxSim, MaxSimDistillation, TeacherScores,
+    Flops, Guide, InfoNce, Loss, LossValue, Matryoshka, MaxSim, MaxSimDistillation, SpladeLoss,
+    TeacherScores, WeightScale,
 };
 use crate::params::Params;
 use crate::train::config::Config;
+use crate::train::config::SpladeConfig;
 use crate::train::data::TextBatch;
 use crate::Result;
+use crate::Similarity;
 
 /// What a text-pair run minimises.
 pub enum TextLoss {
@@ -23,6 +27,8 @@ pub enum TextLoss {
     MaxSim(MaxSim),
     /// Token matrices learning a teacher's scores (PyLate's distillation).
     Distillation(MaxSimDistillation),
+    /// Sparse (SPLADE) vectors: InfoNCE on dot products plus the FLOPS regularisers.
+    Splade(SpladeLoss<InfoNce>),
 }
 
 impl TextLoss {
@@ -42,6 +48,27 @@ impl TextLoss {
             ),
             (Some(head), None) => {
                 TextLoss::MaxSim(MaxSim::new(head.dim)?.with_temperature(l.temperature)?)
+            }
+            (None, _) if cfg.model.sparse.is_some() => {
+                let block = (l.block_rows > 0).then_some(l.block_rows);
+                let base = InfoNce::new(l.temperature)?
+                    .with_similarity(Similarity::Dot)
+                    .with_symmetric(l.symmetric)
+                    .with_directions(&l.directions)?
+                    .with_block_rows(block)?
+                    .with_false_negative_margin(l.false_negative_margin)?
+                    .with_guide(guide);
+                let s = l.splade.clone().unwrap_or_default();
+                let documents = Flops::new(s.document_weight)?.with_threshold(s.document_threshold);
+                let queries = match s.effective_query_weight() {
+                    Some(w) => Some(Flops::new(w)?.with_threshold(s.query_threshold)),
+                    None => None,
+                };
+                TextLoss::Splade(
+                    SpladeLoss::new(base, documents)
+                        .with_queries(queries)
+                        .with_documents_only(s.documents_only)?,
+                )
             }
             (None, _) => {
                 // Unset: the loss chooses (the CPU kernel's blocks, or the composed
@@ -68,7 +95,18 @@ impl TextLoss {
         match self {
             TextLoss::MaxSim(m) => Some(m),
             TextLoss::Distillation(d) => Some(d.maxsim()),
-            TextLoss::InfoNce(_) => None,
+            TextLoss::InfoNce(_) | TextLoss::Splade(_) => None,
+        }
+    }
+
+    /// A sparse run's regulariser weights' scale (their warm-up) and its settings.
+    pub fn splade(&self, cfg: &Config) -> Option<(WeightScale, SpladeConfig)> {
+        match self {
+            TextLoss::Splade(l) => Some((
+                l.weight_scale().clone(),
+                cfg.loss.splade.clone().unwrap_or_default(),
+            )),
+            _ => None,
         }
     }
 
@@ -85,6 +123,7 @@ impl TextLoss {
             TextLoss::InfoNce(l) => l,
             TextLoss::MaxSim(l) => l,
             TextLoss::Distillation(l) => l,
+            TextLoss::Splade(l) => l,
         }
     }
 }

@@ -27,12 +27,13 @@ use crate::hub::multi_vector::MultiVectorHead;
 use crate::hub::{embed, export_bert, Prompts, Tokenizer};
 use crate::hub::{EmbeddingModel, LoadOptions};
 use crate::loss::Guide;
-use crate::loss::TeacherScores;
+use crate::loss::{TeacherScores, WeightScale};
 use crate::models::bert::{BertConfig, BertEncoder, BertOptions};
 use crate::precision::Precision;
 use crate::retrieval::{evaluate_corpus, CorpusEvalOptions, Scoring};
 use crate::train::budget::plan_memory;
 use crate::train::config::Config;
+use crate::train::config::SpladeConfig;
 use crate::train::data::{Loader, Position, TextBatch};
 use crate::train::formats::Layout;
 use crate::train::metrics::{evaluate, RetrievalMetrics};
@@ -80,6 +81,8 @@ pub struct TextPairs {
     teacher: Option<TeacherScores>,
     /// A multi-vector (ColBERT) run's settings.
     multi_vector: Option<MultiVectorHead>,
+    /// A sparse run's handle on its regularisers' weights and their warm-up.
+    splade: Option<(WeightScale, SpladeConfig)>,
 }
 
 impl Task for TextPairs {
@@ -93,7 +96,12 @@ impl Task for TextPairs {
         &self.cfg
     }
 
-    fn next_batch(&mut self, _step: u64) -> Result<TextBatch> {
+    fn next_batch(&mut self, step: u64) -> Result<TextBatch> {
+        // A sparse run's FLOPS weights at this step of their warm-up (a function of the
+        // step alone, so a resumed run continues it exactly).
+        if let Some((scale, splade)) = &self.splade {
+            scale.set(splade.weight_scale(step, self.cfg.train.steps));
+        }
         self.loader.next_batch()
     }
 
@@ -486,6 +494,7 @@ impl Run<TextPairs> {
             predicted_peak: None,
             guide,
             teacher: gc.loss().teacher().cloned(),
+            splade: gc.loss().splade(&cfg),
             multi_vector: model.multi_vector,
             cfg,
         };
