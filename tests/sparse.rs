@@ -281,3 +281,75 @@ fn a_model_without_an_mlm_head_or_of_another_family_is_refused() {
         .to_string();
     assert!(err.contains("mpnet") && err.contains("distilbert"), "{err}");
 }
+
+#[test]
+fn encode_writes_the_active_entries_by_token_and_by_index() {
+    let r = reference("distilbert");
+    let dir = fixture("distilbert");
+    let text = &r.texts[3];
+    let row = r.tensors["embeddings"]
+        .get(3)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let encode = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["encode", "--model", dir.to_str().unwrap(), "--text", text];
+        args.extend_from_slice(extra);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_gradcache"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let line = encode(&[]);
+    let indices: Vec<usize> = line["indices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as usize)
+        .collect();
+    let want: Vec<usize> = (0..row.len()).filter(|&i| row[i] != 0.0).collect();
+    assert_eq!(indices, want, "the active entries");
+    let tokenizer = Tokenizer::from_file(&dir.join("tokenizer.json"), MAX_LEN).unwrap();
+    let tokens = line["sparse"].as_object().unwrap();
+    assert_eq!(tokens.len(), want.len());
+    for (k, &i) in want.iter().enumerate() {
+        let value = line["values"][k].as_f64().unwrap();
+        assert!((value - row[i] as f64).abs() <= 1e-5 * row[i].abs().max(1.0) as f64);
+        let token = tokenizer.inner().id_to_token(i as u32).unwrap();
+        assert_eq!(tokens[&token].as_f64().unwrap(), value, "{token}");
+    }
+    // The five largest only.
+    let top = encode(&["--top-k", "5"]);
+    let mut largest: Vec<usize> = want.clone();
+    largest.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+    largest.truncate(5);
+    largest.sort();
+    let got: Vec<usize> = top["indices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as usize)
+        .collect();
+    assert_eq!(got, largest);
+    // --top-k 0 is refused.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gradcache"))
+        .args([
+            "encode",
+            "--model",
+            dir.to_str().unwrap(),
+            "--text",
+            "x",
+            "--top-k",
+            "0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--top-k"));
+}

@@ -18,6 +18,7 @@ pub mod files;
 pub mod merge;
 pub mod multi_vector;
 pub mod sentence_transformers;
+pub mod sparse;
 pub mod tokenizer;
 
 use std::path::Path;
@@ -434,7 +435,12 @@ impl EmbeddingModel {
         self.similarity
     }
 
-    /// Pooling and normalisation.
+    /// Whether the model is a sparse (SPLADE) one: its vectors are vocabulary-wide.
+    pub fn is_sparse(&self) -> bool {
+        self.options.sparse.is_some()
+    }
+
+    /// The encoder's options (pooling, normalisation, a sparse head, ...).
     pub fn options(&self) -> &BertOptions {
         &self.options
     }

@@ -167,7 +167,8 @@ enum Command {
     /// the positive and each negative) that `gradcache train` reads.
     Mine(retrieval::MineArgs),
     /// Embed texts: `--text` arguments, or a file with one text per line or JSONL with a
-    /// `text` field. Writes JSONL `{"text", "embedding"}`.
+    /// `text` field. Writes JSONL `{"text", "embedding"}`; for a sparse (SPLADE) model
+    /// `{"text", "sparse": {token: weight}, "indices", "values"}` (its active entries).
     Encode {
         /// A model directory or a Hugging Face Hub id.
         #[arg(long)]
@@ -189,6 +190,10 @@ enum Command {
         /// tokenizer config; a larger one is capped at it).
         #[arg(long)]
         max_len: Option<usize>,
+        /// A sparse model: keep only each vector's k largest entries
+        /// (sentence-transformers' `max_active_dims`).
+        #[arg(long)]
+        top_k: Option<usize>,
         #[command(flatten)]
         head: HeadArgs,
     },
@@ -387,13 +392,14 @@ fn run(command: Command) -> Result<()> {
             output,
             side,
             max_len,
+            top_k,
             head,
         } => encode(
             &model,
             text,
             input.as_deref(),
             output.as_deref(),
-            side,
+            (side, top_k),
             &head.load_options(max_len)?,
         ),
         Command::Export {
@@ -728,7 +734,7 @@ fn encode(
     mut texts: Vec<String>,
     input: Option<&Path>,
     output: Option<&Path>,
-    side: Option<TowerArg>,
+    (side, top_k): (Option<TowerArg>, Option<usize>),
     options: &LoadOptions,
 ) -> Result<()> {
     if let Some(path) = input {
@@ -752,6 +758,9 @@ fn encode(
     if texts.is_empty() {
         bail!("nothing to encode: give --text or --input");
     }
+    if top_k == Some(0) {
+        bail!("--top-k 0 keeps nothing: give at least 1 (the largest entries of each sparse vector kept)");
+    }
     if gradcache::hub::multi_vector::is_multi_vector_model(model) {
         return encode_token_vectors(model, &texts, output, side, options);
     }
@@ -772,7 +781,20 @@ fn encode(
     );
     let mut lines = String::new();
     for (text, e) in texts.iter().zip(embeddings) {
-        lines += &format!("{}\n", serde_json::json!({"text": text, "embedding": e}));
+        let line = if model.is_sparse() {
+            // A sparse model's vector: its active entries by token and as an inverted
+            // index's (indices, values).
+            let v = gradcache::hub::sparse::SparseVector::from_dense(&e, top_k)?;
+            serde_json::json!({
+                "text": text,
+                "sparse": v.tokens(model.tokenizer()),
+                "indices": v.indices,
+                "values": v.values,
+            })
+        } else {
+            serde_json::json!({"text": text, "embedding": e})
+        };
+        lines += &format!("{line}\n");
     }
     match output {
         Some(path) => gradcache::durable::write(path, lines)?,
