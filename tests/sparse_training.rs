@@ -245,3 +245,25 @@ fn bad_sparse_settings_are_refused_by_name_before_anything_is_written() {
     assert!(err.contains("cls.predictions"), "{err}");
     assert!(!tmp.path().join("run").join("checkpoints").exists());
 }
+
+#[test]
+fn the_shipped_splade_config_learns() {
+    // configs/splade.toml as shipped (its fresh model, SPLADE pooling, temperature, FLOPS
+    // weights and warm-up, optimizer), on 400 quickstart pairs for 20 steps, evaluated on
+    // 100 held-out pairs.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    quickstart_sample(dir, 0..400, 1000..1100);
+    let sets = vec![
+        format!("output_dir=\"{}\"", dir.join("run").display()),
+        format!("data.train_file=\"{}\"", dir.join("train.jsonl").display()),
+        format!("data.eval_file=\"{}\"", dir.join("eval.jsonl").display()),
+        "train.steps=20".into(),
+        "train.eval_every=20".into(),
+        "train.checkpoint_every=20".into(),
+        "train.batch_size=64".into(),
+    ];
+    let cfg = Config::load(Path::new("configs/splade.toml"), &sets).unwrap();
+    assert!(cfg.model.sparse.is_some() && cfg.loss.splade.is_some());
+    common::assert_learns(Trainer::new(cfg, None).unwrap());
+}

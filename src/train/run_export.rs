@@ -292,7 +292,7 @@ pub fn export_run_as(
         output,
         &bert,
         &options,
-        cfg.loss.similarity,
+        cfg.similarity(),
         &encoder.weights()?,
         prefix,
         &tokenizer,

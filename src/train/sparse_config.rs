@@ -152,6 +152,15 @@ impl SpladeConfig {
 }
 
 impl super::config::Config {
+    /// What the run's vectors are scored by: `loss.similarity`, but dot products for a
+    /// sparse model (as its loss, its export and an inverted index score them).
+    pub fn similarity(&self) -> crate::loss::Similarity {
+        match self.model.sparse {
+            Some(_) => crate::loss::Similarity::Dot,
+            None => self.loss.similarity,
+        }
+    }
+
     /// A sparse run's settings: its vector is the MLM head's pooled logits, scored by dot
     /// products whatever `loss.similarity` says, so the single-vector head settings,
     /// Matryoshka widths, a multi-vector head, LoRA and a memory budget are refused by

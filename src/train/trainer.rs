@@ -226,7 +226,7 @@ impl Task for TextPairs {
         // A multi-vector model's rows are token matrices, scored by MaxSim.
         let (scoring, dim): (Scoring, Option<usize>) = match gc.loss().maxsim() {
             Some(l) => (Scoring::MaxSim, Some(l.dim())),
-            None => (self.cfg.loss.similarity.into(), None),
+            None => (self.cfg.similarity().into(), None),
         };
         let shaped = |x: Tensor| -> Result<Tensor> {
             match dim {
@@ -556,7 +556,7 @@ impl Run<TextPairs> {
             dir,
             &t.bert,
             &t.options,
-            t.cfg.loss.similarity,
+            t.cfg.similarity(),
             &encoder.weights()?,
             prefix,
             tokenizer,
