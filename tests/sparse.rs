@@ -353,3 +353,45 @@ fn encode_writes_the_active_entries_by_token_and_by_index() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--top-k"));
 }
+
+#[test]
+fn a_pooling_width_other_than_the_vocabulary_or_an_unknown_strategy_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let copy = |edit: &dyn Fn(&mut serde_json::Value)| -> PathBuf {
+        let dir = tmp.path().join(format!(
+            "m{}",
+            std::fs::read_dir(tmp.path()).unwrap().count()
+        ));
+        std::fs::create_dir_all(dir.join("1_SpladePooling")).unwrap();
+        for entry in std::fs::read_dir(fixture("distilbert")).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_type().unwrap().is_file() {
+                std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+            }
+        }
+        let pooling = "1_SpladePooling/config.json";
+        let mut cfg: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture("distilbert").join(pooling)).unwrap(),
+        )
+        .unwrap();
+        edit(&mut cfg);
+        std::fs::write(dir.join(pooling), cfg.to_string()).unwrap();
+        dir
+    };
+    let err = |dir: &Path| -> String {
+        EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default())
+            .err()
+            .unwrap()
+            .to_string()
+    };
+    let dir = copy(&|c| c["embedding_dimension"] = 30522.into());
+    let e = err(&dir);
+    assert!(
+        e.contains("embedding_dimension") && e.contains("400"),
+        "{e}"
+    );
+    let dir = copy(&|c| c["pooling_strategy"] = "mean".into());
+    assert!(err(&dir).contains("pooling_strategy"));
+    let dir = copy(&|c| c["activation_function"] = "gelu".into());
+    assert!(err(&dir).contains("activation_function"));
+}

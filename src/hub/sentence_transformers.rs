@@ -372,7 +372,9 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
             Module::Dense => dense.push(read_dense(&dir.join(&path))?),
             Module::Normalize => normalize = true,
             Module::SpladePooling => {
-                sparse = Some(read_splade_pooling(&dir.join(&path).join("config.json"))?);
+                let config = dir.join(&path).join("config.json");
+                sparse = Some(read_splade_pooling(&config)?);
+                check_splade_width(&config, &dir.join("config.json"))?;
                 pooling = Some((Pooling::Mean, true));
             }
         }
@@ -429,6 +431,29 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
         prompts,
         sparse,
     }))
+}
+
+/// A `SpladePooling` config's `embedding_dimension` (or the older
+/// `word_embedding_dimension`), when it gives one, must be the model's vocabulary size
+/// (`config.json`'s `vocab_size`): the vector has one entry per vocabulary token.
+fn check_splade_width(pooling: &Path, model_config: &Path) -> Result<()> {
+    let config = read_json(pooling)?;
+    let width = ["embedding_dimension", "word_embedding_dimension"]
+        .iter()
+        .find_map(|k| config[*k].as_u64());
+    let (Some(width), true) = (width, model_config.is_file()) else {
+        return Ok(());
+    };
+    let vocab = crate::models::bert::BertConfig::from_file(model_config)?.vocab_size;
+    if width as usize != vocab {
+        return Err(Error::UnsupportedConfig {
+            field: "embedding_dimension",
+            value: format!("{width} (the model's vocabulary has {vocab} tokens)"),
+            supported: "the model's vocab_size: a sparse vector has one entry per token",
+            path: pooling.to_path_buf(),
+        });
+    }
+    Ok(())
 }
 
 /// The settings of a `SpladePooling` module's `config.json` (`pooling_strategy`,
