@@ -11,7 +11,7 @@ use gradcache::bert::{BertEncoder, BertOptions, Pooling};
 use gradcache::{GradCache, InfoNce, ParamStore, Precision, Recompute, StepOutput};
 
 mod common;
-use common::encoders::{config, key_bias, tokens};
+use common::encoders::{config, key_biases, tokens, LAYOUTS};
 use common::rel_err_with_zeros;
 
 fn step(family: &str, fused: bool, recompute: Recompute) -> StepOutput {
@@ -43,26 +43,14 @@ fn step_in(family: &str, fused: bool, recompute: Recompute, precision: Precision
 
 #[test]
 fn fused_kernels_give_the_composed_step() {
-    for family in [
-        "bert",
-        "distilbert",
-        "mpnet",
-        "modernbert",
-        "modernbert-biased",
-    ] {
+    for family in LAYOUTS {
         fused_equals_composed(family);
     }
 }
 
 fn fused_equals_composed(family: &str) {
     let cfg = config(family);
-    let zero: Vec<String> = ["query.", "passage."]
-        .iter()
-        .flat_map(|p| {
-            (0..cfg.num_hidden_layers)
-                .filter_map(move |i| key_bias(family, i).map(|k| format!("{p}{k}")))
-        })
-        .collect();
+    let zero = key_biases(family, cfg.num_hidden_layers);
     let zero: Vec<&str> = zero.iter().map(String::as_str).collect();
     for recompute in [Recompute::Off, Recompute::EveryLayer] {
         let composed = step(family, false, recompute.clone());

@@ -15,7 +15,7 @@ use gradcache::nn::{Act, AttentionSpec};
 use gradcache::{GradCache, InfoNce, ParamStore, Precision, Recompute, StepOutput};
 
 mod common;
-use common::encoders::{config, key_bias, tokens};
+use common::encoders::{config, key_biases, tokens, LAYOUTS};
 use common::rel_err_with_zeros;
 
 /// The kernel switches are the process's: the steps that set them run one at a time.
@@ -51,24 +51,10 @@ fn step(family: &str, gpu: bool, recompute: Recompute, precision: Precision) -> 
     out
 }
 
-/// The key biases of both towers, whose gradients are rounding noise.
-fn key_biases(family: &str) -> Vec<String> {
-    ["query.", "passage."]
-        .iter()
-        .flat_map(|p| (0..3).filter_map(move |i| key_bias(family, i).map(|k| format!("{p}{k}"))))
-        .collect()
-}
-
 #[test]
 fn the_gpu_layer_node_gives_the_composed_step() {
-    for family in [
-        "bert",
-        "distilbert",
-        "mpnet",
-        "modernbert",
-        "modernbert-biased",
-    ] {
-        let zero = key_biases(family);
+    for family in LAYOUTS {
+        let zero = key_biases(family, 3);
         let zero: Vec<&str> = zero.iter().map(String::as_str).collect();
         for recompute in [Recompute::Off, Recompute::EveryLayer] {
             let composed = step(family, false, recompute.clone(), Precision::F32);

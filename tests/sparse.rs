@@ -23,6 +23,7 @@ use gradcache::loss::{Flops, SpladeLoss};
 use gradcache::{GradCache, InfoNce, Loss, ParamStore, Recompute, Similarity};
 
 mod common;
+use common::families::{assert_step_matches, reference_at, refs, Reference};
 use common::{max_abs, max_diff};
 
 const MODELS: [&str; 2] = ["distilbert", "bert"];
@@ -34,39 +35,8 @@ fn fixture(model: &str) -> PathBuf {
         .join(model)
 }
 
-struct Reference {
-    texts: Vec<String>,
-    queries: Vec<String>,
-    passages: Vec<String>,
-    loss: f64,
-    tensors: HashMap<String, Tensor>,
-}
-
 fn reference(model: &str) -> Reference {
-    let dir = fixture(model);
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let list = |key: &str| -> Vec<String> {
-        meta[key]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_str().unwrap().to_string())
-            .collect()
-    };
-    Reference {
-        texts: list("texts"),
-        queries: list("queries"),
-        passages: list("passages"),
-        loss: meta["loss"].as_f64().unwrap(),
-        tensors: candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu)
-            .unwrap(),
-    }
-}
-
-fn refs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
+    reference_at(&fixture(model))
 }
 
 /// The largest difference relative to the reference's largest entry.
@@ -195,7 +165,6 @@ fn a_cached_step_gives_sentence_transformers_loss_and_gradients() {
                 (n.to_string(), v)
             })
             .collect();
-        let global = want.values().map(|g| max_abs(g)).fold(0.0, f64::max);
         for (chunk, recompute) in [
             (4, Recompute::Off),
             (1, Recompute::Off),
@@ -203,20 +172,7 @@ fn a_cached_step_gives_sentence_transformers_loss_and_gradients() {
         ] {
             let (loss, grads) = step(model, chunk, recompute.clone());
             let what = format!("{model}, chunk {chunk}, recompute {recompute:?}");
-            assert!(
-                (loss as f64 - r.loss).abs() <= 1e-5 * r.loss.abs().max(1.0),
-                "{what}: loss {loss} against {}",
-                r.loss
-            );
-            let mut seen = 0;
-            for (name, got) in grads.iter() {
-                let reference = want
-                    .get(name)
-                    .unwrap_or_else(|| panic!("{what}: no reference gradient for `{name}`"));
-                let err = max_diff(got, reference) / max_abs(reference).max(1e-3 * global);
-                assert!(err <= 1e-4, "{what}: gradient of `{name}` off by {err:e}");
-                seen += 1;
-            }
+            let seen = assert_step_matches(&what, (loss, &grads), r.loss, &want);
             // Every parameter with a reference gradient got one (the tied decoder's
             // part of the word embeddings' included).
             let nonzero = want.values().filter(|g| max_abs(g) > 0.0).count();
@@ -394,4 +350,15 @@ fn a_pooling_width_other_than_the_vocabulary_or_an_unknown_strategy_is_refused()
     assert!(err(&dir).contains("pooling_strategy"));
     let dir = copy(&|c| c["activation_function"] = "gelu".into());
     assert!(err(&dir).contains("activation_function"));
+    // A module after SpladePooling (its vector is final).
+    let dir = copy(&|_| {});
+    let mut modules: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("modules.json")).unwrap()).unwrap();
+    modules.as_array_mut().unwrap().push(serde_json::json!({
+        "idx": 2, "name": "2", "path": "2_Normalize",
+        "type": "sentence_transformers.models.Normalize"
+    }));
+    std::fs::write(dir.join("modules.json"), modules.to_string()).unwrap();
+    let e = err(&dir);
+    assert!(e.contains("modules") && e.contains("SpladePooling"), "{e}");
 }

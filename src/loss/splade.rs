@@ -315,4 +315,14 @@ mod tests {
         assert!(Flops::new(-1.0).is_err());
         assert!(Flops::new(f64::NAN).is_err());
     }
+
+    /// Every row a document leaves no query regulariser to have.
+    #[test]
+    fn documents_only_refuses_a_query_regulariser() {
+        let base = crate::loss::InfoNce::new(1.0).unwrap();
+        let loss = SpladeLoss::new(base, Flops::new(1e-3).unwrap())
+            .with_queries(Some(Flops::new(1e-3).unwrap()));
+        let err = loss.with_documents_only(true).err().unwrap().to_string();
+        assert!(err.contains("query"), "{err}");
+    }
 }

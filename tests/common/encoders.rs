@@ -55,6 +55,25 @@ pub fn key_bias(family: &str, layer: usize) -> Option<String> {
     }
 }
 
+/// The layouts [`config`] builds.
+pub const LAYOUTS: [&str; 5] = [
+    "bert",
+    "distilbert",
+    "mpnet",
+    "modernbert",
+    "modernbert-biased",
+];
+
+/// The key biases of both towers (`query.`, `passage.`) over `layers` layers.
+pub fn key_biases(family: &str, layers: usize) -> Vec<String> {
+    ["query.", "passage."]
+        .iter()
+        .flat_map(|p| {
+            (0..layers).filter_map(move |i| key_bias(family, i).map(|k| format!("{p}{k}")))
+        })
+        .collect()
+}
+
 /// Rows of different lengths, right-padded.
 pub fn tokens(seed: usize, rows: usize) -> TokenBatch {
     let len = 9;

@@ -26,7 +26,11 @@ pub struct Reference {
 
 /// The references of fixture `family`.
 pub fn reference(family: &str) -> Reference {
-    let dir = fixture(family);
+    reference_at(&fixture(family))
+}
+
+/// The `reference.json` and `reference.safetensors` of the fixture in `dir`.
+pub fn reference_at(dir: &Path) -> Reference {
     let meta: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
             .unwrap();
@@ -51,4 +55,31 @@ pub fn reference(family: &str) -> Reference {
 /// `&str`s of `v`.
 pub fn refs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
+}
+
+/// Checks one cached step against the reference: the loss within 1e-5 (relative, floored
+/// at 1) of `loss_ref`, and each gradient within 1e-4 of `want`'s (relative to its largest
+/// entry, floored at 1e-3 of the largest entry of them all). Returns how many gradients
+/// were compared; a gradient without a reference fails.
+pub fn assert_step_matches(
+    what: &str,
+    (loss, grads): (f32, &gradcache::Gradients),
+    loss_ref: f64,
+    want: &HashMap<String, &Tensor>,
+) -> usize {
+    assert!(
+        (loss as f64 - loss_ref).abs() <= 1e-5 * loss_ref.abs().max(1.0),
+        "{what}: loss {loss} against {loss_ref}"
+    );
+    let global = want.values().map(|g| super::max_abs(g)).fold(0.0, f64::max);
+    let mut seen = 0;
+    for (name, got) in grads.iter() {
+        let reference = want
+            .get(name)
+            .unwrap_or_else(|| panic!("{what}: no reference gradient for `{name}`"));
+        let err = super::max_diff(got, reference) / super::max_abs(reference).max(1e-3 * global);
+        assert!(err <= 1e-4, "{what}: gradient of `{name}` off by {err:e}");
+        seen += 1;
+    }
+    seen
 }
