@@ -69,26 +69,26 @@ pub fn tokens(seed: u64, rows: usize, device: &Device) -> Result<TokenBatch> {
 /// The largest `||got - want|| / ||want||` over the parameters of `want`, leaving out
 /// those `skip` names (e.g. attention key biases, whose true gradient is zero: softmax
 /// ignores a shift of a whole row, so only rounding noise is there). A parameter missing
-/// from `got` counts as infinitely wrong.
+/// from `got` counts as infinitely wrong. The two may live on different devices (a GPU's
+/// gradients against the CPU's): both are compared on the CPU, in f64.
 pub fn relative_error(
     got: &Gradients,
     want: &Gradients,
     skip: impl Fn(&str) -> bool,
 ) -> Result<f64> {
-    let norm = |t: &Tensor| -> Result<f64> {
-        let sq = t
-            .to_dtype(DType::F64)?
-            .sqr()?
-            .sum_all()?
-            .to_scalar::<f64>()?;
-        Ok(sq.sqrt())
-    };
+    let norm = |t: &Tensor| -> Result<f64> { Ok(t.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt()) };
     let mut worst = 0f64;
     for (name, w) in want.iter().filter(|(n, _)| !skip(n)) {
         let Some(g) = got.get(name) else {
             return Ok(f64::INFINITY);
         };
-        let rel = norm(&(g.to_dtype(w.dtype())? - w)?)? / norm(w)?.max(f64::MIN_POSITIVE);
+        let on_cpu =
+            |t: &Tensor| -> Result<Tensor> { Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?) };
+        let (g, w) = (on_cpu(g)?, on_cpu(w)?);
+        if g.dims() != w.dims() {
+            return Ok(f64::INFINITY);
+        }
+        let rel = norm(&(g - &w)?)? / norm(&w)?.max(f64::MIN_POSITIVE);
         worst = worst.max(if rel.is_nan() { f64::INFINITY } else { rel });
     }
     Ok(worst)

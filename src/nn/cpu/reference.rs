@@ -281,11 +281,19 @@ pub(crate) fn softmax_forward(
         let (b, head, q) = (row / (heads * s), (row / s) % heads, row % s);
         let z: Vec<f64> = (0..s)
             .map(|k| {
+                // Each addition rounded as the kernel's f32 arithmetic rounds it: in a row
+                // whose every key is hidden (a padding query in a window of padding keys)
+                // the logits sit near -1e4, where f32's steps are 1e-3 and decide the row.
                 let lin = narrow(scale * x[row * s + k], dtype);
-                let hidden = if sees(q, k) { 0.0 } else { -10000.0 };
-                lin + kb[b * s + k]
-                    + sb.as_ref().map_or(0.0, |v| v[(head * s + q) * s + k])
-                    + hidden
+                let mut z = narrow(lin + kb[b * s + k], acc(dtype));
+                if let Some(v) = &sb {
+                    z = narrow(z + v[(head * s + q) * s + k], acc(dtype));
+                }
+                if sees(q, k) {
+                    z
+                } else {
+                    narrow(z - 10000.0, acc(dtype))
+                }
             })
             .collect();
         let mx = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -557,6 +565,83 @@ fn act_slope(act: Act, x: f64) -> f64 {
         Act::Silu => {
             let s = 1.0 / (1.0 + (-x).exp());
             s * (1.0 + x * (1.0 - s))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::MASKED_BIAS;
+
+    /// `softmax_fwd` of attention.cu in f32 as the GPU runs it: each product and sum
+    /// rounded to f32, `expf` on f32 arguments, the row's sum in f32.
+    fn kernel_in_f32(
+        x: &[f32],
+        kb: &[f32],
+        s: usize,
+        scale: f32,
+        sees: impl Fn(usize, usize) -> bool,
+    ) -> Vec<f32> {
+        let mut p = vec![0f32; x.len()];
+        for row in 0..x.len() / s {
+            let (b, q) = (row / s, row % s);
+            let z: Vec<f32> = (0..s)
+                .map(|k| {
+                    let z = scale * x[row * s + k] + kb[b * s + k];
+                    if sees(q, k) {
+                        z
+                    } else {
+                        z - 10000.0
+                    }
+                })
+                .collect();
+            let mx = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let total: f32 = z.iter().map(|z| (z - mx).exp()).sum();
+            for k in 0..s {
+                p[row * s + k] = (z[k] - mx).exp() / total;
+            }
+        }
+        p
+    }
+
+    /// A padding query whose window holds only padding keys: every logit is near -1e4 and
+    /// the kernel's f32 rounding there decides the row; the reference rounds as it does
+    /// (measured on an H200 before it did: 1.1e-5 and 1.2e-5 off in f32, over 1e-5).
+    #[test]
+    fn the_softmax_reference_rounds_hidden_logits_as_the_kernel_does() {
+        let (s, scale) = (40usize, 0.35f32);
+        let x: Vec<f32> = (0..s * s)
+            .map(|i| ((i * 7919 % 1000) as f32 / 250.0) - 2.0)
+            .collect();
+        let kb: Vec<f32> = (0..s)
+            .map(|k| if k >= s - 9 { MASKED_BIAS as f32 } else { 0.0 })
+            .collect();
+        for window in [Some(5usize), Some(7)] {
+            let sees = |q: usize, k: usize| k <= q && window.is_none_or(|w| q - k <= w);
+            let want = kernel_in_f32(&x, &kb, s, scale, sees);
+            let scores = Tensor::from_vec(x.clone(), (1, 1, s, s), &Device::Cpu).unwrap();
+            let key_bias = Tensor::from_vec(kb.clone(), (1, s), &Device::Cpu).unwrap();
+            let (p, _) = softmax_forward(
+                &scores,
+                &key_bias,
+                None,
+                f64::from(scale),
+                None,
+                (true, window),
+            )
+            .unwrap();
+            let got = p.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (mut diff, mut norm) = (0f64, 0f64);
+            for (g, w) in got.iter().zip(&want) {
+                diff += f64::from(g - w).powi(2);
+                norm += f64::from(*w).powi(2);
+            }
+            let rel = (diff / norm).sqrt();
+            assert!(
+                rel < 1e-6,
+                "window {window:?}: the reference is {rel:.2e} off the kernel's f32"
+            );
         }
     }
 }
