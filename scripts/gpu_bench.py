@@ -194,7 +194,8 @@ def gradcache_side(binary, model_dir, pairs, eval_file, out, batch, mini, max_le
                    profile=False):
     """Trains; returns pairs/s (mean after the first step), the first loss, the pool's
     peak bytes over the steps and (with `profile`) the last step's profile spans."""
-    run = os.path.join(out, "gradcache-" + os.path.basename(model_dir))
+    run = os.path.join(out, ("gradcache-profile-" if profile else "gradcache-")
+                       + os.path.basename(model_dir))
     sets = {
         "model.pretrained": model_dir, "model.query_max_len": max_len,
         "model.passage_max_len": max_len, "model.recompute": "off",
@@ -289,10 +290,16 @@ def main():
             lines.append(f"pool peak over the two steps: {gib(peak)}\n")
             print("\n".join(lines[-2:]), flush=True)
             continue
+        # A failed gradcache side still leaves the sentence-transformers row to read.
         with GpuMemory() as mem_gc:
-            gc, gc_loss, gc_peak, _ = gradcache_side(a.gradcache, model_dir, train, eval_file,
-                                                     a.out, batch, mini, a.max_len, a.steps,
-                                                     a.device)
+            try:
+                gc, gc_loss, gc_peak, _ = gradcache_side(a.gradcache, model_dir, train,
+                                                         eval_file, a.out, batch, mini,
+                                                         a.max_len, a.steps, a.device)
+            except (subprocess.CalledProcessError, OSError, ValueError, KeyError,
+                    ZeroDivisionError) as e:
+                print(f"{shape}: the gradcache side failed: {e}", flush=True)
+                gc, gc_loss, gc_peak = float("nan"), float("nan"), 0
         with GpuMemory() as mem_st:
             res = subprocess.run([sys.executable, __file__, "--gradcache", a.gradcache,
                                   "--out", a.out, "--steps", str(a.steps), "--batch",
