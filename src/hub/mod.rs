@@ -117,7 +117,11 @@ pub trait Retriever {
 
 impl Retriever for EmbeddingModel {
     fn scoring(&self) -> crate::retrieval::Scoring {
-        self.similarity().into()
+        if self.is_sparse() {
+            crate::retrieval::Scoring::Sparse
+        } else {
+            self.similarity().into()
+        }
     }
 
     fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
@@ -356,6 +360,9 @@ impl EmbeddingModel {
             adapter.check_covers(encoder.params(), "")?;
         }
         let (inner, tokenizer_config) = load_tokenizer(files, &config)?;
+        if sparse.is_some() {
+            check_sparse_vocabulary(files, &inner, &config)?;
+        }
         let (limit, limit_src) = tokenizer::model_max_length(&files.dir, config.max_tokens())?;
         let max_len = match options.max_len {
             Some(asked) if asked > limit => {
@@ -493,4 +500,31 @@ pub fn load_tokenizer(
         });
     }
     Ok((inner, tokenizer_config))
+}
+
+/// Refuses a sparse model whose tokenizer knows more tokens than the model's vocabulary:
+/// a sparse vector has one entry per vocabulary entry of the model, and a token past them
+/// would have no embedding and no entry.
+pub fn check_sparse_vocabulary(
+    files: &ModelFiles,
+    tokenizer: &tokenizers::Tokenizer,
+    config: &BertConfig,
+) -> Result<()> {
+    let tokens = tokenizer.get_vocab_size(true);
+    if tokens > config.vocab_size {
+        return Err(Error::ModelFile {
+            path: files
+                .tokenizer
+                .clone()
+                .unwrap_or_else(|| files.dir.join(files::TOKENIZER)),
+            reason: format!(
+                "the tokenizer has {tokens} tokens but config.json's vocab_size is {}: a \
+                 sparse model's vectors have one entry per vocabulary entry, and the tokens \
+                 past it have neither an embedding nor an entry (use the model's own \
+                 tokenizer)",
+                config.vocab_size
+            ),
+        });
+    }
+    Ok(())
 }

@@ -1,5 +1,6 @@
 //! The retrieval workflow around training: datasets as they are published ([`files`],
-//! [`beir`]), exact top-k search over a corpus in bounded memory ([`search`]), the
+//! [`beir`]), exact top-k search over a corpus in bounded memory ([`search`]; sparse
+//! vectors through an inverted index, [`inverted`]), the
 //! standard measures with trec_eval's definitions ([`metrics`]), and hard-negative mining
 //! ([`mine`]).
 //!
@@ -9,6 +10,7 @@
 
 pub mod beir;
 pub mod files;
+pub mod inverted;
 pub mod metrics;
 pub mod mine;
 pub mod search;
@@ -18,6 +20,7 @@ use std::collections::BTreeMap;
 use candle_core::Tensor;
 
 pub use beir::{BeirSet, Document, Qrels, Query};
+pub use inverted::{search_sparse, SparseRows, Sparsity};
 pub use metrics::{corpus_metrics, trec_order, trec_run, CorpusMetrics, Ranking};
 pub use mine::{mine, MineOptions, Mined, MinedRow, MiningSet, Sampling};
 pub use search::{search, Hit, Scoring, SearchOptions};
@@ -31,6 +34,8 @@ pub struct Evaluation {
     pub metrics: CorpusMetrics,
     /// Query id -> its top-k, in trec_eval's order.
     pub run: BTreeMap<String, Ranking>,
+    /// A sparse model's active dimensions and FLOPS ([`Scoring::Sparse`] only).
+    pub sparsity: Option<Sparsity>,
 }
 
 /// How [`evaluate_corpus`] reads the corpus and what it counts.
@@ -57,38 +62,52 @@ impl Default for CorpusEvalOptions {
 }
 
 /// Evaluates retrieval on `set`: every query against the whole corpus (exact top-k,
-/// blocked), then the measures of [`metrics`], scored by a similarity or MaxSim
-/// ([`Scoring`]). `embed_queries` embeds the query texts,
-/// `embed_documents` a block of document texts (title and text joined by
-/// `options.title_separator`).
+/// blocked), then the measures of [`metrics`], scored by a similarity, MaxSim or sparse
+/// dot products through an inverted index ([`Scoring`]). `embed_queries` embeds query
+/// texts (all at once; a sparse model's a block at a time), `embed_documents` a block of
+/// document texts (title and text joined by `options.title_separator`).
 pub fn evaluate_corpus(
     set: &BeirSet,
     similarity: impl Into<Scoring>,
     options: &CorpusEvalOptions,
-    embed_queries: impl FnOnce(&[&str]) -> Result<Tensor>,
+    mut embed_queries: impl FnMut(&[&str]) -> Result<Tensor>,
     mut embed_documents: impl FnMut(&[&str]) -> Result<Tensor>,
 ) -> Result<Evaluation> {
+    let scoring = similarity.into();
     let texts: Vec<&str> = set.queries.iter().map(|q| q.text.as_str()).collect();
-    let queries = embed_queries(&texts)?;
     let mut search_options = options.search;
     if options.ignore_identical_ids {
         // One more, in case the query itself is among its best.
         search_options.top_k += 1;
     }
-    let hits = search(
-        &queries,
-        set.corpus.len(),
-        similarity,
-        search_options,
-        |range| {
-            let docs: Vec<String> = set.corpus[range]
-                .iter()
-                .map(|d| d.joined(&options.title_separator))
-                .collect();
-            let refs: Vec<&str> = docs.iter().map(String::as_str).collect();
-            embed_documents(&refs)
-        },
-    )?;
+    let embed_block = |range: std::ops::Range<usize>| {
+        let docs: Vec<String> = set.corpus[range]
+            .iter()
+            .map(|d| d.joined(&options.title_separator))
+            .collect();
+        let refs: Vec<&str> = docs.iter().map(String::as_str).collect();
+        embed_documents(&refs)
+    };
+    let (hits, sparsity) = if scoring == Scoring::Sparse {
+        // Vocabulary-wide query vectors a block at a time, kept by their non-zero entries.
+        let mut queries = SparseRows::default();
+        for block in texts.chunks(inverted::SPARSE_BLOCK) {
+            queries.extend(&SparseRows::from_dense(&embed_queries(block)?)?)?;
+        }
+        let (hits, sparsity) =
+            search_sparse(&queries, set.corpus.len(), search_options, embed_block)?;
+        (hits, Some(sparsity))
+    } else {
+        let queries = embed_queries(&texts)?;
+        let hits = search(
+            &queries,
+            set.corpus.len(),
+            scoring,
+            search_options,
+            embed_block,
+        )?;
+        (hits, None)
+    };
     let mut run = BTreeMap::new();
     for (query, hits) in set.queries.iter().zip(hits) {
         let mut ranking: Ranking = hits
@@ -103,5 +122,6 @@ pub fn evaluate_corpus(
     Ok(Evaluation {
         metrics: corpus_metrics(&run, &set.qrels),
         run,
+        sparsity,
     })
 }

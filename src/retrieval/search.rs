@@ -25,7 +25,7 @@ pub struct Hit {
 
 /// Ranking order: higher score first; equal scores by lower corpus index first (so the
 /// result does not depend on the block size).
-fn better(a: &Hit, b: &Hit) -> Ordering {
+pub(super) fn better(a: &Hit, b: &Hit) -> Ordering {
     b.score
         .partial_cmp(&a.score)
         .unwrap_or(Ordering::Equal)
@@ -43,6 +43,20 @@ pub struct SearchOptions {
     pub query_block: usize,
 }
 
+impl SearchOptions {
+    /// Refuses a depth or block of 0.
+    pub(super) fn check(&self) -> Result<()> {
+        if self.top_k == 0 || self.corpus_block == 0 || self.query_block == 0 {
+            return Err(Error::InvalidArgument {
+                what: "search option",
+                value: format!("{self:?}"),
+                reason: "top_k, corpus_block and query_block must be at least 1",
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Default for SearchOptions {
     fn default() -> Self {
         Self {
@@ -53,8 +67,9 @@ impl Default for SearchOptions {
     }
 }
 
-/// How a query and a document are scored: one vector each with a similarity, or token
-/// matrices by MaxSim (late interaction, ColBERT).
+/// How a query and a document are scored: one vector each with a similarity, token
+/// matrices by MaxSim (late interaction, ColBERT), or vocabulary-wide sparse vectors by
+/// dot products through an inverted index (SPLADE).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scoring {
     /// One embedding per text `[n, d]`, compared by `similarity`.
@@ -62,6 +77,10 @@ pub enum Scoring {
     /// A token matrix per text `[n, tokens, d]` (absent tokens zero vectors), scored by
     /// `sum_s max_t <q_s, d_t>` ([`crate::loss::MaxSim::scores`]).
     MaxSim,
+    /// A sparse model's vocabulary-wide vectors `[n, vocabulary]`, compared by dot
+    /// products; a corpus is searched through an inverted index of their non-zero entries
+    /// ([`super::inverted`]), the same scores as the dense products.
+    Sparse,
 }
 
 impl From<Similarity> for Scoring {
@@ -77,6 +96,7 @@ impl Scoring {
         match self {
             Scoring::Vectors(s) => s.sentence_transformers_name(),
             Scoring::MaxSim => "MaxSim",
+            Scoring::Sparse => "dot",
         }
     }
 
@@ -85,13 +105,13 @@ impl Scoring {
     pub(crate) fn prepare(self, x: &Tensor) -> Result<Tensor> {
         let x = x.detach().to_dtype(DType::F32)?;
         match (self, x.rank()) {
-            (Scoring::Vectors(Similarity::Dot), 2) => Ok(x),
+            (Scoring::Vectors(Similarity::Dot) | Scoring::Sparse, 2) => Ok(x),
             (Scoring::Vectors(Similarity::Cosine), 2) => crate::loss::l2_normalize(&x),
             (Scoring::MaxSim, 3) => Ok(x),
             _ => Err(Error::InvalidArgument {
                 what: "embeddings",
                 value: format!("{:?}", x.dims()),
-                reason: "single vectors are [texts, width], token matrices [texts, tokens, width]",
+                reason: "single and sparse vectors are [texts, width], token matrices [texts, tokens, width]",
             }),
         }
     }
@@ -99,7 +119,7 @@ impl Scoring {
     /// The scores `[n]` of row-aligned pairs of prepared queries and documents.
     pub(crate) fn pair_scores(self, queries: &Tensor, docs: &Tensor) -> Result<Tensor> {
         match self {
-            Scoring::Vectors(_) => Ok((queries * docs)?.sum(1)?),
+            Scoring::Vectors(_) | Scoring::Sparse => Ok((queries * docs)?.sum(1)?),
             Scoring::MaxSim => {
                 let pairs = (0..queries.dim(0)?)
                     .map(|i| {
@@ -115,7 +135,7 @@ impl Scoring {
     /// Scores `[q, d]` of prepared queries against prepared documents.
     pub(crate) fn scores(self, queries: &Tensor, docs: &Tensor) -> Result<Tensor> {
         match self {
-            Scoring::Vectors(_) => Ok(queries.matmul(&docs.t()?)?),
+            Scoring::Vectors(_) | Scoring::Sparse => Ok(queries.matmul(&docs.t()?)?),
             Scoring::MaxSim => {
                 let (q, lq, d) = queries.dims3()?;
                 let (n, ld, _) = docs.dims3()?;
@@ -138,14 +158,12 @@ pub fn search(
     options: SearchOptions,
     mut embed: impl FnMut(Range<usize>) -> Result<Tensor>,
 ) -> Result<Vec<Vec<Hit>>> {
-    if options.top_k == 0 || options.corpus_block == 0 || options.query_block == 0 {
-        return Err(Error::InvalidArgument {
-            what: "search option",
-            value: format!("{options:?}"),
-            reason: "top_k, corpus_block and query_block must be at least 1",
-        });
-    }
+    options.check()?;
     let scoring = scoring.into();
+    if scoring == Scoring::Sparse {
+        let queries = super::inverted::SparseRows::from_dense(queries)?;
+        return Ok(super::inverted::search_sparse(&queries, corpus_len, options, embed)?.0);
+    }
     let q = scoring.prepare(queries)?;
     let (rows, width) = (q.dim(0)?, *q.dims().last().unwrap_or(&0));
     let k = options.top_k.min(corpus_len);

@@ -226,6 +226,8 @@ impl Task for TextPairs {
         // A multi-vector model's rows are token matrices, scored by MaxSim.
         let (scoring, dim): (Scoring, Option<usize>) = match gc.loss().maxsim() {
             Some(l) => (Scoring::MaxSim, Some(l.dim())),
+            // A sparse model's vectors are vocabulary-wide: an inverted index scores them.
+            None if self.cfg.model.sparse.is_some() => (Scoring::Sparse, None),
             None => (self.cfg.similarity().into(), None),
         };
         let shaped = |x: Tensor| -> Result<Tensor> {

@@ -203,7 +203,7 @@ pub fn eval_beir(
         set.corpus.len() as f64 / seconds.max(1e-9)
     );
     let m = &evaluation.metrics;
-    let summary = serde_json::json!({
+    let mut summary = serde_json::json!({
         "data": dir.display().to_string(),
         "split": split,
         "documents": set.corpus.len(),
@@ -213,6 +213,9 @@ pub fn eval_beir(
         "prompts": model.prompts(),
         "metrics": m,
     });
+    if let Some(sparsity) = &evaluation.sparsity {
+        summary["sparsity"] = serde_json::to_value(sparsity)?;
+    }
     if let Some(path) = &outputs.run_file {
         write_file(path, &trec_run(&evaluation.run, "gradcache"))?;
         tracing::info!("run file: {}", path.display());
@@ -223,6 +226,9 @@ pub fn eval_beir(
     }
     println!("{}", serde_json::to_string(m)?);
     tracing::info!("{}", describe_corpus(m));
+    if let Some(s) = &evaluation.sparsity {
+        tracing::info!("{}", s.describe());
+    }
     Ok(())
 }
 
