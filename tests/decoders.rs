@@ -30,7 +30,7 @@ use gradcache::{Ctx, GradCache, InfoNce, ParamStore, Recompute, Similarity};
 
 mod common;
 use common::families::{fixture, reference, refs};
-use common::{max_abs, max_diff};
+use common::{copy_dir, max_abs, max_diff};
 
 const DECODERS: [&str; 5] = ["qwen3", "qwen2", "llama", "mistral", "gemma3_text"];
 const MAX_LEN: usize = 32;
@@ -514,18 +514,6 @@ fn edited(dir: &Path, family: &str, file: &str, edit: impl Fn(&mut serde_json::V
     edit(&mut v);
     std::fs::write(&path, v.to_string()).unwrap();
     out
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap().flatten() {
-        let target = to.join(e.file_name());
-        if e.path().is_dir() {
-            copy_dir(&e.path(), &target);
-        } else {
-            std::fs::copy(e.path(), target).unwrap();
-        }
-    }
 }
 
 /// Trains `model` for two steps into `out` (nothing else) and returns the error, if any.

@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -21,7 +21,7 @@ use candle_core::Device;
 use gradcache::train::checkpoint;
 
 mod common;
-use common::{bits, write_tiny_run};
+use common::{bits, copy_dir, write_tiny_run};
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_gradcache")
@@ -366,14 +366,6 @@ fn resume_falls_back_past_a_damaged_checkpoint_and_says_so() {
         "{stderr}"
     );
     assert_eq!(newest(&out).0, 4, "the run trained steps 3 and 4 again");
-}
-
-fn copy_dir(from: &Path, to: &PathBuf) {
-    fs::create_dir_all(to).unwrap();
-    for e in fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
 }
 
 #[test]

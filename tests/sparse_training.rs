@@ -12,7 +12,7 @@ use gradcache::train::trainer::Trainer;
 use gradcache::Side;
 
 mod common;
-use common::{max_diff, quickstart_sample};
+use common::{copy_dir, max_diff, quickstart_sample};
 
 fn fixture(model: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -266,4 +266,45 @@ fn the_shipped_splade_config_learns() {
     let cfg = Config::load(Path::new("configs/splade.toml"), &sets).unwrap();
     assert!(cfg.model.sparse.is_some() && cfg.loss.splade.is_some());
     common::assert_learns(Trainer::new(cfg, None).unwrap());
+}
+
+#[test]
+fn a_tokenizer_larger_than_the_sparse_vocabulary_is_refused() {
+    // The DistilBERT fixture with two tokens more in its tokenizer than its vocab_size.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    copy_dir(&fixture("distilbert"), &model);
+    let path = model.join("tokenizer.json");
+    let mut tokenizer: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let vocab = config["vocab_size"].as_u64().unwrap();
+    for (i, token) in ["[EXTRA1]", "[EXTRA2]"].iter().enumerate() {
+        tokenizer["added_tokens"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+                "id": vocab + i as u64, "content": token, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true
+            }));
+    }
+    std::fs::write(&path, tokenizer.to_string()).unwrap();
+    let want = format!(
+        "{} tokens but config.json's vocab_size is {vocab}",
+        vocab + 2
+    );
+    // Loading it for encode or eval.
+    let err = gradcache::hub::EmbeddingModel::load(model.to_str().unwrap(), &Default::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains(&want), "{err}");
+    // Training it.
+    quickstart_sample(tmp.path(), 0..32, 1000..1008);
+    let run = sparse_run(tmp.path(), 2, "");
+    let cfg = Config::load(&run, &[format!("model.pretrained=\"{}\"", model.display())]).unwrap();
+    let err = Trainer::new(cfg, None).err().unwrap().to_string();
+    assert!(err.contains(&want), "{err}");
+    assert!(!tmp.path().join("run").join("checkpoints").exists());
 }

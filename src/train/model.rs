@@ -382,6 +382,9 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
     let bert = BertConfig::from_file(&files.config)?;
     let (tokenizer, tokenizer_config) = crate::hub::load_tokenizer(&files, &bert)?;
+    if cfg.model.sparse.is_some() {
+        crate::hub::check_sparse_vocabulary(&files, &tokenizer, &bert)?;
+    }
     let (limit, source) = model_limit(&files.dir, &bert)?;
     let own = MultiVectorConfig::read_if_any(&files.dir)?;
     let multi_vector = match (&cfg.model.multi_vector, &own) {

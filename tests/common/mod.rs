@@ -327,3 +327,16 @@ pub fn snapshot(buffers: &Params) -> Vec<(String, Vec<u32>)> {
         .map(|(n, v)| (n.to_string(), bits(v.as_tensor())))
         .collect()
 }
+
+/// Copies the folder `from` (and its subfolders) to `to`.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(e.file_name());
+        if e.path().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), target).unwrap();
+        }
+    }
+}
