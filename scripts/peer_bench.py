@@ -254,6 +254,72 @@ def colbert_train(model_dir, pairs_path, batch, mini, steps):
     print(f"{sum(rates) / len(rates):.2f}")
 
 
+def splade_make(out, hidden, layers, heads, ffn, vocab=30522):
+    """A DistilBERT masked-language model with random weights (seed 0) of the given shape
+    (DistilBERT-base: 768, 6 layers, 12 heads, 3,072; vocabulary 30,522 as BERT's, so the
+    MLM head and the vectors are as wide as a real SPLADE's), the sparse DistilBERT
+    fixture's tokenizer, as a sentence-transformers SparseEncoder (fill-mask Transformer,
+    max pooling of log1p_relu, SPLADE's defaults) saved to `out`."""
+    import transformers
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    fixture = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "sparse",
+                           "distilbert")
+    torch.manual_seed(0)
+    cfg = transformers.DistilBertConfig(vocab_size=vocab, dim=hidden, n_layers=layers, n_heads=heads,
+                                        hidden_dim=ffn, max_position_embeddings=512)
+    raw = out + "-raw"
+    transformers.DistilBertForMaskedLM(cfg).save_pretrained(raw, safe_serialization=True)
+    tok = transformers.AutoTokenizer.from_pretrained(fixture)
+    tok.model_max_length = 512
+    tok.model_input_names = ["input_ids", "attention_mask"]
+    tok.save_pretrained(raw)
+    model = SparseEncoder(modules=[Transformer(raw, transformer_task="fill-mask", max_seq_length=128),
+                                   SpladePooling(pooling_strategy="max", activation_function="log1p_relu")],
+                          device="cpu")
+    model.save(out)
+
+
+def splade_train(model_dir, pairs_path, batch, mini, max_len, steps):
+    """sentence-transformers' CachedSpladeLoss over SparseMultipleNegativesRankingLoss
+    (dot products, scale 1, in-batch documents) with FLOPS weights 5e-5 (queries) and 3e-5
+    (documents), mini-batches of `mini`, dropout on: one AdamW step per batch of (query,
+    positive) pairs; prints pairs/s (the steps after the first) and the process's peak
+    resident memory in GiB."""
+    import resource
+
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder import losses
+
+    pairs = [json.loads(line) for line in open(pairs_path)]
+    model = SparseEncoder(model_dir, device="cpu")
+    model.max_seq_length = max_len
+    model.train()
+    loss = losses.CachedSpladeLoss(
+        model, losses.SparseMultipleNegativesRankingLoss(model, scale=1.0),
+        document_regularizer_weight=3e-5, query_regularizer_weight=5e-5, mini_batch_size=mini)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    rates = []
+    for step in range(steps + 1):
+        b = pairs[step * batch:(step + 1) * batch]
+        start = time.perf_counter()
+        q = model.tokenize([p["query"] for p in b])
+        d = model.tokenize([p["positive"] for p in b])
+        value = loss([q, d], None)
+        # The loss and its regularisers as parts, summed as sentence-transformers' trainer does.
+        if isinstance(value, dict):
+            value = sum(value.values())
+        value.backward()
+        opt.step()
+        opt.zero_grad()
+        if step:
+            rates.append(batch / (time.perf_counter() - start))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"{sum(rates) / len(rates):.2f} {rss / 2 ** 30:.2f}")
+
+
 def sgemm_at(m, k, n):
     """torch's f32 product [m, k] x [k, n], best of 5 after a warm-up, in GFLOP/s."""
     a, b = torch.randn(m, k), torch.randn(k, n)
@@ -294,6 +360,10 @@ if __name__ == "__main__":
         colbert_make(args[0], args[1])
     elif cmd == "colbert-train":
         colbert_train(args[0], args[1], int(args[2]), int(args[3]), int(args[4]))
+    elif cmd == "splade-make":
+        splade_make(args[0], *(int(a) for a in args[1:5]))
+    elif cmd == "splade-train":
+        splade_train(args[0], args[1], int(args[2]), int(args[3]), int(args[4]), int(args[5]))
     elif cmd == "memory":
         memory(int(args[0]), int(args[1]))
     elif cmd == "sgemm-shapes":

@@ -157,11 +157,10 @@ impl MlmHead {
         })
     }
 
-    /// The logits `[.., vocab]` of hidden states `[.., hidden]`.
-    pub fn logits(&self, x: &Tensor) -> Result<Tensor> {
+    /// The transform before the decoder: `LayerNorm(act(x W_t^T + b_t))`.
+    fn transformed(&self, x: &Tensor) -> Result<Tensor> {
         let t = self.transform.forward_activated(x, self.act)?;
-        let t = self.norm.forward(&t)?;
-        crate::nn::linear(&t, &self.table, Some(&self.bias))
+        self.norm.forward(&t)
     }
 
     /// The sparse vectors `[n, vocab]` of hidden states `[n, s, hidden]` whose pooled
@@ -169,10 +168,25 @@ impl MlmHead {
     /// `log(1 + .)` for `log1p_relu`), the largest or the sum over the kept tokens (a
     /// token left out counts as 0, as sentence-transformers masks the logits).
     pub fn pool(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let logits = self.logits(x)?;
+        let twice = self.spec.activation == SpladeActivation::Log1pRelu;
+        let t = self.transformed(x)?;
+        // Max pooling as one node on the CPU ([`crate::nn::cpu::splade`]): the logits a
+        // block of rows at a time, the backward through each entry's winning token only.
+        if self.spec.strategy == SpladeStrategy::Max
+            && crate::nn::fused_ok(&[&t, &self.table, &self.bias])
+        {
+            return Ok(crate::nn::cpu::splade::max_pool(
+                &t,
+                &self.table,
+                &self.bias,
+                mask,
+                twice,
+            )?);
+        }
+        let logits = crate::nn::linear(&t, &self.table, Some(&self.bias))?;
         let masked = logits.broadcast_mul(&mask.to_dtype(logits.dtype())?.unsqueeze(D::Minus1)?)?;
         let mut w = (masked.relu()? + 1.0)?.log()?;
-        if self.spec.activation == SpladeActivation::Log1pRelu {
+        if twice {
             w = (w + 1.0)?.log()?;
         }
         Ok(match self.spec.strategy {

@@ -88,6 +88,23 @@ pub fn add_in_place(acc: &Tensor, g: &Tensor) -> candle_core::Result<()> {
     acc.inplace_op2(&g.contiguous()?, &AddInPlace { rows: false })
 }
 
+/// `acc[i, :] += row` for every row `i`, in place, for a contiguous `[rows, w]` tensor and
+/// a row of `w`, f32 or f64 on the CPU; the caller must own `acc`'s storage.
+pub fn add_row_in_place(acc: &Tensor, row: &Tensor) -> candle_core::Result<()> {
+    let w = acc.dim(candle_core::D::Minus1)?;
+    if row.elem_count() != w || !acc.device().is_cpu() {
+        candle_core::bail!(
+            "add a row in place: {:?} to {:?} on the CPU",
+            row.dims(),
+            acc.dims()
+        );
+    }
+    acc.inplace_op2(
+        &row.flatten_all()?.contiguous()?,
+        &AddInPlace { rows: true },
+    )
+}
+
 pub(in crate::nn) fn add_elementwise<T: Float>(acc: &mut [T], g: &[T]) {
     const WIDTH: usize = 1024;
     for_blocks(acc, WIDTH, |blk, chunk| {

@@ -60,9 +60,10 @@ pub mod prenorm_layer;
 pub(crate) mod reference;
 pub(crate) mod rows;
 pub(crate) mod softmax;
+pub mod splade;
 
 pub use crate::nn::node::recomputed;
-pub use accumulate::add_in_place;
+pub use accumulate::{add_in_place, add_row_in_place};
 pub use activation::BiasActivation;
 pub use attention_nodes::{attention, self_attention, self_attention_projections, AttentionSpec};
 pub(crate) use blocks::{for_blocks, parallel_ranges, SharedMut, BLOCK_ROWS};
