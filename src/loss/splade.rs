@@ -9,7 +9,7 @@
 //! Under the gradient cache the loss sees every representation of the (global) batch, so
 //! the means are over the whole batch, as a full-batch step computes them.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::{scalar, Loss, LossValue};
 use crate::params::Params;
@@ -70,6 +70,17 @@ impl Flops {
 
     /// The value and its gradient `2 w mean_j m_i / n` with respect to `x`.
     fn value_and_grad(&self, x: &Tensor) -> Result<(f32, Tensor)> {
+        let (value, grad) = self.value_and_row_grad(x)?;
+        let grad = match grad {
+            FlopsGrad::Row(row) => row.broadcast_as(x.shape())?.contiguous()?,
+            FlopsGrad::Full(g) => g,
+        };
+        Ok((value, grad))
+    }
+
+    /// [`Self::value_and_grad`], the gradient as the one row every row of `x` gets when
+    /// no threshold leaves rows out (so that it can be added in place).
+    fn value_and_row_grad(&self, x: &Tensor) -> Result<(f32, FlopsGrad)> {
         let n = x.dim(0)?;
         let mask = self.row_mask(x)?;
         let masked = match &mask {
@@ -78,12 +89,38 @@ impl Flops {
         };
         let mean = masked.mean_keepdim(0)?;
         let value = scalar(&(mean.sqr()?.sum_all()? * self.weight)?)?;
-        let grad = (mean * (2.0 * self.weight / n as f64))?.broadcast_as(x.shape())?;
+        let row = (mean * (2.0 * self.weight / n as f64))?;
         let grad = match &mask {
-            Some(m) => grad.broadcast_mul(m)?,
-            None => grad.contiguous()?,
+            Some(m) => FlopsGrad::Full(row.broadcast_as(x.shape())?.broadcast_mul(m)?),
+            None => FlopsGrad::Row(row),
         };
         Ok((value, grad))
+    }
+}
+
+/// A FLOPS regulariser's gradient: one row for every row, or a full matrix.
+enum FlopsGrad {
+    Row(Tensor),
+    Full(Tensor),
+}
+
+impl FlopsGrad {
+    /// `acc + self`: in place on the CPU where the gradient is one row (the base loss's
+    /// gradient, which `acc` is, is owned by the caller), else a new tensor.
+    fn add_to(self, acc: Tensor) -> Result<Tensor> {
+        match self {
+            FlopsGrad::Row(row)
+                if acc.device().is_cpu()
+                    && acc.is_contiguous()
+                    && matches!(acc.dtype(), DType::F32 | DType::F64)
+                    && row.dtype() == acc.dtype() =>
+            {
+                crate::nn::cpu::add_row_in_place(&acc, &row)?;
+                Ok(acc)
+            }
+            FlopsGrad::Row(row) => Ok(acc.broadcast_add(&row)?),
+            FlopsGrad::Full(g) => Ok((acc + g)?),
+        }
     }
 }
 
@@ -243,13 +280,15 @@ impl<L: Loss> Loss for SpladeLoss<L> {
             out.grad_passages = (out.grad_passages + grad.narrow(0, q, passages.dim(0)?)?)?;
             return Ok(out);
         }
-        let (value, grad) = doc.value_and_grad(passages)?;
+        // The regularisers' gradients go into the base loss's in place: no second
+        // vocabulary-wide matrix per side (the loss phase stays flat in the batch).
+        let (value, grad) = doc.value_and_row_grad(passages)?;
         out.loss += value;
-        out.grad_passages = (out.grad_passages + grad)?;
+        out.grad_passages = grad.add_to(out.grad_passages)?;
         if let Some(f) = &query {
-            let (value, grad) = f.value_and_grad(queries)?;
+            let (value, grad) = f.value_and_row_grad(queries)?;
             out.loss += value;
-            out.grad_queries = (out.grad_queries + grad)?;
+            out.grad_queries = grad.add_to(out.grad_queries)?;
         }
         Ok(out)
     }
