@@ -670,6 +670,33 @@ fn a_colbert_on_two_and_four_ranks_follows_the_one_rank_loss_curve() {
 }
 
 #[test]
+fn a_sparse_model_on_two_ranks_follows_the_one_rank_loss_curve() {
+    // configs/splade.toml (a fresh BERT with its MLM head, SPLADE max pooling): the
+    // ranks' vocabulary-wide vectors are all-gathered and the FLOPS regularisers are
+    // means over the global batch. Their weights here are a thousand times the config's,
+    // warmed up from step 1, so that a regulariser over one rank's half of the batch
+    // would move the loss far past the tolerance.
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let sparse = |out: &Path| -> Vec<String> {
+        let mut v = args(&train, &eval, out);
+        v[2] = "configs/splade.toml".into();
+        for s in [
+            "dist.backend=\"mpi\"",
+            "loss.temperature=1.0",
+            "loss.splade.document_weight=3e-2",
+            "loss.splade.query_weight=5e-2",
+            "loss.splade.warmup_ratio=0",
+        ] {
+            v.push("--set".into());
+            v.push(s.into());
+        }
+        v
+    };
+    one_and_two_ranks_agree(dir.path(), sparse);
+}
+
+#[test]
 fn a_distilled_colbert_on_two_ranks_follows_the_one_rank_loss_curve() {
     // configs/colbert-distill.toml: each rank encodes its share of the queries and their
     // own passages (a positive and two negatives each); the teacher's scores of the global
