@@ -20,7 +20,7 @@ use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 use serde::Serialize;
 
-use super::search::{better, Hit, SearchOptions};
+use super::hits::{better, Hit, SearchOptions};
 use crate::{Error, Result};
 
 /// Vocabulary-wide vectors stored by their non-zero entries (rows of a CSR matrix).

@@ -10,6 +10,7 @@
 
 pub mod beir;
 pub mod files;
+mod hits;
 pub mod inverted;
 pub mod metrics;
 pub mod mine;
