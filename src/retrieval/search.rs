@@ -13,8 +13,8 @@ use rayon::prelude::*;
 use crate::loss::Similarity;
 use crate::{Error, Result};
 
-pub use super::hits::{Hit, SearchOptions};
 use super::hits::better;
+pub use super::hits::{Hit, SearchOptions};
 
 /// How a query and a document are scored: one vector each with a similarity, token
 /// matrices by MaxSim (late interaction, ColBERT), or vocabulary-wide sparse vectors by
