@@ -8,34 +8,20 @@
 
     python scripts/check_beir_eval.py MODEL_DIR data/bible-beir test RUN.trec SUMMARY.json
 """
-import gzip
 import json
+import os
 import sys
 
 import pytrec_eval
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from beir_check import EVALUATOR_MEASURES, read_beir  # noqa: E402
+
 model_dir, beir, split, run_file, summary = sys.argv[1:6]
 ours = json.load(open(summary))["metrics"]
-
-
-def lines(path):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return [json.loads(l) for l in f if l.strip()]
-
-
-corpus = {d["_id"]: (d.get("title") or "") + " " + d["text"] for d in lines(f"{beir}/corpus.jsonl.gz")}
-corpus = {k: v.strip() for k, v in corpus.items()}
-queries = {q["_id"]: q["text"] for q in lines(f"{beir}/queries.jsonl")}
-qrels = {}
-for i, line in enumerate(open(f"{beir}/qrels/{split}.tsv")):
-    if i == 0:
-        continue
-    q, d, g = line.split()
-    qrels.setdefault(q, {})[d] = int(g)
-queries = {q: queries[q] for q in qrels}
+corpus, queries, qrels = read_beir(beir, split)
 
 run = {}
 for line in open(run_file):
@@ -48,7 +34,7 @@ model = SentenceTransformer(model_dir, device="cpu")
 prompts = model.prompts
 ev = InformationRetrievalEvaluator(
     queries, corpus, {q: {d for d, g in ds.items() if g > 0} for q, ds in qrels.items()},
-    mrr_at_k=[10], ndcg_at_k=[10], accuracy_at_k=[1], precision_recall_at_k=[1, 10, 100], map_at_k=[100],
+    **EVALUATOR_MEASURES,
     query_prompt=prompts.get("query"), corpus_prompt=prompts.get("passage"),
     batch_size=64, show_progress_bar=False, name="x",
 )
