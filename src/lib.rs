@@ -109,7 +109,7 @@ pub use loss::{
     ClipLoss, FnLoss, InfoNce, Loss, LossValue, MaxSim, MaxSimDistillation, Similarity,
     TeacherScores,
 };
-pub use models::{bert, densenet, lstm, resnet, toy, vnet};
+pub use models::{bert, densenet, lstm, resnet, sparse_static, toy, vnet};
 pub use params::{Gradients, ParamStore, Params};
 pub use precision::{LossScaler, Precision};
 pub use recompute::{LayerStack, Recompute, Recomputed};

@@ -17,6 +17,7 @@ pub mod export;
 pub mod files;
 pub mod merge;
 pub mod multi_vector;
+pub mod router;
 pub mod sentence_transformers;
 pub mod sparse;
 pub mod tokenizer;
@@ -193,6 +194,19 @@ pub struct EmbeddingModel {
     settings: String,
     device: Device,
     _store: ParamStore,
+    /// An inference-free model's query route (its static weights and tokenizer).
+    static_query: Option<StaticQuery>,
+    /// Whether a text given without a side (`embed`) takes the query route.
+    queries_by_default: bool,
+}
+
+/// The query route of an inference-free sparse model ([`router`]): a weight per
+/// vocabulary entry, and the tokenizer that adds no special tokens.
+struct StaticQuery {
+    encoder: crate::sparse_static::StaticSparseEncoder,
+    tokenizer: Tokenizer,
+    frozen: bool,
+    _store: ParamStore,
 }
 
 /// Where one setting of a loaded model came from.
@@ -216,6 +230,9 @@ impl EmbeddingModel {
         let path = Path::new(model);
         if path.is_dir() && adapter::is_adapter_dir(path) {
             return Self::from_adapter(path, options);
+        }
+        if path.is_dir() && router::is_router(path) {
+            return Self::from_router(path, options);
         }
         let files = ModelFiles::resolve(model, &HubSettings::from_env())?;
         Self::from_files(&files, options)
@@ -268,12 +285,73 @@ impl EmbeddingModel {
         Self::build(files, options, None)
     }
 
+    /// Loads an inference-free sparse model (a [`router`] directory): documents through
+    /// its masked-language model, queries through its static weights.
+    pub fn from_router(dir: &Path, options: &LoadOptions) -> Result<Self> {
+        let layout = router::RouterLayout::read(dir)?;
+        let files = ModelFiles::from_dir(&dir.join(layout.transformer()))?;
+        let head = sentence_transformers::read_head(
+            dir,
+            &layout.document,
+            &dir.join(router::ROUTER_CONFIG),
+        )?;
+        let mut model = Self::build_with(&files, Some(head), options, None)?;
+        let static_dir = dir.join(&layout.query);
+        let own = static_dir.join(files::TOKENIZER);
+        let tokenizer = if own.is_file() {
+            Tokenizer::from_file(&own, model.tokenizer.max_len())?
+        } else {
+            model.tokenizer.clone()
+        }
+        .without_special_tokens()
+        .with_prompt(&model.prompts.query);
+        let vocab = model.config.vocab_size;
+        let known = tokenizer.inner().get_vocab_size(true);
+        if known > vocab {
+            return Err(Error::ModelFile {
+                path: static_dir,
+                reason: format!(
+                    "the query tokenizer knows {known} tokens and the static weights cover                      {vocab}: a query's vector has one entry per vocabulary entry"
+                ),
+            });
+        }
+        let weight = router::read_static_weights(&static_dir, &tokenizer, vocab)?;
+        let store = ParamStore::new(0, DType::F32, &options.device);
+        let encoder = crate::sparse_static::SparseStaticEmbedding::tower(&store, "query", vocab)?;
+        if let Some(var) = crate::encoder::Encoder::params(&encoder).get("query.weight") {
+            var.set(&weight.to_device(&options.device)?)?;
+        }
+        model.settings = format!(
+            "inference-free sparse: queries by static weights (SparseStaticEmbedding{}, no \
+             transformer), documents by the masked-language model; {}",
+            if layout.frozen { ", frozen" } else { "" },
+            model.settings
+        );
+        model.static_query = Some(StaticQuery {
+            encoder,
+            tokenizer,
+            frozen: layout.frozen,
+            _store: store,
+        });
+        model.queries_by_default = layout.default_route == router::Route::Query;
+        Ok(model)
+    }
+
     fn build(
         files: &ModelFiles,
         options: &LoadOptions,
         adapter: Option<&adapter::PeftAdapter>,
     ) -> Result<Self> {
         let head = read_sentence_transformers_config(&files.dir)?;
+        Self::build_with(files, head, options, adapter)
+    }
+
+    fn build_with(
+        files: &ModelFiles,
+        head: Option<SentenceTransformersConfig>,
+        options: &LoadOptions,
+        adapter: Option<&adapter::PeftAdapter>,
+    ) -> Result<Self> {
         let (pooling, pooling_src) = pick(
             options.pooling,
             head.as_ref().map(|h| h.pooling),
@@ -397,16 +475,30 @@ impl EmbeddingModel {
             settings,
             device: options.device.clone(),
             _store: store,
+            static_query: None,
+            queries_by_default: false,
         })
     }
 
-    /// Embeddings `[texts, width]`, encoding `chunk` texts at a time, without a prompt.
+    /// Embeddings `[texts, width]`, encoding `chunk` texts at a time, without a prompt
+    /// (an inference-free model's: by its default route, the document model unless its
+    /// router says otherwise).
     pub fn embed(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
-        embed(&self.encoder, &self.tokenizer, texts, chunk, &self.device)
+        match &self.static_query {
+            Some(q) if self.queries_by_default => {
+                let tokenizer = q.tokenizer.clone().with_prompt("");
+                embed(&q.encoder, &tokenizer, texts, chunk, &self.device)
+            }
+            _ => embed(&self.encoder, &self.tokenizer, texts, chunk, &self.device),
+        }
     }
 
-    /// Query embeddings: [`EmbeddingModel::embed`] with the query prompt.
+    /// Query embeddings: [`EmbeddingModel::embed`] with the query prompt (an
+    /// inference-free model's: its static weights on the query's tokens).
     pub fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+        if let Some(q) = &self.static_query {
+            return embed(&q.encoder, &q.tokenizer, texts, chunk, &self.device);
+        }
         embed(
             &self.encoder,
             &self.query_tokenizer,
@@ -468,9 +560,17 @@ impl EmbeddingModel {
         &self.tokenizer
     }
 
-    /// The encoder.
+    /// The encoder (an inference-free model's document model).
     pub fn encoder(&self) -> &BertEncoder {
         &self.encoder
+    }
+
+    /// An inference-free model's static query weights `[vocab]` and whether they are
+    /// frozen; `None` for any other model.
+    pub fn static_query_weights(&self) -> Option<(Tensor, bool)> {
+        let q = self.static_query.as_ref()?;
+        let var = crate::encoder::Encoder::params(&q.encoder).get("query.weight")?;
+        Some((var.as_tensor().clone(), q.frozen))
     }
 }
 

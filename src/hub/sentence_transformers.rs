@@ -340,12 +340,25 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
     if !modules_path.is_file() {
         return Ok(None);
     }
+    let modules = read_modules(&modules_path)?;
+    read_head(dir, &modules, &modules_path).map(Some)
+}
+
+/// The head of the model in `dir` whose modules are `modules` (types and directories
+/// relative to `dir`, as `modules_path` lists them: a `modules.json`, or a router's route).
+pub(crate) fn read_head(
+    dir: &Path,
+    modules: &[(String, PathBuf)],
+    modules_path: &Path,
+) -> Result<SentenceTransformersConfig> {
+    let modules_path = modules_path.to_path_buf();
+    let mut transformer = PathBuf::new();
     let mut pooling = None;
     let mut dense = Vec::new();
     let mut normalize = false;
     let mut sparse = None;
     let mut last = None;
-    for (ty, path) in read_modules(&modules_path)? {
+    for (ty, path) in modules {
         let kind = module_kind(&ty).ok_or_else(|| Error::UnsupportedConfig {
             field: "modules",
             value: ty.clone(),
@@ -367,14 +380,14 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
             });
         }
         match kind {
-            Module::Transformer => {}
+            Module::Transformer => transformer = path.clone(),
             Module::Pooling => pooling = Some(read_pooling(&dir.join(&path).join("config.json"))?),
             Module::Dense => dense.push(read_dense(&dir.join(&path))?),
             Module::Normalize => normalize = true,
             Module::SpladePooling => {
                 let config = dir.join(&path).join("config.json");
                 sparse = Some(read_splade_pooling(&config)?);
-                check_splade_width(&config, &dir.join("config.json"))?;
+                check_splade_width(&config, &dir.join(&transformer).join("config.json"))?;
                 pooling = Some((Pooling::Mean, true));
             }
         }
@@ -422,7 +435,7 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
     } else {
         None
     };
-    Ok(Some(SentenceTransformersConfig {
+    Ok(SentenceTransformersConfig {
         pooling,
         include_prompt,
         dense,
@@ -430,7 +443,7 @@ pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTr
         similarity,
         prompts,
         sparse,
-    }))
+    })
 }
 
 /// A `SpladePooling` config's `embedding_dimension` (or the older

@@ -37,6 +37,9 @@ pub struct Tokenizer {
     /// A multi-vector (ColBERT) model's side: batches keep token vectors, padded to
     /// `max_len`.
     vectors: Option<VectorSide>,
+    /// Whether the special tokens (`[CLS]`, `[SEP]`) are added: an inference-free sparse
+    /// model's query side tokenizes without them.
+    special_tokens: bool,
 }
 
 /// What a multi-vector (ColBERT) tokenizer does to one side's batches.
@@ -100,7 +103,15 @@ impl Tokenizer {
             exclude_prompt: false,
             config: None,
             vectors: None,
+            special_tokens: true,
         })
+    }
+
+    /// The same tokenizer adding no special tokens (`add_special_tokens=False`, as
+    /// sentence-transformers' `SparseStaticEmbedding` tokenizes queries).
+    pub fn without_special_tokens(mut self) -> Self {
+        self.special_tokens = false;
+        self
     }
 
     /// The same tokenizer making multi-vector batches of one side (see [`VectorSide`]),
@@ -197,13 +208,13 @@ impl Tokenizer {
             });
         }
         let encodings = if self.prompt.is_empty() {
-            self.inner.encode_batch(texts.to_vec(), true)
+            self.inner.encode_batch(texts.to_vec(), self.special_tokens)
         } else {
             let prompted: Vec<String> = texts
                 .iter()
                 .map(|t| format!("{}{t}", self.prompt))
                 .collect();
-            self.inner.encode_batch(prompted, true)
+            self.inner.encode_batch(prompted, self.special_tokens)
         }
         .map_err(|e| Error::Tokenizer(e.to_string()))?;
         let rows = encodings.len();

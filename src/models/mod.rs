@@ -20,5 +20,6 @@ mod modernbert;
 mod pooling;
 pub mod resnet;
 pub(crate) mod sparse;
+pub mod sparse_static;
 pub mod toy;
 pub mod vnet;
