@@ -208,6 +208,7 @@ fn prompts_round_trip_and_are_put_before_the_texts() {
             prompt_left_out: false,
             adapter_of: None,
             multi_vector: None,
+            static_query: None,
         },
     )
     .unwrap();

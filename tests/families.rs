@@ -186,6 +186,7 @@ fn an_export_loads_back_to_the_same_embeddings_and_family() {
                 prompt_left_out: false,
                 adapter_of: None,
                 multi_vector: None,
+                static_query: None,
             },
         )
         .unwrap();

@@ -50,7 +50,11 @@ fn load(dir: &Path) -> Result<EmbeddingModel, gradcache::Error> {
 fn query_document_and_default_vectors_match_sentence_transformers() {
     let r = reference_at(&fixture());
     let m = load(&fixture()).unwrap();
-    assert!(m.settings().starts_with("inference-free"), "{}", m.settings());
+    assert!(
+        m.settings().starts_with("inference-free"),
+        "{}",
+        m.settings()
+    );
     assert_eq!(m.similarity(), Similarity::Dot);
     let texts = refs(&r.texts);
     for (got, key) in [
@@ -68,7 +72,15 @@ fn query_document_and_default_vectors_match_sentence_transformers() {
     let text = "the earth the earth";
     let q = m.embed_queries(&[text], 1).unwrap();
     let active: Vec<u32> = (0..q.dim(1).unwrap() as u32)
-        .filter(|&i| q.get(0).unwrap().get(i as usize).unwrap().to_scalar::<f32>().unwrap() != 0.0)
+        .filter(|&i| {
+            q.get(0)
+                .unwrap()
+                .get(i as usize)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+                != 0.0
+        })
         .collect();
     let inner = m.tokenizer().inner();
     let mut ids = inner.encode(text, false).unwrap().get_ids().to_vec();
@@ -88,7 +100,10 @@ fn step(chunk: usize, recompute: Recompute) -> (f32, gradcache::Gradients) {
     let layout = RouterLayout::read(&dir).unwrap();
     let files = ModelFiles::from_dir(&dir.join(layout.transformer())).unwrap();
     let head = gradcache::hub::read_sentence_transformers_config(&files.dir).unwrap();
-    assert!(head.is_none(), "the transformer's folder holds no modules.json");
+    assert!(
+        head.is_none(),
+        "the transformer's folder holds no modules.json"
+    );
     let pooling = gradcache::hub::sentence_transformers::read_splade_pooling(
         &dir.join(&layout.document[1].1).join("config.json"),
     )
@@ -112,7 +127,12 @@ fn step(chunk: usize, recompute: Recompute) -> (f32, gradcache::Gradients) {
         cfg.vocab_size,
     )
     .unwrap();
-    queries.params().get("query.weight").unwrap().set(&weight).unwrap();
+    queries
+        .params()
+        .get("query.weight")
+        .unwrap()
+        .set(&weight)
+        .unwrap();
     let base = InfoNce::new(1.0).unwrap().with_similarity(Similarity::Dot);
     let loss = SpladeLoss::new(base, Flops::new(3e-3).unwrap())
         .with_queries(Some(Flops::new(5e-3).unwrap()));
@@ -216,4 +236,207 @@ fn copy_dir(from: &Path, to: &Path) {
             std::fs::copy(entry.path(), target).unwrap();
         }
     }
+}
+
+/// An inference-free run over `dir`'s train.jsonl / eval.jsonl from the fixture, its
+/// static weights at `query_lr` 1e-2 beside the model's 2e-4.
+fn static_run(dir: &Path, steps: usize, extra: &[String]) -> gradcache::train::Config {
+    let config = format!(
+        r#"
+seed = 3
+output_dir = "{out}"
+[data]
+train_file = "{dir}/train.jsonl"
+eval_file = "{dir}/eval.jsonl"
+[model]
+pretrained = "{model}"
+query_max_len = 24
+passage_max_len = 32
+[model.sparse]
+query_lr = 1e-2
+[loss]
+temperature = 1.0
+[loss.splade]
+document_weight = 3e-3
+warmup_ratio = 0.5
+[train]
+steps = {steps}
+batch_size = 16
+query_chunk = 5
+passage_chunk = 3
+eval_every = 0
+checkpoint_every = 2
+[optim]
+lr = 2e-4
+warmup_steps = 1
+"#,
+        out = dir.join("run").display(),
+        dir = dir.display(),
+        model = fixture().display(),
+    );
+    let path = dir.join("static.toml");
+    std::fs::write(&path, config).unwrap();
+    gradcache::train::Config::load(&path, extra).unwrap()
+}
+
+fn static_weights(model: &Path) -> Tensor {
+    let m = load(model).unwrap();
+    m.static_query_weights().unwrap().0
+}
+
+#[test]
+fn an_inference_free_run_resumes_bit_for_bit_and_exports_a_router_that_loads_back() {
+    use gradcache::train::trainer::Trainer;
+    let tmp = tempfile::tempdir().unwrap();
+    common::quickstart_sample(tmp.path(), 0..96, 1000..1020);
+    let cfg = static_run(tmp.path(), 4, &[]);
+    let mut straight = Trainer::new(cfg.clone(), None).unwrap();
+    let losses: Vec<f32> = (0..4)
+        .map(|_| straight.train_step().unwrap().loss)
+        .collect();
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    let mut cfg2 = cfg.clone();
+    cfg2.output_dir = tmp.path().join("other");
+    let mut first = Trainer::new(cfg2.clone(), None).unwrap();
+    for _ in 0..2 {
+        first.train_step().unwrap();
+    }
+    let checkpoint = first.save_checkpoint().unwrap();
+    drop(first);
+    let mut resumed = Trainer::new(cfg2, Some(&checkpoint)).unwrap();
+    for want in &losses[2..] {
+        let got = resumed.train_step().unwrap().loss;
+        assert_eq!(got.to_bits(), want.to_bits(), "{got} vs {want}");
+    }
+
+    // The export is a Router: static query weights, trained, beside the SPLADE model.
+    let export = tmp.path().join("export");
+    straight.export(&export, gradcache::Side::Query).unwrap();
+    for file in [
+        "modules.json",
+        "router_config.json",
+        "config_sentence_transformers.json",
+        "query_0_SparseStaticEmbedding/model.safetensors",
+        "query_0_SparseStaticEmbedding/tokenizer.json",
+        "document_0_Transformer/model.safetensors",
+        "document_0_Transformer/sentence_bert_config.json",
+        "document_1_SpladePooling/config.json",
+    ] {
+        assert!(export.join(file).is_file(), "{file}");
+    }
+    let before = static_weights(&fixture());
+    let after = static_weights(&export);
+    // Trained at query_lr: AdamW moves each weight with a gradient by about that much.
+    let moved = max_diff(&before, &after);
+    assert!(moved > 5e-3, "the static weights moved by {moved}");
+    let exported = load(&export).unwrap();
+    let original = load(&fixture()).unwrap();
+    let texts = ["Who created the heaven and the earth?", "Jesus wept."];
+    let d = exported.embed_passages(&texts, 2).unwrap();
+    assert!(max_diff(&d, &original.embed_passages(&texts, 2).unwrap()) > 1e-5);
+    // `gradcache export` from the checkpoint gives the same model.
+    straight.save_checkpoint().unwrap();
+    let from_run = tmp.path().join("from-run");
+    gradcache::train::export_run(&cfg, None, &from_run, gradcache::Side::Query).unwrap();
+    let again = load(&from_run).unwrap();
+    assert_eq!(max_diff(&static_weights(&from_run), &after), 0.0);
+    assert!(max_diff(&again.embed_passages(&texts, 2).unwrap(), &d) <= 1e-6);
+    assert_eq!(
+        max_diff(
+            &again.embed_queries(&texts, 2).unwrap(),
+            &exported.embed_queries(&texts, 2).unwrap()
+        ),
+        0.0
+    );
+}
+
+#[test]
+fn frozen_query_weights_stay_and_a_masked_language_model_starts_from_ones() {
+    use gradcache::train::trainer::Trainer;
+    let tmp = tempfile::tempdir().unwrap();
+    common::quickstart_sample(tmp.path(), 0..48, 1000..1010);
+    let frozen = vec!["model.sparse.freeze_query_weights=true".to_string()];
+    let mut cfg = static_run(tmp.path(), 2, &frozen);
+    cfg.model.sparse.as_mut().unwrap().query_lr = None;
+    let mut run = Trainer::new(cfg.clone(), None).unwrap();
+    for _ in 0..2 {
+        run.train_step().unwrap();
+    }
+    let export = tmp.path().join("export");
+    run.export(&export, gradcache::Side::Query).unwrap();
+    assert_eq!(
+        max_diff(&static_weights(&export), &static_weights(&fixture())),
+        0.0
+    );
+    let read = |p: PathBuf| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    assert_eq!(
+        read(export.join("query_0_SparseStaticEmbedding/config.json"))["frozen"],
+        true
+    );
+    // From the checkpoint (which holds only what trains): the weights it started from.
+    run.save_checkpoint().unwrap();
+    let from_run = tmp.path().join("from-run");
+    gradcache::train::export_run(&cfg, None, &from_run, gradcache::Side::Query).unwrap();
+    assert_eq!(
+        max_diff(&static_weights(&from_run), &static_weights(&fixture())),
+        0.0
+    );
+
+    // A SparseEncoder without a router made inference-free: its query weights start at
+    // ones and train.
+    let mlm = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sparse/distilbert");
+    let sets = vec![
+        format!("model.pretrained=\"{}\"", mlm.display()),
+        "model.sparse.inference_free=true".into(),
+        format!("output_dir=\"{}\"", tmp.path().join("mlm-run").display()),
+    ];
+    let cfg = static_run(tmp.path(), 2, &sets);
+    let mut run = Trainer::new(cfg, None).unwrap();
+    for _ in 0..2 {
+        run.train_step().unwrap();
+    }
+    let export = tmp.path().join("mlm-export");
+    run.export(&export, gradcache::Side::Query).unwrap();
+    let w = static_weights(&export).to_vec1::<f32>().unwrap();
+    assert_eq!(w.len(), 400);
+    assert!(w.contains(&1.0), "tokens never seen keep their one");
+    assert!(w.iter().any(|&x| x != 1.0), "the seen ones trained");
+}
+
+#[test]
+fn inference_free_settings_are_refused_by_name_before_anything_is_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    common::quickstart_sample(tmp.path(), 0..32, 1000..1008);
+    let path = tmp.path().join("static.toml");
+    static_run(tmp.path(), 2, &[]);
+    for (set, field) in [
+        ("model.sparse.query_lr=0.0", "model.sparse.query_lr"),
+        ("model.shared=false", "model.shared"),
+    ] {
+        let sets = [set.to_string(), "model.sparse.inference_free=true".into()];
+        let err = gradcache::train::Config::load(&path, &sets)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(field), "{set}: {err}");
+    }
+    use gradcache::train::trainer::Trainer;
+    // The router model made not inference-free; query settings on a model that is not.
+    let mlm = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sparse/distilbert");
+    for (sets, field) in [
+        (
+            vec!["model.sparse.inference_free=false".to_string()],
+            "model.sparse.inference_free",
+        ),
+        (
+            vec![format!("model.pretrained=\"{}\"", mlm.display())],
+            "model.sparse.query_lr",
+        ),
+    ] {
+        let cfg = gradcache::train::Config::load(&path, &sets).unwrap();
+        let err = Trainer::new(cfg, None).err().unwrap().to_string();
+        assert!(err.contains(field), "{sets:?}: {err}");
+    }
+    assert!(!tmp.path().join("run").exists());
 }

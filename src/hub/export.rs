@@ -38,7 +38,7 @@ use crate::{Error, Result};
 const SPLADE_POOLING: &str = "1_SpladePooling";
 
 /// What an export records in `config_sentence_transformers.json` besides the similarity.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct ExportNotes {
     /// The query and passage prompts the model was trained with (`prompts`).
     pub prompts: Prompts,
@@ -55,6 +55,11 @@ pub struct ExportNotes {
     /// projections, `model_type: ColBERT` with these settings; sentence-transformers 6
     /// reads it too), with no pooling.
     pub multi_vector: Option<crate::hub::multi_vector::MultiVectorHead>,
+    /// An inference-free sparse model's query side: its static weights `[vocab]` and
+    /// whether they are frozen. The export is then a sentence-transformers `Router`
+    /// ([`crate::hub::router`]): the sparse model in `document_0_Transformer` and
+    /// `document_1_SpladePooling`, the weights in `query_0_SparseStaticEmbedding`.
+    pub static_query: Option<(Tensor, bool)>,
 }
 
 /// Writes `tensors` to `path` with the permissions of `sibling` (the safetensors writer
@@ -219,6 +224,14 @@ pub fn export_bert(
     let tmp = crate::durable::temporary_dir(dir, "export")?;
     let written = (|| -> Result<()> {
     fs::create_dir_all(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
+    // An inference-free model's transformer goes to its router's document folder.
+    let routed = notes.static_query.is_some() && sparse.is_some();
+    let model_dir = if routed {
+        tmp.join(crate::hub::router::DOCUMENT_DIR)
+    } else {
+        tmp.clone()
+    };
+    fs::create_dir_all(&model_dir).map_err(|e| Error::io("create", &model_dir, e))?;
     let colbert = notes.multi_vector.as_ref();
     if colbert.is_none() && sparse.is_none() {
         let pooling_dir = tmp.join("1_Pooling");
@@ -231,7 +244,7 @@ pub fn export_bert(
             write_json(&config_path, adapter_config)?;
             write_weights(adapters, &tmp.join("adapter_model.safetensors"), &config_path)?
         }
-        None => write_model_files(&tmp, cfg, &weights, sparse.is_some())?,
+        None => write_model_files(&model_dir, cfg, &weights, sparse.is_some())?,
     };
 
     let mut plain = tokenizer.inner().clone();
@@ -240,8 +253,8 @@ pub fn export_bert(
         .with_truncation(None)
         .map_err(|e| Error::Tokenizer(e.to_string()))?;
     plain
-        .save(tmp.join("tokenizer.json"), false)
-        .map_err(|e| Error::io("write", &tmp.join("tokenizer.json"), e))?;
+        .save(model_dir.join("tokenizer.json"), false)
+        .map_err(|e| Error::io("write", &model_dir.join("tokenizer.json"), e))?;
     // The special tokens of the vocabulary's convention: BERT's `[CLS]`-style or the
     // RoBERTa family's `<s>`-style (the first that the vocabulary holds).
     let special = |names: &[&str]| {
@@ -277,14 +290,18 @@ pub fn export_bert(
             generated
         }
     };
-    write_json(&tmp.join("tokenizer_config.json"), &tokenizer_config)?;
+    write_json(&model_dir.join("tokenizer_config.json"), &tokenizer_config)?;
 
     let mut modules = vec![
         json!({"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}),
     ];
     match sparse {
         Some(spec) => {
-            let pooling_dir = tmp.join(SPLADE_POOLING);
+            let pooling_dir = tmp.join(if routed {
+                crate::hub::router::DOCUMENT_POOLING_DIR
+            } else {
+                SPLADE_POOLING
+            });
             fs::create_dir_all(&pooling_dir)
                 .map_err(|e| Error::io("create", &pooling_dir, e))?;
             write_json(
@@ -330,12 +347,15 @@ pub fn export_bert(
         fs::create_dir_all(&normalize_dir).map_err(|e| Error::io("create", &normalize_dir, e))?;
         modules.push(json!({"idx": idx, "name": idx.to_string(), "path": path, "type": "sentence_transformers.models.Normalize"}));
     }
-    write_json(&tmp.join(MODULES), &json!(modules))?;
+    match &notes.static_query {
+        Some((weight, frozen)) if routed => crate::hub::router::write_router(&tmp, weight, *frozen)?,
+        _ => write_json(&tmp.join(MODULES), &json!(modules))?,
+    }
     let mut transformer = json!({"max_seq_length": tokenizer.max_len(), "do_lower_case": false});
     if sparse.is_some() {
         transformer["transformer_task"] = json!("fill-mask");
     }
-    write_json(&tmp.join("sentence_bert_config.json"), &transformer)?;
+    write_json(&model_dir.join("sentence_bert_config.json"), &transformer)?;
     let st_config = match colbert {
         Some(c) => json!({
             "model_type": "ColBERT",

@@ -55,6 +55,9 @@ pub struct ModelFiles {
     pub weights: PathBuf,
     /// `tokenizer.json`, if the model has one.
     pub tokenizer: Option<PathBuf>,
+    /// An inference-free sparse model ([`crate::hub::router`]): its own directory and
+    /// router. The files above are then its document model's (its folder is `dir`).
+    pub router: Option<(PathBuf, crate::hub::router::RouterLayout)>,
 }
 
 /// Where the Hugging Face cache is and whether the network may be used.
@@ -113,8 +116,17 @@ impl ModelFiles {
         }
     }
 
-    /// The files of a model directory.
+    /// The files of a model directory (of an inference-free model's, its document
+    /// model's, with the router beside them).
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        if !dir.join(CONFIG).is_file() && crate::hub::router::is_router(dir) {
+            let layout = crate::hub::router::RouterLayout::read(dir)?;
+            let files = Self::from_dir(&dir.join(layout.transformer()))?;
+            return Ok(Self {
+                router: Some((dir.to_path_buf(), layout)),
+                ..files
+            });
+        }
         let config = dir.join(CONFIG);
         if !config.is_file() {
             return Err(Error::MissingFile {
@@ -144,7 +156,22 @@ impl ModelFiles {
             config,
             weights,
             tokenizer,
+            router: None,
         })
+    }
+
+    /// The sentence-transformers head of the model (an inference-free model's: its
+    /// document route's); `None` without sentence-transformers files.
+    pub fn head(&self) -> Result<Option<crate::hub::SentenceTransformersConfig>> {
+        match &self.router {
+            Some((root, layout)) => crate::hub::sentence_transformers::read_head(
+                root,
+                &layout.document,
+                &root.join(crate::hub::router::ROUTER_CONFIG),
+            )
+            .map(Some),
+            None => crate::hub::read_sentence_transformers_config(&self.dir),
+        }
     }
 
     /// The files of a Hub repo (`org/name` or `org/name@revision`): from the cache, then,
@@ -182,6 +209,34 @@ impl ModelFiles {
             };
             hub_error(id, file, reason)
         };
+        // An inference-free model keeps its parts in its router's folders: fetched into
+        // the same snapshot, which then reads as a directory.
+        if let Some(modules) = fetch(MODULES)? {
+            let root = modules.parent().map(Path::to_path_buf).unwrap_or_default();
+            if crate::hub::router::is_router(&root) {
+                fetch(crate::hub::router::ROUTER_CONFIG)?
+                    .ok_or_else(|| missing(crate::hub::router::ROUTER_CONFIG))?;
+                let layout = crate::hub::router::RouterLayout::read_routes(&root)?;
+                fetch(SENTENCE_TRANSFORMERS_CONFIG)?;
+                for (_, folder) in layout
+                    .document
+                    .iter()
+                    .chain([&(String::new(), layout.query.clone())])
+                {
+                    let folder = folder.to_string_lossy();
+                    for file in [
+                        CONFIG,
+                        WEIGHTS,
+                        TOKENIZER,
+                        TOKENIZER_CONFIG,
+                        SENTENCE_BERT_CONFIG,
+                    ] {
+                        fetch(&format!("{folder}/{file}"))?;
+                    }
+                }
+                return Self::from_dir(&root);
+            }
+        }
         let config = fetch(CONFIG)?.ok_or_else(|| missing(CONFIG))?;
         let weights = match fetch(WEIGHTS)? {
             Some(w) => w,
@@ -226,6 +281,7 @@ impl ModelFiles {
             config,
             weights,
             tokenizer,
+            router: None,
         })
     }
 }

@@ -200,6 +200,11 @@ pub struct EmbeddingModel {
     queries_by_default: bool,
 }
 
+/// The static query weights' parameter name.
+fn static_name() -> String {
+    crate::sparse_static::static_weight_name()
+}
+
 /// The query route of an inference-free sparse model ([`router`]): a weight per
 /// vocabulary entry, and the tokenizer that adds no special tokens.
 struct StaticQuery {
@@ -231,9 +236,7 @@ impl EmbeddingModel {
         if path.is_dir() && adapter::is_adapter_dir(path) {
             return Self::from_adapter(path, options);
         }
-        if path.is_dir() && router::is_router(path) {
-            return Self::from_router(path, options);
-        }
+
         let files = ModelFiles::resolve(model, &HubSettings::from_env())?;
         Self::from_files(&files, options)
     }
@@ -285,65 +288,70 @@ impl EmbeddingModel {
         Self::build(files, options, None)
     }
 
-    /// Loads an inference-free sparse model (a [`router`] directory): documents through
-    /// its masked-language model, queries through its static weights.
-    pub fn from_router(dir: &Path, options: &LoadOptions) -> Result<Self> {
-        let layout = router::RouterLayout::read(dir)?;
-        let files = ModelFiles::from_dir(&dir.join(layout.transformer()))?;
-        let head = sentence_transformers::read_head(
-            dir,
-            &layout.document,
-            &dir.join(router::ROUTER_CONFIG),
-        )?;
-        let mut model = Self::build_with(&files, Some(head), options, None)?;
-        let static_dir = dir.join(&layout.query);
-        let own = static_dir.join(files::TOKENIZER);
-        let tokenizer = if own.is_file() {
-            Tokenizer::from_file(&own, model.tokenizer.max_len())?
-        } else {
-            model.tokenizer.clone()
-        }
-        .without_special_tokens()
-        .with_prompt(&model.prompts.query);
-        let vocab = model.config.vocab_size;
-        let known = tokenizer.inner().get_vocab_size(true);
-        if known > vocab {
-            return Err(Error::ModelFile {
-                path: static_dir,
-                reason: format!(
-                    "the query tokenizer knows {known} tokens and the static weights cover                      {vocab}: a query's vector has one entry per vocabulary entry"
-                ),
-            });
-        }
-        let weight = router::read_static_weights(&static_dir, &tokenizer, vocab)?;
-        let store = ParamStore::new(0, DType::F32, &options.device);
-        let encoder = crate::sparse_static::SparseStaticEmbedding::tower(&store, "query", vocab)?;
-        if let Some(var) = crate::encoder::Encoder::params(&encoder).get("query.weight") {
-            var.set(&weight.to_device(&options.device)?)?;
-        }
-        model.settings = format!(
-            "inference-free sparse: queries by static weights (SparseStaticEmbedding{}, no \
-             transformer), documents by the masked-language model; {}",
-            if layout.frozen { ", frozen" } else { "" },
-            model.settings
-        );
-        model.static_query = Some(StaticQuery {
-            encoder,
-            tokenizer,
-            frozen: layout.frozen,
-            _store: store,
-        });
-        model.queries_by_default = layout.default_route == router::Route::Query;
-        Ok(model)
-    }
-
     fn build(
         files: &ModelFiles,
         options: &LoadOptions,
         adapter: Option<&adapter::PeftAdapter>,
     ) -> Result<Self> {
-        let head = read_sentence_transformers_config(&files.dir)?;
-        Self::build_with(files, head, options, adapter)
+        let mut model = Self::build_with(files, files.head()?, options, adapter)?;
+        if let Some((root, layout)) = &files.router {
+            model.attach_static_query(root, layout, options)?;
+        }
+        Ok(model)
+    }
+
+    /// An inference-free model's query route (see [`router`]): its static weights and
+    /// its tokenizer, which adds no special tokens.
+    fn attach_static_query(
+        &mut self,
+        root: &Path,
+        layout: &router::RouterLayout,
+        options: &LoadOptions,
+    ) -> Result<()> {
+        let static_dir = root.join(&layout.query);
+        let own = static_dir.join(files::TOKENIZER);
+        let tokenizer = if own.is_file() {
+            Tokenizer::from_file(&own, self.tokenizer.max_len())?
+        } else {
+            self.tokenizer.clone()
+        }
+        .without_special_tokens()
+        .with_prompt(&self.prompts.query);
+        let vocab = self.config.vocab_size;
+        let known = tokenizer.inner().get_vocab_size(true);
+        if known > vocab {
+            return Err(Error::ModelFile {
+                path: static_dir,
+                reason: format!(
+                    "the query tokenizer knows {known} tokens and the static weights cover \
+                     {vocab}: a query's vector has one entry per vocabulary entry"
+                ),
+            });
+        }
+        let weight = router::read_static_weights(&static_dir, &tokenizer, vocab)?;
+        let store = ParamStore::new(0, DType::F32, &options.device);
+        let encoder = crate::sparse_static::SparseStaticEmbedding::tower(
+            &store,
+            crate::sparse_static::STATIC_PREFIX,
+            vocab,
+        )?;
+        if let Some(var) = crate::encoder::Encoder::params(&encoder).get(&static_name()) {
+            var.set(&weight.to_device(&options.device)?)?;
+        }
+        self.settings = format!(
+            "inference-free sparse: queries by static weights (SparseStaticEmbedding{}, no \
+             transformer), documents by the masked-language model; {}",
+            if layout.frozen { ", frozen" } else { "" },
+            self.settings
+        );
+        self.static_query = Some(StaticQuery {
+            encoder,
+            tokenizer,
+            frozen: layout.frozen,
+            _store: store,
+        });
+        self.queries_by_default = layout.default_route == router::Route::Query;
+        Ok(())
     }
 
     fn build_with(
@@ -569,7 +577,7 @@ impl EmbeddingModel {
     /// frozen; `None` for any other model.
     pub fn static_query_weights(&self) -> Option<(Tensor, bool)> {
         let q = self.static_query.as_ref()?;
-        let var = crate::encoder::Encoder::params(&q.encoder).get("query.weight")?;
+        let var = crate::encoder::Encoder::params(&q.encoder).get(&static_name())?;
         Some((var.as_tensor().clone(), q.frozen))
     }
 }

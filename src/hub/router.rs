@@ -46,7 +46,7 @@ pub enum Route {
 }
 
 /// Where an inference-free model's parts are, relative to its directory.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RouterLayout {
     /// The `SparseStaticEmbedding`'s folder.
     pub query: PathBuf,
@@ -81,14 +81,26 @@ fn read_json(path: &Path) -> Result<Value> {
 /// another routed model [`RouterLayout::read`] names the problem of).
 pub fn is_router(dir: &Path) -> bool {
     let path = dir.join(MODULES);
-    path.is_file()
-        && read_modules(&path).is_ok_and(|m| m.len() == 1 && class(&m[0].0) == "Router")
+    path.is_file() && read_modules(&path).is_ok_and(|m| m.len() == 1 && class(&m[0].0) == "Router")
 }
 
 impl RouterLayout {
     /// Reads `dir`'s router: the query route must be one `SparseStaticEmbedding`, the
     /// document route a transformer and a `SpladePooling`.
     pub fn read(dir: &Path) -> Result<Self> {
+        let mut layout = Self::read_routes(dir)?;
+        let static_config = dir.join(&layout.query).join("config.json");
+        if static_config.is_file() {
+            layout.frozen = read_json(&static_config)?["frozen"]
+                .as_bool()
+                .unwrap_or(false);
+        }
+        Ok(layout)
+    }
+
+    /// [`Self::read`] from `router_config.json` alone (the modules' own files unread:
+    /// `frozen` false).
+    pub fn read_routes(dir: &Path) -> Result<Self> {
         let path = dir.join(ROUTER_CONFIG);
         let config = read_json(&path)?;
         let unsupported = |value: String| Error::UnsupportedConfig {
@@ -129,9 +141,8 @@ impl RouterLayout {
         }
         let query = route("query")?;
         let document = route("document")?;
-        let [(ty, query)] = <[_; 1]>::try_from(query).map_err(|q: Vec<_>| {
-            unsupported(format!("{} modules on the query route", q.len()))
-        })?;
+        let [(ty, query)] = <[_; 1]>::try_from(query)
+            .map_err(|q: Vec<_>| unsupported(format!("{} modules on the query route", q.len())))?;
         if class(&ty) != "SparseStaticEmbedding" {
             return Err(unsupported(format!("{ty} on the query route")));
         }
@@ -166,19 +177,11 @@ impl RouterLayout {
                 _ => Route::Document,
             },
         };
-        let static_config = dir.join(&query).join("config.json");
-        let frozen = if static_config.is_file() {
-            read_json(&static_config)?["frozen"]
-                .as_bool()
-                .unwrap_or(false)
-        } else {
-            false
-        };
         Ok(Self {
             query,
             document,
             default_route,
-            frozen,
+            frozen: false,
         })
     }
 

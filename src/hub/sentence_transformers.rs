@@ -359,7 +359,7 @@ pub(crate) fn read_head(
     let mut sparse = None;
     let mut last = None;
     for (ty, path) in modules {
-        let kind = module_kind(&ty).ok_or_else(|| Error::UnsupportedConfig {
+        let kind = module_kind(ty).ok_or_else(|| Error::UnsupportedConfig {
             field: "modules",
             value: ty.clone(),
             supported: SUPPORTED_MODULES,
@@ -381,11 +381,11 @@ pub(crate) fn read_head(
         }
         match kind {
             Module::Transformer => transformer = path.clone(),
-            Module::Pooling => pooling = Some(read_pooling(&dir.join(&path).join("config.json"))?),
-            Module::Dense => dense.push(read_dense(&dir.join(&path))?),
+            Module::Pooling => pooling = Some(read_pooling(&dir.join(path).join("config.json"))?),
+            Module::Dense => dense.push(read_dense(&dir.join(path))?),
             Module::Normalize => normalize = true,
             Module::SpladePooling => {
-                let config = dir.join(&path).join("config.json");
+                let config = dir.join(path).join("config.json");
                 sparse = Some(read_splade_pooling(&config)?);
                 check_splade_width(&config, &dir.join(&transformer).join("config.json"))?;
                 pooling = Some((Pooling::Mean, true));

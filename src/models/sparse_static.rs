@@ -15,6 +15,15 @@ use crate::{Error, Result};
 /// The parameter's name (sentence-transformers saves the module's one tensor as `weight`).
 pub const STATIC_WEIGHT: &str = "weight";
 
+/// The prefix of the static weights in a run's parameters (`static_query.weight`).
+pub const STATIC_PREFIX: &str = "static_query";
+
+/// `static_query.weight`: the static query weights' name in a run's parameters (its
+/// checkpoints, `model.freeze`).
+pub fn static_weight_name() -> String {
+    format!("{STATIC_PREFIX}.{STATIC_WEIGHT}")
+}
+
 /// One weight per vocabulary entry; a text's vector is `presence(tokens) * weight`.
 pub struct SparseStaticEmbedding {
     /// `[vocab]`.
@@ -51,7 +60,10 @@ impl SparseStaticEmbedding {
     fn presence(&self, input: &TokenBatch) -> Result<Tensor> {
         let vocab = self.vocab();
         let ids = input.input_ids.to_dtype(DType::U32)?.to_vec2::<u32>()?;
-        let mask = input.attention_mask.to_dtype(DType::U32)?.to_vec2::<u32>()?;
+        let mask = input
+            .attention_mask
+            .to_dtype(DType::U32)?
+            .to_vec2::<u32>()?;
         let mut presence = vec![0f32; ids.len() * vocab];
         for (row, (ids, mask)) in ids.iter().zip(&mask).enumerate() {
             for (&id, &m) in ids.iter().zip(mask) {
@@ -70,7 +82,10 @@ impl SparseStaticEmbedding {
             }
         }
         let device = self.weight.device();
-        Ok(Tensor::from_vec(presence, (ids.len(), vocab), device)?.to_dtype(self.weight.dtype())?)
+        Ok(
+            Tensor::from_vec(presence, (ids.len(), vocab), device)?
+                .to_dtype(self.weight.dtype())?,
+        )
     }
 }
 
@@ -101,7 +116,10 @@ mod tests {
         let got = tower.encode(&batch, &Ctx::eval()).unwrap();
         assert_eq!(
             got.to_vec2::<f32>().unwrap(),
-            [[0.0, 1.0, 0.0, 3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 5.0]]
+            [
+                [0.0, 1.0, 0.0, 3.0, 0.0, 0.0],
+                [0.0, 0.0, 0.0, 0.0, 0.0, 5.0]
+            ]
         );
         // The gradient of each weight is the sum of its entries' cotangents.
         let cot = Tensor::new(&[[1f32; 6], [2f32; 6]], &Device::Cpu).unwrap();

@@ -35,6 +35,8 @@ mod sparse_config;
 pub mod stream;
 mod text_data;
 mod text_loss;
+mod text_towers;
+pub use text_towers::PairTower;
 pub mod volumes;
 pub use text_loss::TextLoss;
 pub mod trainer;

@@ -16,6 +16,9 @@ use crate::models::bert::{
 };
 use crate::names::pattern_matches;
 use crate::params::{Freeze, ParamStore, Params};
+use crate::sparse_static::{
+    static_weight_name, SparseStaticEmbedding, StaticSparseEncoder, STATIC_PREFIX,
+};
 use crate::train::config::Config;
 use crate::{Error, Result};
 
@@ -62,6 +65,9 @@ pub(super) struct Model {
     pub(super) prompt_pooled: bool,
     /// A multi-vector (ColBERT) run's settings.
     pub(super) multi_vector: Option<MultiVectorHead>,
+    /// An inference-free sparse run's query side: a weight per vocabulary entry (`query`
+    /// is then the document model).
+    pub(super) static_query: Option<StaticSparseEncoder>,
     pub(super) store: ParamStore,
 }
 
@@ -191,16 +197,80 @@ pub(super) fn build_model(
     Ok(model)
 }
 
-/// What a run freezes: `model.freeze`, and with LoRA everything but the adapters (the
-/// adapted projections' base weights stored in `model.base_dtype`).
+/// What a run freezes: `model.freeze`, with LoRA everything but the adapters (the
+/// adapted projections' base weights stored in `model.base_dtype`), and an inference-free
+/// run's static query weights when they are frozen.
 pub(super) fn freeze(cfg: &Config) -> Result<Freeze> {
-    let freeze = Freeze::patterns(&cfg.model.freeze);
+    let mut patterns = cfg.model.freeze.clone();
+    if query_weights_frozen(cfg)? {
+        patterns.push(static_weight_name());
+    }
+    let freeze = Freeze::patterns(&patterns);
     Ok(match &cfg.model.lora {
         Some(lora) => freeze
             .all_but_adapters()
             .narrowing(cfg.model.base_dtype.dtype(), &lora.spec()?.0.targets),
         None => freeze,
     })
+}
+
+/// Whether an inference-free run's static query weights are frozen:
+/// `model.sparse.freeze_query_weights`, else the pretrained `Router` model's `frozen`.
+pub(super) fn query_weights_frozen(cfg: &Config) -> Result<bool> {
+    let Some(sparse) = &cfg.model.sparse else {
+        return Ok(false);
+    };
+    if let Some(frozen) = sparse.freeze_query_weights {
+        return Ok(frozen);
+    }
+    if cfg.model.pretrained.is_empty() || sparse.inference_free == Some(false) {
+        return Ok(false);
+    }
+    let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
+    Ok(files.router.is_some_and(|(_, layout)| layout.frozen))
+}
+
+/// The static query weights an inference-free run starts from: the pretrained `Router`
+/// model's (`files.router`), else ones (sentence-transformers' fresh
+/// `SparseStaticEmbedding`).
+pub(super) fn initial_query_weights(
+    files: Option<&ModelFiles>,
+    tokenizer: &tokenizers::Tokenizer,
+    vocab: usize,
+) -> Result<Option<candle_core::Tensor>> {
+    let Some((root, layout)) = files.and_then(|f| f.router.as_ref()) else {
+        return Ok(None);
+    };
+    let tokenizer = crate::hub::Tokenizer::new(tokenizer.clone(), 2)?;
+    crate::hub::router::read_static_weights(&root.join(&layout.query), &tokenizer, vocab).map(Some)
+}
+
+/// Creates an inference-free run's static query weights in `store` (before the
+/// pretrained model's file backs it), set to `initial` when given.
+fn static_query(
+    store: &ParamStore,
+    vocab: usize,
+    initial: Option<candle_core::Tensor>,
+) -> Result<StaticSparseEncoder> {
+    let tower = SparseStaticEmbedding::tower(store, STATIC_PREFIX, vocab)?;
+    if let Some(w) = initial {
+        let var = store
+            .get(&static_weight_name())
+            .ok_or_else(|| Error::DuplicateParameter {
+                name: static_weight_name(),
+            })?;
+        var.set(&w.to_dtype(store.dtype())?.to_device(store.device())?)?;
+    }
+    Ok(tower)
+}
+
+/// Whether the run is inference-free (see [`crate::train::config::Config`]'s
+/// `model.sparse.inference_free`) on a pretrained model that is one when `own`.
+fn inference_free(cfg: &Config, own: bool) -> Result<bool> {
+    match &cfg.model.sparse {
+        Some(s) => s.resolve_inference_free(own),
+        None => Ok(false),
+    }
 }
 
 /// Every `model.freeze` pattern and every LoRA target names something in the model.
@@ -337,6 +407,11 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         None => bert_options(cfg, None)?,
     };
     let prompts = run_prompts(cfg, None)?;
+    let free = inference_free(cfg, false)?;
+    let static_query = match free {
+        true => Some(static_query(&store, bert.vocab_size, None)?),
+        false => None,
+    };
     let (query, passage) = if cfg.model.shared {
         (BertEncoder::build(&store, "", &bert, &options)?, None)
     } else {
@@ -358,6 +433,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         prompts: prompts.0,
         prompt_pooled: prompts.1,
         multi_vector,
+        static_query,
         store,
     })
 }
@@ -426,8 +502,9 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     // multi-vector model's own, else a new one.
     let head = match multi_vector {
         Some(_) => None,
-        None => crate::hub::read_sentence_transformers_config(&files.dir)?,
+        None => files.head()?,
     };
+    let free = inference_free(cfg, files.router.is_some())?;
     let options = bert_options(cfg, head.as_ref())?;
     let options = match &multi_vector {
         Some(mv) => multi_vector_options(mv, own.as_ref(), bert.hidden_size, options)?,
@@ -473,6 +550,14 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     };
     let (prompts, prompt_pooled) = run_prompts(cfg, head.as_ref())?;
     if cfg.model.shared {
+        // The static query weights before the model's file backs the store.
+        let queries = match free {
+            true => {
+                let initial = initial_query_weights(Some(&files), &tokenizer, bert.vocab_size)?;
+                Some(static_query(&store, bert.vocab_size, initial)?)
+            }
+            false => None,
+        };
         let (query, bert, store) = load("", store)?;
         covered(&query, "")?;
         Ok(Model {
@@ -488,6 +573,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             prompts: prompts.clone(),
             prompt_pooled,
             multi_vector: multi_vector.clone(),
+            static_query: queries,
             store,
         })
     } else {
@@ -508,6 +594,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             prompts: prompts.clone(),
             prompt_pooled,
             multi_vector: multi_vector.clone(),
+            static_query: None,
             store,
         })
     }

@@ -97,6 +97,9 @@ pub struct Optimizer {
     kind: OptimizerKind,
     params: Params,
     moments: BTreeMap<String, Moments>,
+    /// Parameters updated at a multiple of the learning rate (see
+    /// [`Optimizer::with_lr_scales`]).
+    lr_scales: BTreeMap<String, f64>,
 }
 
 /// AdamW's moments of one parameter.
@@ -143,7 +146,16 @@ impl Optimizer {
             kind,
             params,
             moments: BTreeMap::new(),
+            lr_scales: BTreeMap::new(),
         })
+    }
+
+    /// The same optimiser updating each named parameter at its own multiple of the
+    /// learning rate (a parameter group of its own on the run's schedule, as
+    /// sentence-transformers' `learning_rate_mapping`).
+    pub fn with_lr_scales(mut self, scales: impl IntoIterator<Item = (String, f64)>) -> Self {
+        self.lr_scales.extend(scales);
+        self
     }
 
     /// The optimiser.
@@ -158,6 +170,7 @@ impl Optimizer {
         let t = i32::try_from(step.saturating_add(1)).unwrap_or(i32::MAX);
         for (name, var) in self.params.iter() {
             let Some(g) = grads.get(name) else { continue };
+            let lr = lr * self.lr_scales.get(name).copied().unwrap_or(1.0);
             let w = var.as_tensor();
             let g = g.to_dtype(w.dtype())?.contiguous()?;
             let fused = fused_update(w, &g);

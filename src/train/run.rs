@@ -137,6 +137,12 @@ pub trait Task: Sized {
         format!("{} pairs", self.batch_rows(batch))
     }
 
+    /// Parameters trained at their own learning rate, as multiples of `lr` (the
+    /// configured one) on the same schedule. None by default.
+    fn lr_scales(&self, _lr: f64) -> Vec<(String, f64)> {
+        Vec::new()
+    }
+
     /// Runs after every optimizer update (a learnable temperature is clamped here).
     fn after_update(&self, _gc: &TaskCache<Self>) -> Result<()> {
         Ok(())
@@ -261,7 +267,8 @@ impl<T: Task> Run<T> {
         settings: LoopConfig,
         notes: Vec<String>,
     ) -> Result<Self> {
-        let optimizer = Optimizer::new(settings.optim.kind(), gc.params().clone())?;
+        let optimizer = Optimizer::new(settings.optim.kind(), gc.params().clone())?
+            .with_lr_scales(task.lr_scales(settings.optim.lr));
         crate::profile::set_device(&device);
         let schedule = Schedule {
             lr: settings.optim.lr,

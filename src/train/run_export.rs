@@ -262,9 +262,7 @@ pub fn export_run_as(
         None => None,
     };
     let head = match &pretrained {
-        Some(files) if multi_vector.is_none() => {
-            crate::hub::read_sentence_transformers_config(&files.dir)?
-        }
+        Some(files) if multi_vector.is_none() => files.head()?,
         _ => None,
     };
     let mut options = bert_options(cfg, head.as_ref())?;
@@ -279,6 +277,7 @@ pub fn export_run_as(
         prompts = recorded.prompts;
         prompt_pooled = recorded.include_prompt;
     }
+    let static_query = static_query_of(cfg, &store, pretrained.as_ref(), &bert)?;
     // A checkpoint holds the trained weights; the frozen ones are the pretrained model's.
     if !freeze(cfg)?.is_empty() && !cfg.model.pretrained.is_empty() {
         let files = match pretrained {
@@ -302,7 +301,61 @@ pub fn export_run_as(
             prompt_left_out: !prompt_pooled,
             adapter_of,
             multi_vector,
+            static_query,
         },
     )?;
     Ok(found)
+}
+
+/// An inference-free run's static query weights, for its export: the checkpoint's (in
+/// `store`), or, frozen, those it started from (the pretrained `Router` model's, else
+/// ones); and whether they are frozen. `None` for any other run.
+fn static_query_of(
+    cfg: &Config,
+    store: &ParamStore,
+    pretrained: Option<&ModelFiles>,
+    bert: &BertConfig,
+) -> Result<Option<(candle_core::Tensor, bool)>> {
+    if cfg.model.sparse.is_none() {
+        return Ok(None);
+    }
+    let files = match pretrained {
+        Some(files) => Some(files.clone()),
+        None if cfg.model.pretrained.is_empty() => None,
+        None => Some(ModelFiles::resolve(
+            &cfg.model.pretrained,
+            &HubSettings::from_env(),
+        )?),
+    };
+    let own = files.as_ref().is_some_and(|f| f.router.is_some());
+    let free = match &cfg.model.sparse {
+        Some(s) => s.resolve_inference_free(own)?,
+        None => false,
+    };
+    if !free {
+        return Ok(None);
+    }
+    let name = crate::sparse_static::static_weight_name();
+    let weight = if store.reads_from_file(&name) {
+        let tower = crate::sparse_static::SparseStaticEmbedding::tower(
+            store,
+            crate::sparse_static::STATIC_PREFIX,
+            bert.vocab_size,
+        )?;
+        let params = crate::encoder::Encoder::params(&tower);
+        params
+            .get(&name)
+            .map(|v| v.as_tensor().clone())
+            .ok_or_else(|| Error::DuplicateParameter { name: name.clone() })?
+    } else {
+        let tokenizer = match &files {
+            Some(f) => read_model_tokenizer(f)?.0,
+            None => read_tokenizer_file(&cfg.output_dir.join(TOKENIZER_FILE))?,
+        };
+        match super::model::initial_query_weights(files.as_ref(), &tokenizer, bert.vocab_size)? {
+            Some(w) => w,
+            None => candle_core::Tensor::ones(bert.vocab_size, DType::F32, &Device::Cpu)?,
+        }
+    };
+    Ok(Some((weight, super::model::query_weights_frozen(cfg)?)))
 }

@@ -17,6 +17,21 @@ pub struct SparseSettings {
     /// `relu` or `log1p_relu`. Unset: the pretrained model's, else `relu`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub activation: Option<String>,
+    /// Inference-free: queries are not encoded but given a learned weight per vocabulary
+    /// entry on their tokens (sentence-transformers' `SparseStaticEmbedding` on a
+    /// `Router`'s query route); documents go through the model. Unset: the pretrained
+    /// model's (true for a `Router` model), else false.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inference_free: Option<bool>,
+    /// Inference-free: keep the query weights as they are (`frozen`). Unset: the
+    /// pretrained model's, else false (trained).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub freeze_query_weights: Option<bool>,
+    /// Inference-free: the query weights' learning rate, on the run's schedule
+    /// (sentence-transformers' `learning_rate_mapping` for `SparseStaticEmbedding`, whose
+    /// examples give it 1e-3 beside the model's 2e-5). Unset: `optim.lr`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub query_lr: Option<f64>,
 }
 
 impl SparseSettings {
@@ -46,6 +61,52 @@ impl SparseSettings {
             activation,
         })
     }
+
+    /// Whether the run is inference-free, over the pretrained model's own (`own`: it is a
+    /// `Router` model): refused set false on one (its queries have no other encoder), and
+    /// the query-weight settings refused on a run that is not.
+    pub fn resolve_inference_free(&self, own: bool) -> Result<bool> {
+        if own && self.inference_free == Some(false) {
+            return Err(Error::InvalidConfig {
+                field: "model.sparse.inference_free",
+                value: "false".into(),
+                reason: "the pretrained model is inference-free (its queries are static \
+                         weights, it has no query encoder): leave it unset",
+            });
+        }
+        let free = self.inference_free.unwrap_or(own);
+        if !free {
+            for (field, set) in [
+                (
+                    "model.sparse.freeze_query_weights",
+                    self.freeze_query_weights.is_some(),
+                ),
+                ("model.sparse.query_lr", self.query_lr.is_some()),
+            ] {
+                if set {
+                    return Err(Error::InvalidConfig {
+                        field,
+                        value: "set".into(),
+                        reason: "sets the static query weights of an inference-free model: \
+                                 set model.sparse.inference_free = true",
+                    });
+                }
+            }
+        }
+        Ok(free)
+    }
+
+    /// Refuses a query learning rate that is not a finite number > 0.
+    fn validate(&self) -> Result<()> {
+        if let Some(lr) = self.query_lr.filter(|lr| !(*lr > 0.0 && lr.is_finite())) {
+            return Err(Error::InvalidConfig {
+                field: "model.sparse.query_lr",
+                value: lr.to_string(),
+                reason: "a learning rate is a finite number > 0",
+            });
+        }
+        Ok(())
+    }
 }
 
 /// sentence-transformers' documented documents' weight.
@@ -61,7 +122,7 @@ pub struct SpladeConfig {
     /// `document_regularizer_weight`, SPLADE's lambda_d).
     pub document_weight: f64,
     /// The queries' (`query_regularizer_weight`, lambda_q). Unset: 5e-5, or none with
-    /// `documents_only`; 0: none (an inference-free query side).
+    /// `documents_only` or on an inference-free run; 0: none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub query_weight: Option<f64>,
     /// Documents with at most this many active entries are left out of the sum.
@@ -128,10 +189,13 @@ impl SpladeConfig {
         Ok(())
     }
 
-    /// The queries' weight: the one set, else 5e-5; none with `documents_only`.
-    pub fn effective_query_weight(&self) -> Option<f64> {
+    /// The queries' weight: the one set, else 5e-5 (none for an `inference_free` run, as
+    /// sentence-transformers leaves static query weights unregularised); none with
+    /// `documents_only`.
+    pub fn effective_query_weight(&self, inference_free: bool) -> Option<f64> {
         match (self.documents_only, self.query_weight) {
             (true, _) => None,
+            (false, None) if inference_free => None,
             (false, w) => Some(w.unwrap_or(DEFAULT_QUERY_WEIGHT)),
         }
     }
@@ -182,6 +246,15 @@ impl super::config::Config {
         }
         if let Some(sparse) = &m.sparse {
             sparse.resolve(None)?;
+            sparse.validate()?;
+            if sparse.inference_free == Some(true) && !m.shared {
+                return Err(Error::InvalidConfig {
+                    field: "model.shared",
+                    value: "false".into(),
+                    reason: "an inference-free model has one model, for documents; its \
+                             queries are static weights: leave model.shared true",
+                });
+            }
         }
         let refused = [
             ("model.multi_vector", m.multi_vector.is_some()),
@@ -227,11 +300,12 @@ mod tests {
         // A run shorter than the ratio's one step still warms up over one step.
         assert_eq!(c.weight_scale(0, 2), 0.0);
         assert_eq!(c.weight_scale(1, 2), 1.0);
-        assert_eq!(c.effective_query_weight(), Some(DEFAULT_QUERY_WEIGHT));
+        assert_eq!(c.effective_query_weight(false), Some(DEFAULT_QUERY_WEIGHT));
+        assert_eq!(c.effective_query_weight(true), None);
         let documents_only = SpladeConfig {
             documents_only: true,
             ..Default::default()
         };
-        assert_eq!(documents_only.effective_query_weight(), None);
+        assert_eq!(documents_only.effective_query_weight(false), None);
     }
 }

@@ -38,6 +38,7 @@ impl TextLoss {
         cfg: &Config,
         multi_vector: Option<&MultiVectorHead>,
         guide: Option<Guide>,
+        inference_free: bool,
     ) -> Result<Self> {
         let l = &cfg.loss;
         Ok(match (multi_vector, &l.distillation) {
@@ -60,7 +61,7 @@ impl TextLoss {
                     .with_guide(guide);
                 let s = l.splade.clone().unwrap_or_default();
                 let documents = Flops::new(s.document_weight)?.with_threshold(s.document_threshold);
-                let queries = match s.effective_query_weight() {
+                let queries = match s.effective_query_weight(inference_free) {
                     Some(w) => Some(Flops::new(w)?.with_threshold(s.query_threshold)),
                     None => None,
                 };

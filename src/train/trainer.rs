@@ -28,7 +28,7 @@ use crate::hub::{embed, export_bert, Prompts, Tokenizer};
 use crate::hub::{EmbeddingModel, LoadOptions};
 use crate::loss::Guide;
 use crate::loss::{TeacherScores, WeightScale};
-use crate::models::bert::{BertConfig, BertEncoder, BertOptions};
+use crate::models::bert::{BertConfig, BertOptions};
 use crate::precision::Precision;
 use crate::retrieval::{evaluate_corpus, CorpusEvalOptions, Scoring};
 use crate::train::budget::plan_memory;
@@ -43,6 +43,7 @@ pub use crate::train::run_export::{export_run, export_run_as, ExportLayout};
 use crate::train::run_export::{write_run_files, RunHead, MAY_CHANGE};
 use crate::train::text_data::{load_data, EvalData, RunData};
 use crate::train::text_loss::{set_teacher_scores, TextLoss};
+use crate::train::text_towers::PairTower;
 use crate::{Error, Result, Side};
 
 pub use super::model::{
@@ -83,17 +84,30 @@ pub struct TextPairs {
     multi_vector: Option<MultiVectorHead>,
     /// A sparse run's handle on its regularisers' weights and their warm-up.
     splade: Option<(WeightScale, SpladeConfig)>,
+    /// An inference-free run: queries are the static weights on their tokens.
+    static_queries: bool,
 }
 
 impl Task for TextPairs {
-    type Query = BertEncoder;
-    type Passage = BertEncoder;
+    type Query = PairTower;
+    type Passage = PairTower;
     type Loss = TextLoss;
     type Batch = TextBatch;
     type Config = Config;
 
     fn config(&self) -> &Config {
         &self.cfg
+    }
+
+    /// An inference-free run's static query weights at `model.sparse.query_lr`.
+    fn lr_scales(&self, lr: f64) -> Vec<(String, f64)> {
+        let query_lr = self.cfg.model.sparse.as_ref().and_then(|s| s.query_lr);
+        match query_lr {
+            Some(q) if self.static_queries && lr > 0.0 => {
+                vec![(crate::sparse_static::static_weight_name(), q / lr)]
+            }
+            _ => Vec::new(),
+        }
     }
 
     fn next_batch(&mut self, step: u64) -> Result<TextBatch> {
@@ -190,6 +204,10 @@ impl Task for TextPairs {
         let packed = self.device.is_cpu() && self.cfg.precision == Precision::F32;
         let mut forward = 0.0;
         for (batch, chunk) in [(queries, t.query_chunk), (passages, t.passage_chunk)] {
+            // Static query weights run no product.
+            if self.static_queries && std::ptr::eq(batch, queries) {
+                continue;
+            }
             let chunking = t
                 .chunk_tokens
                 .map_or(Chunking::Rows(chunk), Chunking::Tokens);
@@ -404,6 +422,7 @@ impl Run<TextPairs> {
         fingerprint: String,
     ) -> Result<Self> {
         let m = &cfg.model;
+        let static_queries = model.static_query.is_some();
         let (query_tokenizer, passage_tokenizer) = match &model.multi_vector {
             Some(head) => {
                 let (q, p) = head.tokenizers(&model.tokenizer, &cfg.output_dir)?;
@@ -412,6 +431,18 @@ impl Run<TextPairs> {
                     p.with_config(model.tokenizer_config.clone()),
                 )
             }
+            // An inference-free model's queries are tokenized without special tokens, as
+            // sentence-transformers' SparseStaticEmbedding does.
+            None if static_queries => (
+                Tokenizer::new(model.tokenizer.clone(), model.query_max_len)?
+                    .without_special_tokens()
+                    .with_prompt(&model.prompts.query)
+                    .with_config(model.tokenizer_config.clone()),
+                Tokenizer::new(model.tokenizer.clone(), model.passage_max_len)?
+                    .with_prompt(&model.prompts.passage)
+                    .with_prompt_pooled(model.prompt_pooled)
+                    .with_config(model.tokenizer_config.clone()),
+            ),
             None => (
                 Tokenizer::new(model.tokenizer.clone(), model.query_max_len)?
                     .with_prompt(&model.prompts.query)
@@ -437,7 +468,7 @@ impl Run<TextPairs> {
             }
         };
         let cell = guide.as_ref().map(|(_, cell)| cell.clone());
-        let loss = TextLoss::from_config(&cfg, model.multi_vector.as_ref(), cell)?;
+        let loss = TextLoss::from_config(&cfg, model.multi_vector.as_ref(), cell, static_queries)?;
         let width = model
             .options
             .dense
@@ -451,9 +482,22 @@ impl Run<TextPairs> {
             });
         }
         let (qc, pc) = (cfg.train.query_chunk, cfg.train.passage_chunk);
-        let gc = match model.passage {
-            None => GradCache::shared(model.query, qc, loss)?.with_chunk_sizes(qc, pc)?,
-            Some(passage) => GradCache::two_towers(model.query, passage, qc, pc, loss)?,
+        let tower = |e| PairTower::Bert(Box::new(e));
+        let gc = match (model.static_query, model.passage) {
+            (None, None) => {
+                GradCache::shared(tower(model.query), qc, loss)?.with_chunk_sizes(qc, pc)?
+            }
+            (None, Some(passage)) => {
+                GradCache::two_towers(tower(model.query), tower(passage), qc, pc, loss)?
+            }
+            // Inference-free: the static weights for queries, the model for documents.
+            (Some(queries), _) => GradCache::two_towers(
+                PairTower::Static(Box::new(queries)),
+                tower(model.query),
+                qc,
+                pc,
+                loss,
+            )?,
         };
         let gc = match cfg.train.chunk_tokens {
             Some(tokens) => gc.with_chunk_tokens(tokens, tokens)?,
@@ -497,6 +541,7 @@ impl Run<TextPairs> {
             guide,
             teacher: gc.loss().teacher().cloned(),
             splade: gc.loss().splade(&cfg),
+            static_queries,
             multi_vector: model.multi_vector,
             cfg,
         };
@@ -550,10 +595,27 @@ impl Run<TextPairs> {
         let t = &self.task;
         let tokenizer = &t.export_tokenizer;
         let (encoder, prefix) = match (side, t.cfg.model.shared) {
+            // An inference-free model's one encoder is its passage tower.
+            _ if t.static_queries => (self.gc.passage_encoder(), ""),
             (_, true) => (self.gc.query_encoder(), ""),
             (Side::Query, false) => (self.gc.query_encoder(), "query"),
             (Side::Passage, false) => (self.gc.passage_encoder(), "passage"),
         };
+        let static_query = match self.gc.query_encoder() {
+            PairTower::Static(q) => {
+                let name = crate::sparse_static::static_weight_name();
+                let weight = (q.params().get(&name))
+                    .or_else(|| q.frozen().get(&name))
+                    .map(|v| v.as_tensor().clone());
+                weight.map(|w| (w, q.frozen().get(&name).is_some()))
+            }
+            PairTower::Bert(_) => None,
+        };
+        let encoder = encoder.bert().ok_or_else(|| Error::InvalidArgument {
+            what: "export side",
+            value: format!("{side:?}"),
+            reason: "names no encoder of the run",
+        })?;
         export_bert(
             dir,
             &t.bert,
@@ -568,6 +630,7 @@ impl Run<TextPairs> {
                 prompt_left_out: !t.prompt_pooled,
                 adapter_of: None,
                 multi_vector: t.multi_vector.clone(),
+                static_query,
             },
         )
     }
