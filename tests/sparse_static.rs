@@ -440,3 +440,24 @@ fn inference_free_settings_are_refused_by_name_before_anything_is_written() {
     }
     assert!(!tmp.path().join("run").exists());
 }
+
+#[test]
+fn the_shipped_splade_config_learns_inference_free() {
+    // configs/splade.toml with its queries by static weights (from ones), on 400
+    // quickstart pairs for 20 steps, evaluated on 100 held-out pairs.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    common::quickstart_sample(dir, 0..400, 1000..1100);
+    let sets = vec![
+        format!("output_dir=\"{}\"", dir.join("run").display()),
+        format!("data.train_file=\"{}\"", dir.join("train.jsonl").display()),
+        format!("data.eval_file=\"{}\"", dir.join("eval.jsonl").display()),
+        "model.sparse.inference_free=true".into(),
+        "train.steps=20".into(),
+        "train.eval_every=20".into(),
+        "train.checkpoint_every=20".into(),
+        "train.batch_size=64".into(),
+    ];
+    let cfg = gradcache::train::Config::load(Path::new("configs/splade.toml"), &sets).unwrap();
+    common::assert_learns(gradcache::train::trainer::Trainer::new(cfg, None).unwrap());
+}

@@ -308,3 +308,37 @@ fn a_tokenizer_larger_than_the_sparse_vocabulary_is_refused() {
     assert!(err.contains(&want), "{err}");
     assert!(!tmp.path().join("run").join("checkpoints").exists());
 }
+
+#[test]
+fn a_model_without_an_mlm_head_gets_one_from_the_seed_when_asked() {
+    // The family fixture is a BertModel: refused without new_head (above); with it, the
+    // head is drawn from the seed, trains, and the export is a SparseEncoder.
+    let tmp = tempfile::tempdir().unwrap();
+    quickstart_sample(tmp.path(), 0..32, 1000..1008);
+    let path = sparse_run(tmp.path(), 2, "");
+    let bert = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/bert");
+    let sets = [
+        format!("model.pretrained=\"{}\"", bert.display()),
+        "model.sparse.new_head=true".to_string(),
+    ];
+    let cfg = Config::load(&path, &sets).unwrap();
+    let mut run = Trainer::new(cfg.clone(), None).unwrap();
+    let first = run.train_step().unwrap();
+    assert!(first.loss.is_finite());
+    // Two runs from one seed draw one head.
+    let mut cfg2 = cfg.clone();
+    cfg2.output_dir = tmp.path().join("again");
+    let mut again = Trainer::new(cfg2, None).unwrap();
+    assert_eq!(
+        again.train_step().unwrap().loss.to_bits(),
+        first.loss.to_bits()
+    );
+    let export = tmp.path().join("export");
+    run.export(&export, Side::Query).unwrap();
+    let model = EmbeddingModel::load(export.to_str().unwrap(), &LoadOptions::default()).unwrap();
+    assert!(model.is_sparse());
+    let v = model.embed(&["Jesus wept."], 1).unwrap();
+    let vocab: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(bert.join("config.json")).unwrap()).unwrap();
+    assert_eq!(v.dims()[1] as u64, vocab["vocab_size"].as_u64().unwrap());
+}

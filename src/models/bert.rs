@@ -45,7 +45,9 @@ use super::sparse::MlmHead;
 pub use super::sparse::{SparseSpec, SpladeActivation, SpladeStrategy};
 
 mod build;
-pub use build::{create_dense, load_pretrained, with_model_weights};
+pub use build::{
+    check_mlm_head, create_dense, create_mlm_head, load_pretrained, with_model_weights,
+};
 
 /// Encoder options that are not part of the Hugging Face config.
 #[derive(Debug, Clone, PartialEq, Default)]

@@ -111,6 +111,14 @@ impl MlmNames {
     }
 }
 
+impl MlmNames {
+    /// The decoder bias's name in the family's `*ForMaskedLM` file (present when the
+    /// file holds the head).
+    pub fn bias_name(&self) -> String {
+        format!("{}.bias", self.bias)
+    }
+}
+
 /// The families with a sparse head, for errors.
 pub const SPARSE_FAMILIES: &str = "bert (BertForMaskedLM), distilbert (DistilBertForMaskedLM)";
 

@@ -520,9 +520,16 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
         },
         ..options.clone()
     };
+    let new_head = cfg.model.sparse.as_ref().is_some_and(|s| s.new_head);
+    if options.sparse.is_some() && !new_head {
+        crate::models::bert::check_mlm_head(&files, &bert)?;
+    }
     let load = |prefix: &str, store: ParamStore| -> Result<(BertEncoder, BertConfig, ParamStore)> {
         if multi_vector.is_some() && from_files.dense.is_empty() {
             create_dense(&store, prefix, &options.dense)?;
+        }
+        if let (Some(spec), true) = (options.sparse, new_head) {
+            crate::models::bert::create_mlm_head(&store, prefix, &bert, spec)?;
         }
         let store = with_model_weights(&files, prefix, &from_files, store, false)?;
         let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;

@@ -27,6 +27,12 @@ pub struct SparseSettings {
     /// pretrained model's, else false (trained).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub freeze_query_weights: Option<bool>,
+    /// A pretrained model whose file holds no masked-language-model head (a `BertModel`,
+    /// a sentence-transformers model): create the head from the seed (transformers'
+    /// initialisation; its decoder is the word embeddings, as always). Unset: refused by
+    /// name.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub new_head: bool,
     /// Inference-free: the query weights' learning rate, on the run's schedule
     /// (sentence-transformers' `learning_rate_mapping` for `SparseStaticEmbedding`, whose
     /// examples give it 1e-3 beside the model's 2e-5). Unset: `optim.lr`.

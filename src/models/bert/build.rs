@@ -375,6 +375,47 @@ pub fn create_dense(store: &ParamStore, prefix: &str, specs: &[DenseSpec]) -> Re
     Ok(())
 }
 
+/// Creates the variables of `cfg`'s masked-language-model head under `prefix` in `store`,
+/// drawn from its seed as transformers initialises them: the head of a sparse run over a
+/// model whose file has none (`model.sparse.new_head`), created before the file serves
+/// the names around it.
+pub fn create_mlm_head(
+    store: &ParamStore,
+    prefix: &str,
+    cfg: &BertConfig,
+    spec: crate::models::sparse::SparseSpec,
+) -> Result<()> {
+    // The head is tied to the word embeddings, which the file holds: a stand-in here, as
+    // only the head's own variables are being created.
+    let table = candle_core::Tensor::zeros(1, store.dtype(), store.device())?;
+    Tower::build(store, prefix, |vb| {
+        MlmHead::new(cfg, spec, table.clone(), &vb)
+    })?;
+    Ok(())
+}
+
+/// Whether the weights of `files` hold `cfg`'s family's masked-language-model head (its
+/// decoder bias, e.g. `cls.predictions.bias`): `Err` names the missing weight.
+pub fn check_mlm_head(files: &ModelFiles, cfg: &BertConfig) -> Result<()> {
+    let Some(names) = crate::models::sparse::MlmNames::of(cfg.family(&files.config)?) else {
+        return Ok(());
+    };
+    let name = names.bias_name();
+    if WeightFile::open(&files.weights, "")?.contains(&name) {
+        return Ok(());
+    }
+    Err(Error::InvalidConfig {
+        field: "model.pretrained",
+        value: format!(
+            "{} (no `{name}` in {}: the weights hold no masked-language-model head)",
+            files.dir.display(),
+            files.weights.display()
+        ),
+        reason: "a sparse model pools its MLM head's logits: give a *ForMaskedLM model, or \
+                 set model.sparse.new_head = true to create the head from the seed",
+    })
+}
+
 /// Loads a pretrained BERT tower from a model's files into `store` under `prefix` (`""`
 /// for a shared tower). Weight names may carry the `bert.` prefix of Hugging Face
 /// `BertFor...` checkpoints or not; the `Dense` modules of `options` read their weights
