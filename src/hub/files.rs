@@ -9,6 +9,10 @@
 //! nothing else is tried, otherwise missing files are downloaded into that cache (cargo
 //! feature `download`, on by default; without it the cache is all there is).
 //!
+//! An inference-free sparse model keeps its parts in folders its `Router` names
+//! ([`RouterLayout`], read here; its weights in [`crate::hub::router`]): its files are its
+//! document model's, with the layout beside them.
+//!
 //! Only safetensors weights are loaded: a PyTorch pickle checkpoint can run code when it is
 //! unpickled, so a model that has only `pytorch_model.bin` gets an error saying how to
 //! convert it.
@@ -57,7 +61,7 @@ pub struct ModelFiles {
     pub tokenizer: Option<PathBuf>,
     /// An inference-free sparse model ([`crate::hub::router`]): its own directory and
     /// router. The files above are then its document model's (its folder is `dir`).
-    pub router: Option<(PathBuf, crate::hub::router::RouterLayout)>,
+    pub router: Option<(PathBuf, RouterLayout)>,
 }
 
 /// Where the Hugging Face cache is and whether the network may be used.
@@ -119,8 +123,8 @@ impl ModelFiles {
     /// The files of a model directory (of an inference-free model's, its document
     /// model's, with the router beside them).
     pub fn from_dir(dir: &Path) -> Result<Self> {
-        if !dir.join(CONFIG).is_file() && crate::hub::router::is_router(dir) {
-            let layout = crate::hub::router::RouterLayout::read(dir)?;
+        if !dir.join(CONFIG).is_file() && is_router(dir) {
+            let layout = RouterLayout::read(dir)?;
             let files = Self::from_dir(&dir.join(layout.transformer()))?;
             return Ok(Self {
                 router: Some((dir.to_path_buf(), layout)),
@@ -158,20 +162,6 @@ impl ModelFiles {
             tokenizer,
             router: None,
         })
-    }
-
-    /// The sentence-transformers head of the model (an inference-free model's: its
-    /// document route's); `None` without sentence-transformers files.
-    pub fn head(&self) -> Result<Option<crate::hub::SentenceTransformersConfig>> {
-        match &self.router {
-            Some((root, layout)) => crate::hub::sentence_transformers::read_head(
-                root,
-                &layout.document,
-                &root.join(crate::hub::router::ROUTER_CONFIG),
-            )
-            .map(Some),
-            None => crate::hub::read_sentence_transformers_config(&self.dir),
-        }
     }
 
     /// The files of a Hub repo (`org/name` or `org/name@revision`): from the cache, then,
@@ -213,10 +203,9 @@ impl ModelFiles {
         // the same snapshot, which then reads as a directory.
         if let Some(modules) = fetch(MODULES)? {
             let root = modules.parent().map(Path::to_path_buf).unwrap_or_default();
-            if crate::hub::router::is_router(&root) {
-                fetch(crate::hub::router::ROUTER_CONFIG)?
-                    .ok_or_else(|| missing(crate::hub::router::ROUTER_CONFIG))?;
-                let layout = crate::hub::router::RouterLayout::read_routes(&root)?;
+            if is_router(&root) {
+                fetch(ROUTER_CONFIG)?.ok_or_else(|| missing(ROUTER_CONFIG))?;
+                let layout = RouterLayout::read_routes(&root)?;
                 fetch(SENTENCE_TRANSFORMERS_CONFIG)?;
                 for (_, folder) in layout
                     .document
@@ -375,5 +364,174 @@ fn hub_error(repo: &str, file: &str, reason: String) -> Error {
         repo: repo.to_string(),
         file: file.to_string(),
         reason,
+    }
+}
+
+/// The router's own config, beside `modules.json`.
+pub const ROUTER_CONFIG: &str = "router_config.json";
+/// The folder sentence-transformers saves the query route's module in.
+pub const STATIC_DIR: &str = "query_0_SparseStaticEmbedding";
+/// The folders of the document route's modules.
+pub const DOCUMENT_DIR: &str = "document_0_Transformer";
+/// The document route's pooling.
+pub const DOCUMENT_POOLING_DIR: &str = "document_1_SpladePooling";
+
+const SUPPORTED: &str = "a Router whose query route is one SparseStaticEmbedding and whose \
+    document route is a Transformer (fill-mask) and SpladePooling";
+
+/// Which route a text takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// The static weights.
+    Query,
+    /// The masked-language model.
+    Document,
+}
+
+/// Where an inference-free model's parts are, relative to its directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouterLayout {
+    /// The `SparseStaticEmbedding`'s folder.
+    pub query: PathBuf,
+    /// The document route's modules (type and folder), in order.
+    pub document: Vec<(String, PathBuf)>,
+    /// The route of a text given without one (`default_route`).
+    pub default_route: Route,
+    /// Whether the static weights are frozen (`frozen` of their config).
+    pub frozen: bool,
+}
+
+/// The class name of a module type (`...sparse_static_embedding.SparseStaticEmbedding`).
+fn class(type_name: &str) -> &str {
+    type_name.rsplit('.').next().unwrap_or(type_name)
+}
+
+/// A JSON file of a model's (a missing one named as a sentence-transformers module's
+/// config).
+pub(crate) fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::MissingFile {
+            path: path.to_path_buf(),
+            what: "sentence-transformers module config",
+        },
+        _ => Error::io("read", path, e),
+    })?;
+    serde_json::from_str(&text).map_err(|e| Error::ModelFile {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}
+
+/// Whether `dir`'s `modules.json` is a single `Router` (an inference-free model, or
+/// another routed model [`RouterLayout::read`] names the problem of).
+pub fn is_router(dir: &Path) -> bool {
+    let path = dir.join(MODULES);
+    path.is_file() && read_modules(&path).is_ok_and(|m| m.len() == 1 && class(&m[0].0) == "Router")
+}
+
+impl RouterLayout {
+    /// Reads `dir`'s router: the query route must be one `SparseStaticEmbedding`, the
+    /// document route a transformer and a `SpladePooling`.
+    pub fn read(dir: &Path) -> Result<Self> {
+        let mut layout = Self::read_routes(dir)?;
+        let static_config = dir.join(&layout.query).join("config.json");
+        if static_config.is_file() {
+            layout.frozen = read_json(&static_config)?["frozen"]
+                .as_bool()
+                .unwrap_or(false);
+        }
+        Ok(layout)
+    }
+
+    /// [`Self::read`] from `router_config.json` alone (the modules' own files unread:
+    /// `frozen` false).
+    pub fn read_routes(dir: &Path) -> Result<Self> {
+        let path = dir.join(ROUTER_CONFIG);
+        let config = read_json(&path)?;
+        let unsupported = |value: String| Error::UnsupportedConfig {
+            field: "router",
+            value,
+            supported: SUPPORTED,
+            path: path.clone(),
+        };
+        let types = config["types"]
+            .as_object()
+            .ok_or_else(|| unsupported("no `types`".into()))?;
+        let structure = config["structure"]
+            .as_object()
+            .ok_or_else(|| unsupported("no `structure`".into()))?;
+        let route = |name: &str| -> Result<Vec<(String, PathBuf)>> {
+            let ids = structure[name]
+                .as_array()
+                .ok_or_else(|| unsupported(format!("no `{name}` route")))?;
+            ids.iter()
+                .map(|id| {
+                    let id = id.as_str().unwrap_or_default();
+                    let ty = types[id]
+                        .as_str()
+                        .ok_or_else(|| unsupported(format!("module {id:?} has no type")))?;
+                    // A module's folder is its id, inside the model's directory.
+                    if id.is_empty() || id.contains("..") || Path::new(id).is_absolute() {
+                        return Err(unsupported(format!("module folder {id:?}")));
+                    }
+                    Ok((ty.to_string(), PathBuf::from(id)))
+                })
+                .collect()
+        };
+        if let Some(other) = structure
+            .keys()
+            .find(|k| !matches!(k.as_str(), "query" | "document"))
+        {
+            return Err(unsupported(format!("a route named {other:?}")));
+        }
+        let query = route("query")?;
+        let document = route("document")?;
+        let [(ty, query)] = <[_; 1]>::try_from(query)
+            .map_err(|q: Vec<_>| unsupported(format!("{} modules on the query route", q.len())))?;
+        if class(&ty) != "SparseStaticEmbedding" {
+            return Err(unsupported(format!("{ty} on the query route")));
+        }
+        let classes: Vec<&str> = document.iter().map(|(t, _)| class(t)).collect();
+        if !matches!(
+            classes.as_slice(),
+            ["Transformer" | "MLMTransformer", "SpladePooling"]
+        ) {
+            return Err(unsupported(format!("document route {classes:?}")));
+        }
+        let parameters = &config["parameters"];
+        // A mapping that sends a task to the route of its own name changes nothing.
+        if let Some(mappings) = parameters["route_mappings"].as_object() {
+            for (key, target) in mappings {
+                let own = target
+                    .as_str()
+                    .is_some_and(|t| key.starts_with(&format!("('{t}'")));
+                if !own {
+                    return Err(unsupported(format!("route mapping {key} -> {target}")));
+                }
+            }
+        }
+        // Unset, sentence-transformers falls back to the first route when
+        // `allow_empty_key` (the default) is set.
+        let default_route = match parameters["default_route"].as_str() {
+            Some("query") => Route::Query,
+            Some("document") => Route::Document,
+            Some(other) => return Err(unsupported(format!("default route {other:?}"))),
+            None if parameters["allow_empty_key"].as_bool() == Some(false) => Route::Document,
+            None => match structure.keys().next().map(String::as_str) {
+                Some("query") => Route::Query,
+                _ => Route::Document,
+            },
+        };
+        Ok(Self {
+            query,
+            document,
+            default_route,
+            frozen: false,
+        })
+    }
+
+    /// The document route's transformer folder.
+    pub fn transformer(&self) -> &Path {
+        &self.document[0].1
     }
 }

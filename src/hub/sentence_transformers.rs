@@ -496,3 +496,19 @@ pub fn read_splade_pooling(path: &Path) -> Result<SparseSpec> {
         activation,
     })
 }
+
+impl crate::hub::files::ModelFiles {
+    /// The sentence-transformers head of the model (an inference-free model's: its
+    /// document route's); `None` without sentence-transformers files.
+    pub fn head(&self) -> Result<Option<SentenceTransformersConfig>> {
+        match &self.router {
+            Some((root, layout)) => read_head(
+                root,
+                &layout.document,
+                &root.join(crate::hub::files::ROUTER_CONFIG),
+            )
+            .map(Some),
+            None => read_sentence_transformers_config(&self.dir),
+        }
+    }
+}

@@ -2,7 +2,7 @@
 //! `SparseStaticEmbedding`. A query's vector is one learned weight per vocabulary entry
 //! (an IDF-like weight) on the entries of the tokens it contains, and zero elsewhere; no
 //! transformer runs, so a query costs a tokenization. Documents go through the SPLADE
-//! model ([`super::sparse`]), and the two meet in the same vocabulary-wide space.
+//! model (`models::sparse`), and the two meet in the same vocabulary-wide space.
 
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
