@@ -4,6 +4,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, InplaceOp2, Layout, Shape, Tensor, WithDType};
 
+use super::blocks::wide_fn;
 use super::blocks::{
     contiguous, dispatch, for_blocks, parallel_ranges, sum_partials, Float, SharedMut, BLOCK_ROWS,
 };
@@ -67,6 +68,7 @@ impl InplaceOp2 for AddInPlace {
     }
 }
 
+wide_fn! {
 pub(in crate::nn) fn add_rows<T: Float>(y: &mut [T], b: &[T]) {
     for_blocks(y, b.len(), |_, rows| {
         for row in rows.chunks_mut(b.len()) {
@@ -75,6 +77,7 @@ pub(in crate::nn) fn add_rows<T: Float>(y: &mut [T], b: &[T]) {
             }
         }
     });
+}
 }
 
 /// `acc += g` element by element, in place, for same-shape contiguous tensors in f32 or
@@ -105,6 +108,7 @@ pub fn add_row_in_place(acc: &Tensor, row: &Tensor) -> candle_core::Result<()> {
     )
 }
 
+wide_fn! {
 pub(in crate::nn) fn add_elementwise<T: Float>(acc: &mut [T], g: &[T]) {
     const WIDTH: usize = 1024;
     for_blocks(acc, WIDTH, |blk, chunk| {
@@ -113,6 +117,7 @@ pub(in crate::nn) fn add_elementwise<T: Float>(acc: &mut [T], g: &[T]) {
             *a += v;
         }
     });
+}
 }
 
 /// The sum over rows of a `[rows, w]` matrix (a bias gradient), in fixed blocks.

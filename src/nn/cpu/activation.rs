@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
 
+use super::blocks::wide_fn;
 use super::blocks::{
     check_width, contiguous, dispatch, for_blocks, for_blocks_with_partials, sum_partials, Float,
     BLOCK_ROWS,
@@ -20,6 +21,7 @@ pub struct BiasActivation {
     pub act: Act,
 }
 
+wide_fn! {
 pub(in crate::nn) fn bias_act_fwd<T: Float>(x: &[T], b: &[T], act: Act) -> Vec<T> {
     let w = b.len();
     let mut out = vec![T::zero(); x.len()];
@@ -45,6 +47,7 @@ pub(in crate::nn) fn bias_act_fwd<T: Float>(x: &[T], b: &[T], act: Act) -> Vec<T
         }
     });
     out
+}
 }
 
 impl CustomOp2 for BiasActivation {
@@ -100,6 +103,7 @@ pub(in crate::nn) fn bias_act_bwd<T: Float>(x: &[T], b: &[T], dy: &[T], act: Act
     dx
 }
 
+wide_fn! {
 /// The backward of `act(x + b)` with `dy` overwritten by `dx`; returns `db`.
 fn bias_act_bwd_in_place<T: Float>(x: &[T], b: &[T], dy: &mut [T], act: Act) -> Vec<T> {
     let w = b.len();
@@ -126,6 +130,7 @@ fn bias_act_bwd_in_place<T: Float>(x: &[T], b: &[T], dy: &mut [T], act: Act) -> 
         }
     });
     sum_partials(&partials, w)
+}
 }
 
 /// [`BiasActivationBackward`] in place: `InplaceOp3(dy, x, b)` turns `dy` into `dx` and

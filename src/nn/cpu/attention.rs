@@ -30,7 +30,8 @@
 //! arithmetic, bit for bit (selective recompute keeps nothing of size `s x s`).
 
 pub use super::attention_layout::{Dims, HeadLayout, KeyMask, Rows, MASKED_BIAS, UNATTENDED_BIAS};
-use super::blocks::{parallel_ranges, with_wide_vectors, Float, SharedConst, SharedMut};
+use super::blocks::wide_fn;
+use super::blocks::{parallel_ranges, Float, SharedConst, SharedMut};
 use super::math::exp;
 
 /// Sum over eight lanes, combined in a fixed order (vectorised; deterministic).
@@ -216,7 +217,7 @@ pub(in crate::nn) fn for_tasks<T: Float>(
     parallel_ranges(count, |range| {
         let mut buf = vec![T::zero(); scratch];
         for task in range {
-            with_wide_vectors(|| f(task, &mut buf));
+            f(task, &mut buf);
         }
     });
 }
@@ -227,6 +228,7 @@ pub(in crate::nn) fn for_tasks<T: Float>(
 /// # Safety
 /// `q` and `k` address their layouts for `dims`.
 #[allow(clippy::too_many_arguments)]
+#[inline(always)]
 unsafe fn probabilities<T: Float>(
     (dims, rows): (Dims, &Rows),
     params: &Params,
@@ -275,6 +277,7 @@ unsafe fn probabilities<T: Float>(
 
 /// Applies the dropout mask of head `h` of sequence `b` to its `s x L` block `x` (rows of
 /// the batch's `[n, heads, s, s]` probabilities), in place.
+#[inline(always)]
 fn dropout_block<T: Float>(
     dims: Dims,
     (seed, p): (u64, f32),
@@ -294,6 +297,7 @@ fn dropout_block<T: Float>(
     }
 }
 
+wide_fn! {
 /// The forward pass: `context = dropout(softmax(scale q k^T + bias)) v` into `out`, and,
 /// with `keep`, the probabilities before dropout for the backward (compact; see
 /// [`KeyMask`]).
@@ -366,7 +370,9 @@ pub unsafe fn forward<T: Float>(
     });
     kept
 }
+}
 
+wide_fn! {
 /// The backward pass from `dctx` into `dq`, `dk`, `dv`: with `kept` the forward's
 /// probabilities, else recomputed. Rows of `dk` and `dv` past a sequence's key length
 /// are not written (their gradient is 0: the caller's buffers start at zero). With
@@ -510,4 +516,5 @@ pub unsafe fn backward<T: Float>(
             (q.1.row, 1),
         );
     });
+}
 }

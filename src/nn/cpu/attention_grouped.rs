@@ -21,6 +21,7 @@
 //! summed over its query heads in head order, in the task that owns them.
 
 use super::attention::{for_tasks, gemm_into as matmul, softmax_row};
+use super::blocks::wide_fn;
 use super::blocks::{Float, SharedConst, SharedMut};
 
 /// Query rows per block of a causal or windowed attention.
@@ -259,6 +260,7 @@ fn dropout_block<T: Float>(
     }
 }
 
+wide_fn! {
 /// The forward pass over the packed `qkv`: the context `[rows, heads d]` (0 at rows that
 /// are not queries) and, with `keep`, the probabilities before dropout (the blocks
 /// computed) for the backward.
@@ -326,7 +328,9 @@ pub fn forward<T: Float>(
     });
     (ctx, kept)
 }
+}
 
+wide_fn! {
 /// The backward pass from `dctx` `[rows, heads d]`: the gradient of the packed `qkv`, from
 /// the probabilities `kept` by the forward or recomputed.
 pub fn backward<T: Float>(
@@ -445,4 +449,5 @@ pub fn backward<T: Float>(
         }
     });
     dqkv
+}
 }

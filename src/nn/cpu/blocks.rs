@@ -1,7 +1,8 @@
 //! The thread-block helpers every CPU kernel runs on: the float types, rows split into
 //! fixed blocks on candle's thread pool (reductions summed per block in block order, so
-//! nothing depends on the thread count), the copy compiled for AVX2 + FMA, and the serial
-//! mode for data parallelism across independent pieces of work.
+//! nothing depends on the thread count), the kernels' copies compiled for AVX2 + FMA and
+//! AVX-512 ([`wide_fn`]), and the serial mode for data parallelism across independent
+//! pieces of work.
 
 /// Rows handled by one parallel task; also the granularity of cross-row reductions.
 pub(crate) const BLOCK_ROWS: usize = 32;
@@ -117,42 +118,107 @@ pub(crate) fn for_blocks<T: Send + Sync>(
             // SAFETY: blocks are disjoint ranges of `out`, which outlives the call (the
             // pool returns only when every task is done).
             let rows = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(start), end - start) };
-            with_wide_vectors(|| f(b, rows));
+            f(b, rows);
         }
     });
 }
 
-/// Runs `f` compiled for AVX2 + FMA when the CPU has them (the build targets baseline
-/// x86-64, whose SSE2 vectors are half as wide), else as built. The kernels' element loops
-/// are inlined into the copy compiled with the wider vectors; nothing is reassociated or
-/// fused by it (Rust never contracts `a * b + c` into an FMA on its own, and float
-/// reductions keep their order), so both copies give the same bits.
-#[inline(always)]
-pub(crate) fn with_wide_vectors<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    if wide_vectors() {
-        // SAFETY: the CPU has AVX2 and FMA (checked above).
-        return unsafe { avx2_fma(f) };
-    }
-    f()
+/// The widest vectors a kernel copy may use on this CPU (detected once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Vectors {
+    /// The build's baseline: SSE2, four f32 lanes.
+    Baseline = 0,
+    /// AVX2 + FMA: eight.
+    Avx2 = 1,
+    /// AVX-512 (F) with AVX2 + FMA: sixteen.
+    Avx512 = 2,
 }
 
-/// Whether the CPU has AVX2 and FMA (detected once).
+/// The widest copy this CPU runs ([`Vectors`]); in tests, at most [`WIDEST`].
 #[cfg(target_arch = "x86_64")]
-fn wide_vectors() -> bool {
+pub(crate) fn vectors() -> Vectors {
+    static HAS: std::sync::OnceLock<Vectors> = std::sync::OnceLock::new();
+    let has = *HAS.get_or_init(|| {
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        match (avx2, is_x86_feature_detected!("avx512f")) {
+            (true, true) => Vectors::Avx512,
+            (true, false) => Vectors::Avx2,
+            _ => Vectors::Baseline,
+        }
+    });
     #[cfg(test)]
-    if BASELINE_ONLY.load(std::sync::atomic::Ordering::Relaxed) {
-        return false;
+    {
+        let cap = match WIDEST.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => Vectors::Baseline,
+            1 => Vectors::Avx2,
+            _ => Vectors::Avx512,
+        };
+        return has.min(cap);
     }
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    #[allow(unreachable_code)]
+    has
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn avx2_fma<R>(f: impl FnOnce() -> R) -> R {
-    f()
+/// Defines a kernel function three times: as written, and copies compiled for AVX2 + FMA
+/// and for AVX-512, the widest the CPU has running ([`vectors`]; the build targets
+/// baseline x86-64, whose SSE2 vectors hold four f32). The copies matter for the closures
+/// a kernel hands to [`for_blocks`]: a closure is compiled with the target features of the
+/// function it is written in, and the compiler will not inline a large one into a wider
+/// caller, so wrapping the closure's call in a wider function leaves its loops at SSE2
+/// width (this crate did, and its kernels ran at SSE2 width until the copies moved here).
+/// Nothing is reassociated or fused by a wider copy (Rust never contracts `a * b + c` into
+/// an FMA, and reductions keep their order): every copy gives the same bits.
+///
+/// The function's generics are `T: Float` (after any lifetimes) and each argument a name
+/// or a tuple of names (passed on as written).
+macro_rules! wide_fn {
+    (
+        $(#[$meta:meta])*
+        $vis:vis fn $name:ident<$($lt:lifetime,)* T: Float>($($arg:tt: $ty:ty),* $(,)?)
+            $(-> $ret:ty)? $body:block
+    ) => {
+        $(#[$meta])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name<$($lt,)* T: Float>($($arg: $ty),*) $(-> $ret)? {
+            $crate::nn::cpu::blocks::wide_fn!(@copies ($($lt,)*) ($($arg: $ty),*) ($($ret)?) $body);
+            $body
+        }
+    };
+    (
+        $(#[$meta:meta])*
+        $vis:vis unsafe fn $name:ident<$($lt:lifetime,)* T: Float>($($arg:tt: $ty:ty),* $(,)?)
+            $(-> $ret:ty)? $body:block
+    ) => {
+        $(#[$meta])*
+        #[allow(clippy::too_many_arguments)]
+        $vis unsafe fn $name<$($lt,)* T: Float>($($arg: $ty),*) $(-> $ret)? {
+            // The caller keeps this function's contract, which the copies share.
+            $crate::nn::cpu::blocks::wide_fn!(@copies ($($lt,)*) ($($arg: $ty),*) ($($ret)?) $body);
+            $body
+        }
+    };
+    // The wider copies, and the return through the widest this CPU runs.
+    (@copies ($($lt:lifetime,)*) ($($arg:tt: $ty:ty),*) ($($ret:ty)?) $body:block) => {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use $crate::nn::cpu::blocks::{vectors, Vectors};
+            #[target_feature(enable = "avx2,fma")]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn avx2<$($lt,)* T: Float>($($arg: $ty),*) $(-> $ret)? $body
+            #[target_feature(enable = "avx512f,avx2,fma")]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn avx512<$($lt,)* T: Float>($($arg: $ty),*) $(-> $ret)? $body
+            match vectors() {
+                // SAFETY: the CPU has AVX-512 F, AVX2 and FMA (checked).
+                Vectors::Avx512 => return unsafe { avx512::<T>($($arg),*) },
+                // SAFETY: the CPU has AVX2 and FMA (checked).
+                Vectors::Avx2 => return unsafe { avx2::<T>($($arg),*) },
+                Vectors::Baseline => {}
+            }
+        }
+    };
 }
+pub(crate) use wide_fn;
 
 /// `len` zeros with room for `extra` more: a backward kernel appends its parameter
 /// gradients to its input gradient, and a vector grown past its capacity would double it,
@@ -196,10 +262,9 @@ pub(crate) fn sum_partials<T: Float>(partials: &[T], width: usize) -> Vec<T> {
     total
 }
 
-/// Makes every kernel take the baseline (SSE2) copy (tests).
+/// The widest copy the kernels may take in tests (0 baseline, 1 AVX2, 2 AVX-512).
 #[cfg(test)]
-pub(crate) static BASELINE_ONLY: std::sync::atomic::AtomicBool =
-    std::sync::atomic::AtomicBool::new(false);
+pub(crate) static WIDEST: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
 
 pub(crate) fn contiguous<'a, T: candle_core::WithDType>(
     s: &'a candle_core::CpuStorage,

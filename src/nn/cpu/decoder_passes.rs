@@ -6,6 +6,7 @@ use std::borrow::Cow;
 
 use super::attention_grouped::Grouped;
 use super::attention_grouped::{self as grouped, Sequences};
+use super::blocks::wide_fn;
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{bias_rows, column_sums, linear, product, product_new};
@@ -206,6 +207,7 @@ fn project<T: Float>(
     qkv
 }
 
+wide_fn! {
 /// The q/k norms (where the layer has them) and the rotation of every query and key head,
 /// in place, each at its row's position (`transpose`: the backward's `R^T`, norms left
 /// out).
@@ -226,6 +228,7 @@ fn rotate_qk<T: Float>(qkv: &mut [T], chunk: &Chunk<T>, dims: Shape, transpose: 
             }
         }
     });
+}
 }
 
 /// The queries and keys as the attention reads them: normalised and rotated.

@@ -5,6 +5,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, WithDType};
 
+use super::blocks::wide_fn;
 use super::blocks::{contiguous, dispatch, for_blocks, Float, BLOCK_ROWS};
 
 /// Inverted dropout with the mask of `seed`: element `i` (in row-major order) is kept
@@ -23,6 +24,7 @@ fn dropout_fwd<T: Float>(x: &[T], seed: u64, p: f32, start: u64) -> Vec<T> {
     dropout_add_fwd(x, None, seed, p, start)
 }
 
+wide_fn! {
 /// `dropout(x) + residual` (the residual optional) in one pass, the elements of `x` from
 /// element `start` of the masked tensor on.
 pub(in crate::nn) fn dropout_add_fwd<T: Float>(
@@ -50,6 +52,7 @@ pub(in crate::nn) fn dropout_add_fwd<T: Float>(
         }
     });
     out
+}
 }
 
 /// `dropout(x) + residual`, `CustomOp2(x, residual)`, without a backward: the forward of

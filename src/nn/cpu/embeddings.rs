@@ -12,6 +12,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::blocks::wide_fn;
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::packing::View;
 use super::rows::{dropped, norm_backward, norm_row};
@@ -141,6 +142,7 @@ impl Inputs {
     }
 }
 
+wide_fn! {
 fn node<T: Float>(
     inputs: Inputs,
     tables: [&Tensor; 5],
@@ -206,6 +208,7 @@ fn node<T: Float>(
         }),
     )
 }
+}
 
 /// The sum under the LayerNorm, from the detached tables (read in place).
 fn sum_of<T: Float>(inputs: &Inputs, tables: &[Tensor]) -> candle_core::Result<Vec<T>> {
@@ -255,6 +258,7 @@ pub fn token_embeddings(
     }
 }
 
+wide_fn! {
 fn token_node<T: Float>(
     ids: Vec<u32>,
     table: &Tensor,
@@ -318,4 +322,5 @@ fn token_node<T: Float>(
             Ok(vec![crate::sink::deposit_rows(&param, &ids, &grad)?])
         }),
     )
+}
 }

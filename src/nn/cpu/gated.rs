@@ -15,6 +15,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::blocks::wide_fn;
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::math::Act;
 use super::packing::View;
@@ -92,6 +93,7 @@ macro_rules! with_act {
     };
 }
 
+wide_fn! {
 /// `act(a) g` of the rows `[a, g]` of `x` (`[rows, 2w]` into `[rows, w]`).
 pub(in crate::nn) fn glu_rows<T: Float>(x: &[T], act: Act, w: usize) -> Vec<T> {
     let mut y = vec![T::zero(); x.len() / 2];
@@ -109,7 +111,9 @@ pub(in crate::nn) fn glu_rows<T: Float>(x: &[T], act: Act, w: usize) -> Vec<T> {
     });
     y
 }
+}
 
+wide_fn! {
 /// The gradient `[rows, 2w]` of the rows of `x` from that of [`glu_rows`]'s output `dy`.
 pub(in crate::nn) fn glu_rows_backward<T: Float>(x: &[T], dy: &[T], act: Act, w: usize) -> Vec<T> {
     let mut dx = vec![T::zero(); x.len()];
@@ -130,6 +134,7 @@ pub(in crate::nn) fn glu_rows_backward<T: Float>(x: &[T], dy: &[T], act: Act, w:
         }
     });
     dx
+}
 }
 
 /// One head's `d` values rotated in place with its place's tables `c`, `sn` (`transpose`:
@@ -174,6 +179,7 @@ pub fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Ten
     }
 }
 
+wide_fn! {
 /// `out = x c + R(x) s` row by row (`transpose`: `out = x c + R^T(x s)`, the backward).
 fn rotate<T: Float>(
     xs: &[T],
@@ -192,6 +198,7 @@ fn rotate<T: Float>(
         }
     });
     out
+}
 }
 
 fn rotary_node<T: Float>(

@@ -3,6 +3,7 @@
 //! parallelism candle itself would choose (none in serial mode), a product with its bias,
 //! and the column sums of a bias gradient in fixed blocks.
 
+use super::blocks::wide_fn;
 use super::blocks::{in_serial, parallel_ranges, sum_partials, Float, SharedMut, BLOCK_ROWS};
 
 /// The gemm crate's parallelism for the layer's large products (candle's own choice).
@@ -127,6 +128,7 @@ pub(in crate::nn) fn linear<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, k:
     y
 }
 
+wide_fn! {
 /// Column sums of `[rows, width]` (a bias gradient), in a fixed order.
 pub(in crate::nn) fn column_sums<T: Float>(x: &[T], width: usize) -> Vec<T> {
     let rows = x.len() / width.max(1);
@@ -147,4 +149,5 @@ pub(in crate::nn) fn column_sums<T: Float>(x: &[T], width: usize) -> Vec<T> {
         }
     });
     sum_partials(&partials, width)
+}
 }

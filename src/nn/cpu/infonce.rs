@@ -24,6 +24,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::blocks::wide_fn;
 use super::blocks::{parallel_ranges, Float, SharedMut};
 use super::gemm::{product, product_new};
 use super::packing::View;
@@ -298,6 +299,7 @@ fn run<T: Float>(plan: &Plan) -> crate::Result<(f64, Tensor, Tensor)> {
     ))
 }
 
+wide_fn! {
 /// In place, row by row of width `d`: the gradient `g` with respect to `y = x / max(|x|,
 /// 1e-12)` becomes the gradient with respect to `x`, `(g - y (g . y)) / |x|` (`g / 1e-12`
 /// on rows whose norm was clamped), as autograd through the normalisation gives it.
@@ -321,6 +323,7 @@ fn normalize_backward<T: Float>(x: &[T], g: &mut [T], d: usize) {
             }
         }
     });
+}
 }
 
 /// The gradients being summed: of the queries, the passages, and the positives as

@@ -87,7 +87,7 @@ mod tests {
 
     use crate::nn::cpu::accumulate::{add_elementwise, add_rows};
     use crate::nn::cpu::activation::{bias_act_bwd, bias_act_fwd};
-    use crate::nn::cpu::blocks::BASELINE_ONLY;
+    use crate::nn::cpu::blocks::WIDEST;
     use crate::nn::cpu::dropout_ops::dropout_add_fwd;
     use crate::nn::cpu::norm::{ln_bwd, ln_fwd};
     use crate::nn::cpu::softmax::{softmax_bwd, softmax_fwd};
@@ -119,7 +119,17 @@ mod tests {
         for act in [Act::GeluErf, Act::GeluTanh, Act::Relu, Act::Silu] {
             outs.push(bias_act_fwd(&x, &b, act));
             outs.push(bias_act_bwd(&x, &b, &dy, act));
+            outs.push(rows::activate(&x, act, width));
+            let mut u = x.clone();
+            rows::activate_in_place(&mut u, act, width);
+            outs.push(u);
+            let (value, slope) = rows::activate_with_slope(&x, act, width);
+            outs.extend([value, slope]);
         }
+        let places: Vec<usize> = (0..rows).collect();
+        let (sum, y) = rows::add_norm(&x, &dy, Some((5, 0.1)), (&g, &b), 1e-12, &places);
+        outs.extend([sum, y, rows::norm(&x, (&g, &b), 1e-12)]);
+        outs.push(rows::rms(&x, &g, 1e-6, 1.0));
         let mut acc = x.clone();
         add_rows(&mut acc, &b);
         add_elementwise(&mut acc, &dy);
@@ -129,23 +139,30 @@ mod tests {
             .collect()
     }
 
+    /// Every copy of the kernels (baseline, AVX2, AVX-512: those this CPU runs) gives the
+    /// same bits.
     #[test]
     fn wide_vector_kernels_give_the_baseline_bits() {
         #[cfg(target_arch = "x86_64")]
-        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
-            eprintln!("no AVX2 + FMA on this CPU: only the baseline copy runs");
-        }
+        eprintln!(
+            "the widest copy this CPU runs: {:?}",
+            crate::nn::cpu::blocks::vectors()
+        );
         for width in [384, 37] {
-            let wide = run_all(width);
-            BASELINE_ONLY.store(true, Ordering::Relaxed);
+            WIDEST.store(0, Ordering::Relaxed);
             let baseline = run_all(width);
-            BASELINE_ONLY.store(false, Ordering::Relaxed);
-            for (i, (a, b)) in wide.iter().zip(&baseline).enumerate() {
-                assert!(
-                    a == b,
-                    "kernel output {i} (width {width}) differs between copies"
-                );
+            for widest in [1, 2] {
+                WIDEST.store(widest, Ordering::Relaxed);
+                let wide = run_all(width);
+                for (i, (a, b)) in wide.iter().zip(&baseline).enumerate() {
+                    assert!(
+                        a == b,
+                        "kernel output {i} (width {width}) differs between the baseline \
+                         copy and the copy of tier {widest}"
+                    );
+                }
             }
+            WIDEST.store(2, Ordering::Relaxed);
         }
     }
 

@@ -5,6 +5,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
 
+use super::blocks::wide_fn;
 use super::blocks::{
     check_width, contiguous, dispatch, for_blocks, for_blocks_with_partials, sum_partials,
     zeros_with_room, Float, BLOCK_ROWS,
@@ -26,6 +27,7 @@ fn ln_row<T: Float>(x: &[T], eps: f64) -> (T, T) {
     (mean, T::one() / (var + T::of(eps)).sqrt())
 }
 
+wide_fn! {
 pub(in crate::nn) fn ln_fwd<T: Float>(x: &[T], g: &[T], b: &[T], eps: f64) -> Vec<T> {
     let h = g.len();
     let mut out = vec![T::zero(); x.len()];
@@ -40,6 +42,7 @@ pub(in crate::nn) fn ln_fwd<T: Float>(x: &[T], g: &[T], b: &[T], eps: f64) -> Ve
         }
     });
     out
+}
 }
 
 impl CustomOp3 for LayerNorm {
@@ -92,6 +95,7 @@ struct LayerNormBackward {
     eps: f64,
 }
 
+wide_fn! {
 pub(in crate::nn) fn ln_bwd<T: Float>(x: &[T], g: &[T], dy: &[T], eps: f64) -> Vec<T> {
     let h = g.len();
     let mut dx = zeros_with_room(x.len(), 2 * h);
@@ -122,6 +126,7 @@ pub(in crate::nn) fn ln_bwd<T: Float>(x: &[T], g: &[T], dy: &[T], eps: f64) -> V
     let sums = sum_partials(&partials, 2 * h);
     dx.extend(sums);
     dx
+}
 }
 
 impl CustomOp3 for LayerNormBackward {

@@ -22,6 +22,7 @@
 use candle_core::{DType, Tensor};
 
 use super::attention::{self as kernel, KeyMask};
+use super::blocks::wide_fn;
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
 use super::gemm::{column_sums, linear, product, product_new};
@@ -351,6 +352,7 @@ fn layer<T: Float>(
     )
 }
 
+wide_fn! {
 /// Rotates the query and key parts of the packed `[rows, 3h]` `qkv` in place, each head
 /// at its row's place (`transpose`: the backward's `R^T`), as [`super::gated`]'s rotary.
 fn rotate_qk<T: Float>(qkv: &mut [T], rotary: &Rotary<T>, dims: Shape, transpose: bool) {
@@ -366,6 +368,7 @@ fn rotate_qk<T: Float>(qkv: &mut [T], rotary: &Rotary<T>, dims: Shape, transpose
             }
         }
     });
+}
 }
 
 /// The first norm's output (`x` itself in a layer without one).

@@ -5,7 +5,7 @@
 
 use super::attention::{lane_dot, lane_sum};
 use super::blocks::{
-    for_blocks, for_blocks_with_partials, sum_partials, Float, SharedMut, BLOCK_ROWS,
+    for_blocks, for_blocks_with_partials, sum_partials, wide_fn, Float, SharedMut, BLOCK_ROWS,
 };
 use super::math::Act;
 
@@ -31,6 +31,7 @@ pub(in crate::nn) fn stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
     (mean, T::one() / (var + T::of(eps)).sqrt())
 }
 
+wide_fn! {
 /// `LayerNorm(dropout(a) + r)` row by row: returns the sums and the normalised rows.
 /// Dropout masks are those of each element's place in the padded `[n s, h]` tensor
 /// (`places[row]` the padded row of each row).
@@ -69,6 +70,7 @@ pub(in crate::nn) fn add_norm<T: Float>(
     });
     (sum, y)
 }
+}
 
 /// `out = dropout(a) + r` for the elements from `start` on (of the masked tensor).
 #[inline(always)]
@@ -105,6 +107,7 @@ pub(crate) fn norm_row<T: Float>(x: &[T], g: &[T], b: &[T], eps: f64, y: &mut [T
     }
 }
 
+wide_fn! {
 /// The normalised rows of `sum` (`y1` recomputed from the kept sum).
 pub(in crate::nn) fn norm<T: Float>(sum: &[T], (g, b): (&[T], &[T]), eps: f64) -> Vec<T> {
     let h = g.len();
@@ -120,7 +123,9 @@ pub(in crate::nn) fn norm<T: Float>(sum: &[T], (g, b): (&[T], &[T]), eps: f64) -
     });
     y
 }
+}
 
+wide_fn! {
 /// `act(u)` element by element.
 pub(in crate::nn) fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<T> {
     let mut g = vec![T::zero(); u.len()];
@@ -143,7 +148,9 @@ pub(in crate::nn) fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<
     });
     g
 }
+}
 
+wide_fn! {
 /// `act(u)` over `u` itself.
 pub(in crate::nn) fn activate_in_place<T: Float>(u: &mut [T], act: Act, width: usize) {
     for_blocks(u, width, |_, chunk| {
@@ -162,7 +169,9 @@ pub(in crate::nn) fn activate_in_place<T: Float>(u: &mut [T], act: Act, width: u
         }
     });
 }
+}
 
+wide_fn! {
 /// `act(u)` and `act'(u)` element by element, in one pass (one exponential each).
 pub(in crate::nn) fn activate_with_slope<T: Float>(
     u: &[T],
@@ -195,7 +204,9 @@ pub(in crate::nn) fn activate_with_slope<T: Float>(
     });
     (g, slope)
 }
+}
 
+wide_fn! {
 /// In place, `dy` becomes `dy * slope`; returns its column sums (the bias gradient).
 pub(in crate::nn) fn times_slope<T: Float>(slope: &[T], dy: &mut [T], width: usize) -> Vec<T> {
     let partials = for_blocks_with_partials(dy, width, width, |blk, chunk, acc| {
@@ -214,7 +225,9 @@ pub(in crate::nn) fn times_slope<T: Float>(slope: &[T], dy: &mut [T], width: usi
     });
     sum_partials(&partials, width)
 }
+}
 
+wide_fn! {
 /// LayerNorm's backward over rows: the gradient of the sum it normalised, from the
 /// output's `dy`; and `(dgamma, dbeta)`.
 pub(crate) fn norm_backward<T: Float>(
@@ -254,7 +267,9 @@ pub(crate) fn norm_backward<T: Float>(
     let sums = sum_partials(&partials, 2 * h);
     (dsum, sums[..h].to_vec(), sums[h..].to_vec())
 }
+}
 
+wide_fn! {
 /// `x` times its dropout mask (`x` rows of `width`, `places[row]` each row's place in
 /// the masked tensor, or `None`: the rows in order): `x` itself without dropout, else a
 /// new buffer.
@@ -282,6 +297,7 @@ pub(crate) fn dropped<'a, T: Float>(
     });
     std::borrow::Cow::Owned(out)
 }
+}
 
 /// `1 / sqrt(mean(x^2) + eps)` of a row (eight-lane sums): RMSNorm's statistic.
 #[inline(always)]
@@ -300,6 +316,7 @@ pub(in crate::nn) fn rms_row<T: Float>(x: &[T], w: &[T], eps: f64, offset: T, y:
     }
 }
 
+wide_fn! {
 /// RMSNorm of every row of `x` (rows of `w.len()`).
 pub(in crate::nn) fn rms<T: Float>(x: &[T], w: &[T], eps: f64, offset: T) -> Vec<T> {
     let h = w.len();
@@ -315,7 +332,9 @@ pub(in crate::nn) fn rms<T: Float>(x: &[T], w: &[T], eps: f64, offset: T) -> Vec
     });
     y
 }
+}
 
+wide_fn! {
 /// RMSNorm's backward over rows: the gradient of `x` from the output's `dy`, and the
 /// scale's (summed per block, in block order).
 pub(in crate::nn) fn rms_backward<T: Float>(
@@ -352,7 +371,9 @@ pub(in crate::nn) fn rms_backward<T: Float>(
     });
     (dx, sum_partials(&partials, h))
 }
+}
 
+wide_fn! {
 /// Per-head RMSNorm in place: in every row of `width` of `x`, the `count` heads of `d`
 /// values from column `first` (the q/k norms of Qwen3 and Gemma3).
 pub(in crate::nn) fn rms_heads<T: Float>(
@@ -373,7 +394,9 @@ pub(in crate::nn) fn rms_heads<T: Float>(
         }
     });
 }
+}
 
+wide_fn! {
 /// The backward of [`rms_heads`]: `dx` holds the gradient of the normalised heads and
 /// becomes that of `x` (the heads before the norm); returns the scale's gradient, summed
 /// over rows (per block, in block order) and heads.
@@ -411,4 +434,5 @@ pub(in crate::nn) fn rms_heads_backward<T: Float>(
         }
     });
     sum_partials(&partials, d)
+}
 }

@@ -5,6 +5,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, WithDType};
 
 use super::attention::{softmax_row, KeyMask};
+use super::blocks::wide_fn;
 use super::blocks::{contiguous, dispatch, for_blocks, Float, BLOCK_ROWS};
 
 /// `softmax(scale * scores + bias)` over the last dimension: `CustomOp2(scores, bias)`,
@@ -16,6 +17,7 @@ pub struct MaskedSoftmax {
     pub scale: f64,
 }
 
+wide_fn! {
 pub(in crate::nn) fn softmax_fwd<T: Float>(
     x: &[T],
     bias: &[T],
@@ -44,6 +46,7 @@ pub(in crate::nn) fn softmax_fwd<T: Float>(
         }
     });
     out
+}
 }
 
 impl CustomOp2 for MaskedSoftmax {
@@ -90,6 +93,7 @@ struct SoftmaxBackward {
     scale: f64,
 }
 
+wide_fn! {
 pub(in crate::nn) fn softmax_bwd<T: Float>(p: &[T], dy: &[T], k: usize, scale: f64) -> Vec<T> {
     let mut out = vec![T::zero(); p.len()];
     let scale = T::of(scale);
@@ -106,6 +110,7 @@ pub(in crate::nn) fn softmax_bwd<T: Float>(p: &[T], dy: &[T], k: usize, scale: f
         }
     });
     out
+}
 }
 
 impl CustomOp2 for SoftmaxBackward {

@@ -20,6 +20,7 @@
 
 use candle_core::{DType, Tensor};
 
+use super::blocks::wide_fn;
 use super::blocks::{parallel_ranges, Float, SharedMut};
 use super::gemm::product;
 use super::packing::View;
@@ -73,6 +74,7 @@ fn activation<T: Float>(x: T, twice: bool) -> (T, T) {
     }
 }
 
+wide_fn! {
 fn pool<T: Float>(
     t: &Tensor,
     table: &Tensor,
@@ -231,6 +233,7 @@ fn pool<T: Float>(
             ])
         }),
     )
+}
 }
 
 #[cfg(test)]
