@@ -223,6 +223,26 @@ fn a_router_other_than_static_queries_and_splade_documents_is_refused() {
     candle_core::safetensors::save(&HashMap::from([("weight", short)]), &weights).unwrap();
     let e = err(&dir);
     assert!(e.contains("[7]") && e.contains("400"), "{e}");
+    // No weights file (and no IDF file configured instead).
+    let dir = copy(&|_| {});
+    std::fs::remove_file(dir.join("query_0_SparseStaticEmbedding/model.safetensors")).unwrap();
+    let e = err(&dir);
+    assert!(e.contains("SparseStaticEmbedding weights"), "{e}");
+    // A query tokenizer with more tokens than the static weights cover.
+    let dir = copy(&|_| {});
+    let path = dir.join("query_0_SparseStaticEmbedding/tokenizer.json");
+    let mut tokenizer: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    tokenizer["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "id": 400, "content": "[EXTRA]", "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true
+        }));
+    std::fs::write(&path, tokenizer.to_string()).unwrap();
+    let e = err(&dir);
+    assert!(e.contains("401 tokens") && e.contains("cover 400"), "{e}");
 }
 
 fn copy_dir(from: &Path, to: &Path) {

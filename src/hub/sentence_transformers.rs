@@ -7,13 +7,12 @@
 //! pooling (their weights from `model.safetensors`), `Normalize`, and the similarity of
 //! `config_sentence_transformers.json`.
 
-use std::fs;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
 
-use crate::hub::files::{read_modules, MODULES, SENTENCE_TRANSFORMERS_CONFIG};
+use crate::hub::files::{read_json, read_modules, MODULES, SENTENCE_TRANSFORMERS_CONFIG};
 use crate::loss::Similarity;
 use crate::models::bert::{
     DenseActivation, DenseSpec, Pooling, SparseSpec, SpladeActivation, SpladeStrategy,
@@ -182,20 +181,6 @@ fn module_kind(type_name: &str) -> Option<Module> {
         "SpladePooling" => Some(Module::SpladePooling),
         _ => None,
     }
-}
-
-fn read_json(path: &Path) -> Result<Value> {
-    let text = fs::read_to_string(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::MissingFile {
-            path: path.to_path_buf(),
-            what: "sentence-transformers module config",
-        },
-        _ => Error::io("read", path, e),
-    })?;
-    serde_json::from_str(&text).map_err(|e| Error::ModelFile {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })
 }
 
 fn model_file(path: &Path, reason: impl Into<String>) -> Error {

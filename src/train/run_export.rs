@@ -245,15 +245,7 @@ pub fn export_run_as(
     // run's projections are recorded in its Dense file).
     let multi_vector = match &cfg.model.multi_vector {
         Some(mv) => {
-            let files = match &pretrained {
-                Some(files) => Some(files.clone()),
-                None if cfg.model.pretrained.is_empty() => None,
-                None => Some(ModelFiles::resolve(
-                    &cfg.model.pretrained,
-                    &HubSettings::from_env(),
-                )?),
-            };
-            let own = match files {
+            let own = match pretrained_files(cfg, pretrained.as_ref())? {
                 Some(f) => MultiVectorConfig::read_if_any(&f.dir)?,
                 None => None,
             };
@@ -307,6 +299,16 @@ pub fn export_run_as(
     Ok(found)
 }
 
+/// The run's pretrained model's files: `pretrained` when already resolved, else resolved
+/// now; `None` for a fresh model.
+fn pretrained_files(cfg: &Config, pretrained: Option<&ModelFiles>) -> Result<Option<ModelFiles>> {
+    match pretrained {
+        Some(files) => Ok(Some(files.clone())),
+        None if cfg.model.pretrained.is_empty() => Ok(None),
+        None => ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env()).map(Some),
+    }
+}
+
 /// An inference-free run's static query weights, for its export: the checkpoint's (in
 /// `store`), or, frozen, those it started from (the pretrained `Router` model's, else
 /// ones); and whether they are frozen. `None` for any other run.
@@ -316,23 +318,12 @@ fn static_query_of(
     pretrained: Option<&ModelFiles>,
     bert: &BertConfig,
 ) -> Result<Option<(candle_core::Tensor, bool)>> {
-    if cfg.model.sparse.is_none() {
+    let Some(sparse) = &cfg.model.sparse else {
         return Ok(None);
-    }
-    let files = match pretrained {
-        Some(files) => Some(files.clone()),
-        None if cfg.model.pretrained.is_empty() => None,
-        None => Some(ModelFiles::resolve(
-            &cfg.model.pretrained,
-            &HubSettings::from_env(),
-        )?),
     };
+    let files = pretrained_files(cfg, pretrained)?;
     let own = files.as_ref().is_some_and(|f| f.router.is_some());
-    let free = match &cfg.model.sparse {
-        Some(s) => s.resolve_inference_free(own)?,
-        None => false,
-    };
-    if !free {
+    if !sparse.resolve_inference_free(own)? {
         return Ok(None);
     }
     let name = crate::sparse_static::static_weight_name();
