@@ -15,6 +15,7 @@ use gradcache::hub::{EmbeddingModel, LoadOptions};
 fn main() -> anyhow::Result<()> {
     // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
     unsafe { gradcache::pool::short_spin() };
+    gradcache::memory::keep_freed_memory();
     let mut args = std::env::args().skip(1);
     let model = args
         .next()

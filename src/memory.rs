@@ -66,6 +66,60 @@ unsafe impl GlobalAlloc for CountingAllocator {
     }
 }
 
+/// The largest buffer glibc's malloc serves from its heaps once [`keep_freed_memory`] ran
+/// (larger ones get their own mapping, given back when freed).
+pub const MMAP_THRESHOLD: usize = 32 << 20;
+/// The free memory a heap keeps at its top for reuse once [`keep_freed_memory`] ran,
+/// before it gives the rest back to the system.
+pub const TRIM_THRESHOLD: usize = 64 << 20;
+
+/// Has glibc's malloc keep freed buffers for the next ones instead of giving their pages
+/// back to the system at once. Returns whether it changed anything.
+///
+/// A layer's forward and backward allocate and free buffers of a few MiB by the dozen;
+/// by default glibc maps the largest afresh and trims freed memory off its heaps, so each
+/// such buffer costs page faults and the kernel zeroing its pages again (4% of the time
+/// of `gradcache encode` here, and most of the system time of a small model's training
+/// step). With buffers up to [`MMAP_THRESHOLD`] served from the heaps and up to
+/// [`TRIM_THRESHOLD`] of free memory kept at each heap's top, the pages are reused: on 2
+/// cores of an AMD EPYC the quickstart trained 16% faster, `encode` of 4,000 texts with
+/// all-MiniLM-L6-v2 4% and its training 1% faster, for a peak resident memory 2%, 10% and
+/// 6% higher (freed memory kept, at most the threshold per heap). The allocations counted
+/// by [`CountingAllocator`] do not change.
+///
+/// It leaves malloc as it is where the user has tuned it (a `MALLOC_*_` variable or
+/// `GLIBC_TUNABLES` naming `glibc.malloc`), and off glibc. The `gradcache` binary calls it
+/// first thing in `main`; a program of one's own can too (it may run at any time).
+pub fn keep_freed_memory() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        if malloc_tuned(std::env::vars_os()) {
+            return false;
+        }
+        // SAFETY: mallopt only sets two of malloc's thresholds (it takes malloc's own
+        // lock); both values fit a c_int.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD as libc::c_int) == 1
+                && libc::mallopt(libc::M_TRIM_THRESHOLD, TRIM_THRESHOLD as libc::c_int) == 1
+        }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
+
+/// Whether these environment variables set glibc malloc's thresholds: a `MALLOC_*_`
+/// variable (`MALLOC_TRIM_THRESHOLD_`, `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TOP_PAD_`, ...)
+/// or `GLIBC_TUNABLES` naming a `glibc.malloc` tunable.
+fn malloc_tuned(vars: impl IntoIterator<Item = (std::ffi::OsString, std::ffi::OsString)>) -> bool {
+    vars.into_iter().any(|(name, value)| {
+        let name = name.to_string_lossy();
+        (name.starts_with("MALLOC_") && name.ends_with('_'))
+            || (name == "GLIBC_TUNABLES" && value.to_string_lossy().contains("glibc.malloc"))
+    })
+}
+
 /// `bytes` for people: `1.50 GiB`, `312.0 MiB`, `12.0 KiB`, `900 B`.
 pub fn human_bytes(bytes: u64) -> String {
     const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
@@ -136,5 +190,41 @@ impl PhaseMeter {
 impl Drop for PhaseMeter {
     fn drop(&mut self) {
         PEAK.fetch_max(self.outer, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(list: &[(&str, &str)]) -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+        list.iter().map(|(n, v)| (n.into(), v.into())).collect()
+    }
+
+    #[test]
+    fn a_users_malloc_settings_are_left_alone() {
+        assert!(!malloc_tuned(vars(&[
+            ("PATH", "/bin"),
+            ("MALLOC_ARENA_MAX", "2")
+        ])));
+        assert!(malloc_tuned(vars(&[("MALLOC_TRIM_THRESHOLD_", "0")])));
+        assert!(malloc_tuned(vars(&[("MALLOC_TOP_PAD_", "1")])));
+        assert!(malloc_tuned(vars(&[(
+            "GLIBC_TUNABLES",
+            "glibc.rtld.optional_static_tls=1:glibc.malloc.trim_threshold=0"
+        )])));
+        assert!(!malloc_tuned(vars(&[(
+            "GLIBC_TUNABLES",
+            "glibc.rtld.optional_static_tls=1"
+        )])));
+    }
+
+    #[test]
+    fn glibc_takes_both_thresholds() {
+        // mallopt refuses a value it cannot take (returns 0): both must be accepted here,
+        // unless this process's environment tunes malloc itself.
+        let expected = cfg!(all(target_os = "linux", target_env = "gnu"))
+            && !malloc_tuned(std::env::vars_os());
+        assert_eq!(keep_freed_memory(), expected);
     }
 }

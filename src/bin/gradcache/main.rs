@@ -290,6 +290,7 @@ impl HeadArgs {
 fn main() -> ExitCode {
     // SAFETY: first thing in main: no other thread exists yet, and no candle op has run.
     unsafe { gradcache::pool::short_spin() };
+    gradcache::memory::keep_freed_memory();
     let cli = Cli::parse();
     // Under mpirun only rank 0 logs progress; the other ranks log warnings and errors.
     let other_rank = ["OMPI_COMM_WORLD_RANK", "PMI_RANK"]
