@@ -448,3 +448,43 @@ fn merge_writes_a_model_and_refuses_a_bad_merge() {
     );
     assert!(!dir.path().join("other").exists());
 }
+
+#[test]
+fn a_profiled_encoding_counts_its_products_and_changes_no_embedding() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("plain-bert");
+    write_bert_dir(&model, TINY_BERT, false);
+    let model = model.display().to_string();
+    let args = [
+        "encode",
+        "--model",
+        &model,
+        "--text",
+        "the lord is my shepherd",
+        "--text",
+        "light",
+    ];
+    let (ok, stderr, plain) = run(&args);
+    assert!(ok, "{stderr}");
+    assert!(!stderr.contains("encode profile"), "{stderr}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_gradcache"))
+        .args(args)
+        .env("GRADCACHE_PROFILE", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // Two layers of six products (queries, keys, values, attention output, up, down) on
+    // the one chunk of two texts.
+    assert!(
+        stderr.contains("GFLOP in 12 products at"),
+        "the products counted:\n{stderr}"
+    );
+    assert!(stderr.contains("cpu.products"), "{stderr}");
+    assert_eq!(
+        embeddings(&String::from_utf8_lossy(&out.stdout)),
+        embeddings(&plain),
+        "profiling changes no embedding"
+    );
+}

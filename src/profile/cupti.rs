@@ -181,6 +181,7 @@ pub(super) fn take() -> Vec<super::Entry> {
         total_ms: ms,
         gpu_peak_bytes: 0,
         bytes,
+        flops: 0,
     };
     let wait_ms = t(&c.wait_ns) as f64 / 1e6;
     vec![

@@ -54,6 +54,9 @@ pub struct Entry {
     pub gpu_peak_bytes: u64,
     /// The bytes a counted driver call moved (allocations, copies); 0 for a span.
     pub bytes: u64,
+    /// The arithmetic of the CPU's matrix products counted under the name (`2 m n k`
+    /// each; see [`record_product`]); 0 for a span.
+    pub flops: u64,
 }
 
 struct State {
@@ -170,6 +173,28 @@ pub fn record(name: String, elapsed: Duration) {
     }
 }
 
+/// The CPU's matrix products since the last [`take`]: calls, nanoseconds inside them,
+/// arithmetic (counted without a lock: a layer runs thousands).
+static PRODUCTS: [std::sync::atomic::AtomicU64; 3] =
+    [const { std::sync::atomic::AtomicU64::new(0) }; 3];
+
+/// The name of the entry of the CPU's matrix products.
+pub const CPU_PRODUCTS: &str = "cpu.products";
+
+/// Adds one CPU matrix product `[m, k] x [k, n]` that took `elapsed` to the entry
+/// [`CPU_PRODUCTS`], when profiling: its time is that of the calls (on as many threads as
+/// each was given), its `flops` their `2 m n k`. Against a step's or an encoding's wall time
+/// it says how much of it the products are, and at what speed they ran.
+pub fn record_product(elapsed: Duration, (m, n, k): (usize, usize, usize)) {
+    use std::sync::atomic::Ordering::Relaxed;
+    if !enabled() {
+        return;
+    }
+    PRODUCTS[0].fetch_add(1, Relaxed);
+    PRODUCTS[1].fetch_add(elapsed.as_nanos() as u64, Relaxed);
+    PRODUCTS[2].fetch_add(2 * (m * n * k) as u64, Relaxed);
+}
+
 /// The entries since the last call, in name order (the driver's counts last), and a
 /// fresh start.
 pub fn take() -> Vec<Entry> {
@@ -182,6 +207,19 @@ pub fn take() -> Vec<Entry> {
         ),
         Err(_) => return Vec::new(),
     };
+    let [count, nanos, flops] = PRODUCTS
+        .each_ref()
+        .map(|c| c.swap(0, std::sync::atomic::Ordering::Relaxed));
+    if count > 0 {
+        entries.push(Entry {
+            name: CPU_PRODUCTS.into(),
+            count,
+            total_ms: nanos as f64 / 1e6,
+            flops,
+            ..Entry::default()
+        });
+        entries.sort_by(|a, b| a.name.cmp(&b.name));
+    }
     if counting() {
         if let Some(why) = uncounted {
             entries.push(Entry {

@@ -239,8 +239,9 @@ fn phase_summary(r: &gradcache::train::trainer::StepReport) -> String {
 }
 
 /// The profile of a step as aligned lines: span, count, total and mean milliseconds, the
-/// GPU memory pool's peak, and the bytes a counted driver call moved.
-fn profile_table(entries: &[gradcache::profile::Entry]) -> String {
+/// GPU memory pool's peak, the bytes a counted driver call moved, and the speed of the
+/// CPU's matrix products.
+pub(crate) fn profile_table(entries: &[gradcache::profile::Entry]) -> String {
     let width = entries
         .iter()
         .map(|e| e.name.len())
@@ -248,18 +249,24 @@ fn profile_table(entries: &[gradcache::profile::Entry]) -> String {
         .unwrap_or(4)
         .max(4);
     let mut out = format!(
-        "  {:width$}  {:>8}  {:>10}  {:>9}  {:>12}  {:>10}",
-        "span", "count", "total ms", "mean ms", "GPU peak MiB", "MiB moved"
+        "  {:width$}  {:>8}  {:>10}  {:>9}  {:>12}  {:>10}  {:>8}",
+        "span", "count", "total ms", "mean ms", "GPU peak MiB", "MiB moved", "GFLOP/s"
     );
     for e in entries {
+        let speed = if e.flops > 0 && e.total_ms > 0.0 {
+            format!("{:.1}", e.flops as f64 / (e.total_ms * 1e6))
+        } else {
+            String::new()
+        };
         out += &format!(
-            "\n  {:width$}  {:>8}  {:>10.2}  {:>9.3}  {:>12.1}  {:>10.1}",
+            "\n  {:width$}  {:>8}  {:>10.2}  {:>9.3}  {:>12.1}  {:>10.1}  {:>8}",
             e.name,
             e.count,
             e.total_ms,
             e.total_ms / e.count.max(1) as f64,
             e.gpu_peak_bytes as f64 / 1048576.0,
-            e.bytes as f64 / 1048576.0
+            e.bytes as f64 / 1048576.0,
+            speed
         );
     }
     out

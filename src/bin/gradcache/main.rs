@@ -730,6 +730,31 @@ fn encode_token_vectors(
     Ok(())
 }
 
+/// With `GRADCACHE_PROFILE=1`: how much of an encoding's `secs` the CPU's matrix products
+/// took, and at what speed (the chunks run side by side, one per thread, each product on
+/// its chunk's thread alone).
+fn log_encode_profile(secs: f64) {
+    let entries = gradcache::profile::take();
+    let threads = rayon::current_num_threads();
+    if let Some(p) = entries
+        .iter()
+        .find(|e| e.name == gradcache::profile::CPU_PRODUCTS)
+    {
+        tracing::info!(
+            "encode profile: the matrix products took {:.2} of {:.2} thread-seconds ({:.0}%; \
+             {threads} threads for {secs:.2} s), {:.1} GFLOP in {} products at {:.1} GFLOP/s \
+             per thread",
+            p.total_ms / 1e3,
+            secs * threads as f64,
+            100.0 * p.total_ms / 1e3 / (secs * threads as f64),
+            p.flops as f64 / 1e9,
+            p.count,
+            p.flops as f64 / (p.total_ms * 1e6).max(1e-9),
+        );
+    }
+    tracing::info!("encode profile:\n{}", console::profile_table(&entries));
+}
+
 fn encode(
     model: &str,
     mut texts: Vec<String>,
@@ -780,6 +805,9 @@ fn encode(
         texts.len(),
         texts.len() as f64 / secs.max(1e-9)
     );
+    if gradcache::profile::enabled() {
+        log_encode_profile(secs);
+    }
     let mut lines = String::new();
     for (text, e) in texts.iter().zip(embeddings) {
         let line = if model.is_sparse() {

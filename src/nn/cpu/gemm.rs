@@ -84,6 +84,7 @@ pub(in crate::nn) unsafe fn product_raw<T: Float>(
             "product: operand too small"
         );
     }
+    let timer = crate::profile::enabled().then(std::time::Instant::now);
     gemm::gemm(
         m,
         n,
@@ -105,6 +106,9 @@ pub(in crate::nn) unsafe fn product_raw<T: Float>(
         false,
         parallelism(),
     );
+    if let Some(start) = timer {
+        crate::profile::record_product(start.elapsed(), (m, n, k));
+    }
 }
 
 /// Rows of `width` holding the biases side by side, `rows` times (the destination of
