@@ -78,14 +78,14 @@ pub const TRIM_THRESHOLD: usize = 64 << 20;
 ///
 /// A layer's forward and backward allocate and free buffers of a few MiB by the dozen;
 /// by default glibc maps the largest afresh and trims freed memory off its heaps, so each
-/// such buffer costs page faults and the kernel zeroing its pages again (4% of the time
-/// of `gradcache encode` here, and most of the system time of a small model's training
-/// step). With buffers up to [`MMAP_THRESHOLD`] served from the heaps and up to
-/// [`TRIM_THRESHOLD`] of free memory kept at each heap's top, the pages are reused: on 2
-/// cores of an AMD EPYC the quickstart trained 16% faster, `encode` of 4,000 texts with
-/// all-MiniLM-L6-v2 4% and its training 1% faster, for a peak resident memory 2%, 10% and
-/// 6% higher (freed memory kept, at most the threshold per heap). The allocations counted
-/// by [`CountingAllocator`] do not change.
+/// such buffer costs page faults and the kernel zeroing its pages again (most of the
+/// system time of `gradcache encode` and of a small model's training step). With buffers
+/// up to [`MMAP_THRESHOLD`] served from the heaps and up to [`TRIM_THRESHOLD`] of free
+/// memory kept at each heap's top, the pages are reused: on 2 cores of an AMD EPYC the
+/// quickstart's steps took 0.82x the time, `encode` of 4,000 texts with all-MiniLM-L6-v2
+/// 0.96x-1.00x and its training 0.99x, for a peak resident memory 2%, 6-10% and 6% higher
+/// (freed memory kept, at most the threshold per heap; docs/benchmarks.md). The
+/// allocations counted by [`CountingAllocator`] do not change.
 ///
 /// It leaves malloc as it is where the user has tuned it (a `MALLOC_*_` variable or
 /// `GLIBC_TUNABLES` naming `glibc.malloc`), and off glibc. The `gradcache` binary calls it
