@@ -16,6 +16,7 @@
 //! cargo bench --bench train_step -- --quick     # the quickstart, 2 steps
 //! cargo bench --bench train_step -- --drift     # only the first-against-last line
 //! cargo bench --bench train_step -- --sgemm-shapes  # candle's f32 products at our shapes
+//! cargo bench --bench train_step -- --layout        # one thread's encode products, by weight layout
 //! GRADCACHE_MINILM=/path/to/all-MiniLM-L6-v2 cargo bench --bench train_step
 //! ```
 //!
@@ -128,6 +129,72 @@ const SHAPES: [(usize, usize, usize); 5] = [
     (2048, 1024, 3072),
 ];
 
+/// One thread's products at an inference chunk's shapes (1,184 packed tokens: 32 texts
+/// of the encode row's 37 tokens on average), `x [rows, in] W^T`, with the weight stored
+/// as the checkpoints hold it (`[out, in]`: the gemm crate gathers it a scalar at a time
+/// while packing) and stored transposed (`[in, out]`: contiguous panels). Prints
+/// `rows in out GFLOP/s-as-stored GFLOP/s-transposed`, best of 20 each.
+fn weight_layouts() {
+    let rows = 1184;
+    for (input, out) in [
+        (384, 384),
+        (384, 1536),
+        (1536, 384),
+        (768, 768),
+        (768, 3072),
+    ] {
+        let x: Vec<f32> = (0..rows * input)
+            .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
+            .collect();
+        let w: Vec<f32> = (0..out * input)
+            .map(|i| ((i % 89) as f32 - 44.0) / 890.0)
+            .collect();
+        let mut wt = vec![0f32; w.len()];
+        for o in 0..out {
+            for i in 0..input {
+                wt[i * out + o] = w[o * input + i];
+            }
+        }
+        let mut y = vec![0f32; rows * out];
+        let mut time = |w: &[f32], (w_rs, w_cs): (isize, isize)| {
+            let mut best = f64::MAX;
+            for _ in 0..20 {
+                let t = Instant::now();
+                // SAFETY: every operand covers the extent its strides give; y overlaps none.
+                unsafe {
+                    gemm::gemm(
+                        rows,
+                        out,
+                        input,
+                        y.as_mut_ptr(),
+                        1,
+                        out as isize,
+                        false,
+                        x.as_ptr(),
+                        1,
+                        input as isize,
+                        w.as_ptr(),
+                        w_cs,
+                        w_rs,
+                        0f32,
+                        1f32,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    )
+                };
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            2.0 * (rows * input * out) as f64 / best / 1e9
+        };
+        // `W^T` element (i, o): `w[o * input + i]` as stored, `wt[i * out + o]` transposed.
+        let stored = time(&w, (1, input as isize));
+        let transposed = time(&wt, (out as isize, 1));
+        println!("{rows} {input} {out} {stored:.1} {transposed:.1}");
+    }
+}
+
 fn row(label: &str, r: &StepReport, p: &PhaseTimes, peak: f64) {
     let secs = p.total_ms() / 1e3;
     let gflops = r.flops / secs / 1e9;
@@ -199,6 +266,10 @@ fn main() -> anyhow::Result<()> {
         for (m, k, n) in SHAPES {
             println!("{m} {k} {n} {:.1}", sgemm(m, k, n)?);
         }
+        return Ok(());
+    }
+    if std::env::args().any(|a| a == "--layout") {
+        weight_layouts();
         return Ok(());
     }
     let peak = sgemm_peak(2048)?;

@@ -114,6 +114,7 @@ pub(in crate::nn) unsafe fn product_raw<T: Float>(
 /// Rows of `width` holding the biases side by side, `rows` times (the destination of
 /// products that add to them).
 pub(in crate::nn) fn bias_rows<T: Float>(biases: &[&[T]], rows: usize) -> Vec<T> {
+    let _span = crate::profile::span(|| "cpu.bias-rows".into());
     let width: usize = biases.iter().map(|b| b.len()).sum();
     let mut y = Vec::with_capacity(rows * width);
     for _ in 0..rows {

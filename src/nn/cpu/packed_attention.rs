@@ -26,6 +26,7 @@ pub(in crate::nn) fn attend<T: Float>(
     kdims: kernel::Dims,
     keep: bool,
 ) -> (Vec<T>, Option<Vec<T>>) {
+    let _span = crate::profile::span(|| "cpu.attention".into());
     let (d, h) = (kdims.d, kdims.heads * kdims.d);
     let total: usize = rows.queries.iter().sum();
     let mut ctx = vec![T::zero(); total * h];
