@@ -39,7 +39,7 @@ use candle_core::{DType, Tensor};
 
 use super::attention::{self as kernel, KeyMask};
 use super::blocks::Float;
-use super::gemm::{bias_rows, column_sums, linear, product, product_new};
+use super::gemm::{bias_rows, column_sums, product, product_new};
 use super::lora_branch::{node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights};
 use super::math::Act;
 use super::packed_attention::{attend, attention_backward};
@@ -420,21 +420,19 @@ fn qkv<T: Float>(x: &[T], w: &W<T>, rows: usize, h: usize, places: &[usize]) -> 
     y
 }
 
-/// `x W^T + b` of the projection `lora` (an index of [`LayerWeights::lora`]) with its
-/// adapter's branch.
-#[allow(clippy::too_many_arguments)]
+/// `x W^T` of the projection `lora` (an index of [`LayerWeights::lora`]) with its
+/// adapter's branch, `W` `[out, input]`; its bias is added by the pass that reads the
+/// product next (the activation, the residual sum), not written here first.
 fn projected<T: Float>(
     x: &[T],
-    (weight, bias): (&[T], &[T]),
+    (weight, out): (&[T], usize),
     w: &W<T>,
     lora: usize,
-    rows: usize,
-    input: usize,
+    (rows, input): (usize, usize),
     places: &[usize],
 ) -> Vec<T> {
-    let mut y = linear(x, weight, bias, rows, input);
-    w.lora
-        .forward(lora, (x, input), places, (&mut y, bias.len()));
+    let mut y = product_new((rows, out, input), (x, input, 1), (weight, 1, input));
+    w.lora.forward(lora, (x, input), places, (&mut y, out));
     y
 }
 
@@ -447,9 +445,9 @@ fn feed_forward<T: Float>(
     places: &[usize],
 ) -> (Vec<T>, Vec<T>) {
     let (rows, h, i) = (dims.rows(), dims.h, dims.inter);
-    let u = projected(y1, (w.wi, w.bi), w, lora::UP, rows, h, places);
-    let g = activate(&u, spec.act, i);
-    let o = projected(&g, (w.wd, w.bd), w, lora::DOWN, rows, i, places);
+    let mut u = projected(y1, (w.wi, i), w, lora::UP, (rows, h), places);
+    let g = activate(&mut u, Some(w.bi), spec.act, i);
+    let o = projected(&g, (w.wd, h), w, lora::DOWN, (rows, i), places);
     (u, o)
 }
 
@@ -464,9 +462,9 @@ fn feed_forward_output<T: Float>(
     places: &[usize],
 ) -> Vec<T> {
     let (rows, h, i) = (dims.rows(), dims.h, dims.inter);
-    let mut u = projected(y1, (w.wi, w.bi), w, lora::UP, rows, h, places);
-    activate_in_place(&mut u, spec.act, i);
-    projected(&u, (w.wd, w.bd), w, lora::DOWN, rows, i, places)
+    let mut u = projected(y1, (w.wi, i), w, lora::UP, (rows, h), places);
+    activate_in_place(&mut u, Some(w.bi), spec.act, i);
+    projected(&u, (w.wd, h), w, lora::DOWN, (rows, i), places)
 }
 
 /// Indices into [`LayerWeights::lora`] and, for the weights, into their node-input order.
@@ -499,9 +497,16 @@ fn forward<T: Float>(
         keep,
     );
     let qkv = keep.then_some(qkv);
-    let a = projected(&ctx, (w.wo, w.bo), w, lora::OUTPUT, rows, h, places);
+    let a = projected(&ctx, (w.wo, h), w, lora::OUTPUT, (rows, h), places);
     let ctx = keep.then_some(ctx);
-    let (sum1, y1) = add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps, places);
+    let (sum1, y1) = add_norm(
+        (&a, Some(w.bo)),
+        x,
+        spec.attention_output_dropout,
+        w.n1,
+        spec.eps,
+        places,
+    );
     drop(a);
     let (u, o) = if keep && !spec.recompute_intermediate {
         let (u, o) = feed_forward(&y1, w, spec, dims, places);
@@ -509,7 +514,14 @@ fn forward<T: Float>(
     } else {
         (None, feed_forward_output(&y1, w, spec, dims, places))
     };
-    let (sum2, y) = add_norm(&o, &y1, spec.output_dropout, w.n2, spec.eps, places);
+    let (sum2, y) = add_norm(
+        (&o, Some(w.bd)),
+        &y1,
+        spec.output_dropout,
+        w.n2,
+        spec.eps,
+        places,
+    );
     let kept = qkv.zip(ctx).map(|(qkv, ctx)| Kept {
         qkv,
         probs,
@@ -563,8 +575,9 @@ fn backward<T: Float>(
     let sum1 = match &kept.sum1 {
         Some(s) => Cow::Borrowed(s.as_slice()),
         None => {
-            let a = projected(&kept.ctx, (w.wo, w.bo), w, lora::OUTPUT, rows, h, places);
-            Cow::Owned(add_norm(&a, x, spec.attention_output_dropout, w.n1, spec.eps, places).0)
+            let a = projected(&kept.ctx, (w.wo, h), w, lora::OUTPUT, (rows, h), places);
+            let dropout = spec.attention_output_dropout;
+            Cow::Owned(add_norm((&a, Some(w.bo)), x, dropout, w.n1, spec.eps, places).0)
         }
     };
     let y1 = norm(&sum1, w.n1, spec.eps);
@@ -575,7 +588,15 @@ fn backward<T: Float>(
             let sum2 = match sum_kept {
                 Some(s) => Cow::Borrowed(s.as_slice()),
                 None => {
-                    Cow::Owned(add_norm(&o, &y1, spec.output_dropout, w.n2, spec.eps, places).0)
+                    let sums = add_norm(
+                        (&o, Some(w.bd)),
+                        &y1,
+                        spec.output_dropout,
+                        w.n2,
+                        spec.eps,
+                        places,
+                    );
+                    Cow::Owned(sums.0)
                 }
             };
             let u = match u_kept {

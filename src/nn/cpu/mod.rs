@@ -119,16 +119,29 @@ mod tests {
         for act in [Act::GeluErf, Act::GeluTanh, Act::Relu, Act::Silu] {
             outs.push(bias_act_fwd(&x, &b, act));
             outs.push(bias_act_bwd(&x, &b, &dy, act));
-            outs.push(rows::activate(&x, act, width));
             let mut u = x.clone();
-            rows::activate_in_place(&mut u, act, width);
+            outs.push(rows::activate(&mut u, Some(&b), act, width));
             outs.push(u);
+            let mut u = x.clone();
+            outs.push(rows::activate(&mut u, None, act, width));
+            for bias in [None, Some(&b[..])] {
+                let mut u = x.clone();
+                rows::activate_in_place(&mut u, bias, act, width);
+                outs.push(u);
+            }
             let (value, slope) = rows::activate_with_slope(&x, act, width);
             outs.extend([value, slope]);
         }
         let places: Vec<usize> = (0..rows).collect();
-        let (sum, y) = rows::add_norm(&x, &dy, Some((5, 0.1)), (&g, &b), 1e-12, &places);
-        outs.extend([sum, y, rows::norm(&x, (&g, &b), 1e-12)]);
+        for (bias, dropout) in [
+            (None, Some((5, 0.1))),
+            (Some(&g[..]), Some((5, 0.1))),
+            (Some(&g[..]), None),
+        ] {
+            let (sum, y) = rows::add_norm((&x, bias), &dy, dropout, (&g, &b), 1e-12, &places);
+            outs.extend([sum, y]);
+        }
+        outs.push(rows::norm(&x, (&g, &b), 1e-12));
         outs.push(rows::rms(&x, &g, 1e-6, 1.0));
         let mut acc = x.clone();
         add_rows(&mut acc, &b);

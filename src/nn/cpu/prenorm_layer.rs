@@ -409,7 +409,7 @@ fn forward<T: Float>(
             let at = (first + r) * h;
             let (a, x) = (&a[at..at + h], &x[at..at + h]);
             add_row(
-                a,
+                (a, None),
                 x,
                 spec.attention_output_dropout,
                 places[first + r] * h,

@@ -32,17 +32,20 @@ pub(in crate::nn) fn stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
 }
 
 wide_fn! {
-/// `LayerNorm(dropout(a) + r)` row by row: returns the sums and the normalised rows.
-/// Dropout masks are those of each element's place in the padded `[n s, h]` tensor
-/// (`places[row]` the padded row of each row).
+/// `LayerNorm(dropout(a + bias) + r)` row by row: returns the sums and the normalised
+/// rows. `a` is a projection's product and `bias` its bias, added here (where the rows are
+/// read anyway) rather than written into the product's destination first. Dropout masks
+/// are those of each element's place in the padded `[n s, h]` tensor (`places[row]` the
+/// padded row of each row).
 pub(in crate::nn) fn add_norm<T: Float>(
-    a: &[T],
+    (a, bias): (&[T], Option<&[T]>),
     r: &[T],
     dropout: Option<(u64, f32)>,
     (g, b): (&[T], &[T]),
     eps: f64,
     places: &[usize],
 ) -> (Vec<T>, Vec<T>) {
+    let _span = crate::profile::span(|| "cpu.add-norm".into());
     let h = g.len();
     let mut sum = vec![T::zero(); a.len()];
     let mut y = vec![T::zero(); a.len()];
@@ -59,7 +62,7 @@ pub(in crate::nn) fn add_norm<T: Float>(
         {
             let at = base + i * h;
             add_row(
-                &a[at..at + h],
+                (&a[at..at + h], bias),
                 &r[at..at + h],
                 dropout,
                 places[first + i] * h,
@@ -72,26 +75,39 @@ pub(in crate::nn) fn add_norm<T: Float>(
 }
 }
 
-/// `out = dropout(a) + r` for the elements from `start` on (of the masked tensor).
+/// `out = dropout(a + bias) + r` for the elements from `start` on (of the masked tensor).
 #[inline(always)]
 pub(in crate::nn) fn add_row<T: Float>(
-    a: &[T],
+    (a, bias): (&[T], Option<&[T]>),
     r: &[T],
     dropout: Option<(u64, f32)>,
     start: usize,
     out: &mut [T],
 ) {
-    match dropout.filter(|&(_, p)| p > 0.0) {
-        Some((seed, p)) => {
+    match (dropout.filter(|&(_, p)| p > 0.0), bias) {
+        (Some((seed, p)), bias) => {
+            match bias {
+                Some(bias) => {
+                    for ((o, &av), &bv) in out.iter_mut().zip(a).zip(bias) {
+                        *o = av + bv;
+                    }
+                }
+                None => out.copy_from_slice(a),
+            }
             let keep = T::of(1.0 / (1.0 - f64::from(p)));
             crate::rng::keep_run(seed, start as u64, out.len(), p, |j, kept| {
-                out[j] = a[j] * if kept { keep } else { T::zero() };
+                out[j] *= if kept { keep } else { T::zero() };
             });
             for (o, &rv) in out.iter_mut().zip(r) {
                 *o += rv;
             }
         }
-        None => {
+        (None, Some(bias)) => {
+            for (((o, &av), &bv), &rv) in out.iter_mut().zip(a).zip(bias).zip(r) {
+                *o = (av + bv) + rv;
+            }
+        }
+        (None, None) => {
             for ((o, &av), &rv) in out.iter_mut().zip(a).zip(r) {
                 *o = av + rv;
             }
@@ -126,15 +142,31 @@ pub(in crate::nn) fn norm<T: Float>(sum: &[T], (g, b): (&[T], &[T]), eps: f64) -
 }
 
 wide_fn! {
-/// `act(u)` element by element.
-pub(in crate::nn) fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<T> {
+/// `u += bias` on every row (the bias of the product `u`, added here where the rows are
+/// read anyway; `None`: `u` as it is), then `act(u)` element by element.
+pub(in crate::nn) fn activate<T: Float>(
+    u: &mut [T],
+    bias: Option<&[T]>,
+    act: Act,
+    width: usize,
+) -> Vec<T> {
+    let _span = crate::profile::span(|| "cpu.activation".into());
     let mut g = vec![T::zero(); u.len()];
+    let us = SharedMut(u.as_mut_ptr());
     for_blocks(&mut g, width, |blk, chunk| {
         let base = blk * BLOCK_ROWS * width;
-        let src = &u[base..base + chunk.len()];
+        // SAFETY: block `blk` owns the same elements of `u` as of `g`.
+        let src = unsafe { std::slice::from_raw_parts_mut(us.get().add(base), chunk.len()) };
+        if let Some(bias) = bias {
+            for row in src.chunks_exact_mut(width) {
+                for (v, &b) in row.iter_mut().zip(bias) {
+                    *v += b;
+                }
+            }
+        }
         macro_rules! each {
             ($a:expr) => {
-                for (o, &v) in chunk.iter_mut().zip(src) {
+                for (o, &v) in chunk.iter_mut().zip(src.iter()) {
                     *o = $a.value(v);
                 }
             };
@@ -151,13 +183,30 @@ pub(in crate::nn) fn activate<T: Float>(u: &[T], act: Act, width: usize) -> Vec<
 }
 
 wide_fn! {
-/// `act(u)` over `u` itself.
-pub(in crate::nn) fn activate_in_place<T: Float>(u: &mut [T], act: Act, width: usize) {
+/// `act(u + bias)` over `u` itself (`None`: `act(u)`).
+pub(in crate::nn) fn activate_in_place<T: Float>(
+    u: &mut [T],
+    bias: Option<&[T]>,
+    act: Act,
+    width: usize,
+) {
+    let _span = crate::profile::span(|| "cpu.activation".into());
     for_blocks(u, width, |_, chunk| {
         macro_rules! each {
             ($a:expr) => {
-                for v in chunk.iter_mut() {
-                    *v = $a.value(*v);
+                match bias {
+                    Some(bias) => {
+                        for row in chunk.chunks_exact_mut(width) {
+                            for (v, &b) in row.iter_mut().zip(bias) {
+                                *v = $a.value(*v + b);
+                            }
+                        }
+                    }
+                    None => {
+                        for v in chunk.iter_mut() {
+                            *v = $a.value(*v);
+                        }
+                    }
                 }
             };
         }
