@@ -45,8 +45,8 @@ use super::math::Act;
 use super::packed_attention::{attend, attention_backward};
 use super::packing::{Packing, View};
 use super::rows::{
-    activate, activate_in_place, activate_with_slope, add_norm, dropped, norm, norm_backward,
-    times_slope,
+    activate, activate_in_place, activate_with_slope, add_norm, add_norm_output, dropped, norm,
+    norm_backward, times_slope,
 };
 use super::AttentionSpec;
 use crate::nn::node::node_n_owned;
@@ -499,14 +499,17 @@ fn forward<T: Float>(
     let qkv = keep.then_some(qkv);
     let a = projected(&ctx, (w.wo, h), w, lora::OUTPUT, (rows, h), places);
     let ctx = keep.then_some(ctx);
-    let (sum1, y1) = add_norm(
-        (&a, Some(w.bo)),
-        x,
-        spec.attention_output_dropout,
-        w.n1,
-        spec.eps,
-        places,
-    );
+    // The sums under the LayerNorms are written out only where the backward takes them.
+    let (biased, dropout) = ((&a[..], Some(w.bo)), spec.attention_output_dropout);
+    let (sum1, y1) = if keep && !spec.recompute_attention_norm {
+        let (sum1, y1) = add_norm(biased, x, dropout, w.n1, spec.eps, places);
+        (Some(sum1), y1)
+    } else {
+        (
+            None,
+            add_norm_output(biased, x, dropout, w.n1, spec.eps, places),
+        )
+    };
     drop(a);
     let (u, o) = if keep && !spec.recompute_intermediate {
         let (u, o) = feed_forward(&y1, w, spec, dims, places);
@@ -514,21 +517,23 @@ fn forward<T: Float>(
     } else {
         (None, feed_forward_output(&y1, w, spec, dims, places))
     };
-    let (sum2, y) = add_norm(
-        (&o, Some(w.bd)),
-        &y1,
-        spec.output_dropout,
-        w.n2,
-        spec.eps,
-        places,
-    );
+    let (biased, dropout) = ((&o[..], Some(w.bd)), spec.output_dropout);
+    let (sum2, y) = if keep && !spec.recompute_output_norm {
+        let (sum2, y) = add_norm(biased, &y1, dropout, w.n2, spec.eps, places);
+        (Some(sum2), y)
+    } else {
+        (
+            None,
+            add_norm_output(biased, &y1, dropout, w.n2, spec.eps, places),
+        )
+    };
     let kept = qkv.zip(ctx).map(|(qkv, ctx)| Kept {
         qkv,
         probs,
         ctx,
-        sum1: (!spec.recompute_attention_norm).then_some(sum1),
+        sum1,
         u,
-        sum2: (!spec.recompute_output_norm).then_some(sum2),
+        sum2,
     });
     Ok((y, kept))
 }

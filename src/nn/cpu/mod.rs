@@ -139,7 +139,15 @@ mod tests {
             (Some(&g[..]), None),
         ] {
             let (sum, y) = rows::add_norm((&x, bias), &dy, dropout, (&g, &b), 1e-12, &places);
-            outs.extend([sum, y]);
+            let alone = rows::add_norm_output((&x, bias), &dy, dropout, (&g, &b), 1e-12, &places);
+            assert!(
+                alone
+                    .iter()
+                    .zip(&y)
+                    .all(|(p, q)| p.to_bits() == q.to_bits()),
+                "add_norm_output differs from add_norm's normalised rows"
+            );
+            outs.extend([sum, y, alone]);
         }
         outs.push(rows::norm(&x, (&g, &b), 1e-12));
         outs.push(rows::rms(&x, &g, 1e-6, 1.0));

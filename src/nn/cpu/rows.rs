@@ -75,6 +75,41 @@ pub(in crate::nn) fn add_norm<T: Float>(
 }
 }
 
+wide_fn! {
+/// The normalised rows of [`add_norm`] alone, for a forward that keeps no sum
+/// (inference): each row's sum lives in a scratch row, so no `[rows, h]` buffer of sums is
+/// written. The same bits as `add_norm`'s second output.
+pub(in crate::nn) fn add_norm_output<T: Float>(
+    (a, bias): (&[T], Option<&[T]>),
+    r: &[T],
+    dropout: Option<(u64, f32)>,
+    (g, b): (&[T], &[T]),
+    eps: f64,
+    places: &[usize],
+) -> Vec<T> {
+    let _span = crate::profile::span(|| "cpu.add-norm".into());
+    let h = g.len();
+    let mut y = vec![T::zero(); a.len()];
+    for_blocks(&mut y, h, |blk, chunk| {
+        let first = blk * BLOCK_ROWS;
+        let base = first * h;
+        let mut sum = vec![T::zero(); h];
+        for (i, yrow) in chunk.chunks_exact_mut(h).enumerate() {
+            let at = base + i * h;
+            add_row(
+                (&a[at..at + h], bias),
+                &r[at..at + h],
+                dropout,
+                places[first + i] * h,
+                &mut sum,
+            );
+            norm_row(&sum, g, b, eps, yrow);
+        }
+    });
+    y
+}
+}
+
 /// `out = dropout(a + bias) + r` for the elements from `start` on (of the masked tensor).
 #[inline(always)]
 pub(in crate::nn) fn add_row<T: Float>(
