@@ -60,15 +60,8 @@ pub(in crate::nn) fn add_norm<T: Float>(
             .zip(yb.chunks_exact_mut(h))
             .enumerate()
         {
-            let at = base + i * h;
-            add_row(
-                (&a[at..at + h], bias),
-                &r[at..at + h],
-                dropout,
-                places[first + i] * h,
-                srow,
-            );
-            norm_row(srow, g, b, eps, yrow);
+            let row = first + i;
+            add_norm_row((a, bias), r, dropout, (g, b, eps), (row, places[row]), srow, yrow);
         }
     });
     (sum, y)
@@ -92,22 +85,38 @@ pub(in crate::nn) fn add_norm_output<T: Float>(
     let mut y = vec![T::zero(); a.len()];
     for_blocks(&mut y, h, |blk, chunk| {
         let first = blk * BLOCK_ROWS;
-        let base = first * h;
         let mut sum = vec![T::zero(); h];
         for (i, yrow) in chunk.chunks_exact_mut(h).enumerate() {
-            let at = base + i * h;
-            add_row(
-                (&a[at..at + h], bias),
-                &r[at..at + h],
-                dropout,
-                places[first + i] * h,
-                &mut sum,
-            );
-            norm_row(&sum, g, b, eps, yrow);
+            let row = first + i;
+            add_norm_row((a, bias), r, dropout, (g, b, eps), (row, places[row]), &mut sum, yrow);
         }
     });
     y
 }
+}
+
+/// One row of [`add_norm`]: `sum = dropout(a + bias) + r` of row `row` (padded row
+/// `place`), and its LayerNorm into `y`.
+#[inline(always)]
+fn add_norm_row<T: Float>(
+    (a, bias): (&[T], Option<&[T]>),
+    r: &[T],
+    dropout: Option<(u64, f32)>,
+    (g, b, eps): (&[T], &[T], f64),
+    (row, place): (usize, usize),
+    sum: &mut [T],
+    y: &mut [T],
+) {
+    let h = g.len();
+    let at = row * h;
+    add_row(
+        (&a[at..at + h], bias),
+        &r[at..at + h],
+        dropout,
+        place * h,
+        sum,
+    );
+    norm_row(sum, g, b, eps, y);
 }
 
 /// `out = dropout(a + bias) + r` for the elements from `start` on (of the masked tensor).
