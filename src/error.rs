@@ -312,6 +312,14 @@ pub enum Error {
         detail: String,
     },
 
+    /// The BLAS named for the products (`GRADCACHE_BLAS`, [`crate::nn::use_blas`]) cannot
+    /// be used; the products stay the gemm crate's.
+    #[error("cannot use the BLAS at {path} (GRADCACHE_BLAS): {reason}")]
+    Blas {
+        path: std::path::PathBuf,
+        reason: String,
+    },
+
     /// An error from candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

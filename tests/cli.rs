@@ -488,3 +488,33 @@ fn a_profiled_encoding_counts_its_products_and_changes_no_embedding() {
         "profiling changes no embedding"
     );
 }
+
+#[test]
+fn a_blas_that_cannot_be_used_is_refused_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("plain-bert");
+    write_bert_dir(&model, TINY_BERT, false);
+    let output = dir.path().join("embeddings.jsonl");
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    for (blas, says) in [
+        ("/nonexistent/libmkl_rt.so.2", "no such file"),
+        (manifest, "cannot open it as a shared library"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_gradcache"))
+            .args(["encode", "--model", &model.display().to_string()])
+            .args(["--text", "light", "--output", &output.display().to_string()])
+            .env("GRADCACHE_BLAS", blas)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{blas}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "cannot use the BLAS at {blas} (GRADCACHE_BLAS): {says}"
+            )),
+            "{stderr}"
+        );
+        assert!(!output.exists(), "nothing is written");
+    }
+}

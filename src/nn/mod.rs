@@ -45,6 +45,9 @@ use crate::precision::is_half;
 use crate::Result;
 
 pub use cpu::attention::{MASKED_BIAS, UNATTENDED_BIAS};
+pub use cpu::blas::{
+    blas_in_use, set_blas_products, use_blas, use_blas_from_env, BlasInfo, BLAS_ENV,
+};
 pub use cpu::blocks::serial;
 pub use cpu::{Act, AttentionSpec};
 

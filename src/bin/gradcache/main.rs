@@ -335,6 +335,16 @@ fn stopped_by(e: &anyhow::Error) -> Option<i32> {
 }
 
 fn run(command: Command) -> Result<()> {
+    if let Some(blas) = gradcache::nn::use_blas_from_env()? {
+        tracing::info!(
+            "products through the BLAS at {} (`{}`, one thread per call: {})",
+            blas.path.display(),
+            blas.sgemm,
+            blas.threads
+                .as_deref()
+                .unwrap_or("no setter found, the library's own threading")
+        );
+    }
     match command {
         Command::SelfCheck { device } => self_check(device),
         Command::Merge(args) => merge::merge(&args),

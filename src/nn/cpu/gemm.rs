@@ -1,7 +1,8 @@
 //! The matrix products of the layer nodes, on slices through the gemm crate: into a new
 //! buffer or accumulated into one (the residual gradients, a pre-filled bias), with the
 //! parallelism candle itself would choose (none in serial mode), a product with its bias,
-//! and the column sums of a bias gradient in fixed blocks.
+//! and the column sums of a bias gradient in fixed blocks. f32 products go to the user's
+//! BLAS instead where one is loaded ([`super::blas`]).
 
 use super::blocks::wide_fn;
 use super::blocks::{in_serial, parallel_ranges, sum_partials, Float, SharedMut, BLOCK_ROWS};
@@ -85,6 +86,18 @@ pub(in crate::nn) unsafe fn product_raw<T: Float>(
         );
     }
     let timer = crate::profile::enabled().then(std::time::Instant::now);
+    let dims = (m, n, k);
+    let (lhs_raw, rhs_raw) = (
+        (lhs.as_ptr(), lhs_rs, lhs_cs),
+        (rhs.as_ptr(), rhs_rs, rhs_cs),
+    );
+    // SAFETY: the caller's contract is the product's.
+    if unsafe { super::blas::try_product(dims, (dst, dst_rs), accumulate, lhs_raw, rhs_raw) } {
+        if let Some(start) = timer {
+            crate::profile::record_product(start.elapsed(), dims);
+        }
+        return;
+    }
     gemm::gemm(
         m,
         n,

@@ -36,6 +36,7 @@ pub mod attention;
 pub(crate) mod attention_grouped;
 pub(crate) mod attention_layout;
 pub(crate) mod attention_nodes;
+pub(crate) mod blas;
 pub(crate) mod blocks;
 pub(crate) mod conv;
 pub(crate) mod conv3d;
