@@ -18,6 +18,7 @@
 //! cargo bench --bench train_step -- --sgemm-shapes  # candle's f32 products at our shapes
 //! cargo bench --bench train_step -- --layout        # one thread's encode products, by weight layout
 //! GRADCACHE_MINILM=/path/to/all-MiniLM-L6-v2 cargo bench --bench train_step
+//! GRADCACHE_BLAS=/path/to/libmkl_rt.so.2 cargo bench --bench train_step  # the steps through MKL
 //! ```
 //!
 //! Without `GRADCACHE_MINILM` the MiniLM-shaped run is a fresh BERT of MiniLM's size
@@ -280,9 +281,13 @@ fn main() -> anyhow::Result<()> {
     if std::env::args().any(|a| a == "--drift") {
         return drift(20);
     }
+    // The steps' layer products through the BLAS in GRADCACHE_BLAS, as the binary does.
+    let blas = gradcache::nn::use_blas_from_env()?
+        .map(|b| format!("; the layer products through {}", b.path.display()))
+        .unwrap_or_default();
     let (model, vendor) = cpu();
     println!(
-        "# {model} ({vendor}); candle sgemm 2048^3: {peak:.1} GFLOP/s; {} threads",
+        "# {model} ({vendor}); candle sgemm 2048^3: {peak:.1} GFLOP/s; {} threads{blas}",
         std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
     );
     println!(
