@@ -414,6 +414,36 @@ fn encode_keeps_every_input_line_and_the_model_decides_the_limit() {
         stderr.contains("max_len 512 capped at the model's limit of 32"),
         "{stderr}"
     );
+
+    // `--batch-size` sets the texts per forward pass: the same embeddings, line for line;
+    // zero is refused.
+    let (ok, stderr, small) = run(&[
+        "encode",
+        "--model",
+        &model,
+        "--input",
+        &input,
+        "--batch-size",
+        "2",
+    ]);
+    assert!(ok, "{stderr}");
+    let (a, b) = (embeddings(&stdout), embeddings(&small));
+    assert_eq!(a.len(), 5);
+    for (x, y) in a.iter().zip(&b) {
+        let err = x.iter().zip(y).fold(0f64, |m, (p, q)| m.max((p - q).abs()));
+        assert!(err <= 1e-6, "batch size 2 against 32: {err:e}");
+    }
+    let (ok, stderr, _) = run(&[
+        "encode",
+        "--model",
+        &model,
+        "--text",
+        "a",
+        "--batch-size",
+        "0",
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("--batch-size 0 runs no text"), "{stderr}");
 }
 
 #[test]

@@ -19,7 +19,7 @@ fn encode_token_vectors(
     model: &str,
     texts: &[String],
     output: Option<&Path>,
-    side: Option<TowerArg>,
+    (side, batch): (Option<TowerArg>, usize),
     options: &LoadOptions,
 ) -> Result<()> {
     refuse_single_vector_options(model, options)?;
@@ -27,8 +27,8 @@ fn encode_token_vectors(
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     let start = std::time::Instant::now();
     let matrices = match side {
-        Some(TowerArg::Query) => model.query_vectors(&refs, 32)?,
-        _ => model.document_vectors(&refs, 32)?,
+        Some(TowerArg::Query) => model.query_vectors(&refs, batch)?,
+        _ => model.document_vectors(&refs, batch)?,
     };
     tracing::info!(
         "encoded {} texts as token vectors in {:.2} s",
@@ -80,9 +80,12 @@ pub(crate) fn encode(
     mut texts: Vec<String>,
     input: Option<&Path>,
     output: Option<&Path>,
-    (side, top_k): (Option<TowerArg>, Option<usize>),
+    (side, top_k, batch): (Option<TowerArg>, Option<usize>, usize),
     options: &LoadOptions,
 ) -> Result<()> {
+    if batch == 0 {
+        bail!("--batch-size 0 runs no text: give at least 1 (texts per forward pass)");
+    }
     if let Some(path) = input {
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         for (i, line) in BufReader::new(file).lines().enumerate() {
@@ -108,15 +111,15 @@ pub(crate) fn encode(
         bail!("--top-k 0 keeps nothing: give at least 1 (the largest entries of each sparse vector kept)");
     }
     if gradcache::hub::multi_vector::is_multi_vector_model(model) {
-        return encode_token_vectors(model, &texts, output, side, options);
+        return encode_token_vectors(model, &texts, output, (side, batch), options);
     }
     let model = load_model(model, options)?;
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     let start = std::time::Instant::now();
     let embeddings = match side {
-        None => model.embed(&refs, 32)?,
-        Some(TowerArg::Query) => model.embed_queries(&refs, 32)?,
-        Some(TowerArg::Passage) => model.embed_passages(&refs, 32)?,
+        None => model.embed(&refs, batch)?,
+        Some(TowerArg::Query) => model.embed_queries(&refs, batch)?,
+        Some(TowerArg::Passage) => model.embed_passages(&refs, batch)?,
     }
     .to_vec2::<f32>()?;
     let secs = start.elapsed().as_secs_f64();

@@ -194,6 +194,10 @@ enum Command {
         /// (sentence-transformers' `max_active_dims`).
         #[arg(long)]
         top_k: Option<usize>,
+        /// Texts per forward pass (sentence-transformers' `batch_size`); on the CPU the
+        /// passes run side by side, one per thread.
+        #[arg(long, default_value_t = 32)]
+        batch_size: usize,
         #[command(flatten)]
         head: HeadArgs,
     },
@@ -404,13 +408,14 @@ fn run(command: Command) -> Result<()> {
             side,
             max_len,
             top_k,
+            batch_size,
             head,
         } => encode::encode(
             &model,
             text,
             input.as_deref(),
             output.as_deref(),
-            (side, top_k),
+            (side, top_k, batch_size),
             &head.load_options(max_len)?,
         ),
         Command::Export {
