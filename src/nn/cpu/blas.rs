@@ -412,7 +412,56 @@ pub(super) unsafe fn try_product<T: 'static>(
 
 #[cfg(test)]
 mod tests {
-    use super::fortran;
+    use super::{fortran, Blas, BlasInfo};
+
+    /// An `sgemm_` that takes its arguments in another order than the Fortran one (here:
+    /// writes zeros where the product belongs).
+    unsafe extern "C" fn zeros(
+        _: *const u8,
+        _: *const u8,
+        m: *const i64,
+        n: *const i64,
+        _: *const i64,
+        _: *const f32,
+        _: *const f32,
+        _: *const i64,
+        _: *const f32,
+        _: *const i64,
+        _: *const f32,
+        c: *mut f32,
+        ldc: *const i64,
+        _: usize,
+        _: usize,
+    ) {
+        // SAFETY: the Fortran contract: `c` holds `n` columns of `ldc`, `m` rows used.
+        unsafe {
+            for j in 0..*n as usize {
+                for i in 0..*m as usize {
+                    *c.add(j * *ldc as usize + i) = 0.0;
+                }
+            }
+        }
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_library_whose_product_is_wrong_is_refused() {
+        let blas = Blas {
+            _lib: libloading::os::unix::Library::this().into(),
+            sgemm: zeros,
+            one_thread: None,
+            info: BlasInfo {
+                path: "libwrong.so".into(),
+                sgemm: "sgemm_".into(),
+                threads: None,
+            },
+        };
+        let err = blas.check().unwrap_err();
+        assert!(
+            err.contains("gave a wrong 5x4 by 4x3 product") && err.contains("sgemm_"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn operands_take_the_fortran_form_their_strides_allow() {

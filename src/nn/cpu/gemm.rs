@@ -86,39 +86,36 @@ pub(in crate::nn) unsafe fn product_raw<T: Float>(
         );
     }
     let timer = crate::profile::enabled().then(std::time::Instant::now);
-    let dims = (m, n, k);
     let (lhs_raw, rhs_raw) = (
         (lhs.as_ptr(), lhs_rs, lhs_cs),
         (rhs.as_ptr(), rhs_rs, rhs_cs),
     );
     // SAFETY: the caller's contract is the product's.
-    if unsafe { super::blas::try_product(dims, (dst, dst_rs), accumulate, lhs_raw, rhs_raw) } {
-        if let Some(start) = timer {
-            crate::profile::record_product(start.elapsed(), dims);
-        }
-        return;
+    let through_blas =
+        unsafe { super::blas::try_product((m, n, k), (dst, dst_rs), accumulate, lhs_raw, rhs_raw) };
+    if !through_blas {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            accumulate,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            if accumulate { T::one() } else { T::zero() },
+            T::one(),
+            false,
+            false,
+            false,
+            parallelism(),
+        );
     }
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs as isize,
-        accumulate,
-        lhs.as_ptr(),
-        lhs_cs as isize,
-        lhs_rs as isize,
-        rhs.as_ptr(),
-        rhs_cs as isize,
-        rhs_rs as isize,
-        if accumulate { T::one() } else { T::zero() },
-        T::one(),
-        false,
-        false,
-        false,
-        parallelism(),
-    );
     if let Some(start) = timer {
         crate::profile::record_product(start.elapsed(), (m, n, k));
     }
