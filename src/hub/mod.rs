@@ -80,11 +80,10 @@ pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
         let sorted = batch.select_rows(&order)?;
         let pieces = crate::batch::Batch::chunks(&sorted, chunk)?;
         let reps = if device.is_cpu() {
-            use rayon::prelude::*;
-            pieces
-                .par_iter()
-                .map(|piece| crate::nn::serial(|| encoder.encode(piece, &Ctx::eval())))
-                .collect::<Result<Vec<_>>>()?
+            // `pieces` run from the shortest texts to the longest: taken last first.
+            longest_first(&pieces, |piece| {
+                crate::nn::serial(|| encoder.encode(piece, &Ctx::eval()))
+            })?
         } else {
             pieces
                 .iter()
@@ -100,6 +99,38 @@ pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
         });
     }
     Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// `f` of every item, in the order of `items`, computed on the thread pool from the last
+/// item to the first: each thread takes the next item when it is free. With the items in
+/// ascending order of cost the threads start on the costliest and finish within one cheap
+/// item's time of one another, where rayon's halving of the slice could leave the longest
+/// chunks of a block to one thread while the other waits (AMD EPYC, 2 threads, 4,000 texts:
+/// 0.3 thread-seconds idle of 16.7).
+fn longest_first<P: Sync, R: Send>(
+    items: &[P],
+    f: impl Fn(&P) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    use rayon::prelude::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let taken = AtomicUsize::new(0);
+    let done: Vec<Vec<(usize, Result<R>)>> = (0..rayon::current_num_threads())
+        .into_par_iter()
+        .map(|_| {
+            let mut done = Vec::new();
+            loop {
+                let next = taken.fetch_add(1, Ordering::Relaxed);
+                if next >= items.len() {
+                    return done;
+                }
+                let at = items.len() - 1 - next;
+                done.push((at, f(&items[at])));
+            }
+        })
+        .collect();
+    let mut done: Vec<(usize, Result<R>)> = done.into_iter().flatten().collect();
+    done.sort_by_key(|(at, _)| *at);
+    done.into_iter().map(|(_, r)| r).collect()
 }
 
 /// A model that retrieves: it embeds queries and passages, and says how they are scored
@@ -635,4 +666,56 @@ pub fn check_sparse_vocabulary(
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `longest_first` on a pool of `threads`: its results, and the items in the order
+    /// they were started.
+    fn run_longest_first(threads: usize, items: &[usize]) -> (Vec<usize>, Vec<usize>) {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let seen = std::sync::Mutex::new(Vec::new());
+        let out = pool
+            .install(|| {
+                longest_first(items, |&i| {
+                    seen.lock().unwrap().push(i);
+                    Ok(i * 10)
+                })
+            })
+            .unwrap();
+        (out, seen.into_inner().unwrap())
+    }
+
+    #[test]
+    fn longest_first_keeps_the_order_of_the_items() {
+        let items: Vec<usize> = (0..37).collect();
+        let expected: Vec<usize> = items.iter().map(|i| i * 10).collect();
+        // One thread: the last item first, then back to the first.
+        let (out, seen) = run_longest_first(1, &items);
+        assert_eq!(out, expected);
+        assert_eq!(seen, items.iter().rev().copied().collect::<Vec<_>>());
+        // Several: each item once, the results in the items' order.
+        let (out, mut seen) = run_longest_first(4, &items);
+        assert_eq!(out, expected);
+        seen.sort_unstable();
+        assert_eq!(seen, items);
+    }
+
+    #[test]
+    fn longest_first_returns_an_items_error() {
+        let items: Vec<usize> = (0..8).collect();
+        let out = longest_first(&items, |&i| {
+            if i == 5 {
+                Err(Error::Tokenizer("item 5".into()))
+            } else {
+                Ok(i)
+            }
+        });
+        assert!(matches!(out, Err(Error::Tokenizer(m)) if m == "item 5"));
+    }
 }
