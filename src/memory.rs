@@ -24,9 +24,14 @@ static PEAK: AtomicUsize = AtomicUsize::new(0);
 /// The system allocator, counting the bytes currently allocated and their peak.
 pub struct CountingAllocator;
 
+#[inline(always)]
 fn grew(bytes: usize) {
     let now = CURRENT.fetch_add(bytes, Ordering::Relaxed) + bytes;
-    PEAK.fetch_max(now, Ordering::Relaxed);
+    // A read first: `fetch_max` is a compare-and-swap loop that takes the cache line for
+    // writing on every call, even when the peak stands.
+    if now > PEAK.load(Ordering::Relaxed) {
+        PEAK.fetch_max(now, Ordering::Relaxed);
+    }
 }
 
 // SAFETY: every call is forwarded to the system allocator unchanged; the counters are
