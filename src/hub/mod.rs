@@ -62,6 +62,28 @@ pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
     device: &Device,
 ) -> Result<Tensor> {
     let _flush = crate::denormal::flush();
+    let copies = (device.is_cpu() && texts.len() >= TRANSPOSED_FROM_TEXTS)
+        .then(crate::nn::TransposedWeights::new);
+    embed_blocks(encoder, tokenizer, texts, chunk, device, copies.as_ref())
+}
+
+/// From this many texts on, a CPU encoding reads the layers' projection weights from
+/// transposed copies made as it starts ([`crate::nn::TransposedWeights`]: the same
+/// bits, faster products: an encoding of 4,000 texts with all-MiniLM-L6-v2 1.04x as fast
+/// on an AMD EPYC). Making them (18 ms for that model's 36 weights) costs about what 200
+/// short texts gain, so a few texts at a time (a query, an evaluation's small batches)
+/// read the weights as stored.
+pub const TRANSPOSED_FROM_TEXTS: usize = 512;
+
+/// [`embed`]'s blocks, each tokenized, sorted by length and encoded chunk by chunk.
+fn embed_blocks<E: Encoder<Input = TokenBatch> + Sync>(
+    encoder: &E,
+    tokenizer: &Tokenizer,
+    texts: &[&str],
+    chunk: usize,
+    device: &Device,
+    copies: Option<&crate::nn::TransposedWeights>,
+) -> Result<Tensor> {
     let chunk = chunk.max(1);
     let mut parts = Vec::new();
     for block in texts.chunks(chunk * 64) {
@@ -82,7 +104,11 @@ pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
         let reps = if device.is_cpu() {
             // `pieces` run from the shortest texts to the longest: taken last first.
             longest_first(&pieces, |piece| {
-                crate::nn::serial(|| encoder.encode(piece, &Ctx::eval()))
+                let encode = || crate::nn::serial(|| encoder.encode(piece, &Ctx::eval()));
+                match copies {
+                    Some(copies) => copies.run(encode),
+                    None => encode(),
+                }
             })?
         } else {
             pieces

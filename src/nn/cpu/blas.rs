@@ -196,6 +196,11 @@ pub fn use_blas_from_env() -> Result<Option<BlasInfo>> {
     }
 }
 
+/// Whether the f32 products go through a loaded BLAS (not turned off).
+pub(in crate::nn) fn products_through_blas() -> bool {
+    active().is_some()
+}
+
 /// The BLAS the products go through, if one is loaded and not turned off.
 pub fn blas_in_use() -> Option<BlasInfo> {
     active().map(|b| b.info.clone())

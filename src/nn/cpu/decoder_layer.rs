@@ -28,7 +28,7 @@ use candle_core::{DType, Tensor};
 
 use super::attention_grouped::{self as grouped, Grouped, Pattern, Sequences};
 use super::blocks::Float;
-use super::decoder_passes::{backward, forward, Adapters, Chunk, Shape, SLOTS};
+use super::decoder_passes::{backward, forward, lora, Adapters, Chunk, Shape, SLOTS};
 use super::lora_branch::{node_inputs, LoraInput, NodeWeights};
 use super::math::Act;
 use super::packing::{packed_layer, Packing, View};
@@ -233,8 +233,10 @@ impl<T: Float> Weights<T> {
                 None => &zeros[..dims.slot_len(slot)],
             };
         }
+        let copies = self.0.transposed(lora::WEIGHT, &v);
         let adapters = Adapters {
             branches: self.0.branches(),
+            copies: std::array::from_fn(|p| copies[p].as_deref().map(Vec::as_slice)),
             wants: self.0.wants,
         };
         f(&v, &adapters)

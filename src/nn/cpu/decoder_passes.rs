@@ -14,16 +14,22 @@ use super::lora_branch::{AdapterGrads, Branches};
 use super::math::Act;
 use super::packing::Packing;
 use super::rows::{rms, rms_backward, rms_heads, rms_heads_backward};
+use super::transposed::weight_rhs;
 
-/// The layer's adapters (in the order of [`super::decoder_layer::DecoderWeights::lora`])
-/// and which slots take a gradient (a frozen weight's is not computed).
+/// The layer's adapters (in the order of [`super::decoder_layer::DecoderWeights::lora`]),
+/// the transposed copies of its projections, and which slots take a gradient (a frozen
+/// weight's is not computed).
 pub(in crate::nn) struct Adapters<'a, T> {
     pub(in crate::nn) branches: Branches<'a, T, 7>,
+    /// Copies `[in, out]` of the projections' weights, in the same order, where an
+    /// inference keeps them ([`super::transposed`]): the forward's products read these.
+    pub(in crate::nn) copies: [Option<&'a [T]>; 7],
     pub(in crate::nn) wants: [bool; SLOTS],
 }
 
-/// Indices into [`Adapters::branches`].
+/// Indices into [`Adapters::branches`] and [`Adapters::copies`].
 pub(in crate::nn) mod lora {
+    use super::slot;
     pub const Q: usize = 0;
     pub const K: usize = 1;
     pub const V: usize = 2;
@@ -31,6 +37,16 @@ pub(in crate::nn) mod lora {
     pub const GATE: usize = 4;
     pub const UP: usize = 5;
     pub const DOWN: usize = 6;
+    /// The projections' weights among the slots, in that order.
+    pub const WEIGHT: [usize; 7] = [
+        slot::WQ,
+        slot::WK,
+        slot::WV,
+        slot::WO,
+        slot::WG,
+        slot::WU,
+        slot::WD,
+    ];
 }
 
 /// Slots of the weights, in node-input order.
@@ -199,7 +215,7 @@ fn project<T: Float>(
             (&mut qkv[col..], width),
             true,
             (n1, h, 1),
-            (wp, 1, h),
+            weight_rhs(wp, ad.copies[p], rows, (out, h)),
         );
         ad.branches
             .forward(p, (n1, h), places, (&mut qkv[col..], width));
@@ -279,7 +295,8 @@ pub(in crate::nn) fn forward<T: Float>(
     let xs = chunk.wanted(x, h);
     let rows = xs.len() / h;
     let places = chunk.wanted_places(&packing.padded);
-    let mut a = linear(&ctx, w[slot::WO], w[slot::WO + 1], rows, qd);
+    let wo = weight_rhs(w[slot::WO], ad.copies[lora::O], rows, (h, qd));
+    let mut a = linear(&ctx, wo, w[slot::WO + 1], rows, qd);
     ad.branches
         .forward(lora::O, (&ctx, qd), &places, (&mut a, h));
     let (x1, a) = if chunk.post_norms {
@@ -297,14 +314,15 @@ pub(in crate::nn) fn forward<T: Float>(
             (&mut up[col..], 2 * i),
             true,
             (&n2, h, 1),
-            (wp, 1, h),
+            weight_rhs(wp, ad.copies[p], rows, (i, h)),
         );
         ad.branches
             .forward(p, (&n2, h), &places, (&mut up[col..], 2 * i));
     }
     drop(n2);
     let g = glu_rows(&up, chunk.act, i);
-    let mut m = linear(&g, w[slot::WD], w[slot::WD + 1], rows, i);
+    let wd = weight_rhs(w[slot::WD], ad.copies[lora::DOWN], rows, (h, i));
+    let mut m = linear(&g, wd, w[slot::WD + 1], rows, i);
     ad.branches
         .forward(lora::DOWN, (&g, i), &places, (&mut m, h));
     drop(g);

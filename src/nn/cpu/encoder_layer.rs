@@ -48,6 +48,7 @@ use super::rows::{
     activate, activate_in_place, activate_with_slope, add_norm, add_norm_output, dropped, norm,
     norm_backward, times_slope,
 };
+use super::transposed::weight_rhs;
 use super::AttentionSpec;
 use crate::nn::node::node_n_owned;
 
@@ -247,8 +248,11 @@ impl<T: Float> Weights<T> {
             .map(View::new)
             .collect::<candle_core::Result<Vec<_>>>()?;
         let v = |i: usize| views[i].values::<T>();
+        let values = (0..16).map(v).collect::<candle_core::Result<Vec<_>>>()?;
+        let copies = self.0.transposed(lora::WEIGHT, &values);
         let w = W {
             wants: self.0.wants,
+            wt: std::array::from_fn(|p| copies[p].as_deref().map(Vec::as_slice)),
             lora: self.0.branches(),
             wqkv: [v(0)?, v(1)?, v(2)?],
             bqkv: [v(3)?, v(4)?, v(5)?],
@@ -269,6 +273,9 @@ impl<T: Float> Weights<T> {
 struct W<'a, T> {
     /// Which weights take a gradient (a frozen one's is not computed).
     wants: [bool; 16],
+    /// Transposed copies of `W_q, W_k, W_v, W_o, W_i, W_d` (`[in, out]`) where an
+    /// inference keeps them ([`super::transposed`]): the forward's products read these.
+    wt: [Option<&'a [T]>; 6],
     /// The adapters' branches, in the order of [`LayerWeights::lora`].
     lora: Branches<'a, T, 6>,
     wqkv: [&'a [T]; 3],
@@ -413,7 +420,7 @@ fn qkv<T: Float>(x: &[T], w: &W<T>, rows: usize, h: usize, places: &[usize]) -> 
             (&mut y[p * h..], 3 * h),
             true,
             (x, h, 1),
-            (wp, 1, h),
+            weight_rhs(wp, w.wt[p], rows, (h, h)),
         );
         w.lora.forward(p, (x, h), places, (&mut y[p * h..], 3 * h));
     }
@@ -431,7 +438,8 @@ fn projected<T: Float>(
     (rows, input): (usize, usize),
     places: &[usize],
 ) -> Vec<T> {
-    let mut y = product_new((rows, out, input), (x, input, 1), (weight, 1, input));
+    let rhs = weight_rhs(weight, w.wt[lora], rows, (out, input));
+    let mut y = product_new((rows, out, input), (x, input, 1), rhs);
     w.lora.forward(lora, (x, input), places, (&mut y, out));
     y
 }

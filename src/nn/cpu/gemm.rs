@@ -135,11 +135,19 @@ pub(in crate::nn) fn bias_rows<T: Float>(biases: &[&[T]], rows: usize) -> Vec<T>
     y
 }
 
-/// `x [rows, k] W^T + b`, `W` `[out, k]`: the bias pre-filled, the product added to it.
-pub(in crate::nn) fn linear<T: Float>(x: &[T], w: &[T], b: &[T], rows: usize, k: usize) -> Vec<T> {
+/// `x [rows, k] W^T + b`, `W` `[out, k]` given as the operand `W^T` (`[k, out]`: the
+/// weight as stored, strides `(1, k)`, or a transposed copy): the bias pre-filled, the
+/// product added to it.
+pub(in crate::nn) fn linear<T: Float>(
+    x: &[T],
+    wt: Operand<T>,
+    b: &[T],
+    rows: usize,
+    k: usize,
+) -> Vec<T> {
     let out = b.len();
     let mut y = bias_rows(&[b], rows);
-    product((rows, out, k), (&mut y, out), true, (x, k, 1), (w, 1, k));
+    product((rows, out, k), (&mut y, out), true, (x, k, 1), wt);
     y
 }
 

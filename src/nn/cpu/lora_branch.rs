@@ -185,6 +185,9 @@ impl<T: Float> Branch<'_, T> {
 /// values of its `P` projections' adapters.
 pub(in crate::nn) struct NodeWeights<T, const S: usize, const P: usize> {
     pub(in crate::nn) slots: [Option<Tensor>; S],
+    /// The ids of the tensors the slots were given (a variable's own, which its detached
+    /// view does not keep): what a transposed copy is found by ([`super::transposed`]).
+    pub(in crate::nn) ids: [Option<candle_core::TensorId>; S],
     pub(in crate::nn) wants: [bool; S],
     lora: [Option<Held<T>>; P],
 }
@@ -206,8 +209,23 @@ impl<T: Float, const S: usize, const P: usize> NodeWeights<T, S, P> {
         }
         Ok(Self {
             slots: held,
+            ids: slots.map(|t| t.map(Tensor::id)),
             wants: slots.map(|t| t.is_some_and(crate::sink::wants)),
             lora: adapters,
+        })
+    }
+
+    /// Transposed copies (`[in, out]`) of the projection weights in `slots`, each
+    /// `[out, in]` with its values in `values`, where this thread runs inside a
+    /// [`super::transposed::TransposedWeights`]; `None` for each elsewhere.
+    pub(in crate::nn) fn transposed<const N: usize>(
+        &self,
+        slots: [usize; N],
+        values: &[&[T]],
+    ) -> [Option<std::sync::Arc<Vec<T>>>; N] {
+        slots.map(|i| {
+            let (id, t) = (self.ids[i]?, self.slots[i].as_ref()?);
+            super::transposed::transposed(id, values[i], t.dims2().ok()?)
         })
     }
 

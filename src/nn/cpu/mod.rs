@@ -62,6 +62,7 @@ pub(crate) mod reference;
 pub(crate) mod rows;
 pub(crate) mod softmax;
 pub mod splade;
+pub(crate) mod transposed;
 
 pub use crate::nn::node::recomputed;
 pub use accumulate::{add_in_place, add_row_in_place};

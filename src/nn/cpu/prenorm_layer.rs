@@ -31,6 +31,7 @@ use super::math::Act;
 use super::packed_attention::{attend, attention_backward};
 use super::packing::{packed_layer, Packing, View};
 use super::rows::{add_row, dropped, norm, norm_backward};
+use super::transposed::weight_rhs;
 use super::AttentionSpec;
 
 /// A weight and its bias, when the layer has one.
@@ -241,8 +242,10 @@ impl<T: Float> Weights<T> {
                 None => &zeros[..dims.slot_len(slot).min(zeros.len())],
             });
         }
+        let copies = self.0.transposed(lora::WEIGHT, &v);
         let w = W {
             wants: self.0.wants,
+            wt: std::array::from_fn(|p| copies[p].as_deref().map(Vec::as_slice)),
             lora: self.0.branches(),
             n1: self.0.slots[0].is_some().then_some((v[0], v[1])),
             wqkv: v[2],
@@ -263,6 +266,9 @@ impl<T: Float> Weights<T> {
 struct W<'a, T> {
     /// Which slots take a gradient (a frozen weight's is not computed).
     wants: [bool; SLOTS],
+    /// Transposed copies of `W_qkv, W_o, W_i, W_d` (`[in, out]`) where an inference keeps
+    /// them ([`super::transposed`]): the forward's products read these.
+    wt: [Option<&'a [T]>; 4],
     /// The adapters' branches, in the order of [`PreNormWeights::lora`].
     lora: Branches<'a, T, 4>,
     n1: Option<(&'a [T], &'a [T])>,
@@ -434,7 +440,8 @@ fn forward<T: Float>(
             *v += b;
         }
     }
-    product((rows, h, i), (&mut y, h), true, (&g, i, 1), (w.wd, 1, i));
+    let wd = weight_rhs(w.wd, w.wt[lora::DOWN], rows, (h, i));
+    product((rows, h, i), (&mut y, h), true, (&g, i, 1), wd);
     w.lora.forward(lora::DOWN, (&g, i), places, (&mut y, h));
     let kept = keep.then_some(Kept {
         qkv,
@@ -456,18 +463,26 @@ fn projected<T: Float>(
     input: usize,
     places: &[usize],
 ) -> Vec<T> {
-    let mut y = linear(x, weight, bias, places.len(), input);
+    let rhs = weight_rhs(weight, w.wt[lora], places.len(), (bias.len(), input));
+    let mut y = linear(x, rhs, bias, places.len(), input);
     w.lora
         .forward(lora, (x, input), places, (&mut y, bias.len()));
     y
 }
 
-/// Indices into [`PreNormWeights::lora`].
+/// Indices into [`PreNormWeights::lora`] (and [`W::wt`]).
 mod lora {
     pub const QKV: usize = 0;
     pub const OUTPUT: usize = 1;
     pub const UP: usize = 2;
     pub const DOWN: usize = 3;
+    /// The projections' weights among the slots, in that order.
+    pub const WEIGHT: [usize; 4] = [
+        super::slot::WQKV,
+        super::slot::WO,
+        super::slot::WI,
+        super::slot::WD,
+    ];
 }
 
 /// Every gradient: of the input, of the twelve slots (a missing or frozen one's is empty
