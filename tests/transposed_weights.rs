@@ -38,10 +38,9 @@ fn every_family_encodes_the_same_bits_from_transposed_weights() {
             ..Default::default()
         };
         let model = EmbeddingModel::load(fixture(family).to_str().unwrap(), &options).unwrap();
-        let batch = model
-            .tokenizer()
-            .encode(&refs(&r.texts), &Device::Cpu)
-            .unwrap();
+        // Enough texts for several tiles of the feed-forward's rows.
+        let texts: Vec<&str> = refs(&r.texts).into_iter().cycle().take(64).collect();
+        let batch = model.tokenizer().encode(&texts, &Device::Cpu).unwrap();
         let encoder = model.encoder();
         let plain = encoder.encode(&batch, &Ctx::eval()).unwrap();
         let copies = TransposedWeights::new();
