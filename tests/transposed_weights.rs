@@ -1,7 +1,7 @@
 //! A long CPU encoding reads the layers' projection weights from transposed copies
 //! (`gradcache::nn::TransposedWeights`, made by `gradcache::hub::embed` from 512 texts
-//! on): for every encoder and decoder family of the fixtures, and for LoRA adapters on
-//! two of them, the encoding with the copies has the bits of the encoding with the
+//! on): for every encoder and decoder family of the fixtures, for LoRA adapters on two of
+//! them and for the ColBERT fixtures' documents, the encoding with the copies has the bits of the encoding with the
 //! weights as stored, copies are made and read, and a second encoding reads the same
 //! copies. (That only a thread inside `run` reads them is the unit test of
 //! `src/nn/cpu/transposed.rs`.)
@@ -9,7 +9,8 @@
 use std::path::Path;
 
 use candle_core::Device;
-use gradcache::hub::{EmbeddingModel, LoadOptions};
+use gradcache::bert::BertEncoder;
+use gradcache::hub::{EmbeddingModel, LoadOptions, MultiVectorModel, Tokenizer};
 use gradcache::nn::TransposedWeights;
 use gradcache::{Ctx, Encoder};
 
@@ -39,13 +40,17 @@ fn options(base: Option<&Path>) -> LoadOptions {
     }
 }
 
-/// The checks of this file on `model`, the texts of `family`'s fixture.
-fn same_bits_from_copies(model: &EmbeddingModel, family: &str, what: &str) {
+/// The checks of this file on `encoder` with its `tokenizer`, the texts of `family`'s
+/// fixture.
+fn same_bits_from_copies(
+    (encoder, tokenizer): (&BertEncoder, &Tokenizer),
+    family: &str,
+    what: &str,
+) {
     let r = reference(family);
     // Enough texts for products of several hundred rows.
     let texts: Vec<&str> = refs(&r.texts).into_iter().cycle().take(64).collect();
-    let batch = model.tokenizer().encode(&texts, &Device::Cpu).unwrap();
-    let encoder = model.encoder();
+    let batch = tokenizer.encode(&texts, &Device::Cpu).unwrap();
     let plain = encoder.encode(&batch, &Ctx::eval()).unwrap();
     let copies = TransposedWeights::new();
     let copied = copies.run(|| encoder.encode(&batch, &Ctx::eval())).unwrap();
@@ -70,7 +75,7 @@ fn every_family_encodes_the_same_bits_from_transposed_weights() {
     for family in FAMILIES {
         let dir = fixture(family);
         let model = EmbeddingModel::load(dir.to_str().unwrap(), &options(None)).unwrap();
-        same_bits_from_copies(&model, family, family);
+        same_bits_from_copies((model.encoder(), model.tokenizer()), family, family);
     }
 }
 
@@ -88,6 +93,20 @@ fn a_lora_adapter_encodes_the_same_bits_from_transposed_base_weights() {
             "{}",
             model.settings()
         );
-        same_bits_from_copies(&model, family, &format!("{family} with a LoRA adapter"));
+        let what = format!("{family} with a LoRA adapter");
+        same_bits_from_copies((model.encoder(), model.tokenizer()), family, &what);
+    }
+}
+
+#[test]
+fn a_colbert_encodes_the_same_bits_from_transposed_weights() {
+    for layout in ["pylate", "st6"] {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/colbert")
+            .join(layout);
+        let model = MultiVectorModel::load(dir.to_str().unwrap(), &Device::Cpu).unwrap();
+        let (_, documents) = model.tokenizers();
+        let what = format!("ColBERT ({layout}) documents");
+        same_bits_from_copies((model.encoder(), documents), "bert", &what);
     }
 }

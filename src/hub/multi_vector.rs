@@ -436,10 +436,12 @@ impl MultiVectorModel {
     /// The token matrices `[texts, width, dim]` of `texts` (`width` the side's length;
     /// absent tokens zero vectors), `chunk` texts at a time: what MaxSim scores.
     pub fn matrices(&self, tokenizer: &Tokenizer, texts: &[&str], chunk: usize) -> Result<Tensor> {
-        let parts = texts
-            .chunks(chunk.max(1))
-            .map(|part| Ok(self.encode_part(tokenizer, part)?.0))
-            .collect::<Result<Vec<_>>>()?;
+        let parts = self.long_run(texts.len(), || {
+            texts
+                .chunks(chunk.max(1))
+                .map(|part| Ok(self.encode_part(tokenizer, part)?.0))
+                .collect::<Result<Vec<_>>>()
+        })?;
         if parts.is_empty() {
             return Err(Error::EmptyBatch {
                 side: crate::Side::Query,
@@ -462,7 +464,22 @@ impl MultiVectorModel {
         Ok((reps.reshape((rows, (), self.dim()))?, keep))
     }
 
+    /// `f`, with the projection weights read from transposed copies when it encodes
+    /// `texts` texts on the CPU, as many as [`super::embed`] makes them for (the same
+    /// bits, faster products).
+    fn long_run<R>(&self, texts: usize, f: impl FnOnce() -> R) -> R {
+        if self.device.is_cpu() && texts >= super::TRANSPOSED_FROM_TEXTS {
+            crate::nn::TransposedWeights::new().run(f)
+        } else {
+            f()
+        }
+    }
+
     fn kept(&self, tokenizer: &Tokenizer, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
+        self.long_run(texts.len(), || self.kept_all(tokenizer, texts, chunk))
+    }
+
+    fn kept_all(&self, tokenizer: &Tokenizer, texts: &[&str], chunk: usize) -> Result<Vec<Tensor>> {
         let mut out = Vec::with_capacity(texts.len());
         for part in texts.chunks(chunk.max(1)) {
             let (reps, keep) = self.encode_part(tokenizer, part)?;
