@@ -53,7 +53,9 @@ use crate::{Error, Result};
 ///
 /// On the CPU the chunks are encoded side by side, one per thread, each on its thread
 /// alone ([`crate::nn::serial`]): an inference chunk's ops are too small to split
-/// across threads without the threads waiting on one another.
+/// across threads without the threads waiting on one another. A block's chunks are taken
+/// longest first, and from [`TRANSPOSED_FROM_TEXTS`] texts on the layers read their
+/// projection weights from transposed copies (the same bits, faster products).
 pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
     encoder: &E,
     tokenizer: &Tokenizer,
