@@ -29,10 +29,9 @@ use gradcache::hub::{
 use gradcache::{Ctx, GradCache, InfoNce, ParamStore, Recompute, Similarity};
 
 mod common;
-use common::families::{fixture, reference, refs};
+use common::families::{fixture, reference, refs, DECODERS};
 use common::{copy_dir, max_abs, max_diff};
 
-const DECODERS: [&str; 5] = ["qwen3", "qwen2", "llama", "mistral", "gemma3_text"];
 const MAX_LEN: usize = 32;
 
 fn load(dir: &Path, options: LoadOptions) -> EmbeddingModel {

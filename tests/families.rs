@@ -25,17 +25,9 @@ use gradcache::hub::{
 use gradcache::{Ctx, Encoder, Error, GradCache, InfoNce, ParamStore, Recompute, Similarity};
 
 mod common;
-use common::families::{assert_step_matches, fixture, reference, refs};
+use common::families::{assert_step_matches, fixture, reference, refs, ENCODERS};
 use common::max_diff;
 
-const FAMILIES: [&str; 6] = [
-    "bert",
-    "roberta",
-    "xlm-roberta",
-    "mpnet",
-    "modernbert",
-    "distilbert",
-];
 const MAX_LEN: usize = 32;
 
 fn load(dir: &Path, pooling: Option<Pooling>) -> EmbeddingModel {
@@ -49,7 +41,7 @@ fn load(dir: &Path, pooling: Option<Pooling>) -> EmbeddingModel {
 
 #[test]
 fn hidden_states_match_transformers_for_every_family() {
-    for family in FAMILIES {
+    for family in ENCODERS {
         let r = reference(family);
         let model = load(&fixture(family), None);
         let batch = model
@@ -85,7 +77,7 @@ fn hidden_states_match_transformers_for_every_family() {
 
 #[test]
 fn every_pooling_mode_matches_sentence_transformers() {
-    for family in FAMILIES {
+    for family in ENCODERS {
         let r = reference(family);
         // The files say mean pooling, in the current package's layout (`pooling_mode`).
         let model = load(&fixture(family), None);
@@ -143,7 +135,7 @@ fn step(family: &str, chunk: usize, recompute: Recompute) -> (f32, gradcache::Gr
 fn gradients_match_pytorch_with_and_without_chunks_and_recompute() {
     // bert-dense: BERT with a Dense (tanh) and a Normalize module after the pooling, the
     // Dense weights trained too.
-    for family in FAMILIES.into_iter().chain(["bert-dense"]) {
+    for family in ENCODERS.into_iter().chain(["bert-dense"]) {
         let r = reference(family);
         let want: HashMap<String, &Tensor> = r
             .tensors
@@ -166,7 +158,7 @@ fn gradients_match_pytorch_with_and_without_chunks_and_recompute() {
 
 #[test]
 fn an_export_loads_back_to_the_same_embeddings_and_family() {
-    for family in FAMILIES {
+    for family in ENCODERS {
         let r = reference(family);
         let model = load(&fixture(family), None);
         let before = model.embed(&refs(&r.texts), 8).unwrap();
@@ -361,7 +353,7 @@ fn every_family_trains_and_its_export_loads_back_as_the_family() {
         .collect();
     let data = tmp.path().join("train.jsonl");
     std::fs::write(&data, lines[..40].join("\n")).unwrap();
-    for family in FAMILIES {
+    for family in ENCODERS {
         let out = tmp.path().join(family);
         let config = format!(
             r#"

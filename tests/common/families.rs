@@ -8,6 +8,19 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
 
+/// The encoder families of the fixtures.
+pub const ENCODERS: [&str; 6] = [
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "mpnet",
+    "modernbert",
+    "distilbert",
+];
+
+/// The decoder families of the fixtures.
+pub const DECODERS: [&str; 5] = ["qwen3", "qwen2", "llama", "mistral", "gemma3_text"];
+
 /// The directory of fixture `family`.
 pub fn fixture(family: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -167,25 +167,12 @@ pub(in crate::nn) unsafe fn gemm_into<T: Float>(
         }
         return;
     }
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs as isize,
+    super::gemm::gemm_call(
+        (m, n, k),
+        (dst, dst_rs),
         accumulate,
-        lhs,
-        lhs_cs as isize,
-        lhs_rs as isize,
-        rhs,
-        rhs_cs as isize,
-        rhs_rs as isize,
-        if accumulate { T::one() } else { T::zero() },
-        T::one(),
-        false,
-        false,
-        false,
+        (lhs, lhs_rs, lhs_cs),
+        (rhs, rhs_rs, rhs_cs),
         gemm::Parallelism::None,
     );
 }

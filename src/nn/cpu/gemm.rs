@@ -94,6 +94,40 @@ pub(in crate::nn) unsafe fn product_raw<T: Float>(
     let through_blas =
         unsafe { super::blas::try_product((m, n, k), (dst, dst_rs), accumulate, lhs_raw, rhs_raw) };
     if !through_blas {
+        // SAFETY: as above.
+        unsafe {
+            gemm_call(
+                (m, n, k),
+                (dst, dst_rs),
+                accumulate,
+                lhs_raw,
+                rhs_raw,
+                parallelism(),
+            )
+        }
+    }
+    if let Some(start) = timer {
+        crate::profile::record_product(start.elapsed(), (m, n, k));
+    }
+}
+
+/// The gemm crate's product `dst [m, n] (+)= lhs [m, k] rhs [k, n]`, operands as
+/// (pointer, row stride, column stride), with parallelism `par`: [`product_raw`]'s and
+/// the attention kernels' (single-threaded, one task's at a time).
+///
+/// # Safety
+/// Every pointer must address the elements its strides reach; `dst`'s must not overlap
+/// the inputs' or another thread's.
+pub(in crate::nn) unsafe fn gemm_call<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (*mut T, usize),
+    accumulate: bool,
+    (lhs, lhs_rs, lhs_cs): (*const T, usize, usize),
+    (rhs, rhs_rs, rhs_cs): (*const T, usize, usize),
+    par: gemm::Parallelism,
+) {
+    // SAFETY: the caller's contract is the gemm crate's.
+    unsafe {
         gemm::gemm(
             m,
             n,
@@ -102,10 +136,10 @@ pub(in crate::nn) unsafe fn product_raw<T: Float>(
             1,
             dst_rs as isize,
             accumulate,
-            lhs.as_ptr(),
+            lhs,
             lhs_cs as isize,
             lhs_rs as isize,
-            rhs.as_ptr(),
+            rhs,
             rhs_cs as isize,
             rhs_rs as isize,
             if accumulate { T::one() } else { T::zero() },
@@ -113,11 +147,8 @@ pub(in crate::nn) unsafe fn product_raw<T: Float>(
             false,
             false,
             false,
-            parallelism(),
-        );
-    }
-    if let Some(start) = timer {
-        crate::profile::record_product(start.elapsed(), (m, n, k));
+            par,
+        )
     }
 }
 
