@@ -17,6 +17,7 @@
 //! cargo bench --bench train_step -- --drift     # only the first-against-last line
 //! cargo bench --bench train_step -- --sgemm-shapes  # candle's f32 products at our shapes
 //! cargo bench --bench train_step -- --layout        # one thread's encode products, by weight layout
+//! cargo bench --bench train_step -- --packing       # the same, by the gemm crate's packing thresholds
 //! GRADCACHE_MINILM=/path/to/all-MiniLM-L6-v2 cargo bench --bench train_step
 //! GRADCACHE_BLAS=/path/to/libmkl_rt.so.2 cargo bench --bench train_step  # the steps through MKL
 //! ```
@@ -130,6 +131,74 @@ const SHAPES: [(usize, usize, usize); 5] = [
     (2048, 1024, 3072),
 ];
 
+/// The weight `[out, in]` of the layout experiments (values of a trained layer's size)
+/// and its transpose `[in, out]`.
+fn weight_pair(input: usize, out: usize) -> (Vec<f32>, Vec<f32>) {
+    let w: Vec<f32> = (0..out * input)
+        .map(|i| ((i % 89) as f32 - 44.0) / 890.0)
+        .collect();
+    let mut wt = vec![0f32; w.len()];
+    for o in 0..out {
+        for i in 0..input {
+            wt[i * out + o] = w[o * input + i];
+        }
+    }
+    (w, wt)
+}
+
+/// GFLOP/s of one thread's `x [rows, in] W^T`, best of `repeats`, the weight's element
+/// `(o, i)` at `o * w_rs + i * w_cs`.
+fn time_product(
+    (rows, input, out): (usize, usize, usize),
+    w: &[f32],
+    (w_rs, w_cs): (isize, isize),
+    repeats: usize,
+) -> f64 {
+    let x: Vec<f32> = (0..rows * input)
+        .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
+        .collect();
+    let mut y = vec![0f32; rows * out];
+    let mut best = f64::MAX;
+    for _ in 0..repeats {
+        let t = Instant::now();
+        // SAFETY: every operand covers the extent its strides give; y overlaps none.
+        unsafe {
+            gemm::gemm(
+                rows,
+                out,
+                input,
+                y.as_mut_ptr(),
+                1,
+                out as isize,
+                false,
+                x.as_ptr(),
+                1,
+                input as isize,
+                w.as_ptr(),
+                w_cs,
+                w_rs,
+                0f32,
+                1f32,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        };
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    2.0 * (rows * input * out) as f64 / best / 1e9
+}
+
+/// The encoders' projection shapes `(in, out)`: MiniLM's, then BERT-base's.
+const LAYER_SHAPES: [(usize, usize); 5] = [
+    (384, 384),
+    (384, 1536),
+    (1536, 384),
+    (768, 768),
+    (768, 3072),
+];
+
 /// One thread's products at an inference chunk's shapes (1,184 packed tokens: 32 texts
 /// of the encode row's 37 tokens on average), `x [rows, in] W^T`, with the weight stored
 /// as the checkpoints hold it (`[out, in]`: the gemm crate gathers it a scalar at a time
@@ -137,63 +206,43 @@ const SHAPES: [(usize, usize, usize); 5] = [
 /// `rows in out GFLOP/s-as-stored GFLOP/s-transposed`, best of 20 each.
 fn weight_layouts() {
     let rows = 1184;
-    for (input, out) in [
-        (384, 384),
-        (384, 1536),
-        (1536, 384),
-        (768, 768),
-        (768, 3072),
-    ] {
-        let x: Vec<f32> = (0..rows * input)
-            .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
-            .collect();
-        let w: Vec<f32> = (0..out * input)
-            .map(|i| ((i % 89) as f32 - 44.0) / 890.0)
-            .collect();
-        let mut wt = vec![0f32; w.len()];
-        for o in 0..out {
-            for i in 0..input {
-                wt[i * out + o] = w[o * input + i];
-            }
-        }
-        let mut y = vec![0f32; rows * out];
-        let mut time = |w: &[f32], (w_rs, w_cs): (isize, isize)| {
-            let mut best = f64::MAX;
-            for _ in 0..20 {
-                let t = Instant::now();
-                // SAFETY: every operand covers the extent its strides give; y overlaps none.
-                unsafe {
-                    gemm::gemm(
-                        rows,
-                        out,
-                        input,
-                        y.as_mut_ptr(),
-                        1,
-                        out as isize,
-                        false,
-                        x.as_ptr(),
-                        1,
-                        input as isize,
-                        w.as_ptr(),
-                        w_cs,
-                        w_rs,
-                        0f32,
-                        1f32,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    )
-                };
-                best = best.min(t.elapsed().as_secs_f64());
-            }
-            2.0 * (rows * input * out) as f64 / best / 1e9
-        };
+    for (input, out) in LAYER_SHAPES {
+        let (w, wt) = weight_pair(input, out);
         // `W^T` element (i, o): `w[o * input + i]` as stored, `wt[i * out + o]` transposed.
-        let stored = time(&w, (1, input as isize));
-        let transposed = time(&wt, (out as isize, 1));
+        let stored = time_product((rows, input, out), &w, (1, input as isize), 20);
+        let transposed = time_product((rows, input, out), &wt, (out as isize, 1), 20);
         println!("{rows} {input} {out} {stored:.1} {transposed:.1}");
     }
+}
+
+/// The same products (the weight transposed, as a long encoding reads it), at a short,
+/// a middling and a long chunk's rows, under the gemm crate's packing thresholds: its
+/// defaults, the right-hand operand (the activations) always packed, the left-hand one
+/// (the weight) never packed where it need not be, and both. Prints `rows in out` and
+/// the four GFLOP/s, best of 10 each; the crate's defaults are restored after.
+fn packing_thresholds() {
+    let rhs_default = gemm::get_rhs_packing_threshold();
+    let lhs_default = gemm::get_lhs_packing_threshold_single_thread();
+    for rows in [384, 1184, 3456] {
+        for (input, out) in LAYER_SHAPES {
+            let (_, wt) = weight_pair(input, out);
+            let mut line = format!("{rows} {input} {out}");
+            for (rhs, lhs) in [
+                (rhs_default, lhs_default),
+                (1, lhs_default),
+                (rhs_default, 256),
+                (1, 256),
+            ] {
+                gemm::set_rhs_packing_threshold(rhs);
+                gemm::set_lhs_packing_threshold_single_thread(lhs);
+                let rate = time_product((rows, input, out), &wt, (out as isize, 1), 10);
+                line += &format!(" {rate:.1}");
+            }
+            println!("{line}");
+        }
+    }
+    gemm::set_rhs_packing_threshold(rhs_default);
+    gemm::set_lhs_packing_threshold_single_thread(lhs_default);
 }
 
 fn row(label: &str, r: &StepReport, p: &PhaseTimes, peak: f64) {
@@ -271,6 +320,10 @@ fn main() -> anyhow::Result<()> {
     }
     if std::env::args().any(|a| a == "--layout") {
         weight_layouts();
+        return Ok(());
+    }
+    if std::env::args().any(|a| a == "--packing") {
+        packing_thresholds();
         return Ok(());
     }
     let peak = sgemm_peak(2048)?;
