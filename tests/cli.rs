@@ -400,6 +400,8 @@ fn encode_keeps_every_input_line_and_the_model_decides_the_limit() {
     );
     // The model's own limit (its tokenizer_config.json), logged; a larger one is capped.
     assert!(stderr.contains("max_len 32 (the model's"), "{stderr}");
+    // Without --batch-size the CPU runs 16 texts per pass.
+    assert!(stderr.contains("encoded 5 texts, 16 per pass"), "{stderr}");
     let (ok, stderr, _) = run(&[
         "encode",
         "--model",
@@ -427,11 +429,12 @@ fn encode_keeps_every_input_line_and_the_model_decides_the_limit() {
         "2",
     ]);
     assert!(ok, "{stderr}");
+    assert!(stderr.contains("encoded 5 texts, 2 per pass"), "{stderr}");
     let (a, b) = (embeddings(&stdout), embeddings(&small));
     assert_eq!(a.len(), 5);
     for (x, y) in a.iter().zip(&b) {
         let err = x.iter().zip(y).fold(0f64, |m, (p, q)| m.max((p - q).abs()));
-        assert!(err <= 1e-6, "batch size 2 against 32: {err:e}");
+        assert!(err <= 1e-6, "batch size 2 against the default: {err:e}");
     }
     let (ok, stderr, _) = run(&[
         "encode",

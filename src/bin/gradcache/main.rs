@@ -195,9 +195,10 @@ enum Command {
         #[arg(long)]
         top_k: Option<usize>,
         /// Texts per forward pass (sentence-transformers' `batch_size`); on the CPU the
-        /// passes run side by side, one per thread.
-        #[arg(long, default_value_t = 32)]
-        batch_size: usize,
+        /// passes run side by side, one per thread. Default: 16 on the CPU (a pass's rows
+        /// stay in its core's L2: as fast or faster than 32, with less memory), 32 on a GPU.
+        #[arg(long)]
+        batch_size: Option<usize>,
         #[command(flatten)]
         head: HeadArgs,
     },
