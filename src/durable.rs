@@ -10,6 +10,10 @@
 //! A reader therefore never sees a half-written file under a final name: after a crash
 //! there is at most a leftover temporary (`.NAME.tmp-PID...`), which the next write of
 //! the same name replaces.
+//!
+//! A path that is not a file (a device such as `/dev/null` or `/dev/stdout`, a named
+//! pipe) is written in place: renaming a temporary over it would replace the device with
+//! a file (as root, `/dev/null` itself).
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -50,6 +54,12 @@ fn sync(path: &Path) -> Result<()> {
     }
 }
 
+/// Whether `path` names something that is neither a file nor a directory (following
+/// links): a device or a named pipe, written in place.
+fn is_special(path: &Path) -> bool {
+    fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir())
+}
+
 /// Flushes the directory holding `path`, so that a rename or removal in it is durable.
 pub fn sync_parent(path: &Path) -> Result<()> {
     sync(parent_of(path))
@@ -65,6 +75,9 @@ pub fn write_with<E: From<Error>>(
     path: &Path,
     write: impl FnOnce(&Path) -> std::result::Result<(), E>,
 ) -> std::result::Result<(), E> {
+    if is_special(path) {
+        return write(path);
+    }
     let dir = parent_of(path);
     if !dir.is_dir() {
         return Err(Error::io(
@@ -189,6 +202,36 @@ mod tests {
         assert_eq!(names, vec![std::ffi::OsString::from("metrics.jsonl")]);
         write(&path, "new\n").unwrap();
         assert_eq!(fs::read_to_string(&path).unwrap(), "new\n");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_named_pipe_is_written_in_place_and_stays_a_pipe() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = tempfile::tempdir().unwrap();
+        let pipe = dir.path().join("out");
+        let made = std::process::Command::new("mkfifo").arg(&pipe).status();
+        if !made.is_ok_and(|s| s.success()) {
+            eprintln!("no mkfifo here: skipped");
+            return;
+        }
+        let reader = {
+            let pipe = pipe.clone();
+            std::thread::spawn(move || fs::read_to_string(pipe).unwrap())
+        };
+        write(&pipe, "line\n").unwrap();
+        assert_eq!(reader.join().unwrap(), "line\n");
+        assert!(fs::metadata(&pipe).unwrap().file_type().is_fifo());
+        // Nothing else appeared beside it (no temporary).
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+        // A device too: writing /dev/null keeps it the character device it is.
+        if Path::new("/dev/null").exists() {
+            write(Path::new("/dev/null"), "gone\n").unwrap();
+            assert!(fs::metadata("/dev/null")
+                .unwrap()
+                .file_type()
+                .is_char_device());
+        }
     }
 
     #[test]
