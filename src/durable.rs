@@ -11,9 +11,10 @@
 //! there is at most a leftover temporary (`.NAME.tmp-PID...`), which the next write of
 //! the same name replaces.
 //!
-//! A path that is not a file (a device such as `/dev/null` or `/dev/stdout`, a named
-//! pipe) is written in place: renaming a temporary over it would replace the device with
-//! a file (as root, `/dev/null` itself).
+//! A path that is not a plain file (a device such as `/dev/null`, a named pipe, a link
+//! such as `/dev/stdout`) is written in place, as the shell's `>` would: renaming a
+//! temporary over it would replace the device or the link with a file (as root,
+//! `/dev/null` itself).
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -54,10 +55,10 @@ fn sync(path: &Path) -> Result<()> {
     }
 }
 
-/// Whether `path` names something that is neither a file nor a directory (following
-/// links): a device or a named pipe, written in place.
+/// Whether `path` names something other than a plain file or a directory: a device, a
+/// named pipe or a symbolic link, written in place.
 fn is_special(path: &Path) -> bool {
-    fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir())
+    fs::symlink_metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir())
 }
 
 /// Flushes the directory holding `path`, so that a rename or removal in it is durable.
@@ -206,7 +207,7 @@ mod tests {
 
     #[cfg(unix)]
     #[test]
-    fn a_named_pipe_is_written_in_place_and_stays_a_pipe() {
+    fn pipes_links_and_devices_are_written_in_place_and_stay_what_they_are() {
         use std::os::unix::fs::FileTypeExt;
         let dir = tempfile::tempdir().unwrap();
         let pipe = dir.path().join("out");
@@ -224,6 +225,17 @@ mod tests {
         assert!(fs::metadata(&pipe).unwrap().file_type().is_fifo());
         // Nothing else appeared beside it (no temporary).
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+        // A link (as /dev/stdout is) is written through and stays a link.
+        let target = dir.path().join("target.jsonl");
+        fs::write(&target, "old\n").unwrap();
+        let link = dir.path().join("link.jsonl");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        write(&link, "new\n").unwrap();
+        assert!(fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(fs::read_to_string(&target).unwrap(), "new\n");
         // A device too: writing /dev/null keeps it the character device it is.
         if Path::new("/dev/null").exists() {
             write(Path::new("/dev/null"), "gone\n").unwrap();
