@@ -215,15 +215,16 @@ fn weight_layouts() {
     }
 }
 
-/// The same products (the weight transposed, as a long encoding reads it), at a short,
-/// a middling and a long chunk's rows, under the gemm crate's packing thresholds: its
+/// The same products (the weight transposed, as a long encoding reads it), at the rows
+/// of 8 and 16 texts of 37 tokens (an encoding's chunks), of a middling and of a long
+/// chunk, under the gemm crate's packing thresholds: its
 /// defaults, the right-hand operand (the activations) always packed, the left-hand one
 /// (the weight) never packed where it need not be, and both. Prints `rows in out` and
 /// the four GFLOP/s, best of 10 each; the crate's defaults are restored after.
 fn packing_thresholds() {
     let rhs_default = gemm::get_rhs_packing_threshold();
     let lhs_default = gemm::get_lhs_packing_threshold_single_thread();
-    for rows in [384, 1184, 3456] {
+    for rows in [296, 592, 1184, 3456] {
         for (input, out) in LAYER_SHAPES {
             let (_, wt) = weight_pair(input, out);
             let mut line = format!("{rows} {input} {out}");

@@ -551,3 +551,56 @@ fn a_blas_that_cannot_be_used_is_refused_before_any_work() {
         assert!(!output.exists(), "nothing is written");
     }
 }
+
+#[test]
+fn gemm_packing_thresholds_change_no_embedding_and_a_bad_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("plain-bert");
+    write_bert_dir(&model, TINY_BERT, false);
+    let model = model.display().to_string();
+    let output = dir.path().join("embeddings.jsonl");
+    let args = [
+        "encode",
+        "--model",
+        &model,
+        "--text",
+        "light",
+        "--text",
+        "the lord is my shepherd",
+    ];
+    let encode = |packing: &str, extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_gradcache"))
+            .args(args)
+            .args(extra)
+            .env("GRADCACHE_GEMM_PACKING", packing)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        (
+            out.status.success(),
+            stderr,
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    let (ok, stderr, plain) = encode("", &[]);
+    assert!(ok && !stderr.contains("packing thresholds"), "{stderr}");
+    let (ok, stderr, packed) = encode("rhs=1, lhs=256", &[]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("gemm packing thresholds: rhs 1, lhs 256 (GRADCACHE_GEMM_PACKING)"),
+        "{stderr}"
+    );
+    assert_eq!(embeddings(&packed), embeddings(&plain), "the same bits");
+    for bad in ["rhs=0", "lhs", "nr=4"] {
+        let (ok, stderr, _) = encode(bad, &["--output", &output.display().to_string()]);
+        assert!(!ok, "{bad}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "invalid value for `GRADCACHE_GEMM_PACKING`: {bad}"
+            )),
+            "{stderr}"
+        );
+        assert!(!output.exists(), "nothing is written");
+    }
+}

@@ -49,6 +49,7 @@ pub use cpu::blas::{
     blas_in_use, set_blas_products, use_blas, use_blas_from_env, BlasInfo, BLAS_ENV,
 };
 pub use cpu::blocks::serial;
+pub use cpu::gemm::{packing_from_env, PackingThresholds, PACKING_ENV};
 pub use cpu::transposed::{TransposedWeights, TRANSPOSED_BUDGET};
 pub use cpu::{Act, AttentionSpec};
 

@@ -350,6 +350,14 @@ fn run(command: Command) -> Result<()> {
                 .unwrap_or("no setter found, the library's own threading")
         );
     }
+    if let Some(set) = gradcache::nn::packing_from_env()? {
+        tracing::info!(
+            "gemm packing thresholds: rhs {}, lhs {} ({})",
+            set.rhs,
+            set.lhs,
+            gradcache::nn::PACKING_ENV
+        );
+    }
     match command {
         Command::SelfCheck { device } => self_check(device),
         Command::Merge(args) => merge::merge(&args),

@@ -18,6 +18,85 @@ pub(in crate::nn) fn parallelism() -> gemm::Parallelism {
     }
 }
 
+/// The environment variable the binaries read for the gemm crate's packing thresholds
+/// ([`packing_from_env`]).
+pub const PACKING_ENV: &str = "GRADCACHE_GEMM_PACKING";
+
+/// The gemm crate's packing thresholds, process-wide: when it packs the right-hand
+/// operand (internally; the activations of a layer's `x W^T`) and, on one thread, the
+/// left-hand one (the weight). Packing moves values without reordering a sum, so every
+/// setting gives the same bits; only the speed changes, and by CPU (`cargo bench --bench
+/// train_step -- --packing` times them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackingThresholds {
+    /// The right-hand operand is packed past this many of the kernel's row blocks (1 to
+    /// 256; the crate's default 128).
+    pub rhs: usize,
+    /// On one thread, the left-hand operand is packed past this many (1 to 256; the
+    /// crate's default 8).
+    pub lhs: usize,
+}
+
+impl PackingThresholds {
+    /// The thresholds in force now.
+    pub fn current() -> Self {
+        Self {
+            rhs: gemm::get_rhs_packing_threshold(),
+            lhs: gemm::get_lhs_packing_threshold_single_thread(),
+        }
+    }
+
+    /// Puts these in force for the whole process.
+    pub fn apply(self) {
+        gemm::set_rhs_packing_threshold(self.rhs);
+        gemm::set_lhs_packing_threshold_single_thread(self.lhs);
+    }
+
+    /// `rhs=N`, `lhs=N` or both, comma-separated; what is left out keeps its value in
+    /// `self`. Each `N` from 1 to 256 (the crate's own range).
+    pub fn parse_over(self, text: &str) -> crate::Result<Self> {
+        let refuse = |reason| crate::error::invalid(PACKING_ENV, text, reason);
+        let mut out = self;
+        for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (name, value) = part
+                .split_once('=')
+                .ok_or_else(|| refuse("expected rhs=N and/or lhs=N, comma-separated"))?;
+            let value: usize = value
+                .trim()
+                .parse()
+                .map_err(|_| refuse("a threshold is a whole number from 1 to 256"))?;
+            if !(1..=256).contains(&value) {
+                return Err(refuse("a threshold is a whole number from 1 to 256"));
+            }
+            match name.trim() {
+                "rhs" => out.rhs = value,
+                "lhs" => out.lhs = value,
+                _ => return Err(refuse("the thresholds are named rhs and lhs")),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The thresholds in `GRADCACHE_GEMM_PACKING` (see [`PackingThresholds::parse_over`]),
+/// put in force, if it is set and not empty; `None` otherwise. A value refused changes
+/// nothing.
+pub fn packing_from_env() -> crate::Result<Option<PackingThresholds>> {
+    match std::env::var(PACKING_ENV) {
+        Ok(text) if !text.trim().is_empty() => {
+            let set = PackingThresholds::current().parse_over(&text)?;
+            set.apply();
+            Ok(Some(set))
+        }
+        Ok(_) | Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(crate::error::invalid(
+            PACKING_ENV,
+            "(not UTF-8)",
+            "expected rhs=N and/or lhs=N, comma-separated",
+        )),
+    }
+}
+
 /// A matrix operand: its values, row stride and column stride.
 pub(in crate::nn) type Operand<'a, T> = (&'a [T], usize, usize);
 
@@ -204,4 +283,69 @@ pub(in crate::nn) fn column_sums<T: Float>(x: &[T], width: usize) -> Vec<T> {
     });
     sum_partials(&partials, width)
 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{gemm_call, PackingThresholds};
+
+    /// `x [rows, input] W^T` with `W^T` given transposed (`[input, out]`), on one thread.
+    fn layer_product(x: &[f32], wt: &[f32], (rows, input, out): (usize, usize, usize)) -> Vec<f32> {
+        let mut y = vec![0.0f32; rows * out];
+        // SAFETY: the buffers hold the shapes' elements.
+        unsafe {
+            gemm_call(
+                (rows, out, input),
+                (y.as_mut_ptr(), out),
+                false,
+                (x.as_ptr(), input, 1),
+                (wt.as_ptr(), out, 1),
+                gemm::Parallelism::None,
+            )
+        };
+        y
+    }
+
+    #[test]
+    fn every_packing_threshold_gives_the_same_bits_at_the_encoders_shapes() {
+        let default = PackingThresholds::current();
+        let value = |i: usize| ((i * 2_654_435_761) % 2001) as f32 / 1000.0 - 1.0;
+        for (rows, input, out) in [
+            (296, 384, 1536),
+            (296, 1536, 384),
+            (592, 384, 384),
+            (70, 768, 3072),
+        ] {
+            let x: Vec<f32> = (0..rows * input).map(value).collect();
+            let wt: Vec<f32> = (0..input * out).map(|i| value(i + 7)).collect();
+            let reference = layer_product(&x, &wt, (rows, input, out));
+            for (rhs, lhs) in [(1, 8), (128, 256), (1, 256), (256, 1)] {
+                PackingThresholds { rhs, lhs }.apply();
+                let y = layer_product(&x, &wt, (rows, input, out));
+                default.apply();
+                assert!(
+                    y.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "rhs {rhs}, lhs {lhs} changed the bits of [{rows} x {input}] x [{input} x {out}]"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn packing_thresholds_parse_what_is_named_and_refuse_the_rest() {
+        let base = PackingThresholds { rhs: 128, lhs: 8 };
+        let both = base.parse_over("rhs=1, lhs=256").unwrap();
+        assert_eq!(both, PackingThresholds { rhs: 1, lhs: 256 });
+        assert_eq!(
+            base.parse_over("lhs=16").unwrap(),
+            PackingThresholds { rhs: 128, lhs: 16 }
+        );
+        for bad in ["rhs", "rhs=0", "lhs=257", "rhs=x", "mc=4", "rhs=-1"] {
+            let err = base.parse_over(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("GRADCACHE_GEMM_PACKING") && err.contains(bad),
+                "{err}"
+            );
+        }
+    }
 }
