@@ -20,7 +20,7 @@
 //! recomputes them with the same arithmetic; the key and value gradients of a group are
 //! summed over its query heads in head order, in the task that owns them.
 
-use super::attention::{for_tasks, gemm_into as matmul, softmax_row};
+use super::attention::{for_tasks, gemm_into as matmul, softmax_rows, softmax_shift};
 use super::blocks::wide_fn;
 use super::blocks::{Float, SharedConst, SharedMut};
 
@@ -226,7 +226,7 @@ unsafe fn probabilities<T: Float>(
         ),
     );
     let len = seqs.lengths[b];
-    for (r, row) in p.chunks_exact_mut(nk).enumerate() {
+    softmax_rows(p, nk, |r, row| {
         let (lo, hi) = params.pattern.visible(blk.rows.0 + r, len);
         let (lo, hi) = (
             lo.max(blk.keys.0) - blk.keys.0,
@@ -234,8 +234,8 @@ unsafe fn probabilities<T: Float>(
         );
         row[..lo].fill(T::neg_infinity());
         row[hi..].fill(T::neg_infinity());
-        softmax_row(row, &zeros[..nk], T::of(params.scale), false);
-    }
+        softmax_shift(row, &zeros[..nk], T::of(params.scale), false);
+    });
 }
 
 /// Applies the dropout mask of block `blk` of head `h` of sequence `b` to `x` (`nr x
