@@ -141,7 +141,7 @@ pub fn softmax_shift<T: Float>(row: &mut [T], bias: &[T], scale: T, masking: boo
     }
     let max = lane_max(row);
     for v in row.iter_mut() {
-        *v = *v - max;
+        *v -= max;
     }
 }
 

@@ -14,6 +14,7 @@ pub trait Float:
     + Sync
     + std::iter::Sum
     + std::ops::AddAssign
+    + std::ops::SubAssign
     + std::ops::MulAssign
     + std::ops::DivAssign
     + candle_core::WithDType
