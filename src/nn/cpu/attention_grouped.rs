@@ -203,6 +203,7 @@ impl Plan {
 ///
 /// # Safety
 /// `qkv` addresses the packed buffer.
+#[inline(always)]
 unsafe fn probabilities<T: Float>(
     qkv: *const T,
     (dims, seqs): (Grouped, &Sequences),

@@ -168,7 +168,11 @@ pub(crate) fn vectors() -> Vectors {
 /// caller, so wrapping the closure's call in a wider function leaves its loops at SSE2
 /// width (this crate did, and its kernels ran at SSE2 width until the copies moved here).
 /// Nothing is reassociated or fused by a wider copy (Rust never contracts `a * b + c` into
-/// an FMA, and reductions keep their order): every copy gives the same bits.
+/// an FMA, and reductions keep their order): every copy gives the same bits. An explicit
+/// `mul_add` (the exponential and GELU of [`super::math`]) is one rounding in every copy:
+/// an FMA instruction in the wide ones, libm's exact `fma` in the baseline one (slow, for
+/// CPUs without AVX2 and FMA alone); any function that takes one must run inside a copy
+/// (`#[inline(always)]` down from it), not compiled for the baseline on its own.
 ///
 /// The function's generics are `T: Float` (after any lifetimes) and each argument a name
 /// or a tuple of names (passed on as written).

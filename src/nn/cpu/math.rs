@@ -41,7 +41,9 @@ const EXP_UNDERFLOW_F64: f64 = -708.39;
 /// see [`crate::denormal`]). f64 takes libm's; f32 a branch-free polynomial (range
 /// reduction to `|r| <= ln 2 / 2`, degree-7 Taylor polynomial, the power of two set in the
 /// exponent bits; within 2 ulp), which the compiler vectorises where a call to `expf`
-/// would stop it.
+/// would stop it. The reduction and the polynomial's steps are fused multiply-adds
+/// (`mul_add`: one rounding each, the same bits in every copy of a kernel, see
+/// [`super::blocks::wide_fn`]), half the instructions of a multiply and an add.
 #[inline(always)]
 pub fn exp<T: Float>(x: T) -> T {
     if std::mem::size_of::<T>() == 8 {
@@ -74,15 +76,21 @@ fn exp_f32(x: f32) -> f32 {
     } else {
         x
     };
-    let shifted = x * LOG2E + ROUND;
+    let shifted = x.mul_add(LOG2E, ROUND);
     let n = shifted - ROUND;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0
-                    + r * (1.0 / 24.0
-                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
+    let mut p: f32 = 1.0 / 5040.0;
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = p.mul_add(r, c);
+    }
     // 2^n in the exponent bits: n is the low bits of `shifted` (two's complement).
     let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
     let scale = f32::from_bits(n_bits.wrapping_add(127) << 23);
@@ -107,9 +115,9 @@ fn tanh<T: Float>(x: T) -> T {
 
 /// `(erf(x / sqrt 2), exp(-x^2 / 2))`, the two pieces of GELU and its derivative. f64
 /// takes libm's erf (exact to the last bit); f32 a rational approximation (Abramowitz and
-/// Stegun 7.1.26, absolute error below 1.5e-7, about the f32 rounding of the result) whose
-/// one `exp` is the Gaussian factor itself, where libm's erf costs several times that and
-/// dominated the GELU kernels.
+/// Stegun 7.1.26, absolute error below 1.5e-7, about the f32 rounding of the result,
+/// its steps fused multiply-adds as [`exp`]'s) whose one `exp` is the Gaussian factor
+/// itself, where libm's erf costs several times that and dominated the GELU kernels.
 #[inline(always)]
 pub(crate) fn erf_and_gaussian<T: Float>(x: T) -> (T, T) {
     // Past |x| = 12.9 the Gaussian factor is exactly 0 (its true value, below 2.4e-37,
@@ -127,14 +135,14 @@ pub(crate) fn erf_and_gaussian<T: Float>(x: T) -> (T, T) {
         return (T::of(libm::erf(z)), gaussian);
     }
     let a = x.abs() * T::of(FRAC_1_SQRT_2);
-    let t = T::one() / (T::one() + T::of(0.327_591_1) * a);
-    let poly = t
-        * (T::of(0.254_829_592)
-            + t * (T::of(-0.284_496_736)
-                + t * (T::of(1.421_413_741)
-                    + t * (T::of(-1.453_152_027) + t * T::of(1.061_405_429)))));
+    let t = T::one() / T::of(0.327_591_1).mul_add(a, T::one());
+    let mut q = T::of(1.061_405_429);
+    for c in [-1.453_152_027, 1.421_413_741, -0.284_496_736, 0.254_829_592] {
+        q = q.mul_add(t, T::of(c));
+    }
+    let poly = q * t;
     // exp(-a^2) with a = |x| / sqrt 2 is the Gaussian factor.
-    let y = T::one() - poly * gaussian;
+    let y = (-poly).mul_add(gaussian, T::one());
     (if x < T::zero() { -y } else { y }, gaussian)
 }
 
