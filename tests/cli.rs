@@ -8,9 +8,15 @@ use common::{write_bert_dir, write_tiny_run, TINY_BERT};
 
 /// Runs the binary: success, standard error, standard output.
 fn run(args: &[&str]) -> (bool, String, String) {
+    run_with_env(args, &[])
+}
+
+/// [`run`] with these environment variables set too.
+fn run_with_env(args: &[&str], vars: &[(&str, &str)]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_gradcache"))
         .args(args)
         .env("HF_HUB_OFFLINE", "1")
+        .envs(vars.iter().copied())
         .output()
         .expect("run the gradcache binary");
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
@@ -569,19 +575,8 @@ fn gemm_packing_thresholds_change_no_embedding_and_a_bad_one_is_refused() {
         "the lord is my shepherd",
     ];
     let encode = |packing: &str, extra: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_gradcache"))
-            .args(args)
-            .args(extra)
-            .env("GRADCACHE_GEMM_PACKING", packing)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-        assert!(!stderr.contains("panicked"), "{stderr}");
-        (
-            out.status.success(),
-            stderr,
-            String::from_utf8_lossy(&out.stdout).to_string(),
-        )
+        let all: Vec<&str> = args.iter().chain(extra).copied().collect();
+        run_with_env(&all, &[("GRADCACHE_GEMM_PACKING", packing)])
     };
     let (ok, stderr, plain) = encode("", &[]);
     assert!(ok && !stderr.contains("packing thresholds"), "{stderr}");
@@ -599,6 +594,29 @@ fn gemm_packing_thresholds_change_no_embedding_and_a_bad_one_is_refused() {
             stderr.contains(&format!(
                 "invalid value for `GRADCACHE_GEMM_PACKING`: {bad}"
             )),
+            "{stderr}"
+        );
+        assert!(!output.exists(), "nothing is written");
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let out = Command::new(env!("CARGO_BIN_EXE_gradcache"))
+            .args(args)
+            .args(["--output", &output.display().to_string()])
+            .env(
+                "GRADCACHE_GEMM_PACKING",
+                std::ffi::OsStr::from_bytes(b"rhs=\xff"),
+            )
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && !stderr.contains("panicked"),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains("`GRADCACHE_GEMM_PACKING`: (not UTF-8)"),
             "{stderr}"
         );
         assert!(!output.exists(), "nothing is written");

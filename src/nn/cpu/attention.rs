@@ -102,7 +102,7 @@ pub fn softmax_row<T: Float>(row: &mut [T], bias: &[T], scale: T, masking: bool)
 /// [`softmax_row`] over every row of `p` (rows of `l`), the same bits: `shift(i, row)`
 /// brings row `i` to `scale * row + bias - max` (a fill of its own, then
 /// [`softmax_shift`]), then one exponential pass runs over the whole block, then each row
-/// is normalised. Rows of a few dozen keys take their exponentials in full vectors so,
+/// is normalised. Rows of a few dozen keys so take their exponentials in full vectors,
 /// where row by row each left a scalar tail (1.7 -> 1.0 us for a 37 x 37 block).
 #[inline(always)]
 pub fn softmax_rows<T: Float>(p: &mut [T], l: usize, mut shift: impl FnMut(usize, &mut [T])) {
