@@ -1,21 +1,25 @@
-//! A long CPU encoding reads the layers' projection weights from transposed copies
-//! (`gradcache::nn::TransposedWeights`, made by `gradcache::hub::embed` from 512 texts
-//! on): for every encoder and decoder family of the fixtures, for LoRA adapters on two of
-//! them and for the ColBERT fixtures' documents, the encoding with the copies has the bits of the encoding with the
-//! weights as stored, copies are made and read, and a second encoding reads the same
-//! copies. (That only a thread inside `run` reads them is the unit test of
-//! `src/nn/cpu/transposed.rs`.)
+//! A long CPU encoding reads the layers' projection weights from copies transposed in
+//! panels (`gradcache::nn::TransposedWeights`, made by `gradcache::hub::embed` from 512
+//! texts on): for every encoder and decoder family of the fixtures, for LoRA adapters on
+//! two of them and for the ColBERT fixtures' documents, the encoding with the copies has
+//! the bits of the encoding with the weights as stored, copies are made and read, and a
+//! second encoding reads the same copies. Wider layers of the three kinds of layer node
+//! (post-norm, pre-norm, decoder) reach what the tiny fixtures do not: many panels and a
+//! narrower last one, an input past 512 on few rows and on many, and more rows than one
+//! panel product takes. (That only a thread inside `run` reads the copies is the unit
+//! test of `src/nn/cpu/transposed.rs`.)
 
 use std::path::Path;
 
-use candle_core::Device;
-use gradcache::bert::BertEncoder;
+use candle_core::{DType, Device, Tensor};
+use gradcache::bert::{BertEncoder, BertOptions, Pooling};
 use gradcache::hub::{EmbeddingModel, LoadOptions, MultiVectorModel, Tokenizer};
 use gradcache::nn::TransposedWeights;
-use gradcache::{Ctx, Encoder};
+use gradcache::{Ctx, Encoder, ParamStore, TokenBatch};
 
 mod common;
 use common::bits;
+use common::decoders::perturb;
 use common::families::{fixture, reference, refs, DECODERS, ENCODERS};
 
 fn options(base: Option<&Path>) -> LoadOptions {
@@ -94,5 +98,73 @@ fn a_colbert_encodes_the_same_bits_from_transposed_weights() {
         let (_, documents) = model.tokenizers();
         let what = format!("ColBERT ({layout}) documents");
         same_bits_from_copies((model.encoder(), documents), "bert", &what);
+    }
+}
+
+/// `texts` right-padded rows of `len` tokens, each at least `len - 6` long.
+fn rows(texts: usize, len: usize) -> TokenBatch {
+    let (mut ids, mut mask) = (vec![], vec![]);
+    for r in 0..texts {
+        let real = len - (r * 5) % 7.min(len);
+        for c in 0..len {
+            ids.push(if c < real {
+                1 + ((r * 31 + c * 17) % 59) as u32
+            } else {
+                0
+            });
+            mask.push(u32::from(c < real));
+        }
+    }
+    let t = |v| Tensor::from_vec(v, (texts, len), &Device::Cpu).unwrap();
+    TokenBatch::new(t(ids), t(mask), t(vec![0; texts * len])).unwrap()
+}
+
+#[test]
+fn wide_layers_encode_the_same_bits_from_panels() {
+    let wide = |mut cfg: gradcache::bert::BertConfig| {
+        // 128 outputs: two panels; 600 (1,200 for ModernBERT's GeGLU): eight panels of 64
+        // and a last one of 88; the down projection's input, 600, past 512.
+        cfg.hidden_size = 128;
+        cfg.intermediate_size = 600;
+        cfg.num_hidden_layers = 2;
+        cfg.max_position_embeddings = 64;
+        cfg.extra.remove("head_dim");
+        cfg
+    };
+    for (family, cfg) in [
+        ("bert", wide(common::encoders::config("bert"))),
+        (
+            "modernbert-biased",
+            wide(common::encoders::config("modernbert-biased")),
+        ),
+        ("llama", wide(common::decoders::config("llama"))),
+    ] {
+        let store = ParamStore::new(5, DType::F32, &Device::Cpu);
+        let options = BertOptions {
+            pooling: Pooling::Mean,
+            normalize: false,
+            ..Default::default()
+        };
+        let encoder = BertEncoder::build(&store, "tower", &cfg, &options).unwrap();
+        if family == "llama" {
+            perturb(&store);
+        }
+        // At most 36 rows (the down projection read as stored, the rest from panels),
+        // about 300, and about 1,160 (products of two blocks of rows).
+        for (texts, len) in [(4, 9), (24, 16), (40, 32)] {
+            let batch = rows(texts, len);
+            let plain = encoder.encode(&batch, &Ctx::eval()).unwrap();
+            let copies = TransposedWeights::new();
+            let copied = copies.run(|| encoder.encode(&batch, &Ctx::eval())).unwrap();
+            assert!(
+                copies.reads() > 0,
+                "{family}, {texts} texts: no product read a copy"
+            );
+            assert_eq!(
+                bits(&copied),
+                bits(&plain),
+                "{family}, {texts} texts of {len} tokens: the panels change the encoding"
+            );
+        }
     }
 }

@@ -9,7 +9,7 @@ use super::attention_grouped::{self as grouped, Sequences};
 use super::blocks::wide_fn;
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
-use super::gemm::{bias_rows, column_sums, linear, product, product_new};
+use super::gemm::{bias_rows, column_sums, linear, product, product_new, weight_product};
 use super::lora_branch::{AdapterGrads, Branches};
 use super::math::Act;
 use super::packing::Packing;
@@ -210,7 +210,7 @@ fn project<T: Float>(
         (qd, (w[slot::WK], kd), lora::K),
         (qd + kd, (w[slot::WV], kd), lora::V),
     ] {
-        product(
+        weight_product(
             (rows, out, h),
             (&mut qkv[col..], width),
             true,
@@ -309,7 +309,7 @@ pub(in crate::nn) fn forward<T: Float>(
     let n2 = rms(&x1, w[slot::MLP_NORM], eps, off);
     let mut up = bias_rows(&[w[slot::WG + 1], w[slot::WU + 1]], rows);
     for (col, wp, p) in [(0, w[slot::WG], lora::GATE), (i, w[slot::WU], lora::UP)] {
-        product(
+        weight_product(
             (rows, i, h),
             (&mut up[col..], 2 * i),
             true,

@@ -39,7 +39,9 @@ use candle_core::{DType, Tensor};
 
 use super::attention::{self as kernel, KeyMask};
 use super::blocks::Float;
-use super::gemm::{bias_rows, column_sums, product, product_new};
+use super::gemm::{
+    bias_rows, column_sums, product, product_new, weight_product, weight_product_new,
+};
 use super::lora_branch::{node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights};
 use super::math::Act;
 use super::packed_attention::{attend, attention_backward};
@@ -415,7 +417,7 @@ fn layer<T: Float>(
 fn qkv<T: Float>(x: &[T], w: &W<T>, rows: usize, h: usize, places: &[usize]) -> Vec<T> {
     let mut y = bias_rows(&w.bqkv, rows);
     for (p, wp) in w.wqkv.iter().enumerate() {
-        product(
+        weight_product(
             (rows, h, h),
             (&mut y[p * h..], 3 * h),
             true,
@@ -439,7 +441,7 @@ fn projected<T: Float>(
     places: &[usize],
 ) -> Vec<T> {
     let rhs = weight_rhs(weight, w.wt[lora], rows, (out, input));
-    let mut y = product_new((rows, out, input), (x, input, 1), rhs);
+    let mut y = weight_product_new((rows, out, input), (x, input, 1), rhs);
     w.lora.forward(lora, (x, input), places, (&mut y, out));
     y
 }

@@ -6,6 +6,7 @@
 
 use super::blocks::wide_fn;
 use super::blocks::{in_serial, parallel_ranges, sum_partials, Float, SharedMut, BLOCK_ROWS};
+use super::transposed::{panel_spans, WeightRhs};
 
 /// The gemm crate's parallelism for the layer's large products (candle's own choice).
 pub(in crate::nn) fn parallelism() -> gemm::Parallelism {
@@ -144,6 +145,155 @@ pub(in crate::nn) fn product_new<T: Float>(
     out
 }
 
+/// `dst [m, n] (+)= lhs [m, k] W^T`, `W^T` `[k, n]` as [`super::transposed::weight_rhs`]
+/// gives it: a strided operand as [`product`], or a copy in panels, one product per panel
+/// read in place ([`panel_products`]).
+pub(in crate::nn) fn weight_product<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (&mut [T], usize),
+    accumulate: bool,
+    lhs: Operand<T>,
+    rhs: WeightRhs<T>,
+) {
+    match rhs {
+        WeightRhs::Strided(rhs) => product((m, n, k), (dst, dst_rs), accumulate, lhs, rhs),
+        WeightRhs::Panels(panels) => {
+            if m == 0 || n == 0 {
+                return;
+            }
+            assert!(
+                dst.len() > last(m, n, dst_rs, 1),
+                "product: destination too small"
+            );
+            // SAFETY: `dst` covers the destination (checked), borrowed mutably.
+            unsafe {
+                panel_products(
+                    (m, n, k),
+                    (dst.as_mut_ptr(), dst_rs),
+                    accumulate,
+                    lhs,
+                    panels,
+                )
+            }
+        }
+    }
+}
+
+/// `lhs [m, k] W^T` into a new `[m, n]` buffer, `W^T` as [`weight_product`] takes it.
+pub(in crate::nn) fn weight_product_new<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    lhs: Operand<T>,
+    rhs: WeightRhs<T>,
+) -> Vec<T> {
+    match rhs {
+        WeightRhs::Strided(rhs) => product_new((m, n, k), lhs, rhs),
+        WeightRhs::Panels(panels) => {
+            let mut out = vec![T::zero(); m * n];
+            weight_product(
+                (m, n, k),
+                (&mut out, n),
+                false,
+                lhs,
+                WeightRhs::Panels(panels),
+            );
+            out
+        }
+    }
+}
+
+/// Rows per product of a panel at most: past `256 * NR` columns of its right-hand operand
+/// the gemm crate packs a one-thread product's left-hand one (the panel) whatever its
+/// threshold (`NR` is 6 on x86, 4 or more elsewhere).
+const PANEL_ROWS: usize = 1024;
+
+/// [`weight_product`] from a copy in panels: for each panel, `dst`'s columns of its outputs
+/// `(+)= lhs [m, k] panel [k, width]`, the panel read in place (the gemm crate's packing
+/// threshold for it raised while these run: [`PanelsInPlace`]). Past [`PANEL_ROWS`] rows,
+/// in equal blocks of rows (each over 512 rows: the same sums, see
+/// [`super::transposed::weight_rhs`]).
+///
+/// # Safety
+/// `dst` addresses `m x n` elements with row stride `dst_rs`, overlapping no operand.
+unsafe fn panel_products<T: Float>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (*mut T, usize),
+    accumulate: bool,
+    (lhs, lhs_rs, lhs_cs): Operand<T>,
+    panels: &[T],
+) {
+    assert!(
+        panels.len() == k * n && (k == 0 || lhs.len() > last(m, k, lhs_rs, lhs_cs)),
+        "product: operand too small"
+    );
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                // SAFETY: row `r` of the destination (the caller's contract).
+                unsafe { std::slice::from_raw_parts_mut(dst.add(r * dst_rs), n) }.fill(T::zero());
+            }
+        }
+        return;
+    }
+    let timer = crate::profile::enabled().then(std::time::Instant::now);
+    let _in_place = PanelsInPlace::new();
+    let blocks = m.div_ceil(PANEL_ROWS);
+    let block_rows = m.div_ceil(blocks);
+    for first_row in (0..m).step_by(block_rows) {
+        let rows = block_rows.min(m - first_row);
+        for (first, width) in panel_spans(n) {
+            // SAFETY: the block's rows and the panel's columns of `dst`; the rows of `lhs`
+            // and the panel's values (`k * width` from `first * k`, checked above).
+            unsafe {
+                gemm_call(
+                    (rows, width, k),
+                    (dst.add(first_row * dst_rs + first), dst_rs),
+                    accumulate,
+                    (lhs.as_ptr().add(first_row * lhs_rs), lhs_rs, lhs_cs),
+                    (panels.as_ptr().add(first * k), width, 1),
+                    parallelism(),
+                )
+            }
+        }
+    }
+    if let Some(start) = timer {
+        crate::profile::record_product(start.elapsed(), (m, n, k));
+    }
+}
+
+/// While one lives (on any thread), the gemm crate reads a one-thread product's left-hand
+/// operand in place when its layout allows, whatever the product's size (threshold 256,
+/// the most it takes; its own default 8 packs past 48 columns): a panel copy is already
+/// in the layout packing would make. The threshold in force before the first comes back
+/// when the last goes. Packing moves values without reordering a sum, so a product
+/// running beside one (an attention's, on another thread) keeps its bits; only its speed
+/// can change.
+struct PanelsInPlace;
+
+/// How many [`PanelsInPlace`] live, and the threshold before the first.
+static PANELS_IN_PLACE: std::sync::Mutex<(usize, usize)> = std::sync::Mutex::new((0, 0));
+
+impl PanelsInPlace {
+    fn new() -> Self {
+        let mut held = PANELS_IN_PLACE.lock().unwrap_or_else(|e| e.into_inner());
+        if held.0 == 0 {
+            held.1 = gemm::get_lhs_packing_threshold_single_thread();
+            gemm::set_lhs_packing_threshold_single_thread(256);
+        }
+        held.0 += 1;
+        Self
+    }
+}
+
+impl Drop for PanelsInPlace {
+    fn drop(&mut self) {
+        let mut held = PANELS_IN_PLACE.lock().unwrap_or_else(|e| e.into_inner());
+        held.0 -= 1;
+        if held.0 == 0 {
+            gemm::set_lhs_packing_threshold_single_thread(held.1);
+        }
+    }
+}
+
 /// The gemm call behind [`product`] and [`product_new`].
 ///
 /// # Safety
@@ -245,19 +395,18 @@ pub(in crate::nn) fn bias_rows<T: Float>(biases: &[&[T]], rows: usize) -> Vec<T>
     y
 }
 
-/// `x [rows, k] W^T + b`, `W` `[out, k]` given as the operand `W^T` (`[k, out]`: the
-/// weight as stored, strides `(1, k)`, or a transposed copy): the bias pre-filled, the
-/// product added to it.
+/// `x [rows, k] W^T + b`, `W` `[out, k]` given as `W^T` ([`weight_product`]): the bias
+/// pre-filled, the product added to it.
 pub(in crate::nn) fn linear<T: Float>(
     x: &[T],
-    wt: Operand<T>,
+    wt: WeightRhs<T>,
     b: &[T],
     rows: usize,
     k: usize,
 ) -> Vec<T> {
     let out = b.len();
     let mut y = bias_rows(&[b], rows);
-    product((rows, out, k), (&mut y, out), true, (x, k, 1), wt);
+    weight_product((rows, out, k), (&mut y, out), true, (x, k, 1), wt);
     y
 }
 

@@ -25,7 +25,7 @@ use super::attention::{self as kernel, KeyMask};
 use super::blocks::wide_fn;
 use super::blocks::{for_blocks, Float, BLOCK_ROWS};
 use super::gated::{glu_rows, glu_rows_backward, rotate_head};
-use super::gemm::{column_sums, linear, product, product_new};
+use super::gemm::{column_sums, linear, product, product_new, weight_product};
 use super::lora_branch::{node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights};
 use super::math::Act;
 use super::packed_attention::{attend, attention_backward};
@@ -441,7 +441,7 @@ fn forward<T: Float>(
         }
     }
     let wd = weight_rhs(w.wd, w.wt[lora::DOWN], rows, (h, i));
-    product((rows, h, i), (&mut y, h), true, (&g, i, 1), wd);
+    weight_product((rows, h, i), (&mut y, h), true, (&g, i, 1), wd);
     w.lora.forward(lora::DOWN, (&g, i), places, (&mut y, h));
     let kept = keep.then_some(Kept {
         qkv,

@@ -1,11 +1,16 @@
-//! Projection weights kept transposed while a long inference runs.
+//! Projection weights kept transposed, in panels, while a long inference runs.
 //!
 //! A checkpoint stores a projection's weight as `W [out, in]`, and a layer computes
-//! `x W^T`: the gemm crate packs `W^T` for its microkernels by gathering a scalar at a
-//! time from rows `in` apart. Stored `[in, out]`, the same product packs contiguous
-//! panels and gives the same bits (the sums run in the same order), 1-9% faster by shape
-//! (`cargo bench --bench train_step -- --layout`; most for the feed-forward's down
-//! projection, whose `in` is the widest).
+//! `x W^T`. For each product the gemm crate packs `W^T` into panels of its kernel's
+//! outputs (gathering a scalar at a time from rows `in` apart) and throws the packing
+//! away after. A copy made once in the layout the kernel reads, `W^T` in panels of
+//! [`PANEL`] outputs, each panel `[in, width]` contiguous, is read in place by every
+//! product of the encoding: one product per panel, no packing ([`super::gemm`]'s
+//! `weight_product`), the same bits (the sums run in the same order and the same
+//! blocks of `in`: see [`weight_rhs`]). An encoding of 4,000 texts with
+//! all-MiniLM-L6-v2 on an AMD EPYC: the products 244-248 GFLOP/s per thread with the
+//! weights transposed whole and packed by each product, 253-257 from the panels
+//! (docs/benchmarks.md).
 //!
 //! The model's own weights stay as they are (training, the graph and the exported files
 //! share them). A [`TransposedWeights`] holds copies: while a thread runs inside
@@ -29,7 +34,12 @@ use super::gemm::Operand;
 /// The most bytes one [`TransposedWeights`] holds in copies.
 pub const TRANSPOSED_BUDGET: usize = 512 << 20;
 
-/// One copy: the weight it is of, the element type, the values `[in, out]`.
+/// Outputs per panel of a copy: the rows of the gemm crate's AVX-512 f32 kernel (four
+/// vectors of 16), four of its AVX2 kernel's. Of the sizes tried on an AMD EPYC (64, 128,
+/// 256, 512; an encoding of 4,000 texts with all-MiniLM-L6-v2), the fastest.
+pub const PANEL: usize = 64;
+
+/// One copy: the weight it is of, the element type, the values (`[in, out]` in panels).
 type Copy = (TensorId, TypeId, Arc<dyn Any + Send + Sync>);
 
 #[derive(Default)]
@@ -40,7 +50,8 @@ struct Copies {
     reads: usize,
 }
 
-/// Transposed copies of the projection weights a CPU inference reads (see the module).
+/// Copies of the projection weights a CPU inference reads, transposed in panels (see the
+/// module).
 #[derive(Clone, Default)]
 pub struct TransposedWeights(Arc<Mutex<Copies>>);
 
@@ -104,16 +115,16 @@ impl TransposedWeights {
         }
         // Made under the lock: a second thread wanting the same weight waits for it rather
         // than making its own (once per weight).
-        let copy = Arc::new(transpose(w, out, input));
+        let copy = Arc::new(panels(w, out, input));
         c.bytes += bytes;
         c.copies.push((id, ty, copy.clone()));
         Some(copy)
     }
 }
 
-/// The copy `[input, out]` of weight `id` (`w`, `[out, input]`) from the copies this
-/// thread runs inside, made on first use; `None` outside [`TransposedWeights::run`] or
-/// past the budget.
+/// The copy of weight `id` (`w`, `[out, input]`; the copy `[input, out]` in panels) from
+/// the copies this thread runs inside, made on first use; `None` outside
+/// [`TransposedWeights::run`] or past the budget.
 pub(in crate::nn) fn transposed<T: Float>(
     id: TensorId,
     w: &[T],
@@ -126,15 +137,33 @@ pub(in crate::nn) fn transposed<T: Float>(
     active.get(id, w, (out, input))
 }
 
-/// `w [rows, cols]` as `[cols, rows]`, in tiles that stay in cache.
-fn transpose<T: Float>(w: &[T], rows: usize, cols: usize) -> Vec<T> {
+/// The panels of a weight of `out` outputs: `(first output, width)`, [`PANEL`] wide but
+/// the last, which takes the rest (`PANEL` to `2 * PANEL - 1` wide; all of `out` when it is
+/// narrower than a panel), so no product of a panel is thin enough for the gemm crate's
+/// special paths (see [`weight_rhs`]).
+pub(in crate::nn) fn panel_spans(out: usize) -> impl Iterator<Item = (usize, usize)> {
+    let count = (out / PANEL).max(1);
+    (0..count).map(move |p| {
+        let first = p * PANEL;
+        let width = if p + 1 == count { out - first } else { PANEL };
+        (first, width)
+    })
+}
+
+/// `w [out, input]` transposed in panels: the panel of outputs `first..first + width` is
+/// `[input, width]` (its element `(i, o)` at `first * input + i * width + o - first`),
+/// the panels one after another. Each panel is made a tile of 32 inputs at a time, so
+/// the rows it reads and the columns it writes stay in cache.
+fn panels<T: Float>(w: &[T], out: usize, input: usize) -> Vec<T> {
     const TILE: usize = 32;
     let mut t = vec![T::zero(); w.len()];
-    for r0 in (0..rows).step_by(TILE) {
-        for c0 in (0..cols).step_by(TILE) {
-            for r in r0..(r0 + TILE).min(rows) {
-                for c in c0..(c0 + TILE).min(cols) {
-                    t[c * rows + r] = w[r * cols + c];
+    for (first, width) in panel_spans(out) {
+        let panel = &mut t[first * input..(first + width) * input];
+        for i0 in (0..input).step_by(TILE) {
+            for o in 0..width {
+                let row = &w[(first + o) * input..(first + o + 1) * input];
+                for i in i0..(i0 + TILE).min(input) {
+                    panel[i * width + o] = row[i];
                 }
             }
         }
@@ -142,25 +171,38 @@ fn transpose<T: Float>(w: &[T], rows: usize, cols: usize) -> Vec<T> {
     t
 }
 
+/// `W^T`, the right operand of a layer's `x W^T` ([`super::gemm::weight_product`]).
+#[derive(Clone, Copy)]
+pub(in crate::nn) enum WeightRhs<'a, T> {
+    /// A matrix with strides: the weight as stored, `(1, input)`.
+    Strided(Operand<'a, T>),
+    /// A copy transposed in panels ([`panel_spans`]), read one product per panel.
+    Panels(&'a [T]),
+}
+
 /// `W^T` as the right operand of `x W^T`, `x` `[rows, input]`, `W` `[out, input]`: the
-/// transposed copy where there is one and it gives the same bits, else the weight as
+/// copy in panels where there is one and it gives the same bits, else the weight as
 /// stored.
 ///
-/// The gemm crate's blocked kernels give both layouts the same bits (packing moves the
-/// values, the sums keep their order); its special paths for thin or tiny products do
-/// not: a product of at most 256 outputs takes dot-product kernels that read the stored
-/// layout along `input`, one with a single row or fewer than 16 outputs, or an `input`
-/// of 2 or less, kernels of its own. Those read the weight as stored (all small: nothing
-/// to gain). Checked for every shape of rows 1-140, `input` 1-384, `out` 1-200 and the
-/// encoders' large ones, on AVX-512 and on an emulated Haswell (AVX2), single-threaded
-/// and on two threads. A user's BLAS ([`super::blas`]) reads the weight as stored.
+/// The gemm crate's blocked kernels give every layout the same bits (packing moves the
+/// values, each output's sum keeps its order and its blocks of `input`, whose size comes
+/// from the cache sizes alone); its special paths for thin or tiny products do not: a
+/// product of at most 256 outputs takes dot-product kernels that read the stored layout
+/// along `input`, one with a single row or fewer than 16 outputs, or an `input` of 2 or
+/// less, kernels of its own. Those read the weight as stored (all small: nothing to gain).
+/// So does a product of at most 64 rows with an `input` past 512: a product that small
+/// on both sides (a panel's) sums `input` in blocks of 512, a wider one in blocks of the
+/// L1 cache's size. Checked for the encoders' shapes and the edges of these rules, on
+/// AVX-512 and on an emulated Haswell (AVX2; tests/transposed_weights.rs). A user's BLAS
+/// ([`super::blas`]) reads the weight as stored.
 pub(in crate::nn) fn weight_rhs<'a, T>(
     w: &'a [T],
     copy: Option<&'a [T]>,
     rows: usize,
     (out, input): (usize, usize),
-) -> Operand<'a, T> {
-    let same_bits = rows >= 2 && out >= 16 && rows * out > 256 && input > 2;
+) -> WeightRhs<'a, T> {
+    let same_bits =
+        rows >= 2 && out >= 16 && rows * out > 256 && input > 2 && (rows > 64 || input <= 512);
     match copy {
         Some(t) if same_bits && !super::blas::products_through_blas() => {
             ACTIVE.with(|a| {
@@ -168,9 +210,9 @@ pub(in crate::nn) fn weight_rhs<'a, T>(
                     active.lock().reads += 1;
                 }
             });
-            (t, out, 1)
+            WeightRhs::Panels(t)
         }
-        _ => (w, 1, input),
+        _ => WeightRhs::Strided((w, 1, input)),
     }
 }
 
@@ -193,6 +235,7 @@ mod tests {
         assert!(transposed(key, &w, (2, 3)).is_none());
         let t = copies.run(|| {
             let t = transposed(key, &w, (2, 3)).unwrap();
+            // Two outputs: one panel, the whole weight transposed.
             assert_eq!(*t, vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
             // The same copy again, not a second one; nested, the inner copies are read.
             assert!(Arc::ptr_eq(&t, &transposed(key, &w, (2, 3)).unwrap()));
@@ -215,13 +258,27 @@ mod tests {
     }
 
     #[test]
-    fn a_tile_edge_transposes_like_the_rest() {
-        let (rows, cols) = (45, 70);
-        let w: Vec<f64> = (0..rows * cols).map(|i| i as f64).collect();
-        let t = transpose(&w, rows, cols);
-        for r in 0..rows {
-            for c in 0..cols {
-                assert_eq!(t[c * rows + r], w[r * cols + c]);
+    fn panels_hold_every_element_once_where_the_products_read_it() {
+        for (out, input) in [(45, 70), (64, 33), (130, 40), (200, 3), (384, 64)] {
+            let spans: Vec<_> = panel_spans(out).collect();
+            // Panels one after another over every output, none thinner than a panel
+            // but where the whole weight is.
+            assert_eq!(spans.first().map(|s| s.0), Some(0));
+            assert_eq!(spans.iter().map(|s| s.1).sum::<usize>(), out);
+            for pair in spans.windows(2) {
+                assert_eq!(pair[0].0 + pair[0].1, pair[1].0);
+            }
+            assert!(spans
+                .iter()
+                .all(|&(_, w)| w >= PANEL.min(out) && w < 2 * PANEL));
+            let w: Vec<f64> = (0..out * input).map(|i| i as f64).collect();
+            let t = panels(&w, out, input);
+            for (first, width) in spans {
+                for i in 0..input {
+                    for o in first..first + width {
+                        assert_eq!(t[first * input + i * width + o - first], w[o * input + i]);
+                    }
+                }
             }
         }
     }
