@@ -210,7 +210,9 @@ const PANEL_ROWS: usize = 1024;
 /// `(+)= lhs [m, k] panel [k, width]`, the panel read in place (the gemm crate's packing
 /// threshold for it raised while these run: [`PanelsInPlace`]). Past [`PANEL_ROWS`] rows,
 /// in equal blocks of rows (each over 512 rows: the same sums, see
-/// [`super::transposed::weight_rhs`]).
+/// [`super::transposed::weight_rhs`]). The products of the blocks and panels are shared
+/// out across the threads (one thread each: a panel's product is too small to split
+/// well), or run in turn on a [`super::blocks::serial`] thread.
 ///
 /// # Safety
 /// `dst` addresses `m x n` elements with row stride `dst_rs`, overlapping no operand.
@@ -238,23 +240,32 @@ unsafe fn panel_products<T: Float>(
     let _in_place = PanelsInPlace::new();
     let blocks = m.div_ceil(PANEL_ROWS);
     let block_rows = m.div_ceil(blocks);
-    for first_row in (0..m).step_by(block_rows) {
-        let rows = block_rows.min(m - first_row);
-        for (first, width) in panel_spans(n) {
-            // SAFETY: the block's rows and the panel's columns of `dst`; the rows of `lhs`
-            // and the panel's values (`k * width` from `first * k`, checked above).
+    // (first row, rows, first output, width) of each product.
+    let jobs: Vec<_> = (0..m)
+        .step_by(block_rows)
+        .flat_map(|first_row| {
+            let rows = block_rows.min(m - first_row);
+            panel_spans(n).map(move |(first, width)| (first_row, rows, first, width))
+        })
+        .collect();
+    let dst = SharedMut(dst);
+    parallel_ranges(jobs.len(), |range| {
+        for &(first_row, rows, first, width) in &jobs[range] {
+            // SAFETY: the block's rows and the panel's columns of `dst`, no other job's;
+            // the rows of `lhs` and the panel's values (`k * width` from `first * k`,
+            // checked above).
             unsafe {
                 gemm_call(
                     (rows, width, k),
-                    (dst.add(first_row * dst_rs + first), dst_rs),
+                    (dst.get().add(first_row * dst_rs + first), dst_rs),
                     accumulate,
                     (lhs.as_ptr().add(first_row * lhs_rs), lhs_rs, lhs_cs),
                     (panels.as_ptr().add(first * k), width, 1),
-                    parallelism(),
+                    gemm::Parallelism::None,
                 )
             }
         }
-    }
+    });
     if let Some(start) = timer {
         crate::profile::record_product(start.elapsed(), (m, n, k));
     }
