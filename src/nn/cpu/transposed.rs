@@ -8,8 +8,8 @@
 //! product of the encoding: one product per panel, no packing ([`super::gemm`]'s
 //! `weight_product`), the same bits (the sums run in the same order and the same
 //! blocks of `in`: see [`weight_rhs`]). An encoding of 4,000 texts with
-//! all-MiniLM-L6-v2 on an AMD EPYC: the products 244-248 GFLOP/s per thread with the
-//! weights transposed whole and packed by each product, 253-257 from the panels
+//! all-MiniLM-L6-v2 on an AMD EPYC: the products 238.8-246.1 GFLOP/s per thread with the
+//! weights transposed whole and packed by each product, 248.6-252.4 from the panels
 //! (docs/benchmarks.md).
 //!
 //! The model's own weights stay as they are (training, the graph and the exported files
