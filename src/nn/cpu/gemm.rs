@@ -6,7 +6,6 @@
 
 use super::blocks::wide_fn;
 use super::blocks::{in_serial, parallel_ranges, sum_partials, Float, SharedMut, BLOCK_ROWS};
-use super::transposed::{panel_spans, WeightRhs};
 
 /// The gemm crate's parallelism for the layer's large products (candle's own choice).
 pub(in crate::nn) fn parallelism() -> gemm::Parallelism {
@@ -143,6 +142,35 @@ pub(in crate::nn) fn product_new<T: Float>(
         out.set_len(m * n);
     }
     out
+}
+
+/// Outputs per panel of a weight copy ([`WeightRhs::Panels`]): the rows of the gemm crate's AVX-512 f32 kernel (four
+/// vectors of 16), four of its AVX2 kernel's. Of the sizes tried on an AMD EPYC (64, 128,
+/// 256, 512; an encoding of 4,000 texts with all-MiniLM-L6-v2), the fastest.
+pub const PANEL: usize = 64;
+
+/// The panels of a weight of `out` outputs: `(first output, width)`, [`PANEL`] wide but
+/// the last, which takes the rest (`PANEL` to `2 * PANEL - 1` wide; all of `out` when it is
+/// narrower than a panel), so no product of a panel is thin enough for the gemm crate's
+/// special paths (see [`super::transposed::weight_rhs`]).
+pub(in crate::nn) fn panel_spans(out: usize) -> impl Iterator<Item = (usize, usize)> {
+    let count = (out / PANEL).max(1);
+    (0..count).map(move |p| {
+        let first = p * PANEL;
+        let width = if p + 1 == count { out - first } else { PANEL };
+        (first, width)
+    })
+}
+
+/// `W^T`, the right operand of a layer's `x W^T` ([`weight_product`]), as
+/// [`super::transposed::weight_rhs`] gives it.
+#[derive(Clone, Copy)]
+pub(in crate::nn) enum WeightRhs<'a, T> {
+    /// A matrix with strides: the weight as stored, `(1, input)`.
+    Strided(Operand<'a, T>),
+    /// A copy transposed in panels ([`panel_spans`]; `super::transposed` makes them), read
+    /// one product per panel.
+    Panels(&'a [T]),
 }
 
 /// `dst [m, n] (+)= lhs [m, k] W^T`, `W^T` `[k, n]` as [`super::transposed::weight_rhs`]

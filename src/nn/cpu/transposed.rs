@@ -4,9 +4,9 @@
 //! `x W^T`. For each product the gemm crate packs `W^T` into panels of its kernel's
 //! outputs (gathering a scalar at a time from rows `in` apart) and throws the packing
 //! away after. A copy made once in the layout the kernel reads, `W^T` in panels of
-//! [`PANEL`] outputs, each panel `[in, width]` contiguous, is read in place by every
-//! product of the encoding: one product per panel, no packing ([`super::gemm`]'s
-//! `weight_product`), the same bits (the sums run in the same order and the same
+//! [`PANEL`](super::gemm::PANEL) outputs, each panel `[in, width]` contiguous, is read
+//! in place by every product of the encoding: one product per panel, no packing
+//! ([`super::gemm`]'s `weight_product`), the same bits (the sums run in the same order and the same
 //! blocks of `in`: see [`weight_rhs`]). An encoding of 4,000 texts with
 //! all-MiniLM-L6-v2 on an AMD EPYC: the products 238.8-246.1 GFLOP/s per thread with the
 //! weights transposed whole and packed by each product, 248.6-252.4 from the panels
@@ -29,15 +29,10 @@ use std::sync::{Arc, Mutex};
 use candle_core::TensorId;
 
 use super::blocks::Float;
-use super::gemm::Operand;
+use super::gemm::{panel_spans, WeightRhs};
 
 /// The most bytes one [`TransposedWeights`] holds in copies.
 pub const TRANSPOSED_BUDGET: usize = 512 << 20;
-
-/// Outputs per panel of a copy: the rows of the gemm crate's AVX-512 f32 kernel (four
-/// vectors of 16), four of its AVX2 kernel's. Of the sizes tried on an AMD EPYC (64, 128,
-/// 256, 512; an encoding of 4,000 texts with all-MiniLM-L6-v2), the fastest.
-pub const PANEL: usize = 64;
 
 /// One copy: the weight it is of, the element type, the values (`[in, out]` in panels).
 type Copy = (TensorId, TypeId, Arc<dyn Any + Send + Sync>);
@@ -137,19 +132,6 @@ pub(in crate::nn) fn transposed<T: Float>(
     active.get(id, w, (out, input))
 }
 
-/// The panels of a weight of `out` outputs: `(first output, width)`, [`PANEL`] wide but
-/// the last, which takes the rest (`PANEL` to `2 * PANEL - 1` wide; all of `out` when it is
-/// narrower than a panel), so no product of a panel is thin enough for the gemm crate's
-/// special paths (see [`weight_rhs`]).
-pub(in crate::nn) fn panel_spans(out: usize) -> impl Iterator<Item = (usize, usize)> {
-    let count = (out / PANEL).max(1);
-    (0..count).map(move |p| {
-        let first = p * PANEL;
-        let width = if p + 1 == count { out - first } else { PANEL };
-        (first, width)
-    })
-}
-
 /// `w [out, input]` transposed in panels: the panel of outputs `first..first + width` is
 /// `[input, width]` (its element `(i, o)` at `first * input + i * width + o - first`),
 /// the panels one after another. Each panel is made a tile of 32 inputs at a time, so
@@ -169,15 +151,6 @@ fn panels<T: Float>(w: &[T], out: usize, input: usize) -> Vec<T> {
         }
     }
     t
-}
-
-/// `W^T`, the right operand of a layer's `x W^T` ([`super::gemm::weight_product`]).
-#[derive(Clone, Copy)]
-pub(in crate::nn) enum WeightRhs<'a, T> {
-    /// A matrix with strides: the weight as stored, `(1, input)`.
-    Strided(Operand<'a, T>),
-    /// A copy transposed in panels ([`panel_spans`]), read one product per panel.
-    Panels(&'a [T]),
 }
 
 /// `W^T` as the right operand of `x W^T`, `x` `[rows, input]`, `W` `[out, input]`: the
@@ -218,6 +191,7 @@ pub(in crate::nn) fn weight_rhs<'a, T>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::gemm::PANEL;
     use super::*;
     use candle_core::{Device, Tensor};
 
