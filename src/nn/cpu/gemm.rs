@@ -144,9 +144,10 @@ pub(in crate::nn) fn product_new<T: Float>(
     out
 }
 
-/// Outputs per panel of a weight copy ([`WeightRhs::Panels`]): the rows of the gemm crate's AVX-512 f32 kernel (four
-/// vectors of 16), four of its AVX2 kernel's. Of the sizes tried on an AMD EPYC (64, 128,
-/// 256, 512; an encoding of 4,000 texts with all-MiniLM-L6-v2), the fastest.
+/// Outputs per panel of a weight copy ([`WeightRhs::Panels`]): the rows of the gemm
+/// crate's AVX-512 f32 kernel (four vectors of 16), four of its AVX2 kernel's. Of the
+/// sizes tried on an AMD EPYC (64, 128, 256, 512; an encoding of 4,000 texts with
+/// all-MiniLM-L6-v2), the fastest.
 pub const PANEL: usize = 64;
 
 /// The panels of a weight of `out` outputs: `(first output, width)`, [`PANEL`] wide but

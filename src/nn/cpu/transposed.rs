@@ -164,8 +164,9 @@ fn panels<T: Float>(w: &[T], out: usize, input: usize) -> Vec<T> {
 /// along `input`, one with a single row or fewer than 16 outputs, or an `input` of 2 or
 /// less, kernels of its own. Those read the weight as stored (all small: nothing to gain).
 /// So does a product of at most 64 rows with an `input` past 512: a product that small
-/// on both sides (a panel's) sums `input` in blocks of 512, a wider one in blocks of the
-/// L1 cache's size. Checked for the encoders' shapes and the edges of these rules, on
+/// on both sides (a panel's) sums `input` in blocks of 512, a larger one in equal blocks
+/// sized from the L1 cache (an `input` of 600: 512 and 88 against 300 and 300 on AVX-512,
+/// against one block of 600 on AVX2). Checked for the encoders' shapes and the edges of these rules, on
 /// AVX-512 and on an emulated Haswell (AVX2; tests/transposed_weights.rs). A user's BLAS
 /// ([`super::blas`]) reads the weight as stored.
 pub(in crate::nn) fn weight_rhs<'a, T>(
