@@ -114,15 +114,24 @@ pub(in crate::nn) fn product<T: Float>(
     lhs: Operand<T>,
     rhs: Operand<T>,
 ) {
-    if m == 0 || n == 0 {
+    let Some(dst) = destination(dst, (m, n), dst_rs) else {
         return;
+    };
+    // SAFETY: `dst` covers the destination (checked), borrowed mutably.
+    unsafe { product_raw((m, n, k), dst, accumulate, lhs, rhs) }
+}
+
+/// `dst` as the pointer and row stride of an `m x n` destination, checked to cover it;
+/// `None` for an empty one (nothing to compute).
+fn destination<T>(dst: &mut [T], (m, n): (usize, usize), dst_rs: usize) -> Option<(*mut T, usize)> {
+    if m == 0 || n == 0 {
+        return None;
     }
     assert!(
         dst.len() > last(m, n, dst_rs, 1),
         "product: destination too small"
     );
-    // SAFETY: `dst` covers the destination (checked), borrowed mutably.
-    unsafe { product_raw((m, n, k), (dst.as_mut_ptr(), dst_rs), accumulate, lhs, rhs) }
+    Some((dst.as_mut_ptr(), dst_rs))
 }
 
 /// `lhs [m, k] rhs [k, n]` into a new `[m, n]` buffer.
@@ -184,26 +193,14 @@ pub(in crate::nn) fn weight_product<T: Float>(
     lhs: Operand<T>,
     rhs: WeightRhs<T>,
 ) {
-    match rhs {
-        WeightRhs::Strided(rhs) => product((m, n, k), (dst, dst_rs), accumulate, lhs, rhs),
-        WeightRhs::Panels(panels) => {
-            if m == 0 || n == 0 {
-                return;
-            }
-            assert!(
-                dst.len() > last(m, n, dst_rs, 1),
-                "product: destination too small"
-            );
-            // SAFETY: `dst` covers the destination (checked), borrowed mutably.
-            unsafe {
-                panel_products(
-                    (m, n, k),
-                    (dst.as_mut_ptr(), dst_rs),
-                    accumulate,
-                    lhs,
-                    panels,
-                )
-            }
+    let Some(dst) = destination(dst, (m, n), dst_rs) else {
+        return;
+    };
+    // SAFETY: `dst` covers the destination (checked), borrowed mutably.
+    unsafe {
+        match rhs {
+            WeightRhs::Strided(rhs) => product_raw((m, n, k), dst, accumulate, lhs, rhs),
+            WeightRhs::Panels(panels) => panel_products((m, n, k), dst, accumulate, lhs, panels),
         }
     }
 }
@@ -217,14 +214,16 @@ pub(in crate::nn) fn weight_product_new<T: Float>(
     match rhs {
         WeightRhs::Strided(rhs) => product_new((m, n, k), lhs, rhs),
         WeightRhs::Panels(panels) => {
-            let mut out = vec![T::zero(); m * n];
-            weight_product(
-                (m, n, k),
-                (&mut out, n),
-                false,
-                lhs,
-                WeightRhs::Panels(panels),
-            );
+            if m == 0 || n == 0 {
+                return Vec::new();
+            }
+            let mut out = Vec::with_capacity(m * n);
+            // SAFETY: the products write every element of the `m * n` they were given room
+            // for (`accumulate` off, `k > 0`: checked), before the length is set.
+            unsafe {
+                panel_products((m, n, k), (out.as_mut_ptr(), n), false, lhs, panels);
+                out.set_len(m * n);
+            }
             out
         }
     }
@@ -253,18 +252,9 @@ unsafe fn panel_products<T: Float>(
     panels: &[T],
 ) {
     assert!(
-        panels.len() == k * n && (k == 0 || lhs.len() > last(m, k, lhs_rs, lhs_cs)),
-        "product: operand too small"
+        m > 0 && n > 0 && k > 0 && panels.len() == k * n && lhs.len() > last(m, k, lhs_rs, lhs_cs),
+        "panel product: an empty shape or an operand too small"
     );
-    if k == 0 {
-        if !accumulate {
-            for r in 0..m {
-                // SAFETY: row `r` of the destination (the caller's contract).
-                unsafe { std::slice::from_raw_parts_mut(dst.add(r * dst_rs), n) }.fill(T::zero());
-            }
-        }
-        return;
-    }
     let timer = crate::profile::enabled().then(std::time::Instant::now);
     let _in_place = PanelsInPlace::new();
     let blocks = m.div_ceil(PANEL_ROWS);
