@@ -424,4 +424,27 @@ fn embedding_in_length_order_returns_each_text_its_own_embedding() {
             "text {i}: differs by {diff:e} from its own embedding"
         );
     }
+    // Past one block (`chunk * 64` texts are tokenized at a time, the next block while
+    // this one is encoded): 150 texts of one chunk each are three blocks, the last
+    // partial, and each text's row is its own embedding bit for bit (a chunk of one text
+    // is the same computation alone or among others).
+    let words = ["the", "lord", "is", "my", "shepherd", "light", "lords"];
+    let many: Vec<String> = (0..150)
+        .map(|i| {
+            (0..1 + (i * 7) % 11)
+                .map(|j| words[(i + j * 3) % words.len()])
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    let refs: Vec<&str> = many.iter().map(String::as_str).collect();
+    let together = model.embed(&refs, 1).unwrap().to_vec2::<f32>().unwrap();
+    assert_eq!(together.len(), refs.len());
+    for (i, text) in refs.iter().enumerate() {
+        let alone = model.embed(&[text], 1).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(
+            together[i], alone[0],
+            "text {i} of 150: not its own embedding"
+        );
+    }
 }
