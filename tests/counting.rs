@@ -14,10 +14,13 @@ static ALLOC: CountingAllocator = CountingAllocator;
 
 const THREADS: usize = 16;
 
+/// What a thread hands the next: the vectors it made.
+type Made = Vec<Vec<u32>>;
+
 /// Sixteen threads side by side, each making small vectors (and growing a string: a
 /// reallocation) that the next thread frees, so a thread's own counter goes below zero.
 fn pass_around() {
-    let (senders, receivers): (Vec<Sender<Vec<Vec<u32>>>>, Vec<Receiver<_>>) =
+    let (senders, receivers): (Vec<Sender<Made>>, Vec<Receiver<Made>>) =
         (0..THREADS).map(|_| channel()).unzip();
     let start = Barrier::new(THREADS);
     std::thread::scope(|s| {
@@ -26,7 +29,7 @@ fn pass_around() {
             s.spawn(move || {
                 start.wait();
                 let mut text = String::new();
-                let made: Vec<Vec<u32>> = (0..2_000)
+                let made: Made = (0..2_000)
                     .map(|i| {
                         text.push_str("token ");
                         vec![i as u32; 1 + i % 37]
