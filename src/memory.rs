@@ -67,11 +67,19 @@ fn slot() -> &'static AtomicUsize {
     &COUNTS[i].0
 }
 
-/// The bytes allocated now: the sum of the slots.
+/// The bytes allocated now: the sum of the slots. The slots are read one after another
+/// while the threads go on, so a sum may see a buffer freed on one thread and the next
+/// allocated on another both at once, or neither (by one buffer, in the nanoseconds the
+/// reads take); a sum that would be below zero reads 0.
 fn total() -> usize {
-    COUNTS.iter().fold(0usize, |sum, c| {
+    let sum = COUNTS.iter().fold(0usize, |sum, c| {
         sum.wrapping_add(c.0.load(Ordering::Relaxed))
-    })
+    });
+    if sum > isize::MAX as usize {
+        0
+    } else {
+        sum
+    }
 }
 
 /// The sum now, raising the peak to it.
