@@ -259,8 +259,8 @@ impl PhaseMeter {
         let now = Instant::now();
         let time = now - self.lap_start;
         self.lap_start = now;
-        look();
-        let peak = PEAK.swap(total(), Ordering::Relaxed);
+        let now = look();
+        let peak = PEAK.swap(now, Ordering::Relaxed);
         self.outer = self.outer.max(peak);
         (time, peak.saturating_sub(self.base))
     }

@@ -112,10 +112,8 @@ fn embed_blocks<E: Encoder<Input = TokenBatch> + Sync>(
     };
     let mut parts = Vec::with_capacity(blocks.len());
     let mut next = prepare(0)?;
-    for i in 0..blocks.len() {
-        let Some(block) = next.take() else {
-            break;
-        };
+    while let Some(block) = next.take() {
+        let i = parts.len();
         let reps = if device.is_cpu() {
             let (reps, following) = rayon::join(|| encode_cpu(&block.pieces), || prepare(i + 1));
             next = following?;
