@@ -101,6 +101,28 @@ pub fn write_with<E: From<Error>>(
     Ok(sync(dir)?)
 }
 
+/// Whether [`write`] could put a file at `path`, asked before the work whose output it is
+/// (an encoding or an evaluation of hours should not end on a mistyped directory): `path`
+/// names a file, not a directory, in a directory that exists; a device or link such as
+/// `/dev/null` passes. Nothing is created or changed.
+pub fn check_destination(path: &Path) -> Result<()> {
+    if is_special(path) {
+        return Ok(());
+    }
+    if path.file_name().is_none() || path.is_dir() {
+        return Err(Error::io("write", path, "it is a directory, not a file"));
+    }
+    let dir = parent_of(path);
+    if !dir.is_dir() {
+        return Err(Error::io(
+            "write",
+            path,
+            format!("{} is not a directory", dir.display()),
+        ));
+    }
+    Ok(())
+}
+
 /// Writes `bytes` to `path` whole or not at all (see [`write_with`]).
 pub fn write(path: &Path, bytes: impl AsRef<[u8]>) -> Result<()> {
     write_with::<Error>(path, |tmp| {
@@ -256,6 +278,25 @@ mod tests {
             .unwrap()
             .to_string_lossy()
             .starts_with(".loss.tmp-"));
+    }
+
+    #[test]
+    fn destinations_are_checked_without_writing() {
+        let dir = tempfile::tempdir().unwrap();
+        check_destination(&dir.path().join("out.jsonl")).unwrap();
+        for (path, want) in [
+            (dir.path().join("nope/x.jsonl"), "is not a directory"),
+            (dir.path().to_path_buf(), "it is a directory"),
+            (dir.path().join(".."), "it is a directory"),
+        ] {
+            let e = check_destination(&path).unwrap_err().to_string();
+            assert!(e.contains(want), "{}: {e}", path.display());
+        }
+        if Path::new("/dev/null").exists() {
+            check_destination(Path::new("/dev/null")).unwrap();
+        }
+        // Nothing was created.
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 
     #[test]

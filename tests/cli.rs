@@ -127,6 +127,62 @@ fn bad_configs_and_data_fail_cleanly() {
     );
     let (ok, stderr) = gradcache(&["encode", "--model", "./nowhere"]);
     assert!(!ok && stderr.contains("nothing to encode"), "{stderr}");
+    // The output's directory is checked before the model is loaded (the model here does
+    // not exist either: its error would come first otherwise), and nothing is written.
+    let lost = dir.path().join("no/such/dir/out.jsonl");
+    let (ok, stderr) = gradcache(&[
+        "encode",
+        "--model",
+        "./nowhere",
+        "--text",
+        "hi",
+        "--output",
+        lost.to_str().unwrap(),
+    ]);
+    assert!(
+        !ok && stderr.contains("is not a directory") && !stderr.contains("model"),
+        "{stderr}"
+    );
+    let (ok, stderr) = gradcache(&[
+        "encode",
+        "--model",
+        "./nowhere",
+        "--text",
+        "hi",
+        "--output",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert!(!ok && stderr.contains("it is a directory"), "{stderr}");
+    // `eval --data` writes no run file or summary: asking for one is refused, not ignored.
+    for flag in ["--run-file", "--output"] {
+        let (ok, stderr) = gradcache(&[
+            "eval",
+            "--model",
+            "./nowhere",
+            "--data",
+            "x.jsonl",
+            flag,
+            "out",
+        ]);
+        assert!(
+            !ok && stderr.contains(flag) && stderr.contains("--beir"),
+            "{flag}: {stderr}"
+        );
+    }
+    // A line that is not UTF-8 is named by file and line.
+    let latin1 = dir.path().join("latin1.txt");
+    fs::write(&latin1, b"plain\ncaf\xe9\n").unwrap();
+    let (ok, stderr) = gradcache(&[
+        "encode",
+        "--model",
+        "./nowhere",
+        "--input",
+        latin1.to_str().unwrap(),
+    ]);
+    assert!(
+        !ok && stderr.contains("latin1.txt:2: cannot read the line (not UTF-8 text?)"),
+        "{stderr}"
+    );
     // A GPU this build (no `cuda` feature in the tests) cannot open: an error, no panic.
     for cmd in [
         vec![

@@ -326,6 +326,39 @@ fn the_worked_example_learns_mines_and_evaluates() {
     ]);
     assert!(!ok && stderr.contains("missing BEIR corpus"), "{stderr}");
     assert!(!nothing.exists());
+    // An output in a missing directory is refused before the model is loaded (this model
+    // does not exist: its error would come first otherwise).
+    let lost = tmp.path().join("no/such/dir/out");
+    for command in ["eval", "mine"] {
+        let flag = if command == "eval" {
+            "--run-file"
+        } else {
+            "--output"
+        };
+        let (ok, stderr, _) = run(&[
+            command,
+            "--model",
+            tmp.path().join("no-model").to_str().unwrap(),
+            "--beir",
+            &beir_arg,
+            flag,
+            lost.to_str().unwrap(),
+        ]);
+        assert!(
+            !ok && stderr.contains("is not a directory") && !stderr.contains("no-model"),
+            "{command}: {stderr}"
+        );
+    }
+    let (ok, stderr, _) = run(&[
+        "eval",
+        "--model",
+        tmp.path().join("no-model").to_str().unwrap(),
+        "--beir",
+        &beir_arg,
+        "--output",
+        lost.to_str().unwrap(),
+    ]);
+    assert!(!ok && stderr.contains("is not a directory"), "{stderr}");
     let (ok, stderr, _) = run(&[
         "eval", "--model", &model_arg, "--beir", &beir_arg, "--top-k", "0",
     ]);

@@ -100,10 +100,19 @@ pub(crate) fn encode(
     if batch == 0 {
         bail!("--batch-size 0 runs no text: give at least 1 (texts per forward pass)");
     }
+    if let Some(path) = output {
+        gradcache::durable::check_destination(path)?;
+    }
     if let Some(path) = input {
         let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         for (i, line) in BufReader::new(file).lines().enumerate() {
-            let line = line?;
+            let line = line.with_context(|| {
+                format!(
+                    "{}:{}: cannot read the line (not UTF-8 text?)",
+                    path.display(),
+                    i + 1
+                )
+            })?;
             // A blank line is an empty text (embedded as its special tokens alone, as
             // sentence-transformers does): line i of the input is line i of the output.
             if line.trim_start().starts_with('{') {

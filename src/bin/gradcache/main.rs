@@ -138,10 +138,11 @@ enum Command {
         /// Documents retrieved per query (the run file's depth; recall@100 needs 100).
         #[arg(long, default_value_t = 100)]
         top_k: usize,
-        /// Write the run in TREC format (`qid Q0 docid rank score tag`) here.
+        /// Write the run in TREC format (`qid Q0 docid rank score tag`) here (with
+        /// `--beir`).
         #[arg(long)]
         run_file: Option<PathBuf>,
-        /// Write a JSON summary (data, split, settings, metrics) here.
+        /// Write a JSON summary (data, split, settings, metrics) here (with `--beir`).
         #[arg(long)]
         output: Option<PathBuf>,
         /// Leave out a retrieved document whose id is the query's (BEIR's default, for
@@ -396,6 +397,7 @@ fn run(command: Command) -> Result<()> {
                         run_file,
                         summary: output,
                     };
+                    outputs.check()?;
                     let eval_options = gradcache::retrieval::CorpusEvalOptions {
                         search: search_options,
                         title_separator: search.title_separator,
@@ -404,7 +406,18 @@ fn run(command: Command) -> Result<()> {
                     let model = load_retriever(&model, &options)?;
                     retrieval::eval_beir(&*model, &dir, &split, &eval_options, chunk, &outputs)
                 }
-                (Some(data), None) => eval(&model, &data, chunk, &options),
+                (Some(data), None) => {
+                    if let Some(flag) = [("--run-file", &run_file), ("--output", &output)]
+                        .iter()
+                        .find_map(|(flag, path)| path.is_some().then_some(flag))
+                    {
+                        bail!(
+                            "{flag} writes a corpus evaluation's file: it needs --beir (an \
+                             evaluation on --data pairs prints its metrics)"
+                        );
+                    }
+                    eval(&model, &data, chunk, &options)
+                }
                 (None, None) => bail!("give --data or --beir"),
             }
         }

@@ -136,6 +136,7 @@ pub fn mine_command(args: MineArgs) -> Result<()> {
         (Some(data), None) => MineSource::Pairs { data, corpus },
         (None, None) => bail!("give --data or --beir"),
     };
+    gradcache::durable::check_destination(&output)?;
     let model = load_retriever(&model, &head.load_options(max_len)?)?;
     mine_negatives(
         &*model,
@@ -156,12 +157,21 @@ pub struct EvalOutputs {
     pub summary: Option<PathBuf>,
 }
 
+impl EvalOutputs {
+    /// Each can be written ([`gradcache::durable::check_destination`]): asked before the
+    /// model is loaded and the corpus encoded.
+    pub fn check(&self) -> Result<()> {
+        for path in self.run_file.iter().chain(&self.summary) {
+            gradcache::durable::check_destination(path)?;
+        }
+        Ok(())
+    }
+}
+
 /// Writes `text` to `path` whole or not at all (a temporary file in the same directory,
 /// flushed and renamed when complete; a failed write leaves no partial file).
 pub fn write_file(path: &Path, text: &str) -> Result<()> {
-    if path.file_name().is_none() {
-        bail!("{} names no file", path.display());
-    }
+    gradcache::durable::check_destination(path)?;
     Ok(gradcache::durable::write(path, text)?)
 }
 
