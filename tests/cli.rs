@@ -511,6 +511,78 @@ fn encode_keeps_every_input_line_and_the_model_decides_the_limit() {
     assert!(stderr.contains("--batch-size 0 runs no text"), "{stderr}");
 }
 
+/// A long input is encoded and written a group of texts at a time (512 texts per group at
+/// one text per pass): every line once, in order, each as the text embeds alone. With one
+/// text per pass a text's embedding does not depend on the others, so two runs over the
+/// first 700 and the last 400 lines print what one run over all 1,100 prints, byte for
+/// byte, though their groups fall elsewhere; into a file too.
+#[test]
+fn encode_writes_a_long_input_group_by_group_line_for_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let model =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/qwen3");
+    let model = model.display().to_string();
+    let lines: Vec<String> = (0..1100)
+        .map(|i| format!("verse {i} {}", "and it was so ".repeat(i % 7)))
+        .collect();
+    let write = |name: &str, lines: &[String]| {
+        let path = dir.path().join(name);
+        fs::write(&path, lines.join("\n")).unwrap();
+        path.display().to_string()
+    };
+    let (all, first, rest) = (
+        write("all.txt", &lines),
+        write("first.txt", &lines[..700]),
+        write("rest.txt", &lines[700..]),
+    );
+    let encode = |input: &str| {
+        let (ok, stderr, stdout) = run(&[
+            "encode",
+            "--model",
+            &model,
+            "--input",
+            input,
+            "--batch-size",
+            "1",
+        ]);
+        assert!(ok, "{stderr}");
+        stdout
+    };
+    let whole = encode(&all);
+    let texts: Vec<String> = whole
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(texts, lines);
+    assert!(
+        whole == encode(&first) + &encode(&rest),
+        "the groups changed a line"
+    );
+    let out = dir.path().join("out.jsonl");
+    let (ok, stderr, stdout) = run(&[
+        "encode",
+        "--model",
+        &model,
+        "--input",
+        &all,
+        "--batch-size",
+        "1",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok && stdout.is_empty(), "{stderr}");
+    assert!(fs::read_to_string(&out).unwrap() == whole);
+    assert!(
+        stderr.contains("encoded 1100 texts, 1 per pass"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn merge_writes_a_model_and_refuses_a_bad_merge() {
     let dir = tempfile::tempdir().unwrap();

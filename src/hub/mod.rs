@@ -46,10 +46,11 @@ use crate::{Error, Result};
 /// Embeds `texts` with `encoder` in evaluation mode (no dropout, no graph), `chunk` texts
 /// at a time. Returns `[texts, width]`, in the order of `texts`.
 ///
-/// Texts are tokenized `chunk * 64` at a time and, within that block, encoded in order of
-/// length (as `SentenceTransformer.encode` does), so each chunk is padded only to the
-/// longest of texts of similar length: the padding a chunk computes on is small. Masked
-/// positions contribute nothing, so a text's embedding does not depend on its neighbours.
+/// Texts are tokenized [`BLOCK_CHUNKS`]` * chunk` at a time and, within that block,
+/// encoded in order of length (as `SentenceTransformer.encode` does), so each chunk is
+/// padded only to the longest of texts of similar length: the padding a chunk computes on
+/// is small. Masked positions contribute nothing, so a text's embedding does not depend on
+/// its neighbours.
 ///
 /// On the CPU the chunks are encoded side by side, one per thread, each on its thread
 /// alone ([`crate::nn::serial`]): an inference chunk's ops are too small to split
@@ -68,6 +69,11 @@ pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
         .then(crate::nn::TransposedWeights::new);
     embed_blocks(encoder, tokenizer, texts, chunk, device, copies.as_ref())
 }
+
+/// Chunks per block of [`embed`]: its texts are tokenized and sorted by length this many
+/// chunks at a time, so a text's chunk (and its padding) depends only on the texts of its
+/// block. Any run of whole blocks embeds as it would within a longer call.
+pub const BLOCK_CHUNKS: usize = 64;
 
 /// From this many texts on, a CPU encoding reads the layers' projection weights from
 /// transposed copies made as it starts ([`crate::nn::TransposedWeights`]: the same
@@ -92,7 +98,7 @@ fn embed_blocks<E: Encoder<Input = TokenBatch> + Sync>(
     copies: Option<&crate::nn::TransposedWeights>,
 ) -> Result<Tensor> {
     let chunk = chunk.max(1);
-    let blocks: Vec<&[&str]> = texts.chunks(chunk * 64).collect();
+    let blocks: Vec<&[&str]> = texts.chunks(chunk * BLOCK_CHUNKS).collect();
     let prepare = |i: usize| -> Result<Option<Block>> {
         blocks
             .get(i)
