@@ -78,6 +78,14 @@ impl RunLock {
     /// [`RunLock::acquire`] with `enforced` telling whether the kernel enforces the lock
     /// on a file (the probe; a test stands in a file system that does not).
     fn acquire_with(dir: &Path, enforced: fn(&Path) -> bool) -> Result<Self> {
+        if dir.exists() && !dir.is_dir() {
+            return Err(Error::io(
+                "use",
+                dir,
+                "it is a file, and a run's output_dir is a directory (a new one, or the run's \
+                 own to resume or extend)",
+            ));
+        }
         std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
         let path = dir.join(LOCK_FILE);
         // A run that ends removes the file while it still holds the lock; one that opened
@@ -307,6 +315,19 @@ mod tests {
         // Held, the directory is refused to a second run of this very process.
         let err = RunLock::acquire(dir.path()).unwrap_err().to_string();
         assert!(err.contains("in use by another training run"), "{err}");
+    }
+
+    #[test]
+    fn a_file_for_the_run_directory_is_refused_and_left_as_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("run");
+        std::fs::write(&file, "notes\n").unwrap();
+        let err = RunLock::acquire(&file).unwrap_err().to_string();
+        assert!(
+            err.contains("it is a file") && err.contains("output_dir"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "notes\n");
     }
 
     #[cfg(unix)]
