@@ -79,15 +79,8 @@ pub fn write_with<E: From<Error>>(
     if is_special(path) {
         return write(path);
     }
+    check_destination(path)?;
     let dir = parent_of(path);
-    if !dir.is_dir() {
-        return Err(Error::io(
-            "write",
-            path,
-            format!("{} is not a directory", dir.display()),
-        )
-        .into());
-    }
     let tmp = temporary_name(path);
     let written = write(&tmp).and_then(|()| {
         sync(&tmp)?;

@@ -219,6 +219,19 @@ fn bad_configs_and_data_fail_cleanly() {
     );
 }
 
+/// The texts `encode` printed, one per line.
+fn texts(stdout: &str) -> Vec<String> {
+    stdout
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect()
+}
+
 /// The embeddings `encode` printed, one per line.
 fn embeddings(stdout: &str) -> Vec<Vec<f64>> {
     stdout
@@ -447,15 +460,7 @@ fn encode_keeps_every_input_line_and_the_model_decides_the_limit() {
     let input = input.display().to_string();
     let (ok, stderr, stdout) = run(&["encode", "--model", &model, "--input", &input]);
     assert!(ok, "{stderr}");
-    let texts: Vec<String> = stdout
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["text"]
-                .as_str()
-                .unwrap()
-                .to_string()
-        })
-        .collect();
+    let texts = texts(&stdout);
     assert_eq!(
         texts,
         ["In the beginning", "", "Jesus wept.", "   ", "last"]
@@ -549,15 +554,7 @@ fn encode_writes_a_long_input_group_by_group_line_for_line() {
         stdout
     };
     let whole = encode(&all);
-    let texts: Vec<String> = whole
-        .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["text"]
-                .as_str()
-                .unwrap()
-                .to_string()
-        })
-        .collect();
+    let texts = texts(&whole);
     assert_eq!(texts, lines);
     assert!(
         whole == encode(&first) + &encode(&rest),

@@ -171,7 +171,6 @@ impl EvalOutputs {
 /// Writes `text` to `path` whole or not at all (a temporary file in the same directory,
 /// flushed and renamed when complete; a failed write leaves no partial file).
 pub fn write_file(path: &Path, text: &str) -> Result<()> {
-    gradcache::durable::check_destination(path)?;
     Ok(gradcache::durable::write(path, text)?)
 }
 
