@@ -236,7 +236,7 @@ impl<T: Float> Weights<T> {
         let copies = self.0.transposed(lora::WEIGHT, &v);
         let adapters = Adapters {
             branches: self.0.branches(),
-            copies: std::array::from_fn(|p| copies[p].as_deref().map(Vec::as_slice)),
+            copies: std::array::from_fn(|p| copies[p].as_deref().map(|c| &c[..])),
             wants: self.0.wants,
         };
         f(&v, &adapters)

@@ -254,7 +254,7 @@ impl<T: Float> Weights<T> {
         let copies = self.0.transposed(lora::WEIGHT, &values);
         let w = W {
             wants: self.0.wants,
-            wt: std::array::from_fn(|p| copies[p].as_deref().map(Vec::as_slice)),
+            wt: std::array::from_fn(|p| copies[p].as_deref().map(|c| &c[..])),
             lora: self.0.branches(),
             wqkv: [v(0)?, v(1)?, v(2)?],
             bqkv: [v(3)?, v(4)?, v(5)?],

@@ -222,7 +222,7 @@ impl<T: Float, const S: usize, const P: usize> NodeWeights<T, S, P> {
         &self,
         slots: [usize; N],
         values: &[&[T]],
-    ) -> [Option<std::sync::Arc<Vec<T>>>; N] {
+    ) -> [Option<std::sync::Arc<super::transposed::PanelCopy<T>>>; N] {
         slots.map(|i| {
             let (id, t) = (self.ids[i]?, self.slots[i].as_ref()?);
             super::transposed::transposed(id, values[i], t.dims2().ok()?)

@@ -245,7 +245,7 @@ impl<T: Float> Weights<T> {
         let copies = self.0.transposed(lora::WEIGHT, &v);
         let w = W {
             wants: self.0.wants,
-            wt: std::array::from_fn(|p| copies[p].as_deref().map(Vec::as_slice)),
+            wt: std::array::from_fn(|p| copies[p].as_deref().map(|c| &c[..])),
             lora: self.0.branches(),
             n1: self.0.slots[0].is_some().then_some((v[0], v[1])),
             wqkv: v[2],
