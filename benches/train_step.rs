@@ -18,6 +18,7 @@
 //! cargo bench --bench train_step -- --sgemm-shapes  # candle's f32 products at our shapes
 //! cargo bench --bench train_step -- --layout        # one thread's encode products, by weight layout
 //! cargo bench --bench train_step -- --packing       # the same, by the gemm crate's packing thresholds
+//! cargo bench --bench train_step -- --panels        # an encoding's panel products: alignment, blocking
 //! GRADCACHE_MINILM=/path/to/all-MiniLM-L6-v2 cargo bench --bench train_step
 //! GRADCACHE_BLAS=/path/to/libmkl_rt.so.2 cargo bench --bench train_step  # the steps through MKL
 //! ```
@@ -36,6 +37,8 @@ use gradcache::train::{Config, PhaseTimes, Quiet, StepReport, Trainer};
 
 mod common;
 use common::cpu;
+#[path = "panels/blocked.rs"]
+mod blocked;
 
 /// The first `rows` pairs of the quickstart's training data as a batch.
 fn probe_batch(rows: usize) -> anyhow::Result<TextBatch> {
@@ -246,6 +249,133 @@ fn packing_thresholds() {
     gemm::set_lhs_packing_threshold_single_thread(lhs_default);
 }
 
+/// `values` in a buffer of their own, the first `skew` bytes past a 64-byte boundary: the
+/// buffer and where they start.
+fn placed(values: &[f32], skew: usize) -> (Vec<f32>, usize) {
+    let mut buf = vec![0f32; values.len() + 32];
+    let start = buf.as_ptr().align_offset(64) + skew / 4;
+    buf[start..start + values.len()].copy_from_slice(values);
+    (buf, start)
+}
+
+/// One thread's products as a long encoding runs them (`src/nn/cpu/gemm.rs`,
+/// `panel_products`): `x [rows, in] W^T` from a copy of `W^T` in panels of 64 outputs,
+/// one gemm call per panel reading it in place. Prints `rows in out`, then GFLOP/s (best
+/// of 10): the copy on a 64-byte line (as the encoding makes it now), the copy 16 bytes
+/// past one (where the system allocator put it before), and the experiment of
+/// `benches/panels/blocked.rs` at blocks of 64 and of 128 inputs (`-` without AVX-512),
+/// then `same` if the experiment's every output has the gemm crate's bits (`differ` if
+/// not).
+fn panel_products() {
+    let lhs_default = gemm::get_lhs_packing_threshold_single_thread();
+    // As `PanelsInPlace` while an encoding's panel products run.
+    gemm::set_lhs_packing_threshold_single_thread(256);
+    for rows in [296, 592, 1184] {
+        for (input, out) in LAYER_SHAPES {
+            let (_, wt) = weight_pair(input, out);
+            // Panel `p`: `[input, 64]` contiguous, from `p * 64 * input`.
+            let mut panels = Vec::with_capacity(wt.len());
+            for first in (0..out).step_by(64) {
+                for i in 0..input {
+                    panels.extend_from_slice(&wt[i * out + first..i * out + first + 64]);
+                }
+            }
+            let x: Vec<f32> = (0..rows * input)
+                .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
+                .collect();
+            let flop = 2.0 * (rows * input * out) as f64;
+            let time = |f: &dyn Fn(&mut [f32]), y: &mut [f32]| {
+                let mut best = f64::MAX;
+                for _ in 0..10 {
+                    let t = Instant::now();
+                    f(y);
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                flop / best / 1e9
+            };
+            let through_gemm = |copy: &[f32], y: &mut [f32]| {
+                for (p, first) in (0..out).step_by(64).enumerate() {
+                    // SAFETY: `copy` holds `out / 64` panels of `input x 64`, `x` `rows x
+                    // input`, `y` `rows x out`: each extent the strides reach.
+                    unsafe {
+                        gemm::gemm(
+                            rows,
+                            64,
+                            input,
+                            y.as_mut_ptr().add(first),
+                            1,
+                            out as isize,
+                            false,
+                            x.as_ptr(),
+                            1,
+                            input as isize,
+                            copy.as_ptr().add(p * 64 * input),
+                            1,
+                            64,
+                            0f32,
+                            1f32,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        )
+                    }
+                }
+            };
+            let blocked = |copy: &[f32], y: &mut [f32], blocking| {
+                for (p, first) in (0..out).step_by(64).enumerate() {
+                    // SAFETY: as above.
+                    let ran = unsafe {
+                        blocked::panel_product(
+                            (rows, input),
+                            x.as_ptr(),
+                            input,
+                            copy.as_ptr().add(p * 64 * input),
+                            y.as_mut_ptr().add(first),
+                            out,
+                            blocking,
+                        )
+                    };
+                    if ran.is_none() {
+                        return;
+                    }
+                }
+            };
+            let (on_line, at) = placed(&panels, 0);
+            let on_line = &on_line[at..at + panels.len()];
+            let (off_line, at) = placed(&panels, 16);
+            let off_line = &off_line[at..at + panels.len()];
+            let mut reference = vec![0f32; rows * out];
+            let aligned = time(&|y| through_gemm(on_line, y), &mut reference);
+            let skewed = time(&|y| through_gemm(off_line, y), &mut vec![0f32; rows * out]);
+            let mut line = format!("{rows} {input} {out} {aligned:.1} {skewed:.1}");
+            let mut same = true;
+            for kb in [64, 128] {
+                if !blocked::available() {
+                    line += " -";
+                    continue;
+                }
+                let mut y = vec![0f32; rows * out];
+                let rate = time(&|y| blocked(on_line, y, (48, kb)), &mut y);
+                same &= y
+                    .iter()
+                    .zip(&reference)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                line += &format!(" {rate:.1}");
+            }
+            let verdict = if !blocked::available() {
+                "-"
+            } else if same {
+                "same"
+            } else {
+                "differ"
+            };
+            println!("{line} {verdict}");
+        }
+    }
+    gemm::set_lhs_packing_threshold_single_thread(lhs_default);
+}
+
 fn row(label: &str, r: &StepReport, p: &PhaseTimes, peak: f64) {
     let secs = p.total_ms() / 1e3;
     let gflops = r.flops / secs / 1e9;
@@ -325,6 +455,10 @@ fn main() -> anyhow::Result<()> {
     }
     if std::env::args().any(|a| a == "--packing") {
         packing_thresholds();
+        return Ok(());
+    }
+    if std::env::args().any(|a| a == "--panels") {
+        panel_products();
         return Ok(());
     }
     let peak = sgemm_peak(2048)?;
