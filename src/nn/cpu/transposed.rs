@@ -290,7 +290,11 @@ mod tests {
             let w: Vec<f64> = (0..out * input).map(|i| i as f64).collect();
             let t = panels(&w, out, input);
             assert_eq!(t.len(), w.len());
-            assert_eq!(t.as_ptr() as usize % COPY_ALIGN, 0, "the copy starts on a line");
+            assert_eq!(
+                t.as_ptr() as usize % COPY_ALIGN,
+                0,
+                "the copy starts on a line"
+            );
             let f32_copy = panels(&vec![0f32; out * input], out, input);
             assert_eq!(f32_copy.as_ptr() as usize % COPY_ALIGN, 0);
             for (first, width) in spans {
