@@ -98,7 +98,11 @@ pub fn normal(
 #[inline]
 pub fn keep(seed: u64, index: u64, p: f32) -> bool {
     let z = splitmix(seed, index / 2);
-    let half = if index % 2 == 0 { high(z) } else { low(z) };
+    let half = if index.is_multiple_of(2) {
+        high(z)
+    } else {
+        low(z)
+    };
     half >= threshold(p)
 }
 
@@ -201,7 +205,7 @@ mod tests {
                     assert_eq!(kept, keep(42, i, p), "p {p}, element {i}");
                     // The integer threshold is the comparison `u >= p` of the uniform f32.
                     let z = splitmix(42, i / 2);
-                    let h = if i % 2 == 0 { high(z) } else { low(z) };
+                    let h = if i.is_multiple_of(2) { high(z) } else { low(z) };
                     let u = h as f32 * (1.0 / (1u64 << 24) as f32);
                     assert_eq!(kept, u >= p, "p {p}, element {i}");
                     assert_eq!(j, seen);

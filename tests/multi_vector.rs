@@ -317,7 +317,7 @@ fn documents(seed: u64, rows: usize) -> TokenBatch {
             let id = 5 + ((r * 29 + c * 11 + seed as usize * 7) % 55) as u32;
             ids.push(if c < real { id } else { 0 });
             mask.push(u32::from(c < real));
-            keep.push(u32::from(c < real && id % 7 != 0));
+            keep.push(u32::from(c < real && !id.is_multiple_of(7)));
         }
     }
     let t = |v: Vec<u32>| Tensor::from_vec(v, (rows, len), &Device::Cpu).unwrap();

@@ -251,7 +251,7 @@ pub fn group_size(queries: usize, passages: usize) -> Result<usize> {
             side: crate::Side::Passage,
         });
     }
-    if passages % queries != 0 {
+    if !passages.is_multiple_of(queries) {
         return Err(Error::PassagesNotMultiple { queries, passages });
     }
     Ok(passages / queries)

@@ -538,7 +538,7 @@ impl BertConfig {
                     });
                 }
             }
-            if (self.hidden_size / self.num_attention_heads.max(1)) % 2 != 0 {
+            if !(self.hidden_size / self.num_attention_heads.max(1)).is_multiple_of(2) {
                 return Err(Error::InvalidConfig {
                     field: "num_attention_heads",
                     value: self.num_attention_heads.to_string(),
@@ -591,7 +591,7 @@ impl BertConfig {
                 });
             }
         }
-        if self.hidden_size % self.num_attention_heads != 0 {
+        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
             return Err(Error::InvalidConfig {
                 field: own("num_attention_heads"),
                 value: self.num_attention_heads.to_string(),

@@ -143,7 +143,7 @@ impl DecoderSettings {
             return Err(bad("num_attention_heads", "= 0: must be at least 1".into()));
         }
         let kv_heads = uint("num_key_value_heads")?.unwrap_or(heads);
-        if kv_heads == 0 || heads % kv_heads != 0 {
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(bad(
                 "num_key_value_heads",
                 format!("= {kv_heads} must divide num_attention_heads = {heads}"),

@@ -82,7 +82,7 @@ impl VNetConfig {
                 "channel counts and the output width must be positive",
             );
         }
-        if self.width % self.in_channels != 0 {
+        if !self.width.is_multiple_of(self.in_channels) {
             return bad(
                 "vnet.width",
                 self.width.to_string(),
@@ -96,7 +96,7 @@ impl VNetConfig {
                 "give 1 to 8 down stages, each with at least one convolution",
             );
         }
-        if self.kernel % 2 == 0 {
+        if self.kernel.is_multiple_of(2) {
             return bad(
                 "vnet.kernel",
                 self.kernel.to_string(),

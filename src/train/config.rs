@@ -763,7 +763,8 @@ impl Config {
         }
         let f = &m.fresh;
         if m.pretrained.is_empty() {
-            if f.hidden_size == 0 || f.num_heads == 0 || f.hidden_size % f.num_heads != 0 {
+            if f.hidden_size == 0 || f.num_heads == 0 || !f.hidden_size.is_multiple_of(f.num_heads)
+            {
                 return Err(invalid(
                     "model.fresh.num_heads",
                     f.num_heads,

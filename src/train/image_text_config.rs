@@ -417,7 +417,9 @@ impl ImageTextConfig {
                 "max_len >= 3, vocab_size >= 10 and positive sizes are needed",
             ));
         }
-        if x.kind == TextKind::Bert && (x.num_heads == 0 || x.hidden_size % x.num_heads != 0) {
+        if x.kind == TextKind::Bert
+            && (x.num_heads == 0 || !x.hidden_size.is_multiple_of(x.num_heads))
+        {
             return Err(invalid(
                 "text.num_heads",
                 x.num_heads,
@@ -512,7 +514,7 @@ impl ImageTextConfig {
         }
         cfg.validate()?;
         let side = self.data.image_size;
-        if side < 16 || side % cfg.min_size() != 0 {
+        if side < 16 || !side.is_multiple_of(cfg.min_size()) {
             return Err(invalid(
                 "data.volume_size",
                 side,

@@ -448,7 +448,7 @@ impl<T: Task> Run<T> {
         self.step += 1;
         let every = self.settings.check_weights_every;
         if self.world_size() > 1
-            && (cfg!(debug_assertions) || (every > 0 && self.step % every == 0))
+            && (cfg!(debug_assertions) || (every > 0 && self.step.is_multiple_of(every)))
         {
             dist::ensure_identical_weights(&*self.comm, self.gc.params())?;
         }
@@ -678,7 +678,7 @@ impl<T: Task> Run<T> {
             }
             let s = &self.settings;
             let last = self.step == s.steps;
-            if s.eval_every > 0 && self.step % s.eval_every == 0 && !last {
+            if s.eval_every > 0 && self.step.is_multiple_of(s.eval_every) && !last {
                 let m = self.evaluate_on_root()?;
                 observed = observer.event(&Event::Eval {
                     step: self.step,
@@ -689,7 +689,7 @@ impl<T: Task> Run<T> {
                     observed = observed.and_then(|()| observer.event(&Event::Note(line)));
                 }
             }
-            if (s.checkpoint_every > 0 && self.step % s.checkpoint_every == 0) || last {
+            if (s.checkpoint_every > 0 && self.step.is_multiple_of(s.checkpoint_every)) || last {
                 let (dir, new) = self.checkpoint_here()?;
                 if new {
                     observed = observed.and_then(|()| observer.event(&Event::CheckpointSaved(dir)));

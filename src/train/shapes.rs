@@ -114,7 +114,7 @@ fn composition(shapes: &[Shape; 2]) -> usize {
 /// Whether a composition is held out: every fifth, which spreads them over all colours
 /// and kinds on both sides (29 of the 144).
 pub fn held_out(composition: usize) -> bool {
-    composition % 5 == 0
+    composition.is_multiple_of(5)
 }
 
 /// Generates the data set: `cfg.train` scenes of the training compositions and

@@ -101,7 +101,7 @@ pub(super) fn load_data(
     check_same_run(comm, cfg, source.as_ref(), &eval)?;
     let batch = cfg.train.batch_size;
     let n = source.len();
-    if n % batch != 0 {
+    if !n.is_multiple_of(batch) {
         notes.push(format!(
             "{n} training pairs make {} batches of {batch} per epoch; the last {} pairs of each \
              (shuffled) epoch are dropped",

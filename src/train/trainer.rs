@@ -649,7 +649,7 @@ fn run_device(cfg: &Config, comm: &dyn Collective) -> Result<Device> {
 
 /// The global batch must split evenly over the ranks.
 fn check_batch_splits(cfg: &Config, comm: &dyn Collective) -> Result<()> {
-    if cfg.train.batch_size % comm.world_size() != 0 {
+    if !cfg.train.batch_size.is_multiple_of(comm.world_size()) {
         return Err(Error::InvalidConfig {
             field: "train.batch_size",
             value: cfg.train.batch_size.to_string(),

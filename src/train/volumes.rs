@@ -110,7 +110,7 @@ fn composition(solids: &[Solid; 2]) -> usize {
 
 /// Whether a composition is held out: every fifth (13 of the 64).
 pub fn held_out(composition: usize) -> bool {
-    composition % 5 == 0
+    composition.is_multiple_of(5)
 }
 
 /// Generates the data set: `cfg.train` scenes of the training compositions and
