@@ -37,8 +37,6 @@ use gradcache::train::{Config, PhaseTimes, Quiet, StepReport, Trainer};
 
 mod common;
 use common::cpu;
-#[path = "panels/blocked.rs"]
-mod blocked;
 
 /// The first `rows` pairs of the quickstart's training data as a batch.
 fn probe_batch(rows: usize) -> anyhow::Result<TextBatch> {
@@ -260,16 +258,15 @@ fn placed(values: &[f32], skew: usize) -> (Vec<f32>, usize) {
 
 /// One thread's products as a long encoding runs them (`src/nn/cpu/gemm.rs`,
 /// `panel_products`): `x [rows, in] W^T` from a copy of `W^T` in panels of 64 outputs,
-/// one gemm call per panel reading it in place. Prints `rows in out`, then GFLOP/s (best
-/// of 10): the copy on a 64-byte line (as the encoding makes it now), the copy 16 bytes
-/// past one (where the system allocator put it before), and the experiment of
-/// `benches/panels/blocked.rs` at blocks of 64 and of 128 inputs (`-` without AVX-512),
-/// then `same` if the experiment's every output has the gemm crate's bits (`differ` if
-/// not).
+/// one product per panel reading it in place ([`gradcache::nn::panel_product`]). Prints
+/// `rows in out`, then GFLOP/s (best of 10): the gemm crate's kernel with the copy on a
+/// 64-byte line (as the encoding makes it now) and 16 bytes past one (where the system
+/// allocator put it before), then the blocked kernel of `src/nn/cpu/panel_kernel.rs`
+/// (`GRADCACHE_PANEL_KERNEL`) at blocks of 64 and of 128 inputs, then `same` if its every
+/// output has the gemm crate's bits (`differ` if not; without AVX-512 it is not run and
+/// its columns repeat the gemm crate's).
 fn panel_products() {
-    let lhs_default = gemm::get_lhs_packing_threshold_single_thread();
-    // As `PanelsInPlace` while an encoding's panel products run.
-    gemm::set_lhs_packing_threshold_single_thread(256);
+    use gradcache::nn::{panel_product, PanelKernel};
     for rows in [296, 592, 1184] {
         for (input, out) in LAYER_SHAPES {
             let (_, wt) = weight_pair(input, out);
@@ -284,96 +281,39 @@ fn panel_products() {
                 .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
                 .collect();
             let flop = 2.0 * (rows * input * out) as f64;
-            let time = |f: &dyn Fn(&mut [f32]), y: &mut [f32]| {
-                let mut best = f64::MAX;
-                for _ in 0..10 {
-                    let t = Instant::now();
-                    f(y);
-                    best = best.min(t.elapsed().as_secs_f64());
-                }
-                flop / best / 1e9
-            };
-            let through_gemm = |copy: &[f32], y: &mut [f32]| {
-                for (p, first) in (0..out).step_by(64).enumerate() {
-                    // SAFETY: `copy` holds `out / 64` panels of `input x 64`, `x` `rows x
-                    // input`, `y` `rows x out`: each extent the strides reach.
-                    unsafe {
-                        gemm::gemm(
-                            rows,
-                            64,
-                            input,
-                            y.as_mut_ptr().add(first),
-                            1,
-                            out as isize,
-                            false,
-                            x.as_ptr(),
-                            1,
-                            input as isize,
-                            copy.as_ptr().add(p * 64 * input),
-                            1,
-                            64,
-                            0f32,
-                            1f32,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::None,
-                        )
-                    }
-                }
-            };
-            let blocked = |copy: &[f32], y: &mut [f32], blocking| {
-                for (p, first) in (0..out).step_by(64).enumerate() {
-                    // SAFETY: as above.
-                    let ran = unsafe {
-                        blocked::panel_product(
-                            (rows, input),
-                            x.as_ptr(),
-                            input,
-                            copy.as_ptr().add(p * 64 * input),
-                            y.as_mut_ptr().add(first),
-                            out,
-                            blocking,
-                        )
-                    };
-                    if ran.is_none() {
-                        return;
-                    }
-                }
-            };
             let (on_line, at) = placed(&panels, 0);
             let on_line = &on_line[at..at + panels.len()];
             let (off_line, at) = placed(&panels, 16);
             let off_line = &off_line[at..at + panels.len()];
+            let run = |kernel, copy: &[f32], y: &mut [f32]| {
+                let mut best = f64::MAX;
+                for _ in 0..10 {
+                    let t = Instant::now();
+                    for (p, first) in (0..out).step_by(64).enumerate() {
+                        let panel = &copy[p * 64 * input..(p + 1) * 64 * input];
+                        panel_product(kernel, (rows, input), &x, panel, (&mut y[first..], out));
+                    }
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                flop / best / 1e9
+            };
             let mut reference = vec![0f32; rows * out];
-            let aligned = time(&|y| through_gemm(on_line, y), &mut reference);
-            let skewed = time(&|y| through_gemm(off_line, y), &mut vec![0f32; rows * out]);
+            let aligned = run(PanelKernel::Gemm, on_line, &mut reference);
+            let skewed = run(PanelKernel::Gemm, off_line, &mut vec![0f32; rows * out]);
             let mut line = format!("{rows} {input} {out} {aligned:.1} {skewed:.1}");
             let mut same = true;
-            for kb in [64, 128] {
-                if !blocked::available() {
-                    line += " -";
-                    continue;
-                }
+            for inputs in [64, 128] {
                 let mut y = vec![0f32; rows * out];
-                let rate = time(&|y| blocked(on_line, y, (48, kb)), &mut y);
+                let rate = run(PanelKernel::Blocked { inputs }, on_line, &mut y);
                 same &= y
                     .iter()
                     .zip(&reference)
                     .all(|(a, b)| a.to_bits() == b.to_bits());
                 line += &format!(" {rate:.1}");
             }
-            let verdict = if !blocked::available() {
-                "-"
-            } else if same {
-                "same"
-            } else {
-                "differ"
-            };
-            println!("{line} {verdict}");
+            println!("{line} {}", if same { "same" } else { "differ" });
         }
     }
-    gemm::set_lhs_packing_threshold_single_thread(lhs_default);
 }
 
 fn row(label: &str, r: &StepReport, p: &PhaseTimes, peak: f64) {

@@ -684,6 +684,42 @@ fn a_blas_that_cannot_be_used_is_refused_before_any_work() {
 }
 
 #[test]
+fn the_panel_kernel_setting_changes_no_embedding_and_a_bad_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("plain-bert");
+    write_bert_dir(&model, TINY_BERT, false);
+    let model = model.display().to_string();
+    let output = dir.path().join("embeddings.jsonl");
+    let encode = |kernel: &str, extra: &[&str]| {
+        let args = [
+            "encode", "--model", &model, "--text", "light", "--text", "my lord",
+        ];
+        let all: Vec<&str> = args.iter().chain(extra).copied().collect();
+        run_with_env(&all, &[("GRADCACHE_PANEL_KERNEL", kernel)])
+    };
+    let (ok, stderr, plain) = encode("", &[]);
+    assert!(ok && !stderr.contains("panel products"), "{stderr}");
+    let (ok, stderr, blocked) = encode("blocked=64", &[]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("panel products: Blocked { inputs: 64 } (GRADCACHE_PANEL_KERNEL)"),
+        "{stderr}"
+    );
+    assert_eq!(embeddings(&blocked), embeddings(&plain), "the same bits");
+    for bad in ["blocked=0", "fast"] {
+        let (ok, stderr, _) = encode(bad, &["--output", &output.display().to_string()]);
+        assert!(!ok && !stderr.contains("panicked"), "{bad}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "invalid value for `GRADCACHE_PANEL_KERNEL`: {bad}"
+            )),
+            "{stderr}"
+        );
+        assert!(!output.exists(), "nothing is written");
+    }
+}
+
+#[test]
 fn gemm_packing_thresholds_change_no_embedding_and_a_bad_one_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("plain-bert");

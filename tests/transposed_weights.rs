@@ -14,7 +14,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{BertEncoder, BertOptions, Pooling};
 use gradcache::hub::{EmbeddingModel, LoadOptions, MultiVectorModel, Tokenizer};
-use gradcache::nn::TransposedWeights;
+use gradcache::nn::{PanelKernel, TransposedWeights};
 use gradcache::{Ctx, Encoder, ParamStore, TokenBatch};
 
 mod common;
@@ -165,6 +165,18 @@ fn wide_layers_encode_the_same_bits_from_panels() {
                 bits(&plain),
                 "{family}, {texts} texts of {len} tokens: the panels change the encoding"
             );
+            // The blocked panel kernel (GRADCACHE_PANEL_KERNEL; process-wide, but the same
+            // bits, so a test beside this one sees no difference either).
+            for inputs in [64, 7] {
+                PanelKernel::Blocked { inputs }.apply();
+                let blocked = copies.run(|| encoder.encode(&batch, &Ctx::eval()));
+                PanelKernel::Gemm.apply();
+                assert_eq!(
+                    bits(&blocked.unwrap()),
+                    bits(&plain),
+                    "{family}, {texts} texts of {len} tokens: blocks of {inputs} inputs"
+                );
+            }
         }
     }
 }

@@ -50,6 +50,7 @@ pub use cpu::blas::{
 };
 pub use cpu::blocks::serial;
 pub use cpu::gemm::{packing_from_env, PackingThresholds, PACKING_ENV};
+pub use cpu::panel_kernel::{panel_kernel_from_env, panel_product, PanelKernel, PANEL_KERNEL_ENV};
 pub use cpu::transposed::{TransposedWeights, TRANSPOSED_BUDGET};
 pub use cpu::{Act, AttentionSpec};
 

@@ -359,6 +359,12 @@ fn run(command: Command) -> Result<()> {
             gradcache::nn::PACKING_ENV
         );
     }
+    if let Some(kernel) = gradcache::nn::panel_kernel_from_env()? {
+        tracing::info!(
+            "panel products: {kernel:?} ({})",
+            gradcache::nn::PANEL_KERNEL_ENV
+        );
+    }
     match command {
         Command::SelfCheck { device } => self_check(device),
         Command::Merge(args) => merge::merge(&args),

@@ -268,12 +268,27 @@ unsafe fn panel_products<T: Float>(
         })
         .collect();
     let dst = SharedMut(dst);
+    let blocked = match super::panel_kernel::PanelKernel::current() {
+        super::panel_kernel::PanelKernel::Gemm => 0,
+        super::panel_kernel::PanelKernel::Blocked { inputs } => inputs,
+    };
     parallel_ranges(jobs.len(), |range| {
         for &(first_row, rows, first, width) in &jobs[range] {
             // SAFETY: the block's rows and the panel's columns of `dst`, no other job's;
             // the rows of `lhs` and the panel's values (`k * width` from `first * k`,
             // checked above).
             unsafe {
+                let ran = super::panel_kernel::try_blocked(
+                    blocked,
+                    (rows, width, k),
+                    (dst.get().add(first_row * dst_rs + first), dst_rs),
+                    accumulate,
+                    (lhs.as_ptr().add(first_row * lhs_rs), lhs_rs, lhs_cs),
+                    panels.as_ptr().add(first * k),
+                );
+                if ran {
+                    continue;
+                }
                 gemm_call(
                     (rows, width, k),
                     (dst.get().add(first_row * dst_rs + first), dst_rs),
@@ -297,13 +312,13 @@ unsafe fn panel_products<T: Float>(
 /// when the last goes. Packing moves values without reordering a sum, so a product
 /// running beside one (an attention's, on another thread) keeps its bits; only its speed
 /// can change.
-struct PanelsInPlace;
+pub(in crate::nn) struct PanelsInPlace;
 
 /// How many [`PanelsInPlace`] live, and the threshold before the first.
 static PANELS_IN_PLACE: std::sync::Mutex<(usize, usize)> = std::sync::Mutex::new((0, 0));
 
 impl PanelsInPlace {
-    fn new() -> Self {
+    pub(in crate::nn) fn new() -> Self {
         let mut held = PANELS_IN_PLACE.lock().unwrap_or_else(|e| e.into_inner());
         if held.0 == 0 {
             held.1 = gemm::get_lhs_packing_threshold_single_thread();

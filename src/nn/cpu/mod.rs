@@ -56,6 +56,7 @@ pub(crate) mod maxsim;
 pub(crate) mod norm;
 pub(crate) mod packed_attention;
 pub(crate) mod packing;
+pub mod panel_kernel;
 pub mod pooling;
 pub mod prenorm_layer;
 pub(crate) mod reference;
