@@ -49,8 +49,8 @@ pub use cpu::blas::{
     blas_in_use, set_blas_products, use_blas, use_blas_from_env, BlasInfo, BLAS_ENV,
 };
 pub use cpu::blocks::serial;
-pub use cpu::gemm::{packing_from_env, PackingThresholds, PACKING_ENV};
-pub use cpu::panel_kernel::{panel_kernel_from_env, panel_product, PanelKernel, PANEL_KERNEL_ENV};
+pub use cpu::gemm::{packing_from_env, panel_product, PackingThresholds, PACKING_ENV};
+pub use cpu::panel_kernel::{panel_kernel_from_env, PanelKernel, PANEL_KERNEL_ENV};
 pub use cpu::transposed::{TransposedWeights, TRANSPOSED_BUDGET};
 pub use cpu::{Act, AttentionSpec};
 

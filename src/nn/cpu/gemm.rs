@@ -268,10 +268,7 @@ unsafe fn panel_products<T: Float>(
         })
         .collect();
     let dst = SharedMut(dst);
-    let blocked = match super::panel_kernel::PanelKernel::current() {
-        super::panel_kernel::PanelKernel::Gemm => 0,
-        super::panel_kernel::PanelKernel::Blocked { inputs } => inputs,
-    };
+    let blocked = super::panel_kernel::PanelKernel::current().blocked_inputs();
     parallel_ranges(jobs.len(), |range| {
         for &(first_row, rows, first, width) in &jobs[range] {
             // SAFETY: the block's rows and the panel's columns of `dst`, no other job's;
@@ -302,6 +299,48 @@ unsafe fn panel_products<T: Float>(
     });
     if let Some(start) = timer {
         crate::profile::record_product(start.elapsed(), (m, n, k));
+    }
+}
+
+/// One thread's panel product `dst [rows, 64] = x [rows, k] panel [k, 64]` (`x` rows `k`
+/// apart, `dst` rows `dst_rs` apart) by `kernel`, as a long encoding runs it: for
+/// benchmarks (`train_step --panels`). The blocked kernel where it applies, the gemm
+/// crate's (reading the panel in place) otherwise. Panics if a slice is too short.
+pub fn panel_product(
+    kernel: super::panel_kernel::PanelKernel,
+    (rows, k): (usize, usize),
+    x: &[f32],
+    panel: &[f32],
+    (dst, dst_rs): (&mut [f32], usize),
+) {
+    assert!(
+        rows > 0 && k > 0 && dst_rs >= 64,
+        "panel product: an empty shape"
+    );
+    assert!(
+        x.len() >= rows * k && panel.len() >= k * 64 && dst.len() >= (rows - 1) * dst_rs + 64,
+        "panel product: an operand too small"
+    );
+    let inputs = kernel.blocked_inputs();
+    let operands = (
+        (dst.as_mut_ptr(), dst_rs),
+        (x.as_ptr(), k, 1),
+        panel.as_ptr(),
+    );
+    // SAFETY: the extents were checked above; `dst` is borrowed mutably.
+    unsafe {
+        let (dst, x, panel) = operands;
+        if !super::panel_kernel::try_blocked(inputs, (rows, 64, k), dst, false, x, panel) {
+            let _in_place = PanelsInPlace::new();
+            gemm_call(
+                (rows, 64, k),
+                dst,
+                false,
+                x,
+                (panel, 64, 1),
+                gemm::Parallelism::None,
+            );
+        }
     }
 }
 
@@ -540,6 +579,100 @@ mod tests {
                 err.contains("GRADCACHE_GEMM_PACKING") && err.contains(bad),
                 "{err}"
             );
+        }
+    }
+
+    /// The panel product by `inputs` per block (0: the gemm crate's), `dst` pre-filled.
+    fn panel_product_by(inputs: usize, (rows, k): (usize, usize), accumulate: bool) -> Vec<f32> {
+        let value = |i: usize, m: usize| ((i * 7919 % m) as f32 - (m / 2) as f32) / m as f32;
+        let x: Vec<f32> = (0..rows * k).map(|i| value(i, 97)).collect();
+        let panel: Vec<f32> = (0..k * 64).map(|i| value(i, 89)).collect();
+        // Rows 80 apart, the columns past 64 untouched.
+        let mut dst: Vec<f32> = (0..rows * 80).map(|i| value(i, 83)).collect();
+        let (d, xp, p) = ((dst.as_mut_ptr(), 80), (x.as_ptr(), k, 1), panel.as_ptr());
+        // SAFETY: `dst` covers rows x 80, `x` rows x k, `panel` k x 64.
+        unsafe {
+            if !super::super::panel_kernel::try_blocked(inputs, (rows, 64, k), d, accumulate, xp, p)
+            {
+                let _in_place = super::PanelsInPlace::new();
+                super::gemm_call(
+                    (rows, 64, k),
+                    d,
+                    accumulate,
+                    xp,
+                    (p, 64, 1),
+                    gemm::Parallelism::None,
+                );
+            }
+        }
+        dst
+    }
+
+    #[test]
+    fn the_blocked_kernel_gives_the_gemm_crates_bits() {
+        let avx512 = cfg!(target_arch = "x86_64")
+            && super::super::blocks::vectors() == super::super::blocks::Vectors::Avx512;
+        // Rows: the tails of a 6-row tile and of a 48-row block, the gemm crate's switch at
+        // 64; inputs: its blocks of 512 (one, split evenly, uneven), below and past them.
+        for rows in [2, 5, 7, 47, 49, 64, 65, 100, 296] {
+            for k in [3, 17, 384, 511, 512, 513, 1000, 1536] {
+                for accumulate in [false, true] {
+                    let reference = panel_product_by(0, (rows, k), accumulate);
+                    for inputs in [1, 7, 64, 128, 4096] {
+                        let got = panel_product_by(inputs, (rows, k), accumulate);
+                        let same = got
+                            .iter()
+                            .zip(&reference)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{rows} rows, {k} inputs, blocks of {inputs}, accumulate {accumulate}"
+                        );
+                    }
+                }
+            }
+        }
+        // It ran (where it can): a product it declines would compare the gemm crate to itself.
+        let (mut d, x, p) = (vec![0f32; 2 * 64], vec![1f32; 2 * 3], vec![1f32; 3 * 64]);
+        // SAFETY: as above, rows 64 apart.
+        let ran = unsafe {
+            super::super::panel_kernel::try_blocked(
+                64,
+                (2, 64, 3),
+                (d.as_mut_ptr(), 64),
+                false,
+                (x.as_ptr(), 3, 1),
+                p.as_ptr(),
+            )
+        };
+        assert_eq!(ran, avx512);
+        if ran {
+            assert!(d.iter().all(|&v| v == 3.0));
+        }
+        // Declined: a panel of another width, one row, a strided `x`, off.
+        for (inputs, rows, width, x_cs) in [
+            (64, 2, 80, 1),
+            (64, 1, 64, 1),
+            (64, 2, 64, 2),
+            (0, 2, 64, 1),
+        ] {
+            let (mut d, x, p) = (
+                vec![0f32; 2 * 80],
+                vec![1f32; 2 * 3 * 2],
+                vec![1f32; 3 * 80],
+            );
+            // SAFETY: nothing is read or written when it declines (the shapes fit anyway).
+            let ran = unsafe {
+                super::super::panel_kernel::try_blocked(
+                    inputs,
+                    (rows, width, 3),
+                    (d.as_mut_ptr(), 80),
+                    false,
+                    (x.as_ptr(), 6, x_cs),
+                    p.as_ptr(),
+                )
+            };
+            assert!(!ran);
         }
     }
 }
