@@ -368,6 +368,17 @@ fn data_location(path: &std::path::Path, line: usize) -> String {
 /// `Result` with the library's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// The environment variable `var` that sets a process-wide option, as written: `None`
+/// when it is unset or blank; refused (naming `var`, with `expected` as the reason) when
+/// it is not UTF-8.
+pub(crate) fn env_setting(var: &'static str, expected: &'static str) -> Result<Option<String>> {
+    match std::env::var(var) {
+        Ok(text) if !text.trim().is_empty() => Ok(Some(text)),
+        Ok(_) | Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(invalid(var, "(not UTF-8)", expected)),
+    }
+}
+
 /// A configuration value refused: `field` is `value`, which `reason` says is wrong.
 pub(crate) fn invalid(field: &'static str, value: impl ToString, reason: &'static str) -> Error {
     Error::InvalidConfig {

@@ -683,49 +683,21 @@ fn a_blas_that_cannot_be_used_is_refused_before_any_work() {
     }
 }
 
-#[test]
-fn the_panel_kernel_setting_changes_no_embedding_and_a_bad_one_is_refused() {
+/// A process-wide setting read from the environment variable `var`, on `gradcache encode`
+/// of a tiny BERT: unset, no line says `quiet` (the start of its log line); set to `good`,
+/// `logged` is in the log and the embeddings are the same bits; each of `bad`, and a value
+/// that is not UTF-8, is refused by the variable's name before anything is written.
+fn a_setting_changes_no_embedding_and_a_bad_one_is_refused(
+    var: &str,
+    (good, quiet, logged): (&str, &str, &str),
+    bad: &[&str],
+) {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("plain-bert");
     write_bert_dir(&model, TINY_BERT, false);
     let model = model.display().to_string();
     let output = dir.path().join("embeddings.jsonl");
-    let encode = |kernel: &str, extra: &[&str]| {
-        let args = [
-            "encode", "--model", &model, "--text", "light", "--text", "my lord",
-        ];
-        let all: Vec<&str> = args.iter().chain(extra).copied().collect();
-        run_with_env(&all, &[("GRADCACHE_PANEL_KERNEL", kernel)])
-    };
-    let (ok, stderr, plain) = encode("", &[]);
-    assert!(ok && !stderr.contains("panel products"), "{stderr}");
-    let (ok, stderr, blocked) = encode("blocked=64", &[]);
-    assert!(ok, "{stderr}");
-    assert!(
-        stderr.contains("panel products: Blocked { inputs: 64 } (GRADCACHE_PANEL_KERNEL)"),
-        "{stderr}"
-    );
-    assert_eq!(embeddings(&blocked), embeddings(&plain), "the same bits");
-    for bad in ["blocked=0", "fast"] {
-        let (ok, stderr, _) = encode(bad, &["--output", &output.display().to_string()]);
-        assert!(!ok && !stderr.contains("panicked"), "{bad}: {stderr}");
-        assert!(
-            stderr.contains(&format!(
-                "invalid value for `GRADCACHE_PANEL_KERNEL`: {bad}"
-            )),
-            "{stderr}"
-        );
-        assert!(!output.exists(), "nothing is written");
-    }
-}
-
-#[test]
-fn gemm_packing_thresholds_change_no_embedding_and_a_bad_one_is_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("plain-bert");
-    write_bert_dir(&model, TINY_BERT, false);
-    let model = model.display().to_string();
-    let output = dir.path().join("embeddings.jsonl");
+    let output_arg = output.display().to_string();
     let args = [
         "encode",
         "--model",
@@ -735,26 +707,21 @@ fn gemm_packing_thresholds_change_no_embedding_and_a_bad_one_is_refused() {
         "--text",
         "the lord is my shepherd",
     ];
-    let encode = |packing: &str, extra: &[&str]| {
+    let encode = |value: &str, extra: &[&str]| {
         let all: Vec<&str> = args.iter().chain(extra).copied().collect();
-        run_with_env(&all, &[("GRADCACHE_GEMM_PACKING", packing)])
+        run_with_env(&all, &[(var, value)])
     };
     let (ok, stderr, plain) = encode("", &[]);
-    assert!(ok && !stderr.contains("packing thresholds"), "{stderr}");
-    let (ok, stderr, packed) = encode("rhs=1, lhs=256", &[]);
+    assert!(ok && !stderr.contains(quiet), "{stderr}");
+    let (ok, stderr, set) = encode(good, &[]);
     assert!(ok, "{stderr}");
-    assert!(
-        stderr.contains("gemm packing thresholds: rhs 1, lhs 256 (GRADCACHE_GEMM_PACKING)"),
-        "{stderr}"
-    );
-    assert_eq!(embeddings(&packed), embeddings(&plain), "the same bits");
-    for bad in ["rhs=0", "lhs", "nr=4"] {
-        let (ok, stderr, _) = encode(bad, &["--output", &output.display().to_string()]);
-        assert!(!ok, "{bad}: {stderr}");
+    assert!(stderr.contains(logged), "{stderr}");
+    assert_eq!(embeddings(&set), embeddings(&plain), "the same bits");
+    for bad in bad {
+        let (ok, stderr, _) = encode(bad, &["--output", &output_arg]);
+        assert!(!ok && !stderr.contains("panicked"), "{bad}: {stderr}");
         assert!(
-            stderr.contains(&format!(
-                "invalid value for `GRADCACHE_GEMM_PACKING`: {bad}"
-            )),
+            stderr.contains(&format!("invalid value for `{var}`: {bad}")),
             "{stderr}"
         );
         assert!(!output.exists(), "nothing is written");
@@ -764,11 +731,8 @@ fn gemm_packing_thresholds_change_no_embedding_and_a_bad_one_is_refused() {
         use std::os::unix::ffi::OsStrExt;
         let out = Command::new(env!("CARGO_BIN_EXE_gradcache"))
             .args(args)
-            .args(["--output", &output.display().to_string()])
-            .env(
-                "GRADCACHE_GEMM_PACKING",
-                std::ffi::OsStr::from_bytes(b"rhs=\xff"),
-            )
+            .args(["--output", &output_arg])
+            .env(var, std::ffi::OsStr::from_bytes(b"rhs=\xff"))
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -777,9 +741,35 @@ fn gemm_packing_thresholds_change_no_embedding_and_a_bad_one_is_refused() {
             "{stderr}"
         );
         assert!(
-            stderr.contains("`GRADCACHE_GEMM_PACKING`: (not UTF-8)"),
+            stderr.contains(&format!("`{var}`: (not UTF-8)")),
             "{stderr}"
         );
         assert!(!output.exists(), "nothing is written");
     }
+}
+
+#[test]
+fn the_panel_kernel_setting_changes_no_embedding_and_a_bad_one_is_refused() {
+    a_setting_changes_no_embedding_and_a_bad_one_is_refused(
+        "GRADCACHE_PANEL_KERNEL",
+        (
+            "blocked=64",
+            "panel products",
+            "panel products: Blocked { inputs: 64 } (GRADCACHE_PANEL_KERNEL)",
+        ),
+        &["blocked=0", "fast"],
+    );
+}
+
+#[test]
+fn gemm_packing_thresholds_change_no_embedding_and_a_bad_one_is_refused() {
+    a_setting_changes_no_embedding_and_a_bad_one_is_refused(
+        "GRADCACHE_GEMM_PACKING",
+        (
+            "rhs=1, lhs=256",
+            "packing thresholds",
+            "gemm packing thresholds: rhs 1, lhs 256 (GRADCACHE_GEMM_PACKING)",
+        ),
+        &["rhs=0", "lhs", "nr=4"],
+    );
 }

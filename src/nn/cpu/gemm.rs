@@ -82,19 +82,13 @@ impl PackingThresholds {
 /// put in force, if it is set and not empty; `None` otherwise. A value refused changes
 /// nothing.
 pub fn packing_from_env() -> crate::Result<Option<PackingThresholds>> {
-    match std::env::var(PACKING_ENV) {
-        Ok(text) if !text.trim().is_empty() => {
-            let set = PackingThresholds::current().parse_over(&text)?;
-            set.apply();
-            Ok(Some(set))
-        }
-        Ok(_) | Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => Err(crate::error::invalid(
-            PACKING_ENV,
-            "(not UTF-8)",
-            "expected rhs=N and/or lhs=N, comma-separated",
-        )),
-    }
+    let expected = "expected rhs=N and/or lhs=N, comma-separated";
+    let Some(text) = crate::error::env_setting(PACKING_ENV, expected)? else {
+        return Ok(None);
+    };
+    let set = PackingThresholds::current().parse_over(&text)?;
+    set.apply();
+    Ok(Some(set))
 }
 
 /// A matrix operand: its values, row stride and column stride.
@@ -520,6 +514,7 @@ pub(in crate::nn) fn column_sums<T: Float>(x: &[T], width: usize) -> Vec<T> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::panel_kernel::try_blocked;
     use super::{gemm_call, PackingThresholds};
 
     /// `x [rows, input] W^T` with `W^T` given transposed (`[input, out]`), on one thread.
@@ -592,10 +587,9 @@ mod tests {
         let (d, xp, p) = ((dst.as_mut_ptr(), 80), (x.as_ptr(), k, 1), panel.as_ptr());
         // SAFETY: `dst` covers rows x 80, `x` rows x k, `panel` k x 64.
         unsafe {
-            if !super::super::panel_kernel::try_blocked(inputs, (rows, 64, k), d, accumulate, xp, p)
-            {
+            if !try_blocked(inputs, (rows, 64, k), d, accumulate, xp, p) {
                 let _in_place = super::PanelsInPlace::new();
-                super::gemm_call(
+                gemm_call(
                     (rows, 64, k),
                     d,
                     accumulate,
@@ -636,7 +630,7 @@ mod tests {
         let (mut d, x, p) = (vec![0f32; 2 * 64], vec![1f32; 2 * 3], vec![1f32; 3 * 64]);
         // SAFETY: as above, rows 64 apart.
         let ran = unsafe {
-            super::super::panel_kernel::try_blocked(
+            try_blocked(
                 64,
                 (2, 64, 3),
                 (d.as_mut_ptr(), 64),
@@ -663,7 +657,7 @@ mod tests {
             );
             // SAFETY: nothing is read or written when it declines (the shapes fit anyway).
             let ran = unsafe {
-                super::super::panel_kernel::try_blocked(
+                try_blocked(
                     inputs,
                     (rows, width, 3),
                     (d.as_mut_ptr(), 80),

@@ -23,6 +23,9 @@ use super::blocks::Float;
 /// The environment variable the binaries read for [`PanelKernel`].
 pub const PANEL_KERNEL_ENV: &str = "GRADCACHE_PANEL_KERNEL";
 
+/// What a refused [`PANEL_KERNEL_ENV`] is told.
+const EXPECTED: &str = "expected gemm, blocked or blocked=N";
+
 /// Rows of `x` a block of the panel is read across.
 pub const BLOCK_ROWS: usize = 48;
 
@@ -74,7 +77,7 @@ impl PanelKernel {
                 Ok(inputs @ 1..=4096) => Ok(Self::Blocked { inputs }),
                 _ => Err(refuse(blocks)),
             },
-            _ => Err(refuse("expected gemm, blocked or blocked=N")),
+            _ => Err(refuse(EXPECTED)),
         }
     }
 }
@@ -82,19 +85,12 @@ impl PanelKernel {
 /// The kernel in `GRADCACHE_PANEL_KERNEL` ([`PanelKernel::parse`]), put in force, if it
 /// is set and not empty; `None` otherwise. A value refused changes nothing.
 pub fn panel_kernel_from_env() -> crate::Result<Option<PanelKernel>> {
-    match std::env::var(PANEL_KERNEL_ENV) {
-        Ok(text) if !text.trim().is_empty() => {
-            let kernel = PanelKernel::parse(&text)?;
-            kernel.apply();
-            Ok(Some(kernel))
-        }
-        Ok(_) | Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => Err(crate::error::invalid(
-            PANEL_KERNEL_ENV,
-            "(not UTF-8)",
-            "expected gemm, blocked or blocked=N",
-        )),
-    }
+    let Some(text) = crate::error::env_setting(PANEL_KERNEL_ENV, EXPECTED)? else {
+        return Ok(None);
+    };
+    let kernel = PanelKernel::parse(&text)?;
+    kernel.apply();
+    Ok(Some(kernel))
 }
 
 /// The gemm crate's block of inputs for a one-thread product of a 64-output panel by
