@@ -23,7 +23,7 @@ pub mod family_ops;
 pub mod gpu;
 pub(crate) mod kernels;
 mod layer_norm;
-mod linear;
+mod linear_layer;
 pub mod lora;
 mod node;
 
@@ -34,7 +34,7 @@ pub use family_ops::{
     self_attention_biased, token_embeddings, window_bias,
 };
 pub use layer_norm::LayerNorm;
-pub use linear::Linear;
+pub use linear_layer::Linear;
 use lora::LoraInput;
 
 use std::sync::atomic::{AtomicBool, Ordering};
