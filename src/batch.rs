@@ -67,6 +67,13 @@ pub enum Chunking {
     Tokens(usize),
 }
 
+/// A number of rows: what a chunk size written as a plain number means.
+impl From<usize> for Chunking {
+    fn from(rows: usize) -> Self {
+        Chunking::Rows(rows)
+    }
+}
+
 impl Chunking {
     /// The chunks of `rows` rows as `(start, len)` ranges; `lengths` are the rows' tokens,
     /// which [`Chunking::Tokens`] needs (`None` then: there is nothing to count).

@@ -467,8 +467,11 @@ fn encode_keeps_every_input_line_and_the_model_decides_the_limit() {
     );
     // The model's own limit (its tokenizer_config.json), logged; a larger one is capped.
     assert!(stderr.contains("max_len 32 (the model's"), "{stderr}");
-    // Without --batch-size the CPU runs 16 texts per pass.
-    assert!(stderr.contains("encoded 5 texts, 16 per pass"), "{stderr}");
+    // Without --batch-size the CPU runs passes of up to 512 tokens.
+    assert!(
+        stderr.contains("encoded 5 texts, passes of up to 512 tokens"),
+        "{stderr}"
+    );
     let (ok, stderr, _) = run(&[
         "encode",
         "--model",

@@ -35,7 +35,7 @@ pub use sentence_transformers::{
 };
 pub use tokenizer::Tokenizer;
 
-use crate::batch::TokenBatch;
+use crate::batch::{Chunking, TokenBatch};
 use crate::dropout::Ctx;
 use crate::encoder::Encoder;
 use crate::loss::Similarity;
@@ -43,14 +43,17 @@ use crate::models::bert::{load_pretrained, BertConfig, BertEncoder, BertOptions,
 use crate::params::ParamStore;
 use crate::{Error, Result};
 
-/// Embeds `texts` with `encoder` in evaluation mode (no dropout, no graph), `chunk` texts
-/// at a time. Returns `[texts, width]`, in the order of `texts`.
+/// Embeds `texts` with `encoder` in evaluation mode (no dropout, no graph), in chunks of
+/// `passes`: a number of texts (a plain `usize`, sentence-transformers' `batch_size`) or
+/// [`Chunking::Tokens`], as many texts as fit that many padded tokens. Returns `[texts,
+/// width]`, in the order of `texts`.
 ///
-/// Texts are tokenized [`BLOCK_CHUNKS`]` * chunk` at a time and, within that block,
+/// Texts are tokenized a block at a time ([`block_texts`]) and, within that block,
 /// encoded in order of length (as `SentenceTransformer.encode` does), so each chunk is
 /// padded only to the longest of texts of similar length: the padding a chunk computes on
 /// is small. Masked positions contribute nothing, so a text's embedding does not depend on
-/// its neighbours.
+/// its neighbours; how the texts are cut into chunks changes at most the rounding of the
+/// products, whose row counts it sets (`tests/encode_passes.rs`).
 ///
 /// On the CPU the chunks are encoded side by side, one per thread, each on its thread
 /// alone ([`crate::nn::serial`]): an inference chunk's ops are too small to split
@@ -61,19 +64,39 @@ pub fn embed<E: Encoder<Input = TokenBatch> + Sync>(
     encoder: &E,
     tokenizer: &Tokenizer,
     texts: &[&str],
-    chunk: usize,
+    passes: impl Into<Chunking>,
     device: &Device,
 ) -> Result<Tensor> {
     let _flush = crate::denormal::flush();
     let copies = (device.is_cpu() && texts.len() >= TRANSPOSED_FROM_TEXTS)
         .then(crate::nn::TransposedWeights::new);
-    embed_blocks(encoder, tokenizer, texts, chunk, device, copies.as_ref())
+    embed_blocks(
+        encoder,
+        tokenizer,
+        texts,
+        passes.into(),
+        device,
+        copies.as_ref(),
+    )
 }
 
-/// Chunks per block of [`embed`]: its texts are tokenized and sorted by length this many
-/// chunks at a time, so a text's chunk (and its padding) depends only on the texts of its
-/// block. Any run of whole blocks embeds as it would within a longer call.
+/// Chunks per block of [`embed`] when its chunks are a number of texts: its texts are
+/// tokenized and sorted by length this many chunks at a time, so a text's chunk (and its
+/// padding) depends only on the texts of its block. Any run of whole blocks embeds as it
+/// would within a longer call.
 pub const BLOCK_CHUNKS: usize = 64;
+
+/// Texts per block of [`embed`] when its chunks are counted in tokens: as many as 64
+/// chunks of 16 texts.
+pub const TOKEN_BLOCK_TEXTS: usize = 1024;
+
+/// Texts per block of [`embed`] (tokenized and sorted by length together) under `passes`.
+pub fn block_texts(passes: Chunking) -> usize {
+    match passes {
+        Chunking::Rows(texts) => texts.max(1) * BLOCK_CHUNKS,
+        Chunking::Tokens(_) => TOKEN_BLOCK_TEXTS,
+    }
+}
 
 /// From this many texts on, a CPU encoding reads the layers' projection weights from
 /// transposed copies made as it starts ([`crate::nn::TransposedWeights`]: the same
@@ -93,16 +116,15 @@ fn embed_blocks<E: Encoder<Input = TokenBatch> + Sync>(
     encoder: &E,
     tokenizer: &Tokenizer,
     texts: &[&str],
-    chunk: usize,
+    passes: Chunking,
     device: &Device,
     copies: Option<&crate::nn::TransposedWeights>,
 ) -> Result<Tensor> {
-    let chunk = chunk.max(1);
-    let blocks: Vec<&[&str]> = texts.chunks(chunk * BLOCK_CHUNKS).collect();
+    let blocks: Vec<&[&str]> = texts.chunks(block_texts(passes)).collect();
     let prepare = |i: usize| -> Result<Option<Block>> {
         blocks
             .get(i)
-            .map(|block| Block::new(tokenizer, block, chunk, device))
+            .map(|block| Block::new(tokenizer, block, passes, device))
             .transpose()
     };
     let encode_cpu = |pieces: &[TokenBatch]| {
@@ -153,7 +175,12 @@ struct Block {
 }
 
 impl Block {
-    fn new(tokenizer: &Tokenizer, texts: &[&str], chunk: usize, device: &Device) -> Result<Self> {
+    fn new(
+        tokenizer: &Tokenizer,
+        texts: &[&str],
+        passes: Chunking,
+        device: &Device,
+    ) -> Result<Self> {
         let _span = crate::profile::span(|| "encode.tokenize".into());
         let batch = tokenizer.encode(texts, device)?;
         let lengths = batch
@@ -168,10 +195,19 @@ impl Block {
             inverse[i as usize] = position as u32;
         }
         let sorted = batch.select_rows(&order)?;
-        Ok(Self {
-            pieces: crate::batch::Batch::chunks(&sorted, chunk)?,
-            inverse,
-        })
+        let sorted_lengths: Vec<usize> = order
+            .iter()
+            .map(|&i| lengths[i as usize] as usize)
+            .collect();
+        // Every row has its length here, so a chunking by tokens always has its ranges.
+        let ranges = passes
+            .ranges(order.len(), Some(&sorted_lengths))
+            .unwrap_or_default();
+        let pieces = ranges
+            .into_iter()
+            .map(|(start, len)| crate::batch::Batch::slice(&sorted, start, len))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { pieces, inverse })
     }
 }
 
@@ -593,10 +629,11 @@ impl EmbeddingModel {
         })
     }
 
-    /// Embeddings `[texts, width]`, encoding `chunk` texts at a time, without a prompt
-    /// (an inference-free model's: by its default route, the document model unless its
-    /// router says otherwise).
-    pub fn embed(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+    /// Embeddings `[texts, width]` in chunks of `passes` (a number of texts, or
+    /// [`Chunking::Tokens`]: see [`embed`]), without a prompt (an inference-free model's:
+    /// by its default route, the document model unless its router says otherwise).
+    pub fn embed(&self, texts: &[&str], passes: impl Into<Chunking>) -> Result<Tensor> {
+        let chunk = passes.into();
         match &self.static_query {
             Some(q) if self.queries_by_default => {
                 let tokenizer = q.tokenizer.clone().with_prompt("");
@@ -608,7 +645,8 @@ impl EmbeddingModel {
 
     /// Query embeddings: [`EmbeddingModel::embed`] with the query prompt (an
     /// inference-free model's: its static weights on the query's tokens).
-    pub fn embed_queries(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+    pub fn embed_queries(&self, texts: &[&str], passes: impl Into<Chunking>) -> Result<Tensor> {
+        let chunk = passes.into();
         if let Some(q) = &self.static_query {
             return embed(&q.encoder, &q.tokenizer, texts, chunk, &self.device);
         }
@@ -622,7 +660,8 @@ impl EmbeddingModel {
     }
 
     /// Passage embeddings: [`EmbeddingModel::embed`] with the passage prompt.
-    pub fn embed_passages(&self, texts: &[&str], chunk: usize) -> Result<Tensor> {
+    pub fn embed_passages(&self, texts: &[&str], passes: impl Into<Chunking>) -> Result<Tensor> {
+        let chunk = passes.into();
         embed(
             &self.encoder,
             &self.passage_tokenizer,

@@ -8,16 +8,17 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use gradcache::hub::LoadOptions;
+use gradcache::Chunking;
 
 use crate::{console, load_model, refuse_single_vector_options, TowerArg};
 
 /// Texts encoded and written at a time: whole blocks of the encoding
-/// ([`gradcache::hub::BLOCK_CHUNKS`] chunks, tokenized and sorted by length together), so
-/// each text embeds as within one call over all the texts, while what is held is one such
+/// ([`gradcache::hub::block_texts`], tokenized and sorted by length together), so each
+/// text embeds as within one call over all the texts, while what is held is one such
 /// group's embeddings and lines however long the input (before, every line until the end:
 /// 12 KB a text with all-MiniLM-L6-v2, about 12 GB for a million texts).
-fn texts_per_write(batch: usize) -> usize {
-    batch.max(1) * gradcache::hub::BLOCK_CHUNKS * 8
+fn texts_per_write(passes: Chunking) -> usize {
+    gradcache::hub::block_texts(passes) * 8
 }
 
 /// Runs `write` on the output as its lines come: a file appears whole or not at all (the
@@ -66,7 +67,7 @@ fn encode_token_vectors(
     let model = gradcache::hub::MultiVectorModel::load(model, &options.device)?;
     let mut secs = 0.0;
     with_output(output, |out| {
-        for group in texts.chunks(texts_per_write(batch)) {
+        for group in texts.chunks(texts_per_write(Chunking::Rows(batch))) {
             let refs: Vec<&str> = group.iter().map(String::as_str).collect();
             let start = std::time::Instant::now();
             let matrices = match side {
@@ -119,16 +120,44 @@ fn log_encode_profile(secs: f64) {
     tracing::info!("encode profile:\n{}", console::profile_table(&entries));
 }
 
-/// Texts per forward pass when `--batch-size` is not given: 16 on the CPU, 32 on a GPU.
-/// On the CPU each thread encodes its own pass; a 16-text pass keeps its `[rows, width]`
-/// rows in a core's L2 (`gradcache encode`, 4,000 texts, all-MiniLM-L6-v2's shape, 2
-/// threads: AMD EPYC 0.991x the wall time of 32 and 332 against 357 MiB peak; Intel Xeon
-/// 294.1 against 272.2 texts/s; docs/benchmarks.md).
-pub(crate) fn default_batch(device: &candle_core::Device) -> usize {
+/// Texts per forward pass of a multi-vector model when `--batch-size` is not given: 16 on
+/// the CPU, 32 on a GPU.
+fn default_batch(device: &candle_core::Device) -> usize {
     if device.is_cpu() {
         16
     } else {
         32
+    }
+}
+
+/// Tokens per forward pass of a CPU encoding when `--batch-size` is not given (texts
+/// times their padded length; a longer text is a pass alone). Each thread encodes its own
+/// pass: too few rows and the weights are streamed through again for little work, too many
+/// and the pass's `[rows, 4 x width]` feed-forward buffer leaves the core's caches. A fixed
+/// number of texts errs one way with short texts and the other with long ones; a budget of
+/// tokens keeps every pass near the middle. `gradcache encode` with all-MiniLM-L6-v2 on 2
+/// threads of an AMD EPYC (family 26), the mean of 3 alternating runs, this budget against
+/// 16 texts per pass: texts of 37 tokens 0.996x the speed (559.1 against 561.6 texts/s),
+/// of about 8 tokens 1.019x, of 75 tokens 1.019x, of 150 tokens 1.048x (and 303 against 418
+/// MiB peak); the same embeddings within the products' rounding (docs/benchmarks.md).
+pub(crate) const CPU_PASS_TOKENS: usize = 512;
+
+/// The forward passes of a single-vector or sparse encoding: `--batch-size` texts each if
+/// given, else passes of up to [`CPU_PASS_TOKENS`] tokens on the CPU and 32 texts on a
+/// GPU (where one pass runs at a time, and larger ones fill the device).
+fn passes(batch: Option<usize>, device: &candle_core::Device) -> Chunking {
+    match batch {
+        Some(texts) => Chunking::Rows(texts),
+        None if device.is_cpu() => Chunking::Tokens(CPU_PASS_TOKENS),
+        None => Chunking::Rows(default_batch(device)),
+    }
+}
+
+/// How a log line names `passes`.
+fn describe(passes: Chunking) -> String {
+    match passes {
+        Chunking::Rows(texts) => format!("{texts} per pass"),
+        Chunking::Tokens(tokens) => format!("passes of up to {tokens} tokens"),
     }
 }
 
@@ -140,8 +169,7 @@ pub(crate) fn encode(
     (side, top_k, batch): (Option<TowerArg>, Option<usize>, Option<usize>),
     options: &LoadOptions,
 ) -> Result<()> {
-    let batch = batch.unwrap_or_else(|| default_batch(&options.device));
-    if batch == 0 {
+    if batch == Some(0) {
         bail!("--batch-size 0 runs no text: give at least 1 (texts per forward pass)");
     }
     if let Some(path) = output {
@@ -178,18 +206,20 @@ pub(crate) fn encode(
         bail!("--top-k 0 keeps nothing: give at least 1 (the largest entries of each sparse vector kept)");
     }
     if gradcache::hub::multi_vector::is_multi_vector_model(model) {
+        let batch = batch.unwrap_or_else(|| default_batch(&options.device));
         return encode_token_vectors(model, &texts, output, (side, batch), options);
     }
+    let passes = passes(batch, &options.device);
     let model = load_model(model, options)?;
     let mut secs = 0.0;
     with_output(output, |out| {
-        for group in texts.chunks(texts_per_write(batch)) {
+        for group in texts.chunks(texts_per_write(passes)) {
             let refs: Vec<&str> = group.iter().map(String::as_str).collect();
             let start = std::time::Instant::now();
             let embeddings = match side {
-                None => model.embed(&refs, batch)?,
-                Some(TowerArg::Query) => model.embed_queries(&refs, batch)?,
-                Some(TowerArg::Passage) => model.embed_passages(&refs, batch)?,
+                None => model.embed(&refs, passes)?,
+                Some(TowerArg::Query) => model.embed_queries(&refs, passes)?,
+                Some(TowerArg::Passage) => model.embed_passages(&refs, passes)?,
             }
             .to_vec2::<f32>()?;
             secs += start.elapsed().as_secs_f64();
@@ -213,8 +243,9 @@ pub(crate) fn encode(
         Ok(())
     })?;
     tracing::info!(
-        "encoded {} texts, {batch} per pass, in {secs:.2} s ({:.1} texts/s)",
+        "encoded {} texts, {}, in {secs:.2} s ({:.1} texts/s)",
         texts.len(),
+        describe(passes),
         texts.len() as f64 / secs.max(1e-9)
     );
     if gradcache::profile::enabled() {
