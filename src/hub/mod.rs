@@ -35,7 +35,7 @@ pub use sentence_transformers::{
 };
 pub use tokenizer::Tokenizer;
 
-use crate::batch::{Chunking, TokenBatch};
+use crate::batch::{Batch, Chunking, TokenBatch};
 use crate::dropout::Ctx;
 use crate::encoder::Encoder;
 use crate::loss::Similarity;
@@ -195,18 +195,10 @@ impl Block {
             inverse[i as usize] = position as u32;
         }
         let sorted = batch.select_rows(&order)?;
-        let sorted_lengths: Vec<usize> = order
-            .iter()
-            .map(|&i| lengths[i as usize] as usize)
-            .collect();
-        // Every row has its length here, so a chunking by tokens always has its ranges.
-        let ranges = passes
-            .ranges(order.len(), Some(&sorted_lengths))
-            .unwrap_or_default();
-        let pieces = ranges
-            .into_iter()
-            .map(|(start, len)| crate::batch::Batch::slice(&sorted, start, len))
-            .collect::<Result<Vec<_>>>()?;
+        // Tokenized text always has its lengths, so a chunking by tokens always applies.
+        let pieces = sorted.chunked(passes)?.ok_or(Error::TokensToCount {
+            side: crate::Side::Query,
+        })?;
         Ok(Self { pieces, inverse })
     }
 }
@@ -633,40 +625,40 @@ impl EmbeddingModel {
     /// [`Chunking::Tokens`]: see [`embed`]), without a prompt (an inference-free model's:
     /// by its default route, the document model unless its router says otherwise).
     pub fn embed(&self, texts: &[&str], passes: impl Into<Chunking>) -> Result<Tensor> {
-        let chunk = passes.into();
+        let passes = passes.into();
         match &self.static_query {
             Some(q) if self.queries_by_default => {
                 let tokenizer = q.tokenizer.clone().with_prompt("");
-                embed(&q.encoder, &tokenizer, texts, chunk, &self.device)
+                embed(&q.encoder, &tokenizer, texts, passes, &self.device)
             }
-            _ => embed(&self.encoder, &self.tokenizer, texts, chunk, &self.device),
+            _ => embed(&self.encoder, &self.tokenizer, texts, passes, &self.device),
         }
     }
 
     /// Query embeddings: [`EmbeddingModel::embed`] with the query prompt (an
     /// inference-free model's: its static weights on the query's tokens).
     pub fn embed_queries(&self, texts: &[&str], passes: impl Into<Chunking>) -> Result<Tensor> {
-        let chunk = passes.into();
+        let passes = passes.into();
         if let Some(q) = &self.static_query {
-            return embed(&q.encoder, &q.tokenizer, texts, chunk, &self.device);
+            return embed(&q.encoder, &q.tokenizer, texts, passes, &self.device);
         }
         embed(
             &self.encoder,
             &self.query_tokenizer,
             texts,
-            chunk,
+            passes,
             &self.device,
         )
     }
 
     /// Passage embeddings: [`EmbeddingModel::embed`] with the passage prompt.
     pub fn embed_passages(&self, texts: &[&str], passes: impl Into<Chunking>) -> Result<Tensor> {
-        let chunk = passes.into();
+        let passes = passes.into();
         embed(
             &self.encoder,
             &self.passage_tokenizer,
             texts,
-            chunk,
+            passes,
             &self.device,
         )
     }
