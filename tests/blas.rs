@@ -1,5 +1,5 @@
 //! A BLAS loaded at run time for the layer nodes' f32 products (`GRADCACHE_BLAS`,
-//! `src/nn/cpu/blas.rs`), with Debian's OpenBLAS (`libopenblas0-pthread`, which `.ci/run`
+//! `src/nn/cpu/products/blas.rs`), with Debian's OpenBLAS (`libopenblas0-pthread`, which `.ci/run`
 //! installs; another library with `GRADCACHE_TEST_BLAS=/path/to/lib.so`):
 //! - bad libraries are refused with an error naming the file and the reason, and change
 //!   nothing (the products stay the gemm crate's);

@@ -301,7 +301,7 @@ fn batch_norm_towers(comm: &Rc<dyn Collective>) -> Result<(), String> {
             .map_err(|e| format!("{what}: distributed step: {e}"))?;
         let loss_err = ((dist.loss - single.loss) / single.loss).abs() as f64;
         // Floored at 1e-3 of the largest gradient: BatchNorm shifts whose gradients are
-        // sums of cancelling terms (as in tests/densenet.rs and tests/vnet.rs).
+        // sums of cancelling terms (as in tests/it/densenet.rs and tests/it/vnet.rs).
         let err = dist.grads.max_rel_err(&single.grads, 1e-3).unwrap();
         ensure(loss_err <= TOL && err <= 1e-4, || {
             format!("{what}: loss rel {loss_err:e}, max relative gradient error {err:e}")
@@ -425,7 +425,7 @@ fn shared_hard_negatives(comm: &Rc<dyn Collective>) -> Result<(), String> {
 
 // Two towers use the symmetric term: without it the passage tower's output bias has a
 // mathematically zero gradient (softmax ignores a common shift), which has no meaningful
-// relative error (see tests/equivalence.rs).
+// relative error (see tests/it/equivalence.rs).
 fn two_towers(comm: &Rc<dyn Collective>) -> Result<(), String> {
     let case = Case {
         two_towers: true,

@@ -1,4 +1,4 @@
-//! Tiny decoders of every family's layout (tests/fused_decoder.rs, tests/gpu_nodes.rs):
+//! Tiny decoders of every family's layout (tests/switches/fused_decoder.rs, tests/switches/gpu_nodes.rs):
 //! the configs, left- or right-padded token rows, and parameters moved off their
 //! initialisation.
 

@@ -1,5 +1,5 @@
-//! Tiny encoders of the BERT, DistilBERT, MPNet and ModernBERT layouts (tests/fused_bert.rs,
-//! tests/gpu_nodes.rs): the configs and right-padded token rows of different lengths.
+//! Tiny encoders of the BERT, DistilBERT, MPNet and ModernBERT layouts (tests/switches/fused_bert.rs,
+//! tests/switches/gpu_nodes.rs): the configs and right-padded token rows of different lengths.
 
 use candle_core::{Device, Tensor};
 use gradcache::bert::BertConfig;
