@@ -256,12 +256,12 @@ fn placed(values: &[f32], skew: usize) -> (Vec<f32>, usize) {
     (buf, start)
 }
 
-/// One thread's products as a long encoding runs them (`src/nn/cpu/gemm.rs`,
+/// One thread's products as a long encoding runs them (`src/nn/cpu/products/gemm.rs`,
 /// `panel_products`): `x [rows, in] W^T` from a copy of `W^T` in panels of 64 outputs,
 /// one product per panel reading it in place ([`gradcache::nn::panel_product`]). Prints
 /// `rows in out`, then GFLOP/s (best of 10): the gemm crate's kernel with the copy on a
 /// 64-byte line (as the encoding makes it now) and 16 bytes past one (where the system
-/// allocator put it before), then the blocked kernel of `src/nn/cpu/panel_kernel.rs`
+/// allocator put it before), then the blocked kernel of `src/nn/cpu/products/panel_kernel.rs`
 /// (`GRADCACHE_PANEL_KERNEL`) at blocks of 64 and of 128 inputs, then `same` if its every
 /// output has the gemm crate's bits (`differ` if not; without AVX-512 it is not run and
 /// its columns repeat the gemm crate's).

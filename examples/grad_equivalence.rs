@@ -7,7 +7,7 @@
 //! ```
 //!
 //! The configurations avoid parameters whose true gradient is exactly zero (whose relative
-//! error is meaningless rounding noise); `tests/equivalence.rs` covers those separately.
+//! error is meaningless rounding noise); `tests/it/equivalence.rs` covers those separately.
 
 use candle_core::{DType, Device, Tensor};
 use gradcache::toy::{Mlp, MlpConfig};

@@ -324,7 +324,7 @@ fn densenet(quick: bool) -> anyhow::Result<()> {
 /// without and with checkpointing at stage boundaries. The peak includes the parameters'
 /// gradients (125 MiB, most of them the deepest stages' 5x5x5 kernels), the same for
 /// every row. The two kinds are different
-/// arithmetic (gradients within 4e-4, tests/vnet.rs), so each is checked against its own
+/// arithmetic (gradients within 4e-4, tests/it/vnet.rs), so each is checked against its own
 /// `off`.
 fn vnet(quick: bool) -> anyhow::Result<()> {
     let cfg = if quick {

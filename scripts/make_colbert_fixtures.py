@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A tiny ColBERT saved by PyLate and by sentence-transformers 6, with their token
-embeddings and their contrastive loss and gradients, for tests/colbert.rs (run by a
+embeddings and their contrastive loss and gradients, for tests/it/colbert.rs (run by a
 developer, never by CI).
 
 PyLate pins an older sentence-transformers, so the script runs twice, once per package:

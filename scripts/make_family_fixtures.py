@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Tiny random models of each supported family, with reference outputs from transformers
-and sentence-transformers, for tests/families.rs (run by a developer, never by CI).
+and sentence-transformers, for tests/switches/families.rs (run by a developer, never by CI).
 
     python3 -m venv /tmp/fx && /tmp/fx/bin/pip install torch transformers \
         sentence-transformers safetensors

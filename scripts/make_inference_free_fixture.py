@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A tiny inference-free SPLADE model (sentence-transformers' `Router` with a
 `SparseStaticEmbedding` query route and a masked-language-model document route) with
-reference outputs, for tests/sparse_static.rs (run by a developer, never by CI; the venv of
+reference outputs, for tests/it/sparse_static.rs (run by a developer, never by CI; the venv of
 scripts/peer-bench has what it needs):
 
     ~/.cache/gradcache/peer-venv/bin/python scripts/make_inference_free_fixture.py

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PEFT LoRA adapters on two of the tiny family fixtures, with PEFT's adapter gradients,
-for tests/lora_peft.rs (run by a developer, never by CI).
+for tests/it/lora_peft.rs (run by a developer, never by CI).
 
     ~/.cache/gradcache/peer-venv/bin/python scripts/make_lora_fixtures.py
     # needs torch, transformers, sentence-transformers and peft; writes tests/fixtures/lora/

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """sentence-transformers' MultipleNegativesRankingLoss with its `directions`, on fixed
-embeddings, for tests/loss_directions.rs (run by a developer, never by CI).
+embeddings, for tests/switches/loss_directions.rs (run by a developer, never by CI).
 
     ~/.cache/gradcache/peer-venv/bin/python scripts/make_loss_fixtures.py
     # writes tests/fixtures/losses/directions.safetensors and directions.json

@@ -1,5 +1,5 @@
 """Writes tests/fixtures/parquet/: small Parquet files as the Hugging Face Hub stores
-datasets, in three codecs and three layouts, and one with a bad row (tests/formats.rs).
+datasets, in three codecs and three layouts, and one with a bad row (tests/it/formats.rs).
 
     pip install pyarrow
     python scripts/make_parquet_fixtures.py tests/fixtures/parquet

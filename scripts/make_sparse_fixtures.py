@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Tiny SPLADE models (sentence-transformers' SparseEncoder) with reference outputs, for
-tests/sparse.rs (run by a developer, never by CI; the venv of scripts/peer-bench has
+tests/it/sparse.rs (run by a developer, never by CI; the venv of scripts/peer-bench has
 what it needs):
 
     ~/.cache/gradcache/peer-venv/bin/python scripts/make_sparse_fixtures.py

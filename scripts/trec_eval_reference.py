@@ -1,5 +1,5 @@
 """Writes tests/fixtures/trec/: random graded qrels and a run with tied scores, and what
-pytrec_eval (trec_eval's code) and BEIR's MRR@k report on them; tests/retrieval.rs checks
+pytrec_eval (trec_eval's code) and BEIR's MRR@k report on them; tests/it/retrieval.rs checks
 gradcache's measures against these numbers.
 
     pip install pytrec-eval-terrier

@@ -94,7 +94,7 @@ pub fn write_with<E: From<Error>>(
     Ok(sync(dir)?)
 }
 
-/// Whether [`write`] could put a file at `path`, asked before the work whose output it is
+/// Whether [`write`](fn@write) could put a file at `path`, asked before the work whose output it is
 /// (an encoding or an evaluation of hours should not end on a mistyped directory): `path`
 /// names a file, not a directory, in a directory that exists; a device or link such as
 /// `/dev/null` passes. Nothing is created or changed.

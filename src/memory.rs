@@ -37,7 +37,7 @@ static PEAK: AtomicUsize = AtomicUsize::new(0);
 static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
 /// Allocations of this many bytes and more look at the sum for a new peak (as
 /// [`measure`] and [`PhaseMeter`] do when they read it): a sum of
-/// [`SLOTS`] counters is too costly for every small allocation, and memory peaks come
+/// `SLOTS` counters is too costly for every small allocation, and memory peaks come
 /// from buffers. What small allocations alone add between two looks and free again
 /// before the next is not seen as a peak (the bytes they hold when a look comes are).
 pub const PEAK_CHECK: usize = 16 << 10;

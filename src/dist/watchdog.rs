@@ -5,7 +5,7 @@
 //! others: the job ends instead of hanging until a scheduler's time limit. NCCL never
 //! times out a collective on its own, and MPI does not either.
 //!
-//! Waits that are long by design are excluded ([`patient`]): the ranks waiting while
+//! Waits that are long by design are excluded (`patient`): the ranks waiting while
 //! rank 0 evaluates or writes a checkpoint. A step's collectives wait only for the other
 //! ranks' share of the same step. Collectives run on the training thread; the watchdog is
 //! one thread that looks every second.

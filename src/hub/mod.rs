@@ -53,7 +53,7 @@ use crate::{Error, Result};
 /// padded only to the longest of texts of similar length: the padding a chunk computes on
 /// is small. Masked positions contribute nothing, so a text's embedding does not depend on
 /// its neighbours; how the texts are cut into chunks changes at most the rounding of the
-/// products, whose row counts it sets (`tests/encode_passes.rs`).
+/// products, whose row counts it sets (`tests/it/encode_passes.rs`).
 ///
 /// On the CPU the chunks are encoded side by side, one per thread, each on its thread
 /// alone ([`crate::nn::serial`]): an inference chunk's ops are too small to split

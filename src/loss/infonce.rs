@@ -148,7 +148,7 @@ impl InfoNce {
     /// Computes the loss in blocks of `rows` anchor rows so that at most `rows x P` logits
     /// exist at once (the CPU kernel: `rows x` a tile); `None` chooses: the kernel blocks
     /// of [`KERNEL_BLOCK_ROWS`], the composed path one block while its logits fit in
-    /// [`AUTO_BLOCK_LOGITS`], else as many rows as fit.
+    /// [`AUTO_BLOCK_LOGITS`](crate::loss::AUTO_BLOCK_LOGITS), else as many rows as fit.
     pub fn with_block_rows(mut self, rows: Option<usize>) -> Result<Self> {
         if rows == Some(0) {
             return Err(Error::InvalidConfig {

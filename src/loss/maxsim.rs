@@ -269,7 +269,7 @@ impl MaxSim {
 }
 
 /// The CPU path: every block's similarities by one matrix product, the max and the
-/// gradient by [`crate::nn::cpu::maxsim`]'s kernels.
+/// gradient by [`crate::nn::cpu::losses::maxsim`]'s kernels.
 struct Kernel {
     q: Tensor,
     p: Tensor,
@@ -281,8 +281,8 @@ impl Kernel {
     fn new(loss: &MaxSim, q: &Tensor, p: &Tensor) -> Result<Self> {
         let (q, p) = (q.contiguous()?, p.contiguous()?);
         Ok(Self {
-            q_kept: crate::nn::cpu::maxsim::kept(&q, loss.dim)?,
-            p_kept: crate::nn::cpu::maxsim::kept(&p, loss.dim)?,
+            q_kept: crate::nn::cpu::losses::maxsim::kept(&q, loss.dim)?,
+            p_kept: crate::nn::cpu::losses::maxsim::kept(&p, loss.dim)?,
             q,
             p,
         })
@@ -293,12 +293,12 @@ impl Kernel {
         &self,
         s: &Span,
     ) -> Result<(
-        crate::nn::cpu::maxsim::BlockShape,
-        crate::nn::cpu::maxsim::Chosen,
+        crate::nn::cpu::losses::maxsim::BlockShape,
+        crate::nn::cpu::losses::maxsim::Chosen,
     )> {
         let (_, lq, d) = self.q.dims3()?;
         let (_, lp, _) = self.p.dims3()?;
-        let shape = crate::nn::cpu::maxsim::BlockShape {
+        let shape = crate::nn::cpu::losses::maxsim::BlockShape {
             nq: s.ql,
             lq,
             np: s.pl,
@@ -307,7 +307,7 @@ impl Kernel {
         let qb = self.q.narrow(0, s.qs, s.ql)?.reshape((s.ql * lq, d))?;
         let pb = self.p.narrow(0, s.ps, s.pl)?.reshape((s.pl * lp, d))?;
         let sims = qb.matmul(&pb.t()?)?.contiguous()?;
-        let chosen = crate::nn::cpu::maxsim::choose(
+        let chosen = crate::nn::cpu::losses::maxsim::choose(
             &sims,
             &self.p_kept[s.ps * lp..(s.ps + s.pl) * lp],
             shape,
@@ -321,7 +321,7 @@ impl Kernel {
         let mut out = vec![0f32; nq * width];
         for s in spans {
             let (shape, chosen) = self.choose(s)?;
-            let b = crate::nn::cpu::maxsim::scores(
+            let b = crate::nn::cpu::losses::maxsim::scores(
                 &chosen,
                 &self.q_kept[s.qs * lq..(s.qs + s.ql) * lq],
                 shape,
@@ -351,7 +351,7 @@ impl Kernel {
                 q_rows.start * d..q_rows.end * d,
                 p_rows.start * d..p_rows.end * d,
             );
-            crate::nn::cpu::maxsim::scatter_block(
+            crate::nn::cpu::losses::maxsim::scatter_block(
                 &chosen,
                 &self.q_kept[q_rows.clone()],
                 (&self.q, q_rows),

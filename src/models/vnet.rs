@@ -18,7 +18,7 @@
 //! alone keeps the peak near that stage's own footprint. With `memory_efficient` every
 //! convolution unit (convolution, BatchNorm, PReLU, residual sum) is one node that keeps
 //! only its inputs and whose backward recomputes the unit a piece of rows at a time
-//! ([`crate::nn::cpu::conv_unit`]).
+//! ([`crate::nn::cpu::conv_unit`](fn@crate::nn::cpu::conv_unit)).
 
 use candle_core::{Tensor, D};
 use candle_nn::VarBuilder;

@@ -7,7 +7,7 @@
 
 use candle_core::{Tensor, D};
 
-use super::cpu::gated;
+use super::cpu::elementwise::gated;
 use super::cpu::prenorm_layer::{PreNormSpec, PreNormWeights};
 use super::{attention_composed, cast, cpu, fused_ok, multi_head, recomputed, Act, Linear};
 use crate::Result;
@@ -129,7 +129,7 @@ pub fn self_attention_biased(
 
 /// A whole pre-norm layer (ModernBERT's) as one node with its backward written out where
 /// one runs: the CPU's ([`super::cpu::prenorm_layer::prenorm_layer`]) where the fused
-/// kernels run, the GPU's ([`super::gpu::prenorm_layer`]) on a GPU; `None` elsewhere (the
+/// kernels run, the GPU's ([`super::gpu::prenorm_layer`](fn@super::gpu::prenorm_layer)) on a GPU; `None` elsewhere (the
 /// caller then runs the layer op by op).
 pub fn prenorm_layer(
     x: &Tensor,
@@ -165,7 +165,7 @@ pub fn prenorm_layer(
 
 /// A whole decoder layer as one node with its backward written out where one runs: the
 /// CPU's ([`super::cpu::decoder_layer::decoder_layer`]) where the fused kernels run, the
-/// GPU's ([`super::gpu::decoder_layer`], each token's rotary row at `positions` `[n s]`)
+/// GPU's ([`super::gpu::decoder_layer`](fn@super::gpu::decoder_layer), each token's rotary row at `positions` `[n s]`)
 /// on a GPU; `None` elsewhere (the caller then runs the layer op by op).
 pub fn decoder_layer(
     x: &Tensor,
@@ -213,8 +213,8 @@ pub fn decoder_layer(
 
 /// A token embedding lookup `table[ids] * scale` (`[n, s]` ids into `[n, s, h]`; row
 /// `padding_idx` untrained, as PyTorch's) as one node whose backward adds only the rows the
-/// tokens touched into the gradient sink ([`super::cpu::embeddings::token_embeddings`]) where the fused
-/// kernels run; `None` elsewhere.
+/// tokens touched into the gradient sink ([`super::cpu::embeddings::token_embeddings`]) where the
+/// fused kernels run; `None` elsewhere.
 pub fn token_embeddings(
     ids: &Tensor,
     table: &Tensor,

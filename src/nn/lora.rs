@@ -16,8 +16,8 @@
 //! [`super::cpu::prenorm_layer`], [`super::cpu::decoder_layer`]) take the frozen `W` as stored (a
 //! bf16 or f16 base read widened) and each adapter beside it: the low-rank branch
 //! `s (dropout(x) A^T) B^T` is added inside the node and its backward written out
-//! ([`super::cpu::lora_branch`]: `dB = s dy^T t`, `dA = (s dy B)^T dropout(x)`), and the frozen
-//! `W`'s own gradient is never computed. Elsewhere (off the CPU, or a node that does not
+//! (`super::cpu::products::lora_branch`: `dB = s dy^T t`, `dA = (s dy B)^T dropout(x)`), and the
+//! frozen `W`'s own gradient is never computed. Elsewhere (off the CPU, or a node that does not
 //! take the layer) the projection runs as composed ops: without a dropout mask on the
 //! merged weight `W + s B A` (on the CPU one node, [`Adapter::merged`]), whose gradient
 //! `dW'` candle's autograd turns into `dA = s B^T dW'` and `dB = s dW' A^T`; with one,
@@ -27,7 +27,7 @@
 use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
-pub use super::cpu::lora_branch::LoraInput;
+pub use super::cpu::products::lora_branch::LoraInput;
 use crate::names::targets_module;
 pub use crate::names::{is_adapter, target_matches, DEFAULT_TARGETS};
 use crate::{Error, Result};
@@ -157,8 +157,8 @@ impl Adapter {
     }
 
     /// The adapter as a layer node takes it (the low-rank branch inside the node).
-    pub fn input(&self) -> super::cpu::lora_branch::LoraInput {
-        super::cpu::lora_branch::LoraInput {
+    pub fn input(&self) -> super::cpu::products::lora_branch::LoraInput {
+        super::cpu::products::lora_branch::LoraInput {
             a: self.a.clone(),
             b: self.b.clone(),
             scale: self.scale,
@@ -180,7 +180,7 @@ impl Adapter {
     }
 
     /// `W + s B A` in f32 (the base weight widened when it is stored narrower): on the
-    /// CPU one node (see [`Self::merged_on_cpu`]), elsewhere composed ops.
+    /// CPU one node (see `Self::merged_on_cpu`), elsewhere composed ops.
     pub fn merged(&self, base: &Tensor) -> Result<Tensor> {
         if let Some(w) = self.merged_on_cpu(base)? {
             return Ok(w);
@@ -224,7 +224,7 @@ impl Adapter {
             .map(|v| v * s)
             .collect();
         // W' [out, in] += (s B) [out, r] A [r, in]
-        super::cpu::gemm::product(
+        super::cpu::products::gemm::product(
             (out, input, rank),
             (&mut w, input),
             true,
@@ -234,11 +234,11 @@ impl Adapter {
         let params = [self.a.clone(), self.b.clone()];
         let backward: super::node::BackwardN = Box::new(move |dw| {
             let dw = dw.contiguous()?.to_dtype(DType::F32)?;
-            let view = super::cpu::packing::View::new(&dw)?;
+            let view = super::cpu::layers::packing::View::new(&dw)?;
             let dw = view.values::<f32>()?;
             // dA [r, in] = (s B)^T [r, out] dW' [out, in]
             let mut da = vec![0f32; rank * input];
-            super::cpu::gemm::product(
+            super::cpu::products::gemm::product(
                 (rank, input, out),
                 (&mut da, input),
                 false,
@@ -248,7 +248,7 @@ impl Adapter {
             // dB [out, r] = dW' [out, in] (s A)^T [in, r]
             let a_scaled: Vec<f32> = a_vals.iter().map(|v| v * s).collect();
             let mut db = vec![0f32; out * rank];
-            super::cpu::gemm::product(
+            super::cpu::products::gemm::product(
                 (out, rank, input),
                 (&mut db, rank),
                 false,

@@ -5,7 +5,7 @@
 //! `ops::rms_norm`, `ops::softmax_last_dim`. Nothing fails, the parameters behind them just
 //! never receive a gradient. The layers here are differentiable. Each hot piece is one
 //! function with two implementations side by side: a fused kernel with a hand-written
-//! backward ([`fused`]) for f32/f64 tensors on the CPU, and the composed candle ops it
+//! backward ([`cpu`]) for f32/f64 tensors on the CPU, and the composed candle ops it
 //! replaces (`*_composed`), which run everywhere else (CUDA, half precision). The tests
 //! hold the two equal forward and backward.
 //!
@@ -15,10 +15,12 @@
 //! LayerNorm and the attention softmax widen half-precision inputs to f32 for their
 //! statistics and narrow the result back.
 
+mod attention;
 mod batch_norm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod dispatch;
 pub mod family_ops;
 pub mod gpu;
 pub(crate) mod kernels;
@@ -27,7 +29,14 @@ mod linear_layer;
 pub mod lora;
 mod node;
 
+use attention::multi_head;
+pub use attention::{
+    attention, attention_composed, masked_softmax, masked_softmax_composed, self_attention,
+    self_attention_composed,
+};
 pub use batch_norm::BatchNorm;
+pub(crate) use dispatch::{frozen_base_ok, fused_f32, fused_ok, gpu_node_ok, gpu_op_ok};
+pub use dispatch::{fused_kernels, run_gpu_nodes_on_cpu, set_fused_kernels, set_gpu_nodes};
 pub use family_ops::{
     attention_with_bias, decoder_layer, glu, glu_composed, grouped_attention,
     grouped_attention_composed, pattern_bias, prenorm_layer, rms_norm, rotary, rotary_composed,
@@ -35,9 +44,6 @@ pub use family_ops::{
 };
 pub use layer_norm::LayerNorm;
 pub use linear_layer::Linear;
-use lora::LoraInput;
-
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Tensor, D};
 
@@ -45,100 +51,15 @@ use crate::precision::is_half;
 use crate::Result;
 
 pub use cpu::attention::{MASKED_BIAS, UNATTENDED_BIAS};
-pub use cpu::blas::{
+pub use cpu::blocks::serial;
+pub use cpu::panel_kernel::{panel_kernel_from_env, PanelKernel, PANEL_KERNEL_ENV};
+pub use cpu::products::blas::{
     blas_in_use, set_blas_products, use_blas, use_blas_from_env, BlasInfo, BLAS_ENV,
 };
-pub use cpu::blocks::serial;
-pub use cpu::gemm::{packing_from_env, panel_product, PackingThresholds, PACKING_ENV};
-pub use cpu::panel_kernel::{panel_kernel_from_env, PanelKernel, PANEL_KERNEL_ENV};
-pub use cpu::transposed::{TransposedWeights, TRANSPOSED_BUDGET};
+pub use cpu::products::gemm::{packing_from_env, PackingThresholds, PACKING_ENV};
+pub use cpu::products::transposed::{TransposedWeights, TRANSPOSED_BUDGET};
+pub use cpu::products::weight_products::panel_product;
 pub use cpu::{Act, AttentionSpec};
-
-static FUSED: AtomicBool = AtomicBool::new(true);
-
-/// Turns the fused kernels on (the default) or off for the whole process, so that a
-/// benchmark can time the composed versions side by side in one run. Results agree either
-/// way (to float rounding; the tests hold them to 1e-6).
-pub fn set_fused_kernels(on: bool) {
-    FUSED.store(on, Ordering::Relaxed);
-}
-
-/// Whether the fused CPU kernels are on ([`set_fused_kernels`]).
-pub fn fused_kernels() -> bool {
-    FUSED.load(Ordering::Relaxed)
-}
-
-/// Whether the fused CPU kernels can run on these tensors: all on the CPU, all f32 or all
-/// f64 (and not turned off with [`set_fused_kernels`]).
-pub(crate) fn fused_ok(ts: &[&Tensor]) -> bool {
-    let dtype = ts[0].dtype();
-    FUSED.load(Ordering::Relaxed)
-        && matches!(dtype, DType::F32 | DType::F64)
-        && ts.iter().all(|t| t.device().is_cpu() && t.dtype() == dtype)
-}
-
-/// Whether the f32-only CPU kernels (the 3-D convolution and VNet's units) can run on
-/// these tensors: [`fused_ok`], in f32.
-pub(crate) fn fused_f32(ts: &[&Tensor]) -> bool {
-    fused_ok(ts) && ts[0].dtype() == DType::F32
-}
-
-/// Whether a layer node that runs in `x`'s dtype (see [`fused_ok`]) takes these projection
-/// weights: in that dtype, or frozen base weights stored narrower on the CPU (bf16, f16:
-/// the node reads them widened), and LoRA adapters on the CPU.
-pub(crate) fn frozen_base_ok(x: &Tensor, bases: &[&Tensor], lora: &[Option<LoraInput>]) -> bool {
-    let cpu = |t: &Tensor| t.device().is_cpu();
-    bases.iter().all(|t| {
-        cpu(t)
-            && (t.dtype() == x.dtype()
-                || (matches!(t.dtype(), DType::BF16 | DType::F16) && !t.track_op()))
-    }) && lora.iter().flatten().all(|l| cpu(&l.a) && cpu(&l.b))
-}
-
-/// Whether a GPU layer node ([`gpu`]) runs a layer on `x`: a CUDA tensor in f32, bf16 or
-/// f16, and the GPU nodes not turned off with `GRADCACHE_GPU_NODES=0` (which runs every
-/// layer op by op, for a side-by-side measurement).
-pub(crate) fn gpu_node_ok(x: &Tensor) -> bool {
-    x.rank() == 3 && gpu_op_ok(x)
-}
-
-/// [`gpu_node_ok`] for a GPU node over a tensor of any rank (a norm).
-pub(crate) fn gpu_op_ok(x: &Tensor) -> bool {
-    let device = if x.device().is_cuda() {
-        matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
-    } else {
-        GPU_NODES_ON_CPU.load(Ordering::Relaxed)
-    };
-    device && x.rank() >= 1 && gpu_nodes_enabled()
-}
-
-static GPU_NODES_ON_CPU: AtomicBool = AtomicBool::new(false);
-
-/// Runs the GPU layer nodes ([`gpu`]) on CPU tensors too, through the reference forms of
-/// their kernels, wherever the CPU's own nodes do not run (turn those off with
-/// [`set_fused_kernels`]): how the tests and the self-check prove the GPU nodes' algebra
-/// on a machine without a GPU. Off by default; slow (the reference forms loop in f64).
-pub fn run_gpu_nodes_on_cpu(on: bool) {
-    GPU_NODES_ON_CPU.store(on, Ordering::Relaxed);
-}
-
-/// The GPU nodes are on: not turned off by [`set_gpu_nodes`] nor by
-/// `GRADCACHE_GPU_NODES=0` (read once).
-fn gpu_nodes_enabled() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    GPU_NODES.load(Ordering::Relaxed)
-        && *ENV
-            .get_or_init(|| std::env::var("GRADCACHE_GPU_NODES").map_or(true, |v| v.trim() != "0"))
-}
-
-static GPU_NODES: AtomicBool = AtomicBool::new(true);
-
-/// Turns the GPU layer nodes on (the default) or off for the whole process: off, a GPU
-/// runs every layer op by op through candle's kernels and autograd, which the self-check
-/// and the benchmarks set side by side with the nodes.
-pub fn set_gpu_nodes(on: bool) {
-    GPU_NODES.store(on, Ordering::Relaxed);
-}
 
 /// `t` in `dtype`: a tracked cast, or `t` itself when it already is.
 fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
@@ -410,8 +331,8 @@ fn widened_layer_norm(
 /// `x W^T + b` on the flattened rows of `x`: one node with a hand-written backward
 /// ([`cpu::linear`]) where the fused kernels run, else composed as `(W x^T)^T`.
 ///
-/// The composed form is written this way round, candle's backward produces the weight gradient as one
-/// contiguous `[out, in]` matmul, with no transpose node on the weight: `x.matmul(W.t())`
+/// The composed form is written this way round, candle's backward produces the weight gradient as
+/// one contiguous `[out, in]` matmul, with no transpose node on the weight: `x.matmul(W.t())`
 /// records a transpose whose backward allocates and adds a second weight-sized, strided
 /// gradient. The replay of a gradient cache pays that once per chunk, so it matters.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
@@ -447,43 +368,6 @@ pub fn linear_composed(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Re
     Ok(y.reshape(out_dims)?)
 }
 
-/// `softmax(scale * scores + bias)` over the last dimension, for attention scores
-/// `[n, heads, q, k]` and an additive key mask `bias` `[n, 1, 1, k]`: the fused kernel
-/// where it runs, else [`masked_softmax_composed`]. No gradient flows to `bias`.
-pub fn masked_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    if is_half(scores.dtype()) {
-        return widened_softmax(masked_softmax, scores, bias, scale);
-    }
-    if fused_ok(&[scores, bias]) && scores.rank() == 4 {
-        return Ok(scores
-            .contiguous()?
-            .apply_op2(&bias.contiguous()?.detach(), cpu::MaskedSoftmax { scale })?);
-    }
-    masked_softmax_composed(scores, bias, scale)
-}
-
-/// Composed `softmax(scale * scores + bias)` (candle's differentiable `ops::softmax`).
-pub fn masked_softmax_composed(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
-    if is_half(scores.dtype()) {
-        return widened_softmax(masked_softmax_composed, scores, bias, scale);
-    }
-    let bias = cast(bias, scores.dtype())?;
-    let x = (scores * scale)?.broadcast_add(&bias)?;
-    Ok(candle_nn::ops::softmax(&x, D::Minus1)?)
-}
-
-/// `softmax` run in f32 on half-precision scores, the probabilities narrowed back.
-fn widened_softmax(
-    softmax: fn(&Tensor, &Tensor, f64) -> Result<Tensor>,
-    scores: &Tensor,
-    bias: &Tensor,
-    scale: f64,
-) -> Result<Tensor> {
-    let f32 = DType::F32;
-    let p = softmax(&scores.to_dtype(f32)?, &cast(bias, f32)?, scale)?;
-    Ok(p.to_dtype(scores.dtype())?)
-}
-
 /// Inverted dropout with the mask of `seed` ([`crate::rng::keep`]): the fused kernel (no
 /// mask stored, the backward regenerates it) where it runs, else [`dropout_composed`].
 /// The two give the same mask bit for bit.
@@ -497,7 +381,7 @@ pub fn dropout(x: &Tensor, seed: u64, p: f32) -> Result<Tensor> {
 /// Dropout as a product with a mask tensor.
 ///
 /// On a GPU the mask is never built: one node whose forward and backward are the dropout
-/// kernel ([`kernels::dropout`], the mask of every element drawn where it is used), where
+/// kernel (`kernels::dropout`, the mask of every element drawn where it is used), where
 /// a mask tensor would be drawn on the host and copied to the device at every call.
 pub fn dropout_composed(x: &Tensor, seed: u64, p: f32) -> Result<Tensor> {
     if x.device().is_cuda() {
@@ -536,25 +420,6 @@ pub fn bias_activation_composed(x: &Tensor, bias: &Tensor, act: Act) -> Result<T
     })
 }
 
-/// Scaled dot-product attention with an additive key mask and dropout on the
-/// probabilities, `dropout(softmax(scale * q k^T + bias)) v`, for `q`, `k`, `v`
-/// `[n, heads, s, d]`: one node ([`cpu::attention`]) where the fused kernels run, else
-/// [`attention_composed`]. With `spec.recompute` nothing of size `[n, heads, s, s]` is
-/// kept for the backward, which recomputes the probabilities (the composed form then runs
-/// inside a [`recomputed`] node).
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, spec: &cpu::AttentionSpec) -> Result<Tensor> {
-    if fused_ok(&[q, k, v, &spec.bias]) && q.rank() == 4 {
-        return Ok(cpu::attention(q, k, v, spec)?);
-    }
-    if spec.recompute {
-        let spec = spec.clone();
-        return recomputed("gradcache-attention-recomputed", &[q, k, v], move |t| {
-            attention_composed(&t[0], &t[1], &t[2], &spec)
-        });
-    }
-    attention_composed(q, k, v, spec)
-}
-
 /// A 2-D convolution without bias (`x [n, c_in, h, w]`, `weight [c_out, c_in, k, k]`,
 /// zero `padding`, `stride`): one node with a faster backward ([`cpu::conv2d`]) where
 /// the fused kernels run (the CPU), else candle's convolution and its backward.
@@ -567,8 +432,8 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, padding: usize, stride: usize) -> Res
 
 /// A 3-D convolution without bias (`x [n, c_in, d, h, w]`, a cubic `weight
 /// [c_out, c_in, k, k, k]`, zero `padding`, `stride`) as one node with its backward
-/// ([`cpu::conv3d`]; candle has no 3-D convolution, so it runs whether or not the fused
-/// kernels are on). f32 on the CPU only: anything else is refused by name.
+/// ([`cpu::conv3d`](fn@cpu::conv3d); candle has no 3-D convolution, so it runs whether or not the
+/// fused kernels are on). f32 on the CPU only: anything else is refused by name.
 pub fn conv3d(x: &Tensor, weight: &Tensor, padding: usize, stride: usize) -> Result<Tensor> {
     let fused_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
     if !(fused_f32(x) && fused_f32(weight)) {
@@ -595,86 +460,6 @@ where
             e => candle_core::Error::Msg(e.to_string()),
         })
     })?)
-}
-
-/// BERT's multi-head self-attention from the hidden states `x` `[n, s, h]`: the query,
-/// key and value projections, the split into `heads`, [`attention()`](fn@attention), and the heads merged
-/// back, `[n, s, h]` (before the output projection). Where the fused kernels run, one node
-/// over the three projections ([`cpu::self_attention_projections`]); else composed.
-pub fn self_attention(
-    x: &Tensor,
-    [query, key, value]: [&Linear; 3],
-    heads: usize,
-    spec: &cpu::AttentionSpec,
-) -> Result<Tensor> {
-    let merged = query.merges() && key.merges() && value.merges();
-    if let (Some(bq), Some(bk), Some(bv), true) = (&query.bias, &key.bias, &value.bias, merged) {
-        let (wq, wk, wv) = (query.weight()?, key.weight()?, value.weight()?);
-        let ts = [x, &wq, &wk, &wv, bq, bk, bv, &spec.bias];
-        if fused_ok(&ts) && x.rank() == 3 {
-            return Ok(cpu::self_attention_projections(
-                x,
-                [&wq, &wk, &wv],
-                [bq, bk, bv],
-                heads,
-                spec,
-            )?);
-        }
-    }
-    self_attention_composed(x, [query, key, value], heads, spec)
-}
-
-/// Composed self-attention (see [`self_attention`]).
-pub fn self_attention_composed(
-    x: &Tensor,
-    projections: [&Linear; 3],
-    heads: usize,
-    spec: &cpu::AttentionSpec,
-) -> Result<Tensor> {
-    multi_head(x, projections, heads, |q, k, v| attention(q, k, v, spec))
-}
-
-/// Multi-head attention around `attend`: the query, key and value projections of `x`
-/// `[n, s, h]` split into `heads` (`[n, heads, s, d]` each), `attend(q, k, v)`, and its
-/// heads merged back, `[n, s, h]`.
-fn multi_head(
-    x: &Tensor,
-    [query, key, value]: [&Linear; 3],
-    heads: usize,
-    attend: impl FnOnce(&Tensor, &Tensor, &Tensor) -> Result<Tensor>,
-) -> Result<Tensor> {
-    let (n, s, h) = x.dims3()?;
-    let split = |t: Tensor| -> Result<Tensor> {
-        Ok(t.reshape((n, s, heads, h / heads))?
-            .transpose(1, 2)?
-            .contiguous()?)
-    };
-    let q = split(query.forward(x)?)?;
-    let k = split(key.forward(x)?)?;
-    let v = split(value.forward(x)?)?;
-    let attended = attend(&q, &k, &v)?;
-    Ok(attended.transpose(1, 2)?.reshape((n, s, h))?)
-}
-
-/// Composed attention (see [`attention()`](fn@attention)); keeps the probabilities for the backward.
-pub fn attention_composed(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    spec: &cpu::AttentionSpec,
-) -> Result<Tensor> {
-    let bias = match spec.window {
-        Some(w) => window_bias(q.dim(2)?, k.dim(2)?, w, q.device())?
-            .to_dtype(spec.bias.dtype())?
-            .broadcast_add(&spec.bias)?,
-        None => spec.bias.clone(),
-    };
-    let probs = masked_softmax_composed(&q.matmul(&k.t()?)?, &bias, spec.scale)?;
-    let probs = match spec.dropout {
-        Some((seed, p)) if p > 0.0 => dropout_composed(&probs, seed, p)?,
-        _ => probs,
-    };
-    Ok(probs.matmul(v)?)
 }
 
 /// `x / max(||x||, 1e-12)` over the last dimension (as `torch.nn.functional.normalize`),

@@ -14,7 +14,7 @@
 //!
 //! The trainer prints the spans after each step and writes them into `metrics.jsonl`
 //! (a `"profile"` line per step). With `GRADCACHE_PROFILE=cupti` on a GPU the step's
-//! driver calls are counted too ([`cupti`]): kernel launches, allocations, copies each way
+//! driver calls are counted too (`cupti`): kernel launches, allocations, copies each way
 //! with their bytes, and the time the host waited for the device.
 
 use std::collections::BTreeMap;

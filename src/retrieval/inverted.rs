@@ -4,7 +4,7 @@
 //! of the vocabulary-wide vectors (the zeros add nothing): per document the products of
 //! the shared entries summed in increasing vocabulary order, in f32, so they differ from a
 //! dense matrix product's only by the order of the additions. The ranking and the top-k
-//! are those of [`super::search`]'s dense path: higher score first, equal scores by lower
+//! are those of [`super::search`](mod@super::search)'s dense path: higher score first, equal scores by lower
 //! corpus index, documents sharing no entry with the query (score 0) filling the top-k in
 //! corpus order.
 //!

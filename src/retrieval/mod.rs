@@ -1,8 +1,8 @@
 //! The retrieval workflow around training: datasets as they are published ([`files`],
-//! [`beir`]), exact top-k search over a corpus in bounded memory ([`search`]; sparse
+//! [`beir`]), exact top-k search over a corpus in bounded memory ([`search`](mod@search); sparse
 //! vectors through an inverted index, [`inverted`]), the
 //! standard measures with trec_eval's definitions ([`metrics`]), and hard-negative mining
-//! ([`mine`]).
+//! ([`mine`](mod@mine)).
 //!
 //! Nothing here knows about a model: the caller hands in a closure that embeds texts
 //! (with whatever prompts and tower it uses), so `gradcache eval`, `gradcache mine` and

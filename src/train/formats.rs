@@ -311,7 +311,7 @@ pub(crate) fn pair_from_object(
 /// passages. An error names the row (1-based) and its row group.
 fn parquet_pairs(path: &Path, fields: &Fields, separator: &str, push: &mut Push) -> Result<()> {
     // The Parquet crate panics on some damaged pages instead of returning an error (its
-    // record reader asserts on definition levels; tests/fuzz_readers.rs found it): such a
+    // record reader asserts on definition levels; tests/it/fuzz_readers.rs found it): such a
     // panic becomes an error naming the file.
     without_panics(path, || read_parquet(path, fields, separator, push))
 }
@@ -391,7 +391,7 @@ fn read_parquet(path: &Path, fields: &Fields, separator: &str, push: &mut Push) 
 
 /// Checks what the Parquet reader takes on trust in a file's footer: every column chunk
 /// must lie inside the file (the reader panics on a negative offset or size, which a
-/// damaged file can hold; `tests/fuzz_readers.rs` found it).
+/// damaged file can hold; `tests/it/fuzz_readers.rs` found it).
 fn check_parquet_footer(path: &Path, file: &std::fs::File) -> Result<()> {
     use parquet::file::metadata::ParquetMetaDataReader;
     let bad =

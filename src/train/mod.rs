@@ -4,12 +4,12 @@
 //! SGD, the warmup schedule, clipping), [`metrics`] (retrieval quality), [`checkpoint`]
 //! (training checkpoints written atomically, exact resume), [`run`] (the one training
 //! loop and the [`Task`] trait every kind of training implements), [`trainer`] (text
-//! pairs; the export of a finished run is `run_export`'s) and [`image_text`] (CLIP-style training of a
-//! ResNet and a text tower on the generated [`shapes`] data set).
+//! pairs; the export of a finished run is `run_export`'s) and [`image_text`] (CLIP-style training
+//! of a ResNet and a text tower on the generated [`shapes`] data set).
 //!
 //! A new kind of training implements [`Task`] (its batches, its inputs, its evaluation,
 //! where its data stands) and hands its towers and loss to [`Run::from_parts`]; the loop,
-//! the evaluation schedule, checkpoints and exact resume come with it (`tests/task.rs`
+//! the evaluation schedule, checkpoints and exact resume come with it (`tests/it/task.rs`
 //! does this for a task the crate does not ship).
 
 pub mod budget;
@@ -19,8 +19,6 @@ mod config_file;
 pub mod data;
 pub mod formats;
 pub mod image_text;
-mod image_text_config;
-mod image_text_towers;
 pub mod lock;
 mod lora_config;
 pub mod metrics;

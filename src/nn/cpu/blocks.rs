@@ -169,9 +169,9 @@ pub(crate) fn vectors() -> Vectors {
 /// width (this crate did, and its kernels ran at SSE2 width until the copies moved here).
 /// Nothing is reassociated or fused by a wider copy (Rust never contracts `a * b + c` into
 /// an FMA, and reductions keep their order): every copy gives the same bits. An explicit
-/// `mul_add` (the exponential and GELU of [`super::math`]) is one rounding in every copy:
-/// an FMA instruction in the wide ones, libm's exact `fma` in the baseline one (slow, for
-/// CPUs without AVX2 and FMA alone); any function that takes one must run inside a copy
+/// `mul_add` (the exponential and GELU of [`crate::nn::cpu::elementwise::math`]) is one rounding
+/// in every copy: an FMA instruction in the wide ones, libm's exact `fma` in the baseline one
+/// (slow, for CPUs without AVX2 and FMA alone); any function that takes one must run inside a copy
 /// (`#[inline(always)]` down from it), not compiled for the baseline on its own.
 ///
 /// The function's generics are `T: Float` (after any lifetimes) and each argument a name
@@ -270,6 +270,14 @@ pub(crate) fn sum_partials<T: Float>(partials: &[T], width: usize) -> Vec<T> {
 /// The widest copy the kernels may take in tests (0 baseline, 1 AVX2, 2 AVX-512).
 #[cfg(test)]
 pub(crate) static WIDEST: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+
+/// Held by a unit test that lowers [`WIDEST`], and by one that expects [`vectors`] to
+/// answer the CPU's own widest copy: the cap is the whole test process's.
+#[cfg(test)]
+pub(crate) fn widest_held() -> std::sync::MutexGuard<'static, ()> {
+    static HELD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    HELD.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 pub(crate) fn contiguous<'a, T: candle_core::WithDType>(
     s: &'a candle_core::CpuStorage,

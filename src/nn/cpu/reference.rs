@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Device, Shape, Tensor};
 
-use super::math::Act;
+use crate::nn::cpu::elementwise::math::Act;
 
 /// The dtype of a node's kept sums and statistics for activations in `dtype`.
 pub(crate) fn acc(dtype: DType) -> DType {

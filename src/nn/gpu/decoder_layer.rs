@@ -28,7 +28,7 @@
 use candle_core::{DType, Tensor};
 
 use super::attention::Attention;
-use super::lora::{self, Adapter, AdapterGrads};
+use super::lora::Adapter;
 use crate::nn::cpu::decoder_layer::{DecoderSpec, DecoderWeights};
 use crate::nn::kernels::{self as k, acc};
 use crate::nn::lora::LoraInput;
@@ -160,53 +160,53 @@ pub fn decoder_layer(
 }
 
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    n: usize,
-    s: usize,
-    h: usize,
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
+pub(super) struct Dims {
+    pub(super) n: usize,
+    pub(super) s: usize,
+    pub(super) h: usize,
+    pub(super) heads: usize,
+    pub(super) kv_heads: usize,
+    pub(super) d: usize,
 }
 
 impl Dims {
-    fn qd(&self) -> usize {
+    pub(super) fn qd(&self) -> usize {
         self.heads * self.d
     }
 
-    fn kd(&self) -> usize {
+    pub(super) fn kd(&self) -> usize {
         self.kv_heads * self.d
     }
 
-    fn rows(&self) -> usize {
+    pub(super) fn rows(&self) -> usize {
         self.n * self.s
     }
 }
 
 /// The layer's weights by slot (`None` where the family has none), in node-input order.
-const SLOTS: usize = 20;
-const IN_NORM: usize = 0;
-const WQ: usize = 1;
-const BQ: usize = 2;
-const WK: usize = 3;
-const BK: usize = 4;
-const WV: usize = 5;
-const BV: usize = 6;
-const WO: usize = 7;
-const BO: usize = 8;
-const Q_NORM: usize = 9;
-const K_NORM: usize = 10;
-const POST_ATTN: usize = 11;
-const MLP_NORM: usize = 12;
-const WG: usize = 13;
-const BG: usize = 14;
-const WU: usize = 15;
-const BU: usize = 16;
-const WD: usize = 17;
-const BD: usize = 18;
-const POST_MLP: usize = 19;
+pub(super) const SLOTS: usize = 20;
+pub(super) const IN_NORM: usize = 0;
+pub(super) const WQ: usize = 1;
+pub(super) const BQ: usize = 2;
+pub(super) const WK: usize = 3;
+pub(super) const BK: usize = 4;
+pub(super) const WV: usize = 5;
+pub(super) const BV: usize = 6;
+pub(super) const WO: usize = 7;
+pub(super) const BO: usize = 8;
+pub(super) const Q_NORM: usize = 9;
+pub(super) const K_NORM: usize = 10;
+pub(super) const POST_ATTN: usize = 11;
+pub(super) const MLP_NORM: usize = 12;
+pub(super) const WG: usize = 13;
+pub(super) const BG: usize = 14;
+pub(super) const WU: usize = 15;
+pub(super) const BU: usize = 16;
+pub(super) const WD: usize = 17;
+pub(super) const BD: usize = 18;
+pub(super) const POST_MLP: usize = 19;
 
-struct Slots([Option<Tensor>; SLOTS]);
+pub(super) struct Slots([Option<Tensor>; SLOTS]);
 
 impl Slots {
     fn of(w: &DecoderWeights) -> Self {
@@ -242,42 +242,23 @@ impl Slots {
 }
 
 /// Everything the layer computes with, detached.
-struct Layer {
-    x: Tensor,
+pub(super) struct Layer {
+    pub(super) x: Tensor,
     /// The LoRA adapters of the q, k, v, o, gate, up and down projections, and each one's
     /// `A` among the node's inputs.
-    adapters: [Option<Adapter>; 7],
-    adapter_input: [Option<usize>; 7],
+    pub(super) adapters: [Option<Adapter>; 7],
+    pub(super) adapter_input: [Option<usize>; 7],
     /// The weights by slot, detached (cast where they are used).
-    w: [Option<Tensor>; SLOTS],
+    pub(super) w: [Option<Tensor>; SLOTS],
     /// Each present slot's index among the node's inputs.
-    input_of: [Option<usize>; SLOTS],
-    key_bias: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    positions: Tensor,
-    dims: Dims,
-    dtype: DType,
-    spec: DecoderSpec,
-}
-
-/// What the forward keeps (`None`: recomputed in the backward).
-struct Kept {
-    r1: Tensor,
-    q0: Tensor,
-    rq: Option<Tensor>,
-    k0: Tensor,
-    rk: Option<Tensor>,
-    v: Tensor,
-    probs: Option<Tensor>,
-    ctx: Tensor,
-    /// Gemma: the attention output under its norm, and that norm's statistic.
-    a: Option<(Tensor, Tensor)>,
-    x1: Tensor,
-    r2: Tensor,
-    up: Tensor,
-    /// Gemma: the feed-forward output under its norm, and that norm's statistic.
-    m: Option<(Tensor, Tensor)>,
+    pub(super) input_of: [Option<usize>; SLOTS],
+    pub(super) key_bias: Tensor,
+    pub(super) cos: Tensor,
+    pub(super) sin: Tensor,
+    pub(super) positions: Tensor,
+    pub(super) dims: Dims,
+    pub(super) dtype: DType,
+    pub(super) spec: DecoderSpec,
 }
 
 impl Layer {
@@ -325,16 +306,16 @@ impl Layer {
     }
 
     /// Slot `i` in the activations' dtype (a projection) or in the norms' (a norm).
-    fn get(&self, i: usize, dtype: DType) -> candle_core::Result<Option<Tensor>> {
+    pub(super) fn get(&self, i: usize, dtype: DType) -> candle_core::Result<Option<Tensor>> {
         self.w[i].as_ref().map(|t| t.to_dtype(dtype)).transpose()
     }
 
-    fn weight(&self, i: usize) -> candle_core::Result<Tensor> {
+    pub(super) fn weight(&self, i: usize) -> candle_core::Result<Tensor> {
         self.get(i, self.dtype)?
             .ok_or_else(|| candle_core::Error::Msg(format!("decoder layer: no weight in slot {i}")))
     }
 
-    fn norm(&self, i: usize) -> candle_core::Result<Option<Tensor>> {
+    pub(super) fn norm(&self, i: usize) -> candle_core::Result<Option<Tensor>> {
         self.get(i, acc(self.dtype))
     }
 
@@ -361,15 +342,15 @@ impl Layer {
         Ok((w, Some(Tensor::cat(&bs, 0)?)))
     }
 
-    fn qkv(&self) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+    pub(super) fn qkv(&self) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         self.stacked(&[(WQ, BQ), (WK, BK), (WV, BV)])
     }
 
-    fn gate_up(&self) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+    pub(super) fn gate_up(&self) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         self.stacked(&[(WG, BG), (WU, BU)])
     }
 
-    fn rms(&self, x: &Tensor, slot: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    pub(super) fn rms(&self, x: &Tensor, slot: usize) -> candle_core::Result<(Tensor, Tensor)> {
         let w = self.norm(slot)?.ok_or_else(|| {
             candle_core::Error::Msg(format!("decoder layer: no norm in slot {slot}"))
         })?;
@@ -388,7 +369,7 @@ impl Layer {
     }
 
     /// The q, k, v adapters with their widths, in the stacked product's order.
-    fn qkv_adapters(&self) -> [(Option<&Adapter>, usize); 3] {
+    pub(super) fn qkv_adapters(&self) -> [(Option<&Adapter>, usize); 3] {
         let d = self.dims;
         [
             (self.adapters[0].as_ref(), d.qd()),
@@ -398,7 +379,7 @@ impl Layer {
     }
 
     /// The gate and up adapters with their widths.
-    fn gate_up_adapters(&self, inter: usize) -> [(Option<&Adapter>, usize); 2] {
+    pub(super) fn gate_up_adapters(&self, inter: usize) -> [(Option<&Adapter>, usize); 2] {
         [
             (self.adapters[4].as_ref(), inter),
             (self.adapters[5].as_ref(), inter),
@@ -406,7 +387,13 @@ impl Layer {
     }
 
     /// `x W^T (+ b)` of weight slot `w`, with the adapter of projection `p` if any.
-    fn linear(&self, x: &Tensor, w: usize, b: usize, p: usize) -> candle_core::Result<Tensor> {
+    pub(super) fn linear(
+        &self,
+        x: &Tensor,
+        w: usize,
+        b: usize,
+        p: usize,
+    ) -> candle_core::Result<Tensor> {
         let y = x.matmul(&self.weight(w)?.t()?)?;
         let y = match &self.adapters[p] {
             Some(a) => (y + a.delta(x)?)?,
@@ -421,7 +408,7 @@ impl Layer {
     /// The queries and keys as the attention reads them, normed and rotated, and their
     /// norms' row statistics (where the family has the norms).
     #[allow(clippy::type_complexity)]
-    fn rotated(
+    pub(super) fn rotated(
         &self,
         q0: &Tensor,
         k0: &Tensor,
@@ -433,7 +420,7 @@ impl Layer {
         Ok(((q, rq), (kk, rk)))
     }
 
-    fn attention(&self) -> Attention {
+    pub(super) fn attention(&self) -> Attention {
         let d = self.dims;
         Attention {
             key_bias: self.key_bias.clone(),
@@ -447,284 +434,5 @@ impl Layer {
             s: d.s,
             d: d.d,
         }
-    }
-
-    /// The layer's output `[n s, h]` and, when `keep`, what the backward reads.
-    fn forward(&self, keep: bool) -> candle_core::Result<(Tensor, Option<Kept>)> {
-        let d = self.dims;
-        let (n1, r1) = self.rms(&self.x, IN_NORM)?;
-        let (wqkv, bqkv) = self.qkv()?;
-        let qkv = n1.matmul(&wqkv.t()?)?;
-        let qkv = match lora::stacked_delta(&self.qkv_adapters(), &n1)? {
-            Some(delta) => (qkv + delta)?,
-            None => qkv,
-        };
-        drop((n1, wqkv));
-        let q0 = k::to_heads(&qkv, 0, (d.n, d.heads, d.s, d.d), bqkv.as_ref())?;
-        let k0 = k::to_heads(&qkv, d.qd(), (d.n, d.kv_heads, d.s, d.d), bqkv.as_ref())?;
-        let v = k::to_heads(
-            &qkv,
-            d.qd() + d.kd(),
-            (d.n, d.kv_heads, d.s, d.d),
-            bqkv.as_ref(),
-        )?;
-        drop(qkv);
-        let ((q, rq), (kk, rk)) = self.rotated(&q0, &k0)?;
-        let attention = self.attention();
-        let (probs, dropped) = attention.probabilities(&q, &kk)?;
-        drop((q, kk));
-        let ctx = attention.context(dropped.as_ref().unwrap_or(&probs), &v)?;
-        drop(dropped);
-        let a_pre = self.linear(&ctx, WO, BO, 3)?;
-        let (a, a_kept) = match self.w[POST_ATTN] {
-            Some(_) => {
-                let (a, r) = self.rms(&a_pre, POST_ATTN)?;
-                (a, Some((a_pre, r)))
-            }
-            None => (a_pre, None),
-        };
-        let x1 = (&self.x + a)?;
-        let (n2, r2) = self.rms(&x1, MLP_NORM)?;
-        let (wgu, bgu) = self.gate_up()?;
-        let up = n2.matmul(&wgu.t()?)?;
-        let inter = wgu.dim(0)? / 2;
-        let up = match lora::stacked_delta(&self.gate_up_adapters(inter), &n2)? {
-            Some(delta) => (up + delta)?,
-            None => up,
-        };
-        let up = match bgu {
-            Some(b) => up.broadcast_add(&b)?,
-            None => up,
-        };
-        drop((n2, wgu));
-        let gated = k::glu_forward(&up, self.spec.act)?;
-        let m_pre = self.linear(&gated, WD, BD, 6)?;
-        drop(gated);
-        let (m, m_kept) = match self.w[POST_MLP] {
-            Some(_) => {
-                let (m, r) = self.rms(&m_pre, POST_MLP)?;
-                (m, Some((m_pre, r)))
-            }
-            None => (m_pre, None),
-        };
-        let y = (&x1 + m)?;
-        if !keep {
-            return Ok((y, None));
-        }
-        Ok((
-            y,
-            Some(Kept {
-                r1,
-                q0,
-                rq,
-                k0,
-                rk,
-                v,
-                probs: (!self.spec.attention.recompute).then_some(probs),
-                ctx,
-                a: a_kept,
-                x1,
-                r2,
-                up,
-                m: m_kept,
-            }),
-        ))
-    }
-
-    /// Every input's gradient from the output's, in node-input order; `None` where `wants`
-    /// says the input takes none.
-    fn backward(
-        &self,
-        dy: &Tensor,
-        kept: &Option<Kept>,
-        wants: &[bool],
-    ) -> candle_core::Result<Vec<Option<Tensor>>> {
-        let Some(kept) = kept else {
-            candle_core::bail!("decoder layer: backward without the forward's tensors");
-        };
-        let d = self.dims;
-        let offset = self.spec.offset;
-        let dy = dy
-            .to_dtype(self.dtype)?
-            .reshape((d.rows(), d.h))?
-            .contiguous()?;
-        let want = |slot: usize| {
-            self.input_of[slot]
-                .and_then(|i| wants.get(i).copied())
-                .unwrap_or(false)
-        };
-        let mut grads: Vec<Option<Tensor>> = vec![None; wants.len()];
-        let mut put = |slot: usize, t: Tensor| -> candle_core::Result<()> {
-            if let (true, Some(i), Some(w)) = (want(slot), self.input_of[slot], &self.w[slot]) {
-                grads[i] = Some(t.to_dtype(w.dtype())?);
-            }
-            Ok(())
-        };
-        let rms_back =
-            |dy: &Tensor, x: &Tensor, r: &Tensor, slot: usize| -> candle_core::Result<Tensor> {
-                let w = self.norm(slot)?.expect("a norm in this slot");
-                k::rms_backward(dy, x, r, &w, offset)
-            };
-
-        // The feed-forward.
-        let dm = match &kept.m {
-            Some((m, r)) => {
-                if want(POST_MLP) {
-                    put(POST_MLP, k::rms_param_grads(&dy, m, r)?)?;
-                }
-                rms_back(&dy, m, r, POST_MLP)?
-            }
-            None => dy.clone(),
-        };
-        if want(BD) {
-            put(BD, k::column_sums(&dm)?)?;
-        }
-        let mut adapter_grads: Vec<(usize, AdapterGrads)> = Vec::new();
-        let mut dgated = dm.matmul(&self.weight(WD)?)?;
-        if want(WD) || self.adapters[6].is_some() {
-            let gated = k::glu_forward(&kept.up, self.spec.act)?;
-            if want(WD) {
-                put(WD, dm.t()?.matmul(&gated)?)?;
-            }
-            if let Some(a) = &self.adapters[6] {
-                let g = a.backward(&dm, &gated)?;
-                dgated = (dgated + &g.x)?;
-                adapter_grads.push((6, g));
-            }
-        }
-        drop(dm);
-        let dup = k::glu_backward(&dgated, &kept.up, self.spec.act)?;
-        drop(dgated);
-        let (n2, _) = self.rms(&kept.x1, MLP_NORM)?;
-        if want(BG) || want(BU) {
-            let db = k::column_sums(&dup)?;
-            let inter = db.dim(0)? / 2;
-            put(BG, db.narrow(0, 0, inter)?)?;
-            put(BU, db.narrow(0, inter, inter)?)?;
-        }
-        if want(WG) || want(WU) {
-            let dw = dup.t()?.matmul(&n2)?;
-            let inter = dw.dim(0)? / 2;
-            put(WG, dw.narrow(0, 0, inter)?.contiguous()?)?;
-            put(WU, dw.narrow(0, inter, inter)?.contiguous()?)?;
-        }
-        let (wgu, _) = self.gate_up()?;
-        let inter = wgu.dim(0)? / 2;
-        let (gu_grads, gu_dx) = lora::stacked_backward(&self.gate_up_adapters(inter), &dup, &n2)?;
-        for (p, g) in gu_grads.into_iter().enumerate() {
-            if let Some(g) = g {
-                adapter_grads.push((4 + p, g));
-            }
-        }
-        drop(n2);
-        let dn2 = lora::plus(dup.matmul(&wgu)?, gu_dx)?;
-        drop((dup, wgu));
-        if want(MLP_NORM) {
-            put(MLP_NORM, k::rms_param_grads(&dn2, &kept.x1, &kept.r2)?)?;
-        }
-        let dx1 = (rms_back(&dn2, &kept.x1, &kept.r2, MLP_NORM)? + &dy)?;
-        drop((dn2, dy));
-
-        // The attention output.
-        let da = match &kept.a {
-            Some((a, r)) => {
-                if want(POST_ATTN) {
-                    put(POST_ATTN, k::rms_param_grads(&dx1, a, r)?)?;
-                }
-                rms_back(&dx1, a, r, POST_ATTN)?
-            }
-            None => dx1.clone(),
-        };
-        if want(BO) {
-            put(BO, k::column_sums(&da)?)?;
-        }
-        if want(WO) {
-            put(WO, da.t()?.matmul(&kept.ctx)?)?;
-        }
-        let mut dctx = da.matmul(&self.weight(WO)?)?;
-        if let Some(a) = &self.adapters[3] {
-            let g = a.backward(&da, &kept.ctx)?;
-            dctx = (dctx + &g.x)?;
-            adapter_grads.push((3, g));
-        }
-        drop(da);
-
-        // The attention.
-        let ((q, _), (kk, _)) = self.rotated(&kept.q0, &kept.k0)?;
-        let grads_attention =
-            self.attention()
-                .backward(&dctx, (&q, &kk, &kept.v), kept.probs.as_ref(), false)?;
-        drop((dctx, q, kk));
-        let (dq, dk, dv) = (grads_attention.q, grads_attention.k, grads_attention.v);
-        let scale = self.spec.attention.scale;
-        let dq = k::rotary_backward(&dq, &self.cos, &self.sin, &self.positions, scale)?;
-        let dk = k::rotary_backward(&dk, &self.cos, &self.sin, &self.positions, scale)?;
-        let mut head_norm_back = |t: Tensor,
-                                  t0: &Tensor,
-                                  r: &Option<Tensor>,
-                                  slot: usize|
-         -> candle_core::Result<Tensor> {
-            let Some(r) = r else { return Ok(t) };
-            let rows = t.elem_count() / d.d;
-            let (t2, t02) = (t.reshape((rows, d.d))?, t0.reshape((rows, d.d))?);
-            if want(slot) {
-                put(slot, k::rms_param_grads(&t2, &t02, r)?)?;
-            }
-            rms_back(&t2, &t02, r, slot)?.reshape(t.shape())
-        };
-        let dq0 = head_norm_back(dq, &kept.q0, &kept.rq, Q_NORM)?;
-        let dk0 = head_norm_back(dk, &kept.k0, &kept.rk, K_NORM)?;
-        let width = d.qd() + 2 * d.kd();
-        let dqkv = k::from_heads(
-            &[
-                (&dq0, 0, 1.0),
-                (&dk0, d.qd(), 1.0),
-                (&dv, d.qd() + d.kd(), 1.0),
-            ],
-            width,
-        )?;
-        drop((dq0, dk0, dv));
-        let splits = [
-            (WQ, BQ, 0, d.qd()),
-            (WK, BK, d.qd(), d.kd()),
-            (WV, BV, d.qd() + d.kd(), d.kd()),
-        ];
-        if splits.iter().any(|&(_, b, _, _)| want(b)) {
-            let db = k::column_sums(&dqkv)?;
-            for &(_, b, at, len) in &splits {
-                put(b, db.narrow(0, at, len)?)?;
-            }
-        }
-        let (n1, _) = self.rms(&self.x, IN_NORM)?;
-        if splits.iter().any(|&(w, _, _, _)| want(w)) {
-            let dw = dqkv.t()?.matmul(&n1)?;
-            for &(w, _, at, len) in &splits {
-                put(w, dw.narrow(0, at, len)?.contiguous()?)?;
-            }
-        }
-        let (qkv_grads, qkv_dx) = lora::stacked_backward(&self.qkv_adapters(), &dqkv, &n1)?;
-        for (p, g) in qkv_grads.into_iter().enumerate() {
-            if let Some(g) = g {
-                adapter_grads.push((p, g));
-            }
-        }
-        let (wqkv, _) = self.qkv()?;
-        let dn1 = lora::plus(dqkv.matmul(&wqkv)?, qkv_dx)?;
-        drop((dqkv, wqkv));
-        if want(IN_NORM) {
-            put(IN_NORM, k::rms_param_grads(&dn1, &self.x, &kept.r1)?)?;
-        }
-        drop(n1);
-        if wants.first().copied().unwrap_or(false) {
-            let dx = (rms_back(&dn1, &self.x, &kept.r1, IN_NORM)? + dx1)?;
-            grads[0] = Some(dx.reshape((d.n, d.s, d.h))?);
-        }
-        for (p, g) in adapter_grads {
-            if let Some(i) = self.adapter_input[p] {
-                grads[i] = Some(g.a);
-                grads[i + 1] = Some(g.b);
-            }
-        }
-        Ok(grads)
     }
 }

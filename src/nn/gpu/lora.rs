@@ -6,7 +6,7 @@
 //! dA  = dt^T dropout(x)      dx += dropout(dt A)   (the same mask)
 //! ```
 //!
-//! as the CPU nodes run it (`crate::nn::cpu::lora_branch`): the mask of each element that
+//! as the CPU nodes run it (`crate::nn::cpu::products::lora_branch`): the mask of each element that
 //! of its place in the projection's padded `[n s, in]` input, nothing kept (the backward
 //! draws the mask again and recomputes `t`, a product of rank `r`), and the frozen base
 //! weight's own gradient, the largest product of a projection's backward, never computed.

@@ -1,5 +1,5 @@
 //! The layer nodes a GPU runs: each family's layer as one graph node with its backward
-//! written out, on the kernels of [`super::kernels`] and the device's matrix products
+//! written out, on the kernels of `super::kernels` and the device's matrix products
 //! (cuBLAS on CUDA, in the activations' dtype with f32 accumulation).
 //!
 //! The CPU trains through its own nodes ([`super::cpu`]: packed rows, the gemm crate,
@@ -12,6 +12,7 @@
 
 mod attention;
 pub mod decoder_layer;
+mod decoder_passes;
 pub mod encoder_layer;
 mod lora;
 pub mod norms;

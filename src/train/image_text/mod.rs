@@ -1,6 +1,6 @@
 //! Image-text training (CLIP-style): a ResNet or DenseNet-BC image tower (`image.arch`)
 //! and a text tower (a fresh BERT or an LSTM) under one [`GradCache`], each with its own chunk size, trained with CLIP's
-//! symmetric InfoNCE and learnable temperature ([`ClipLoss`]) on the [`shapes`] data set
+//! symmetric InfoNCE and learnable temperature ([`ClipLoss`]) on the [`shapes`](crate::train::shapes) data set
 //! the run generates from its seed (no download). Evaluation is image-to-text retrieval
 //! over the held-out compositions: each held-out image against every distinct held-out
 //! caption.
@@ -8,7 +8,7 @@
 //! `gradcache train --config configs/image-text.toml` runs it: a config whose top level
 //! says `task = "image-text"` is an [`ImageTextConfig`]. With `task = "volume-text"` the
 //! same loop trains a VNet volume tower (`[volume] arch = "vnet"`) against the captions of
-//! the [`volumes`] data set (solids in 3-D), `configs/volume-text.toml`.
+//! the [`volumes`](crate::train::volumes) data set (solids in 3-D), `configs/volume-text.toml`.
 //!
 //! The data order is a pure function of the seed and the step (a seeded permutation per
 //! epoch), so a checkpoint (weights, BatchNorm running statistics, logit scale, AdamW
@@ -25,28 +25,31 @@ use rand_chacha::ChaCha8Rng;
 use crate::batch::TokenBatch;
 use crate::dist::{Collective, Single};
 use crate::dropout::Ctx;
-use crate::durable;
 use crate::encoder::Encoder;
 use crate::hub::tokenizer::{train_wordpiece, Tokenizer};
 use crate::loss::{ClipLoss, Similarity};
 use crate::params::ParamStore;
 use crate::train::data::Position;
 use crate::train::metrics::{self, RetrievalMetrics};
-use crate::train::model::TOKENIZER_FILE;
 use crate::train::run::{self, LoopConfig, Run, TaskCache};
-use crate::train::shapes::{self, ShapesConfig};
-use crate::train::volumes::{self, VolumesConfig};
 use crate::{Error, GradCache, Result};
 
 /// The name of the learnable logit scale in the store and in checkpoints.
 pub const LOGIT_SCALE: &str = "logit_scale";
 
-pub use super::image_text_config::{
+mod config;
+mod data;
+mod export;
+mod towers;
+
+pub use config::{
     ClipLossConfig, DenseNetSettings, ImageArch, ImageTextConfig, ImageTextTrain, ImageTower,
     ShapesData, Task, TextKind, TextTowerConfig,
 };
-use super::image_text_towers::{build_image, build_text};
-pub use super::image_text_towers::{ImageEncoder, TextTower};
+use data::{distinct, Data, Example};
+pub use export::export_image_text;
+use towers::{build_image, build_text};
+pub use towers::{ImageEncoder, TextTower};
 
 /// What may change between an image-text run and its resume.
 const MAY_CHANGE: &str =
@@ -62,74 +65,6 @@ pub struct ImageText {
     tokenizer: Tokenizer,
     data: Data,
     device: Device,
-}
-
-/// One generated example: an image's or a volume's values and its caption.
-struct Example {
-    values: Vec<f32>,
-    caption: String,
-}
-
-/// The generated data of a run: Shapes' images or Solids' volumes.
-struct Data {
-    train: Vec<Example>,
-    eval: Vec<Example>,
-    /// One example's dimensions: `[3, side, side]` or `[1, side, side, side]`.
-    dims: Vec<usize>,
-}
-
-impl Data {
-    /// The data set `cfg` asks for.
-    fn generate(cfg: &ImageTextConfig) -> Result<Self> {
-        let (size, train, eval, seed) = (
-            cfg.data.image_size,
-            cfg.data.train,
-            cfg.data.eval,
-            cfg.data.seed,
-        );
-        if cfg.task == Task::VolumeText {
-            let data = volumes::generate(&VolumesConfig {
-                size,
-                train,
-                eval,
-                seed,
-            })?;
-            let take = |scenes: Vec<volumes::VolumeScene>| {
-                scenes
-                    .into_iter()
-                    .map(|s| Example {
-                        values: s.voxels,
-                        caption: s.caption,
-                    })
-                    .collect()
-            };
-            return Ok(Self {
-                train: take(data.train),
-                eval: take(data.eval),
-                dims: vec![1, size, size, size],
-            });
-        }
-        let data = shapes::generate(&ShapesConfig {
-            size,
-            train,
-            eval,
-            seed,
-        })?;
-        let take = |scenes: Vec<shapes::Scene>| {
-            scenes
-                .into_iter()
-                .map(|s| Example {
-                    values: s.pixels,
-                    caption: s.caption,
-                })
-                .collect()
-        };
-        Ok(Self {
-            train: take(data.train),
-            eval: take(data.eval),
-            dims: vec![3, size, size],
-        })
-    }
 }
 
 impl run::Task for ImageText {
@@ -276,15 +211,6 @@ impl run::Task for ImageText {
 }
 
 impl ImageText {
-    /// The image tower's file in an exported model (the volume tower's for volumes).
-    fn tower_file(&self) -> &'static str {
-        if self.cfg.task == Task::VolumeText {
-            "volume_tower.safetensors"
-        } else {
-            "image_tower.safetensors"
-        }
-    }
-
     /// Images `[rows, 3, size, size]` (volumes `[rows, 1, size, size, size]`) of `scenes`.
     fn images(&self, scenes: &[&Example]) -> Result<Tensor> {
         let values: Vec<f32> = scenes
@@ -294,47 +220,6 @@ impl ImageText {
         let mut dims = vec![scenes.len()];
         dims.extend(&self.data.dims);
         Ok(Tensor::from_vec(values, dims, &self.device)?)
-    }
-
-    /// Writes the model of `gc` after `step` updates to `dir`: `image_tower.safetensors`
-    /// (torchvision's ResNet or DenseNet names, BatchNorm running statistics included),
-    /// `text_tower.safetensors`, `tokenizer.json`, `logit_scale` inside
-    /// `image_text_config.json` with the config.
-    fn export(&self, gc: &TaskCache<Self>, step: u64, dir: &Path) -> Result<PathBuf> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io("create", dir, e))?;
-        let state = gc.state()?;
-        for (prefix, file) in [
-            ("image.", self.tower_file()),
-            ("text.", "text_tower.safetensors"),
-        ] {
-            let tensors: std::collections::HashMap<String, Tensor> = state
-                .iter()
-                .filter_map(|(n, v)| {
-                    n.strip_prefix(prefix)
-                        .map(|rest| (rest.to_string(), v.as_tensor().clone()))
-                })
-                .collect();
-            let path = dir.join(file);
-            durable::write_with::<Error>(&path, |tmp| {
-                candle_core::safetensors::save(&tensors, tmp)
-                    .map_err(|e| Error::io("write", &path, e))
-            })?;
-        }
-        let path = dir.join(TOKENIZER_FILE);
-        durable::write_with::<Error>(&path, |tmp| {
-            self.tokenizer
-                .inner()
-                .save(tmp, false)
-                .map_err(|e| Error::io("write", &path, e))
-        })?;
-        let path = dir.join("image_text_config.json");
-        let json = serde_json::json!({
-            "config": self.cfg,
-            "logit_scale": gc.loss().scale()?,
-            "step": step,
-        });
-        durable::write_json(&path, &json)?;
-        Ok(dir.to_path_buf())
     }
 }
 
@@ -441,29 +326,4 @@ impl Run<ImageText> {
     pub fn export(&self, dir: &Path) -> Result<PathBuf> {
         self.task.export(&self.gc, self.step(), dir)
     }
-}
-
-/// `gradcache export` for an image-text run: restores `checkpoint` (default: the newest
-/// under `output_dir/checkpoints`) and writes the model as [`ImageTextTrainer::export`]
-/// does into `output`, which must not exist or be empty. Returns the checkpoint's step.
-pub fn export_image_text(
-    cfg: &ImageTextConfig,
-    checkpoint: Option<&Path>,
-    output: &Path,
-) -> Result<u64> {
-    crate::durable::refuse_non_empty(output)?;
-    let root = cfg.output_dir.join("checkpoints");
-    let trainer = ImageTextTrainer::new(cfg.clone(), Some(checkpoint.unwrap_or(&root)))?;
-    trainer.export(output)?;
-    Ok(trainer.step())
-}
-
-/// The distinct captions of `scenes`, in first-seen order.
-fn distinct(scenes: &[Example]) -> Vec<String> {
-    let mut seen = std::collections::BTreeSet::new();
-    scenes
-        .iter()
-        .filter(|s| seen.insert(s.caption.clone()))
-        .map(|s| s.caption.clone())
-        .collect()
 }

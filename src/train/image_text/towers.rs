@@ -17,7 +17,7 @@ use crate::resnet::ResNet;
 use crate::vnet::VNet;
 use crate::Result;
 
-use super::image_text_config::{ImageTextConfig, TextKind};
+use super::config::{ImageTextConfig, TextKind};
 
 /// The text tower of an image-text run.
 pub enum TextTower {

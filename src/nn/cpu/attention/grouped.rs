@@ -20,9 +20,11 @@
 //! recomputes them with the same arithmetic; the key and value gradients of a group are
 //! summed over its query heads in head order, in the task that owns them.
 
-use super::attention::{for_tasks, gemm_into as matmul, softmax_rows, softmax_shift};
-use super::blocks::wide_fn;
-use super::blocks::{Float, SharedConst, SharedMut};
+use crate::nn::cpu::attention::heads::{
+    for_tasks, gemm_into as matmul, softmax_rows, softmax_shift,
+};
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{Float, SharedConst, SharedMut};
 
 /// Query rows per block of a causal or windowed attention.
 pub const BLOCK_QUERIES: usize = 32;
@@ -424,7 +426,7 @@ pub fn backward<T: Float>(
                     }
                     // dS = scale P (dP - rowsum(dP P)), in place of dP.
                     for (dr, pr) in dp.chunks_exact_mut(nk).zip(p.chunks_exact(nk)) {
-                        let dot = super::attention::lane_dot(dr, pr);
+                        let dot = crate::nn::cpu::attention::heads::lane_dot(dr, pr);
                         for (gv, &pv) in dr.iter_mut().zip(pr) {
                             *gv = scale * pv * (*gv - dot);
                         }

@@ -29,10 +29,12 @@
 //! `heads * s * L` per sequence) or recomputes them from `Q` and `K` with the same
 //! arithmetic, bit for bit (selective recompute keeps nothing of size `s x s`).
 
-pub use super::attention_layout::{Dims, HeadLayout, KeyMask, Rows, MASKED_BIAS, UNATTENDED_BIAS};
-use super::blocks::wide_fn;
-use super::blocks::{parallel_ranges, Float, SharedConst, SharedMut};
-use super::math::exp;
+pub use crate::nn::cpu::attention::layout::{
+    Dims, HeadLayout, KeyMask, Rows, MASKED_BIAS, UNATTENDED_BIAS,
+};
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{parallel_ranges, Float, SharedConst, SharedMut};
+use crate::nn::cpu::elementwise::math::exp;
 
 /// Sum over eight lanes, combined in a fixed order (vectorised; deterministic).
 #[inline(always)]
@@ -205,7 +207,7 @@ pub(in crate::nn) unsafe fn gemm_into<T: Float>(
         }
         return;
     }
-    super::gemm::gemm_call(
+    crate::nn::cpu::products::gemm::gemm_call(
         (m, n, k),
         (dst, dst_rs),
         accumulate,

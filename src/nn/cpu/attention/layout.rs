@@ -1,9 +1,9 @@
 //! Where the attention kernels read and write ([`HeadLayout`]), which rows of which
 //! sequences they compute ([`Rows`], [`Dims`]) and the key mask of a batch ([`KeyMask`]):
-//! the shapes shared by the per-head kernel ([`super::attention`]) and the grouped one
-//! ([`super::attention_grouped`]).
+//! the shapes shared by the per-head kernel ([`crate::nn::cpu::attention::heads`]) and the grouped
+//! one ([`crate::nn::cpu::attention::grouped`]).
 
-use super::blocks::Float;
+use crate::nn::cpu::blocks::Float;
 
 /// A key whose additive bias is at or below this is masked (BERT's padding bias is
 /// `-10000`; PyTorch's `finfo.min` and `-inf` count too).

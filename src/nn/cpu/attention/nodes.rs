@@ -1,15 +1,15 @@
-//! Attention as graph nodes over the small-head kernel of [`super::attention`]: scaled
-//! dot-product attention over `q`, `k`, `v`, and BERT's self-attention from the hidden
+//! Attention as graph nodes over the small-head kernel of [`crate::nn::cpu::attention::heads`]:
+//! scaled dot-product attention over `q`, `k`, `v`, and BERT's self-attention from the hidden
 //! states (one product for query, key and value). They keep the probabilities, or with
 //! `recompute` nothing but their inputs.
 
 use candle_core::Tensor;
 use num_traits::Zero as _;
 
-use super::accumulate::{AddInPlace, SumRows};
-use super::attention::{Dims, HeadLayout, KeyMask, Params, Rows};
-use super::blocks::with_values;
-use super::blocks::Float;
+use crate::nn::cpu::attention::heads::{Dims, HeadLayout, KeyMask, Params, Rows};
+use crate::nn::cpu::blocks::with_values;
+use crate::nn::cpu::blocks::Float;
+use crate::nn::cpu::elementwise::accumulate::{AddInPlace, SumRows};
 use crate::nn::node::{node, node_n};
 
 /// What scaled dot-product attention needs besides `q`, `k`, `v`.
@@ -17,7 +17,7 @@ use crate::nn::node::{node, node_n};
 pub struct AttentionSpec {
     /// Additive key mask `[n, 1, 1, k]` (BERT's -10000 on padding). A key whose bias is
     /// -10000 or below is masked: probability exactly 0, and the fused kernel does not
-    /// compute it ([`super::attention`](mod@super::attention)).
+    /// compute it ([`crate::nn::cpu::attention::heads`](mod@crate::nn::cpu::attention::heads)).
     pub bias: Tensor,
     /// Multiplies the scores (`1 / sqrt(head_dim)`).
     pub scale: f64,
@@ -84,11 +84,11 @@ fn kept_tensor<T: Float>(kept: Option<Vec<T>>) -> candle_core::Result<Option<Ten
 }
 
 /// `dropout(softmax(scale * q k^T + bias)) v` for `q`, `k`, `v` `[n, heads, s, d]`, as one
-/// node ([`super::attention`](mod@super::attention): one task per sequence and head, padding keys skipped).
-/// With `spec.recompute` it keeps nothing of size `[n, heads, s, s]`: the backward
-/// recomputes the probabilities from `q` and `k` with the same arithmetic and regenerates
-/// the dropout mask from its seed (Megatron's selective recompute of attention); without
-/// it the node keeps the probabilities before dropout.
+/// node ([`crate::nn::cpu::attention::heads`](mod@crate::nn::cpu::attention::heads): one task per
+/// sequence and head, padding keys skipped). With `spec.recompute` it keeps nothing of size `[n,
+/// heads, s, s]`: the backward recomputes the probabilities from `q` and `k` with the same
+/// arithmetic and regenerates the dropout mask from its seed (Megatron's selective recompute of
+/// attention); without it the node keeps the probabilities before dropout.
 pub fn attention(
     q: &Tensor,
     k: &Tensor,
@@ -120,7 +120,7 @@ pub fn attention(
                 with_values::<T, _>(&vd, |vv| {
                     // SAFETY: q, k, v and out are contiguous [n, heads, s, d] buffers.
                     Ok(unsafe {
-                        super::attention::forward(
+                        crate::nn::cpu::attention::heads::forward(
                             (dims, &rows),
                             &params,
                             &mask,
@@ -152,7 +152,7 @@ pub fn attention(
                                 let run = |kept: Option<&[T]>| {
                                     // SAFETY: every buffer is a contiguous [n, heads, s, d].
                                     unsafe {
-                                        super::attention::backward(
+                                        crate::nn::cpu::attention::heads::backward(
                                             (dims, &rows),
                                             &params,
                                             &mask,
@@ -197,13 +197,14 @@ pub fn attention(
 /// BERT's self-attention from the hidden states `x` `[n, s, h]` as one node over
 /// `(x, W_qkv, b_qkv)`, the query, key and value projections stacked into one `[3h, h]`
 /// weight: one matrix product gives the packed `[n s, 3h]` queries, keys and values, which
-/// the attention kernel ([`super::attention`](mod@super::attention)) reads where they lie, head by head, writing
-/// the context with the heads merged, `[n, s, h]`: no split or merge copies. The backward
-/// takes the kept probabilities or recomputes them (`spec.recompute`), writes `dq`, `dk`,
-/// `dv` into one packed `[n s, 3h]` gradient and runs one product for `dx` and one for
-/// `dW_qkv`. candle's autograd sees one node where three projections, the head split and
-/// merge and the attention record fifteen, each with a zero-filled accumulator and an
-/// addition in the backward pass.
+/// the attention kernel
+/// ([`crate::nn::cpu::attention::heads`](mod@crate::nn::cpu::attention::heads)) reads where they
+/// lie, head by head, writing the context with the heads merged, `[n, s, h]`: no split or merge
+/// copies. The backward takes the kept probabilities or recomputes them (`spec.recompute`), writes
+/// `dq`, `dk`, `dv` into one packed `[n s, 3h]` gradient and runs one product for `dx` and one for
+/// `dW_qkv`. candle's autograd sees one node where three projections, the head split and merge and
+/// the attention record fifteen, each with a zero-filled accumulator and an addition in the
+/// backward pass.
 pub fn self_attention(
     x: &Tensor,
     w_qkv: &Tensor,
@@ -275,7 +276,7 @@ fn self_attention_node(
             let p = all.as_ptr();
             // SAFETY: qkv is a contiguous [n s, 3h] buffer, out a [n s, h] one.
             Ok(unsafe {
-                super::attention::forward(
+                crate::nn::cpu::attention::heads::forward(
                     (dims, &seqs),
                     &params,
                     &mask,
@@ -307,7 +308,7 @@ fn self_attention_node(
                             // SAFETY: qkv and dqkv are contiguous [n s, 3h] buffers (the
                             // three gradients in disjoint columns), dout a [n s, h] one.
                             unsafe {
-                                super::attention::backward(
+                                crate::nn::cpu::attention::heads::backward(
                                     (dims, &seqs),
                                     &params,
                                     &mask,

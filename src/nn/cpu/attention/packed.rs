@@ -1,11 +1,11 @@
 //! The attention of a layer node on its packed `[rows, 3h]` query-key-value buffer: the
-//! per-head kernel ([`super::attention`]) reading the heads where they lie and writing the
-//! context `[rows, h]` (and, backward, the gradient `[rows, 3h]`) in place, for BERT's and
-//! ModernBERT's layer nodes.
+//! per-head kernel ([`crate::nn::cpu::attention::heads`]) reading the heads where they lie and
+//! writing the context `[rows, h]` (and, backward, the gradient `[rows, 3h]`) in place, for BERT's
+//! and ModernBERT's layer nodes.
 
-use super::attention::{self as kernel, HeadLayout, KeyMask, Rows};
-use super::blocks::Float;
-use super::AttentionSpec;
+use crate::nn::cpu::attention::heads::{self as kernel, HeadLayout, KeyMask, Rows};
+use crate::nn::cpu::blocks::Float;
+use crate::nn::cpu::AttentionSpec;
 
 /// The attention kernel's parameters of a spec.
 fn params(attention: &AttentionSpec) -> kernel::Params {

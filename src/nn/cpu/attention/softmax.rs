@@ -4,9 +4,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, WithDType};
 
-use super::attention::{softmax_row, KeyMask};
-use super::blocks::wide_fn;
-use super::blocks::{contiguous, dispatch, for_blocks, Float, BLOCK_ROWS};
+use crate::nn::cpu::attention::heads::{softmax_row, KeyMask};
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{contiguous, dispatch, for_blocks, Float, BLOCK_ROWS};
 
 /// `softmax(scale * scores + bias)` over the last dimension: `CustomOp2(scores, bias)`,
 /// scores `[n, heads, q, k]`, bias `[n, 1, 1, k]` (added to every head and query row of

@@ -4,7 +4,7 @@
 
 use candle_core::Tensor;
 
-use super::blocks::contiguous;
+use crate::nn::cpu::blocks::contiguous;
 use crate::nn::node::node;
 
 /// The most bytes of im2col columns one piece of a convolution unfolds (32 MiB): candle's
@@ -49,7 +49,7 @@ fn in_pieces(
 /// candle's transposed convolution, about 3x slower at ResNet shapes; for other strides
 /// it is candle's transposed convolution. The kernel gradient is candle's rule, summed over
 /// pieces of the rows. Every convolution runs over pieces of the rows whose im2col columns
-/// fit [`IM2COL_BYTES`], so its transient memory does not grow with the chunk.
+/// fit `IM2COL_BYTES`, so its transient memory does not grow with the chunk.
 pub fn conv2d(
     x: &Tensor,
     weight: &Tensor,

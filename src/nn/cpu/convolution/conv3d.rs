@@ -13,8 +13,8 @@ use std::ops::Range;
 
 use candle_core::Tensor;
 
-use super::blocks::{contiguous, parallel_ranges, SharedMut};
-use super::gemm::product;
+use crate::nn::cpu::blocks::{contiguous, parallel_ranges, SharedMut};
+use crate::nn::cpu::products::gemm::product;
 use crate::nn::node::node;
 
 /// The most bytes of columns one piece of a 3-D convolution unfolds (8 MiB): a 5x5x5

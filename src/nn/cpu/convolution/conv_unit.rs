@@ -9,8 +9,8 @@
 
 use candle_core::Tensor;
 
-use super::conv::{channel_stats, ChannelStats};
-use super::conv3d::{read, Geometry, VOL2COL_BYTES};
+use crate::nn::cpu::convolution::conv2d::{channel_stats, ChannelStats};
+use crate::nn::cpu::convolution::conv3d::{read, Geometry, VOL2COL_BYTES};
 use crate::nn::node::node_n;
 
 /// Where a unit's residual comes from.

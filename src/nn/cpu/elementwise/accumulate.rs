@@ -4,8 +4,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, InplaceOp2, Layout, Shape, Tensor, WithDType};
 
-use super::blocks::wide_fn;
-use super::blocks::{
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{
     contiguous, dispatch, for_blocks, parallel_ranges, sum_partials, Float, SharedMut, BLOCK_ROWS,
 };
 

@@ -7,12 +7,12 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor, WithDType};
 
-use super::blocks::wide_fn;
-use super::blocks::{
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{
     check_width, contiguous, dispatch, for_blocks, for_blocks_with_partials, sum_partials, Float,
     BLOCK_ROWS,
 };
-use super::math::Act;
+use crate::nn::cpu::elementwise::math::Act;
 
 /// `act(x + b)` over the last dimension: `CustomOp2(x, b)`.
 #[derive(Debug, Clone, Copy)]

@@ -5,8 +5,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor, WithDType};
 
-use super::blocks::wide_fn;
-use super::blocks::{contiguous, dispatch, for_blocks, Float, BLOCK_ROWS};
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{contiguous, dispatch, for_blocks, Float, BLOCK_ROWS};
 
 /// Inverted dropout with the mask of `seed`: element `i` (in row-major order) is kept
 /// when [`crate::rng::keep`]`(seed, i, p)`, and scaled by `1 / (1 - p)`. `CustomOp1(x)`.

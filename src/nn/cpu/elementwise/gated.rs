@@ -15,10 +15,10 @@
 
 use candle_core::{DType, Tensor};
 
-use super::blocks::wide_fn;
-use super::blocks::{for_blocks, Float, BLOCK_ROWS};
-use super::math::Act;
-use super::packing::View;
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{for_blocks, Float, BLOCK_ROWS};
+use crate::nn::cpu::elementwise::math::Act;
+use crate::nn::cpu::layers::packing::View;
 use crate::nn::node::node_n_owned;
 
 /// `act(a) * g` where `x = [a, g]` over its last dimension (`2 w` wide): `[.., w]`. One

@@ -2,7 +2,7 @@
 //! vectorises and is exactly 0 below the normal range, tanh from it, erf and the Gaussian
 //! factor of GELU, and [`Act`] with its value and derivative.
 
-use super::blocks::Float;
+use crate::nn::cpu::blocks::Float;
 
 /// Feed-forward activations the fused kernel implements.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,7 +43,7 @@ const EXP_UNDERFLOW_F64: f64 = -708.39;
 /// exponent bits; within 2 ulp), which the compiler vectorises where a call to `expf`
 /// would stop it. The reduction and the polynomial's steps are fused multiply-adds
 /// (`mul_add`: one rounding each, the same bits in every copy of a kernel, see
-/// [`super::blocks::wide_fn`]), half the instructions of a multiply and an add.
+/// `crate::nn::cpu::blocks::wide_fn`), half the instructions of a multiply and an add.
 #[inline(always)]
 pub fn exp<T: Float>(x: T) -> T {
     if std::mem::size_of::<T>() == 8 {

@@ -5,12 +5,12 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor, WithDType};
 
-use super::blocks::wide_fn;
-use super::blocks::{
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{
     check_width, contiguous, dispatch, for_blocks, for_blocks_with_partials, sum_partials,
     zeros_with_room, Float, BLOCK_ROWS,
 };
-use super::dropout_ops::{Dropout, DropoutAdd};
+use crate::nn::cpu::elementwise::dropout::{Dropout, DropoutAdd};
 use crate::nn::node::node;
 
 /// Layer normalisation over the last dimension: `CustomOp3(x, gamma, beta)`.

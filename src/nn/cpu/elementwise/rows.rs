@@ -3,11 +3,11 @@
 //! block), the residual sum under a dropout mask, and the activations (with their slopes
 //! for the backward, or in place where nothing is kept).
 
-use super::attention::{lane_dot, lane_sum};
-use super::blocks::{
+use crate::nn::cpu::attention::heads::{lane_dot, lane_sum};
+use crate::nn::cpu::blocks::{
     for_blocks, for_blocks_with_partials, sum_partials, wide_fn, Float, SharedMut, BLOCK_ROWS,
 };
-use super::math::Act;
+use crate::nn::cpu::elementwise::math::Act;
 
 /// The LayerNorm statistics `(mean, 1 / sqrt(var + eps))` of a row (eight-lane sums).
 #[inline(always)]

@@ -8,7 +8,7 @@
 //! qkv  = n1 [W_q; W_k; W_v]^T (+ b)                  (one buffer, three products)
 //! q, k = rotary(RMSNorm_head(q), RMSNorm_head(k))    (q/k norms where the family has them;
 //!                                                      in place, head by head)
-//! ctx  = attention(q, k, v)                          (super::attention_grouped: grouped KV
+//! ctx  = attention(q, k, v)                          (attention::grouped: grouped KV
 //!                                                      heads, causal or windowed blocks)
 //! a    = ctx W_o^T (+ b)            (Gemma: RMSNorm(a))
 //! x1   = x + a
@@ -26,13 +26,15 @@
 
 use candle_core::{DType, Tensor};
 
-use super::attention_grouped::{self as grouped, Grouped, Pattern, Sequences};
-use super::blocks::Float;
-use super::decoder_passes::{backward, forward, lora, Adapters, Chunk, Shape, SLOTS};
-use super::lora_branch::{node_inputs, LoraInput, NodeWeights};
-use super::math::Act;
-use super::packing::{packed_layer, Packing, View};
-use super::AttentionSpec;
+use crate::nn::cpu::attention::grouped::{self as grouped, Grouped, Pattern, Sequences};
+use crate::nn::cpu::blocks::Float;
+use crate::nn::cpu::elementwise::math::Act;
+use crate::nn::cpu::layers::decoder_passes::{
+    backward, forward, lora, Adapters, Chunk, Shape, SLOTS,
+};
+use crate::nn::cpu::layers::packing::{packed_layer, Packing, View};
+use crate::nn::cpu::products::lora_branch::{node_inputs, LoraInput, NodeWeights};
+use crate::nn::cpu::AttentionSpec;
 
 /// A projection's weight and bias, when it has one.
 pub type Projection = (Tensor, Option<Tensor>);
@@ -67,8 +69,8 @@ pub struct DecoderWeights<'a> {
     /// Gemma's RMSNorm of the feed-forward output `[h]`.
     pub post_mlp_norm: Option<&'a Tensor>,
     /// LoRA adapters of the q, k, v, o, gate, up and down projections (the low-rank
-    /// branch inside the node, see [`super::lora_branch`]); their base weights above are
-    /// then the stored ones, frozen, read widened where stored narrower.
+    /// branch inside the node, see `crate::nn::cpu::products::lora_branch`); their base weights
+    /// above are then the stored ones, frozen, read widened where stored narrower.
     pub lora: [Option<LoraInput>; 7],
 }
 

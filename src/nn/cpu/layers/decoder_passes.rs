@@ -1,28 +1,30 @@
-//! The arithmetic of the decoder layer node ([`super::decoder_layer`]) on its packed rows:
-//! the forward pass and what it keeps, the backward pass with every gradient, written out
-//! op by op in the order the formulas of the node's documentation give.
+//! The arithmetic of the decoder layer node ([`crate::nn::cpu::layers::decoder_layer`]) on its
+//! packed rows: the forward pass and what it keeps, the backward pass with every gradient, written
+//! out op by op in the order the formulas of the node's documentation give.
 
 use std::borrow::Cow;
 
-use super::attention_grouped::Grouped;
-use super::attention_grouped::{self as grouped, Sequences};
-use super::blocks::wide_fn;
-use super::blocks::{for_blocks, Float, BLOCK_ROWS};
-use super::gated::{glu_rows, glu_rows_backward, rotate_head};
-use super::gemm::{bias_rows, column_sums, linear, product, product_new, weight_product};
-use super::lora_branch::{AdapterGrads, Branches};
-use super::math::Act;
-use super::packing::Packing;
-use super::rows::{rms, rms_backward, rms_heads, rms_heads_backward};
-use super::transposed::weight_rhs;
+use crate::nn::cpu::attention::grouped::Grouped;
+use crate::nn::cpu::attention::grouped::{self as grouped, Sequences};
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{for_blocks, Float, BLOCK_ROWS};
+use crate::nn::cpu::elementwise::gated::{glu_rows, glu_rows_backward, rotate_head};
+use crate::nn::cpu::elementwise::math::Act;
+use crate::nn::cpu::elementwise::rows::{rms, rms_backward, rms_heads, rms_heads_backward};
+use crate::nn::cpu::layers::packing::Packing;
+use crate::nn::cpu::products::gemm::{bias_rows, column_sums, product, product_new};
+use crate::nn::cpu::products::lora_branch::{AdapterGrads, Branches};
+use crate::nn::cpu::products::transposed::weight_rhs;
+use crate::nn::cpu::products::weight_products::{linear, weight_product};
 
-/// The layer's adapters (in the order of [`super::decoder_layer::DecoderWeights::lora`]),
-/// the transposed copies of its projections, and which slots take a gradient (a frozen
-/// weight's is not computed).
+/// The layer's adapters (in the order of
+/// [`crate::nn::cpu::layers::decoder_layer::DecoderWeights::lora`]), the transposed copies of its
+/// projections, and which slots take a gradient (a frozen weight's is not computed).
 pub(in crate::nn) struct Adapters<'a, T> {
     pub(in crate::nn) branches: Branches<'a, T, 7>,
     /// Copies `[in, out]` of the projections' weights, in the same order, where an
-    /// inference keeps them ([`super::transposed`]): the forward's products read these.
+    /// inference keeps them ([`crate::nn::cpu::products::transposed`]): the forward's products
+    /// read these.
     pub(in crate::nn) copies: [Option<&'a [T]>; 7],
     pub(in crate::nn) wants: [bool; SLOTS],
 }

@@ -12,10 +12,10 @@
 
 use candle_core::{DType, Tensor};
 
-use super::blocks::wide_fn;
-use super::blocks::{for_blocks, Float, BLOCK_ROWS};
-use super::packing::View;
-use super::rows::{dropped, norm_backward, norm_row};
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{for_blocks, Float, BLOCK_ROWS};
+use crate::nn::cpu::elementwise::rows::{dropped, norm_backward, norm_row};
+use crate::nn::cpu::layers::packing::View;
 use crate::nn::node::node_n_owned;
 
 /// The embeddings of `ids` and `type_ids` `[n, s]` from the tables `[words, types,

@@ -4,8 +4,8 @@
 
 use candle_core::Tensor;
 
-use super::attention::{KeyMask, Rows};
-use super::blocks::Float;
+use crate::nn::cpu::attention::heads::{KeyMask, Rows};
+use crate::nn::cpu::blocks::Float;
 
 /// The rows a layer computes: each sequence's tokens up to its last unmasked one, packed
 /// one after another (no work on padding: text-embeddings-inference's and ModernBERT's
@@ -39,7 +39,7 @@ impl Packing {
     /// The real tokens alone, wherever the padding is (a decoder's batches are padded on
     /// the left): each sequence's unmasked rows of the key bias `[n, s]`, packed in order.
     pub(in crate::nn) fn real<T: Float>(bias: &[T], n: usize, s: usize) -> Self {
-        let masked = T::of(super::attention::MASKED_BIAS);
+        let masked = T::of(crate::nn::cpu::attention::heads::MASKED_BIAS);
         let mut lengths = Vec::with_capacity(n);
         let mut padded = Vec::with_capacity(n * s);
         for b in 0..n {

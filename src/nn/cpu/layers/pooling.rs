@@ -15,8 +15,8 @@
 
 use candle_core::{DType, Tensor};
 
-use super::blocks::Float;
-use super::packing::View;
+use crate::nn::cpu::blocks::Float;
+use crate::nn::cpu::layers::packing::View;
 use crate::nn::node::node_n_owned;
 
 /// Below this norm a row is divided by it instead (`torch.nn.functional.normalize`).

@@ -1,12 +1,12 @@
 //! A whole pre-norm transformer encoder layer (ModernBERT's) as one graph node with its
-//! backward written out, on the packed real tokens ([`Packing`]) as BERT's layer node
-//! ([`super::encoder_layer`]) runs:
+//! backward written out, on the packed real tokens (`Packing`) as BERT's layer node
+//! ([`crate::nn::cpu::layers::encoder_layer`]) runs:
 //!
 //! ```text
 //! n1   = LayerNorm1(x)                        (the identity in a layer without one)
 //! qkv  = n1 W_qkv^T (+ b)                     (one product)
 //! q, k = rotary(q, k) at each token's place   (in place, head by head)
-//! ctx  = attention(qkv)                       (super::attention; a local layer's window)
+//! ctx  = attention(qkv)                       (attention::heads; a local layer's window)
 //! x1   = x + dropout(ctx W_o^T (+ b))
 //! up   = LayerNorm2(x1) W_i^T (+ b) = [a, g]
 //! y    = x1 + dropout(act(a) g) W_d^T (+ b)
@@ -17,22 +17,25 @@
 //! (unless `attention.probs` is recomputed), `ctx`, `x1` and `up`; the norms' outputs and
 //! the gated activations are recomputed in the backward with the forward's arithmetic.
 //! The rotation and the gated unit are the per-op nodes' own row functions
-//! ([`super::gated`]).
+//! (`crate::nn::cpu::elementwise::gated`).
 
 use candle_core::{DType, Tensor};
 
-use super::attention::{self as kernel, KeyMask};
-use super::blocks::wide_fn;
-use super::blocks::{for_blocks, Float, BLOCK_ROWS};
-use super::gated::{glu_rows, glu_rows_backward, rotate_head};
-use super::gemm::{column_sums, linear, product, product_new, weight_product};
-use super::lora_branch::{node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights};
-use super::math::Act;
-use super::packed_attention::{attend, attention_backward};
-use super::packing::{packed_layer, Packing, View};
-use super::rows::{add_row, dropped, norm, norm_backward};
-use super::transposed::weight_rhs;
-use super::AttentionSpec;
+use crate::nn::cpu::attention::heads::{self as kernel, KeyMask};
+use crate::nn::cpu::attention::packed::{attend, attention_backward};
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{for_blocks, Float, BLOCK_ROWS};
+use crate::nn::cpu::elementwise::gated::{glu_rows, glu_rows_backward, rotate_head};
+use crate::nn::cpu::elementwise::math::Act;
+use crate::nn::cpu::elementwise::rows::{add_row, dropped, norm, norm_backward};
+use crate::nn::cpu::layers::packing::{packed_layer, Packing, View};
+use crate::nn::cpu::products::gemm::{column_sums, product, product_new};
+use crate::nn::cpu::products::lora_branch::{
+    node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights,
+};
+use crate::nn::cpu::products::transposed::weight_rhs;
+use crate::nn::cpu::products::weight_products::{linear, weight_product};
+use crate::nn::cpu::AttentionSpec;
 
 /// A weight and its bias, when the layer has one.
 pub type Affine<'a> = (&'a Tensor, Option<&'a Tensor>);
@@ -53,8 +56,8 @@ pub struct PreNormWeights<'a> {
     /// The feed-forward down projection `[h, I]`.
     pub down: Affine<'a>,
     /// LoRA adapters of the query-key-value, attention output, up and down projections
-    /// (the low-rank branch inside the node, see [`super::lora_branch`]); their base
-    /// weights above are then the stored ones, frozen, read widened where stored narrower.
+    /// (the low-rank branch inside the node, see `crate::nn::cpu::products::lora_branch`); their
+    /// base weights above are then the stored ones, frozen, read widened where stored narrower.
     pub lora: [Option<LoraInput>; 4],
 }
 
@@ -267,7 +270,7 @@ struct W<'a, T> {
     /// Which slots take a gradient (a frozen weight's is not computed).
     wants: [bool; SLOTS],
     /// Transposed copies of `W_qkv, W_o, W_i, W_d` (`[in, out]`) where an inference keeps
-    /// them ([`super::transposed`]): the forward's products read these.
+    /// them ([`crate::nn::cpu::products::transposed`]): the forward's products read these.
     wt: [Option<&'a [T]>; 4],
     /// The adapters' branches, in the order of [`PreNormWeights::lora`].
     lora: Branches<'a, T, 4>,
@@ -360,7 +363,8 @@ fn layer<T: Float>(
 
 wide_fn! {
 /// Rotates the query and key parts of the packed `[rows, 3h]` `qkv` in place, each head
-/// at its row's place (`transpose`: the backward's `R^T`), as [`super::gated`]'s rotary.
+/// at its row's place (`transpose`: the backward's `R^T`), as
+/// [`crate::nn::cpu::elementwise::gated`]'s rotary.
 fn rotate_qk<T: Float>(qkv: &mut [T], rotary: &Rotary<T>, dims: Shape, transpose: bool) {
     let (h, d) = (dims.h, dims.d);
     for_blocks(qkv, 3 * h, |blk, chunk| {

@@ -20,10 +20,10 @@
 
 use candle_core::{DType, Tensor};
 
-use super::blocks::wide_fn;
-use super::blocks::{parallel_ranges, Float, SharedMut};
-use super::gemm::product;
-use super::packing::View;
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{parallel_ranges, Float, SharedMut};
+use crate::nn::cpu::layers::packing::View;
+use crate::nn::cpu::products::gemm::product;
 use crate::nn::node::node_n_owned;
 
 /// Rows of logits `[rows, vocabulary]` computed at once (a block of 256 at BERT's

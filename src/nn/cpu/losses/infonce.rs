@@ -24,10 +24,10 @@
 
 use candle_core::{DType, Tensor};
 
-use super::blocks::wide_fn;
-use super::blocks::{parallel_ranges, Float, SharedMut};
-use super::gemm::{product, product_new};
-use super::packing::View;
+use crate::nn::cpu::blocks::wide_fn;
+use crate::nn::cpu::blocks::{parallel_ranges, Float, SharedMut};
+use crate::nn::cpu::layers::packing::View;
+use crate::nn::cpu::products::gemm::{product, product_new};
 
 /// Whose rows a segment's anchors are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,7 +8,7 @@
 use candle_core::Tensor;
 use rayon::prelude::*;
 
-use super::packing::View;
+use crate::nn::cpu::layers::packing::View;
 
 /// A block of `nq` queries of `lq` tokens by `np` passages of `lp` tokens.
 #[derive(Debug, Clone, Copy)]

@@ -9,13 +9,14 @@
 //! the library is opened with `dlopen`, so the default build stays free of it.
 //!
 //! - **What is looked for.** The Fortran `sgemm_` (every BLAS has it; SciPy's bundled
-//!   OpenBLAS prefixes it `scipy_`, NumPy's ILP64 one also suffixes it `64_`). Its integers are passed as 64-bit values whose low
-//!   half is the 32-bit value, so both the LP64 and ILP64 interfaces read them right. A
-//!   small product is checked against a plain loop before the library is accepted.
+//!   OpenBLAS prefixes it `scipy_`, NumPy's ILP64 one also suffixes it `64_`). Its
+//!   integers are passed as 64-bit values whose low half is the 32-bit value, so both the
+//!   LP64 and ILP64 interfaces read them right. A small product is checked against a plain
+//!   loop before the library is accepted.
 //! - **Threads.** The library runs each call on the calling thread only (MKL's and
 //!   OpenBLAS's thread-count setters, found by name); the layer's products are split by
 //!   rows across this crate's own pool, whose threads have the subnormal guards
-//!   ([`crate::denormal`]). In [`super::blocks::serial`] mode a product is one call.
+//!   ([`crate::denormal`]). In [`crate::nn::cpu::blocks::serial`] mode a product is one call.
 //! - **Results.** Another library rounds differently: products agree with the gemm
 //!   crate's to float rounding (the tests hold whole steps to 1e-5), cached still equals
 //!   the full batch, and a run repeats itself bit for bit as long as the library does
@@ -28,8 +29,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-use super::blocks::{in_serial, parallel_ranges, SharedConst, SharedMut};
 use crate::error::Error;
+use crate::nn::cpu::blocks::{in_serial, parallel_ranges, SharedConst, SharedMut};
 use crate::Result;
 
 /// The environment variable the binaries read ([`use_blas_from_env`]).
@@ -239,7 +240,7 @@ impl Blas {
     /// interface.
     ///
     /// # Safety
-    /// As [`super::gemm::product_raw`].
+    /// As [`crate::nn::cpu::products::gemm::product_raw`].
     unsafe fn product(
         &self,
         (m, n, k): (usize, usize, usize),
@@ -389,7 +390,7 @@ impl Blas {
 /// and `T` is f32; `false` (nothing done) otherwise.
 ///
 /// # Safety
-/// As [`super::gemm::product_raw`].
+/// As [`crate::nn::cpu::products::gemm::product_raw`].
 pub(super) unsafe fn try_product<T: 'static>(
     dims: (usize, usize, usize),
     (dst, dst_rs): (*mut T, usize),

@@ -4,9 +4,9 @@
 
 use candle_core::Tensor;
 
-use super::accumulate::{AddInPlace, SumRows};
-use super::activation::{bias_activation_backward_in_place, BiasActivation};
-use super::math::Act;
+use crate::nn::cpu::elementwise::accumulate::{AddInPlace, SumRows};
+use crate::nn::cpu::elementwise::activation::{bias_activation_backward_in_place, BiasActivation};
+use crate::nn::cpu::elementwise::math::Act;
 use crate::nn::node::{node, node_n};
 
 /// `x W^T + b` over the last dimension as one node: forward one matrix product (the

@@ -17,10 +17,10 @@ use std::borrow::Cow;
 
 use candle_core::Tensor;
 
-use super::blocks::Float;
-use super::gemm::{product, product_new, Operand};
-use super::packing::View;
-use super::rows::dropped;
+use crate::nn::cpu::blocks::Float;
+use crate::nn::cpu::elementwise::rows::dropped;
+use crate::nn::cpu::layers::packing::View;
+use crate::nn::cpu::products::gemm::{product, product_new, Operand};
 
 /// An adapter as a node takes it: `A` `[r, in]` and `B` `[out, r]` (variables: the node
 /// deposits their gradients), the scale, and the dropout mask of its input this forward.
@@ -186,7 +186,8 @@ impl<T: Float> Branch<'_, T> {
 pub(in crate::nn) struct NodeWeights<T, const S: usize, const P: usize> {
     pub(in crate::nn) slots: [Option<Tensor>; S],
     /// The ids of the tensors the slots were given (a variable's own, which its detached
-    /// view does not keep): what a transposed copy is found by ([`super::transposed`]).
+    /// view does not keep): what a transposed copy is found by
+    /// ([`crate::nn::cpu::products::transposed`]).
     pub(in crate::nn) ids: [Option<candle_core::TensorId>; S],
     pub(in crate::nn) wants: [bool; S],
     lora: [Option<Held<T>>; P],
@@ -217,15 +218,15 @@ impl<T: Float, const S: usize, const P: usize> NodeWeights<T, S, P> {
 
     /// Transposed copies (`[in, out]`) of the projection weights in `slots`, each
     /// `[out, in]` with its values in `values`, where this thread runs inside a
-    /// [`super::transposed::TransposedWeights`]; `None` for each elsewhere.
+    /// [`crate::nn::cpu::products::transposed::TransposedWeights`]; `None` for each elsewhere.
     pub(in crate::nn) fn transposed<const N: usize>(
         &self,
         slots: [usize; N],
         values: &[&[T]],
-    ) -> [Option<std::sync::Arc<super::transposed::PanelCopy<T>>>; N] {
+    ) -> [Option<std::sync::Arc<crate::nn::cpu::products::transposed::PanelCopy<T>>>; N] {
         slots.map(|i| {
             let (id, t) = (self.ids[i]?, self.slots[i].as_ref()?);
-            super::transposed::transposed(id, values[i], t.dims2().ok()?)
+            crate::nn::cpu::products::transposed::transposed(id, values[i], t.dims2().ok()?)
         })
     }
 

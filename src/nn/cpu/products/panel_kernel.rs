@@ -1,5 +1,5 @@
 //! An experiment beside the gemm crate, off unless chosen: a long encoding's panel
-//! products ([`super::gemm`]'s `panel_products`, `dst [rows, 64] (+)= x [rows, k] panel
+//! products (`weight_products::panel_products`, `dst [rows, 64] (+)= x [rows, k] panel
 //! [k, 64]` for each 64-output panel of a weight copy) by a kernel that reads the panel
 //! from L1 in blocks of `inputs` rows across [`BLOCK_ROWS`] rows of `x` at a time. The
 //! gemm crate's 64 x 6 kernel streams the whole `[k, 64]` panel (96 KiB at k = 384, past
@@ -7,7 +7,7 @@
 //! run at the core's peak, and on an Intel Xeon the encoding's products ran 10-20% below
 //! MKL's (docs/benchmarks.md): this is there to be measured against it
 //! (`GRADCACHE_PANEL_KERNEL=blocked`, `train_step --panels` through
-//! [`super::gemm::panel_product`]).
+//! [`crate::nn::panel_product`]).
 //!
 //! Each output is the gemm crate's sum, so the same bits (a unit test holds them at the
 //! edges of its rules): one chain of fused multiply-adds over each of its blocks of
@@ -18,7 +18,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::blocks::Float;
+use crate::nn::cpu::blocks::Float;
 
 /// The environment variable the binaries read for [`PanelKernel`].
 pub const PANEL_KERNEL_ENV: &str = "GRADCACHE_PANEL_KERNEL";
@@ -126,7 +126,7 @@ pub(in crate::nn) unsafe fn try_blocked<T: Float>(
         && rows >= 2
         && k >= 3;
     #[cfg(target_arch = "x86_64")]
-    if applies && super::blocks::vectors() == super::blocks::Vectors::Avx512 {
+    if applies && crate::nn::cpu::blocks::vectors() == crate::nn::cpu::blocks::Vectors::Avx512 {
         // SAFETY: T is f32 (its dtype, checked); AVX-512 F (checked); the extents are
         // the caller's.
         unsafe {

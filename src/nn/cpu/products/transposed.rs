@@ -4,10 +4,10 @@
 //! `x W^T`. For each product the gemm crate packs `W^T` into panels of its kernel's
 //! outputs (gathering a scalar at a time from rows `in` apart) and throws the packing
 //! away after. A copy made once in the layout the kernel reads, `W^T` in panels of
-//! [`PANEL`](super::gemm::PANEL) outputs, each panel `[in, width]` contiguous, is read
-//! in place by every product of the encoding: one product per panel, no packing
-//! ([`super::gemm`]'s `weight_product`), the same bits (the sums run in the same order and the same
-//! blocks of `in`: see [`weight_rhs`]). An encoding of 4,000 texts with
+//! [`PANEL`](crate::nn::cpu::products::weight_products::PANEL) outputs, each panel `[in, width]` contiguous,
+//! is read in place by every product of the encoding: one product per panel, no packing
+//! ([`crate::nn::cpu::products::weight_products::weight_product`]), the same bits (the sums run in the
+//! same order and the same blocks of `in`: see [`weight_rhs`]). An encoding of 4,000 texts with
 //! all-MiniLM-L6-v2 on an AMD EPYC: the products 238.8-246.1 GFLOP/s per thread with the
 //! weights transposed whole and packed by each product, 248.6-252.4 from the panels
 //! (docs/benchmarks.md).
@@ -28,8 +28,8 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::TensorId;
 
-use super::blocks::Float;
-use super::gemm::{panel_spans, WeightRhs};
+use crate::nn::cpu::blocks::Float;
+use crate::nn::cpu::products::weight_products::{panel_spans, WeightRhs};
 
 /// The most bytes one [`TransposedWeights`] holds in copies.
 pub const TRANSPOSED_BUDGET: usize = 512 << 20;
@@ -207,9 +207,9 @@ fn panels<T: Float>(w: &[T], out: usize, input: usize) -> PanelCopy<T> {
 /// So does a product of at most 64 rows with an `input` past 512: a product that small
 /// on both sides (a panel's) sums `input` in blocks of 512, a larger one in equal blocks
 /// sized from the L1 cache (an `input` of 600: 512 and 88 against 300 and 300 on AVX-512,
-/// against one block of 600 on AVX2). Checked for the encoders' shapes and the edges of these rules, on
-/// AVX-512 and on an emulated Haswell (AVX2; tests/transposed_weights.rs). A user's BLAS
-/// ([`super::blas`]) reads the weight as stored.
+/// against one block of 600 on AVX2). Checked for the encoders' shapes and the edges of these
+/// rules, on AVX-512 and on an emulated Haswell (AVX2; tests/it/transposed_weights.rs). A user's
+/// BLAS ([`crate::nn::cpu::products::blas`]) reads the weight as stored.
 pub(in crate::nn) fn weight_rhs<'a, T>(
     w: &'a [T],
     copy: Option<&'a [T]>,
@@ -219,7 +219,7 @@ pub(in crate::nn) fn weight_rhs<'a, T>(
     let same_bits =
         rows >= 2 && out >= 16 && rows * out > 256 && input > 2 && (rows > 64 || input <= 512);
     match copy {
-        Some(t) if same_bits && !super::blas::products_through_blas() => {
+        Some(t) if same_bits && !crate::nn::cpu::products::blas::products_through_blas() => {
             ACTIVE.with(|a| {
                 if let Some(active) = &*a.borrow() {
                     active.lock().reads += 1;
@@ -233,8 +233,8 @@ pub(in crate::nn) fn weight_rhs<'a, T>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::gemm::PANEL;
     use super::*;
+    use crate::nn::cpu::products::weight_products::PANEL;
     use candle_core::{Device, Tensor};
 
     fn id() -> TensorId {
