@@ -9,7 +9,9 @@
 //!   binary's global allocator);
 //! - `tests/blas.rs`: a BLAS loaded for the whole process;
 //! - `tests/distributed.rs`, `tests/distributed_cli.rs`: MPI (`--features mpi`), the
-//!   first as each rank of an `mpirun` job, the second starting `mpirun` itself.
+//!   first as each rank of an `mpirun` job, the second starting `mpirun` itself;
+//! - `tests/nccl.rs`: the NCCL backend (`--features nccl`; empty otherwise), built and
+//!   run alone by `scripts/check-cuda`.
 //!
 //! Nothing here sets process-wide state: a module's tests run beside every other module's.
 //! The command-line tests run the `gradcache` binary (feature `cli`, on by default).
@@ -47,7 +49,6 @@ mod lstm;
 mod merge;
 mod metrics;
 mod mixed_precision;
-mod nccl;
 mod nn;
 mod optim;
 mod precision;
