@@ -40,7 +40,7 @@ impl TeacherScores {
     }
 
     /// The scores set, checked to be `[queries, group]`.
-    fn get(&self, queries: usize, group: usize) -> Result<Tensor> {
+    pub(crate) fn get(&self, queries: usize, group: usize) -> Result<Tensor> {
         let scores = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let scores = scores.ok_or(Error::InvalidArgument {
             what: "teacher scores",

@@ -12,6 +12,7 @@ pub mod distillation;
 mod infonce;
 pub mod matryoshka;
 pub mod maxsim;
+pub mod scores;
 pub mod splade;
 
 use candle_core::{DType, Tensor, Var};
@@ -23,6 +24,7 @@ pub use distillation::{MaxSimDistillation, TeacherScores};
 pub use infonce::{Guide, InfoNce, LossDirection};
 pub use matryoshka::Matryoshka;
 pub use maxsim::MaxSim;
+pub use scores::{GroupObjective, GroupScores, Weighted};
 pub use splade::{Flops, SpladeLoss, WeightScale};
 
 pub use crate::nn::cpu::infonce::{Columns, Exclude, Rows, Segment, Term};

@@ -142,8 +142,15 @@ pub struct SpladeLoss<L> {
 #[derive(Debug, Clone)]
 pub struct WeightScale(std::sync::Arc<std::sync::atomic::AtomicU64>);
 
+impl Default for WeightScale {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl WeightScale {
-    fn new() -> Self {
+    /// A scale of 1.
+    pub fn new() -> Self {
         Self(std::sync::Arc::new(std::sync::atomic::AtomicU64::new(
             1f64.to_bits(),
         )))
@@ -189,6 +196,13 @@ impl<L: Loss> SpladeLoss<L> {
     /// The handle that scales both regularisers' weights (a warm-up).
     pub fn weight_scale(&self) -> &WeightScale {
         &self.scale
+    }
+
+    /// Scaled by `scale`, a handle shared with other losses (a mixture's per-source
+    /// losses warm up together).
+    pub fn with_weight_scale(mut self, scale: WeightScale) -> Self {
+        self.scale = scale;
+        self
     }
 
     /// The documents' and queries' regularisers at the current scale.

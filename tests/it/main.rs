@@ -27,6 +27,7 @@ mod data;
 mod densenet;
 mod dist_mirror;
 mod distilbert;
+mod distillation;
 mod dropout;
 mod encode_passes;
 mod encoder;
