@@ -47,6 +47,8 @@ fn probe_batch(rows: usize) -> anyhow::Result<TextBatch> {
         scores: vec![],
         filled: 0,
         lines: vec![],
+        prompts: vec![],
+        source: 0,
     };
     for (number, line) in text.lines().take(rows).enumerate() {
         batch.lines.push(number + 1);

@@ -250,7 +250,7 @@ pub enum Error {
     },
 
     /// A model could not be found on the Hugging Face Hub or in its local cache.
-    #[error("cannot get `{file}` of model `{repo}`: {reason}")]
+    #[error("cannot get `{file}` of `{repo}` from the Hugging Face Hub: {reason}")]
     Hub {
         repo: String,
         file: String,

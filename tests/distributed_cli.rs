@@ -742,3 +742,114 @@ fn a_distilled_colbert_on_two_ranks_follows_the_one_rank_loss_curve() {
     };
     one_and_n_ranks_agree(dir.path(), 2, distilled);
 }
+
+#[test]
+fn a_mixture_on_two_ranks_draws_the_same_sources_and_follows_the_one_rank_loss_curve() {
+    // Three sources, a step's global batch from one: `plain` (symmetric InfoNCE), `own`
+    // (an instruction, each query against its own positive and hard negative only),
+    // `distilled` (margin MSE against teacher scores, InfoNCE beside it), in turn. Every
+    // rank draws the same source at every step; the two runs' losses agree.
+    let dir = tempfile::tempdir().unwrap();
+    let (train, eval) = small_data(dir.path());
+    let pairs: Vec<serde_json::Value> = fs::read_to_string(&train)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let write = |name: &str, rows: &[serde_json::Value]| {
+        let lines: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
+        fs::write(dir.path().join(name), lines.join("\n") + "\n").unwrap();
+    };
+    write("plain.jsonl", &pairs[..96]);
+    write("own.jsonl", &pairs[96..160]);
+    let distilled: Vec<serde_json::Value> = (160..200)
+        .map(|i| {
+            let other = |j: usize| pairs[160 + (i - 160 + j) % 40]["positive"].clone();
+            serde_json::json!({
+                "query": pairs[i]["query"], "positive": pairs[i]["positive"],
+                "negatives": [other(3), other(7)],
+                "scores": [8.0 - (i % 3) as f64, 2.0 + (i % 5) as f64 * 0.5, (i % 2) as f64],
+            })
+        })
+        .collect();
+    write("distilled.jsonl", &distilled);
+    let config = dir.path().join("mixture.toml");
+    let d = dir.path().display();
+    fs::write(
+        &config,
+        format!(
+            r#"
+seed = 5
+output_dir = "unused"
+[data]
+eval_file = "{eval}"
+sampling = "round_robin"
+[[data.sources]]
+name = "plain"
+path = "{d}/plain.jsonl"
+loss = {{ symmetric = true, distill = false }}
+[[data.sources]]
+name = "own"
+path = "{d}/own.jsonl"
+query_prompt = "Find the same verse: "
+hard_negatives = 1
+loss = {{ in_batch = false, distill = false }}
+[[data.sources]]
+name = "distilled"
+path = "{d}/distilled.jsonl"
+hard_negatives = 2
+[model]
+query_max_len = 32
+passage_max_len = 32
+dropout = false
+[model.fresh]
+vocab_size = 500
+hidden_size = 32
+num_layers = 1
+num_heads = 2
+intermediate_size = 64
+[loss]
+temperature = 0.05
+similarity = "cosine"
+[loss.distillation]
+kind = "margin_mse"
+infonce_weight = 0.5
+[train]
+steps = 4
+batch_size = 32
+query_chunk = 6
+passage_chunk = 5
+checkpoint_every = 2
+[optim]
+lr = 1e-3
+warmup_steps = 1
+"#,
+            eval = eval.display()
+        ),
+    )
+    .unwrap();
+    let run = |out: &Path| -> Vec<String> {
+        vec![
+            "train".into(),
+            "--config".into(),
+            config.display().to_string(),
+            "--set".into(),
+            format!("output_dir={}", out.display()),
+            "--set".into(),
+            "dist.backend=\"mpi\"".into(),
+        ]
+    };
+    one_and_two_ranks_agree(dir.path(), run);
+    let sources = |out: &Path| -> Vec<String> {
+        fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["type"] == "step")
+            .map(|v| v["source"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let one = sources(&dir.path().join("one"));
+    assert_eq!(one, sources(&dir.path().join("two")));
+    assert_eq!(one, ["plain", "own", "distilled", "plain"]);
+}

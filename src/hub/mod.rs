@@ -536,6 +536,7 @@ impl EmbeddingModel {
         let prompts = Prompts {
             query: options.query_prompt.clone().unwrap_or(from_files.query),
             passage: options.passage_prompt.clone().unwrap_or(from_files.passage),
+            ..Default::default()
         };
         let prompt_pooled = head.as_ref().is_none_or(|h| h.include_prompt);
         let mut settings = format!(

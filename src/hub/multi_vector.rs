@@ -361,6 +361,7 @@ impl super::Retriever for MultiVectorModel {
         super::Prompts {
             query: self.config.head.query_prefix.clone(),
             passage: self.config.head.document_prefix.clone(),
+            ..Default::default()
         }
     }
 }

@@ -48,6 +48,10 @@ pub struct Prompts {
     pub query: String,
     /// Before every passage (corpus document).
     pub passage: String,
+    /// More prompts by name (a mixture's sources' instructions), written into `prompts`
+    /// beside `query` and `passage` so that `encode(..., prompt_name=...)` finds them.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub named: std::collections::BTreeMap<String, String>,
 }
 
 /// The prompt names sentence-transformers' `encode_document` looks for, in its order.
@@ -93,6 +97,7 @@ impl Prompts {
                 .or_else(|| default.clone())
                 .unwrap_or_default(),
             passage: passage.or(default).unwrap_or_default(),
+            named: Default::default(),
         })
     }
 
@@ -104,6 +109,9 @@ impl Prompts {
         }
         if !self.passage.is_empty() {
             m.insert("passage".into(), json!(self.passage));
+        }
+        for (name, text) in &self.named {
+            m.entry(name.clone()).or_insert_with(|| json!(text));
         }
         Value::Object(m)
     }

@@ -200,6 +200,47 @@ impl Tokenizer {
         &self.inner
     }
 
+    /// [`Tokenizer::encode`] with each text's own prompt where `prompts` gives one (a row's
+    /// instruction), the tokenizer's elsewhere. A prompt left out of the pooling is one
+    /// per tokenizer, so rows' own prompts are refused then.
+    pub fn encode_prompted(
+        &self,
+        texts: &[&str],
+        prompts: &[Option<&str>],
+        device: &Device,
+    ) -> Result<TokenBatch> {
+        if prompts.len() != texts.len() {
+            return Err(Error::InvalidArgument {
+                what: "prompts",
+                value: format!("{} for {} texts", prompts.len(), texts.len()),
+                reason: "give one prompt (or none) per text",
+            });
+        }
+        if prompts.iter().all(Option::is_none) {
+            return self.encode(texts, device);
+        }
+        if self.exclude_prompt {
+            return Err(Error::InvalidConfig {
+                field: "model.include_prompt",
+                value: "false".into(),
+                reason: "leaves one prompt per side out of the pooling, and rows of the data \
+                         carry their own (a `prompt` field): set include_prompt = true, or \
+                         remove the rows' prompts",
+            });
+        }
+        let prompted: Vec<String> = texts
+            .iter()
+            .zip(prompts)
+            .map(|(t, p)| format!("{}{t}", p.unwrap_or(&self.prompt)))
+            .collect();
+        let refs: Vec<&str> = prompted.iter().map(String::as_str).collect();
+        Self {
+            prompt: String::new(),
+            ..self.clone()
+        }
+        .encode(&refs, device)
+    }
+
     /// Tokenizes `texts` into one batch padded to its longest sequence.
     pub fn encode(&self, texts: &[&str], device: &Device) -> Result<TokenBatch> {
         if texts.is_empty() {

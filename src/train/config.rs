@@ -108,10 +108,29 @@ fn default_seed() -> u64 {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// Training pairs: JSONL (ours or Tevatron's), TSV/CSV with named columns, or a BEIR
-    /// folder (its `train_split`); files may be gzip or zstd (see
-    /// [`crate::train::formats`]).
-    pub train_file: PathBuf,
+    /// Training pairs: JSONL (ours or Tevatron's), TSV/CSV with named columns, Parquet or
+    /// a BEIR folder (its `train_split`); files may be gzip or zstd (see
+    /// [`crate::train::formats`]). The one-source shorthand of `sources`: set one of the
+    /// two.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_file: Option<PathBuf>,
+    /// `[[data.sources]]`: a mixture of training sets, each with its own settings (see
+    /// [`crate::train::sources`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<SourceConfig>,
+    /// How often each source is drawn: `"proportional"` (by size, the default),
+    /// `"round_robin"`, `"weighted"` (by each source's `weight`) or `{ temperature = T }`
+    /// (size^(1/T)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sampling: Option<Sampling>,
+    /// `"per_source"` (a step's global batch from one source; the default) or `"mixed"`
+    /// (the sources' pairs shuffled together).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batches: Option<Batches>,
+    /// `[[data.evals]]`: evaluation sets reported by name, with their mean nDCG@10 (in
+    /// place of `eval_file`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub evals: Vec<EvalSet>,
     /// Evaluation data: pairs in any layout of `train_file` (each query against all
     /// held-out positives), or a BEIR folder (its `eval_split`: each judged query against
     /// the whole corpus, exact top-k). When absent, `eval_pairs` pairs are held out of the
@@ -144,6 +163,23 @@ pub struct DataConfig {
         skip_serializing_if = "is_title_separator"
     )]
     pub title_separator: String,
+}
+
+/// One `[[data.evals]]` table: an evaluation set reported under its name.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalSet {
+    /// Its name in the log and `metrics.jsonl`.
+    #[serde(default)]
+    pub name: String,
+    /// Pairs in any layout of `data.train_file`, or a BEIR folder.
+    pub path: PathBuf,
+    /// The qrels split of a BEIR folder; unset: `data.eval_split`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
+    /// Put before its queries (a source's instruction); unset: the model's query prompt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub query_prompt: Option<String>,
 }
 
 fn default_train_split() -> String {
@@ -243,7 +279,8 @@ pub struct ModelConfig {
 }
 
 pub use super::lora_config::{BaseDtype, LoraConfig, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK};
-pub use super::multi_vector_config::{DistillationConfig, MultiVectorSettings};
+pub use super::multi_vector_config::{DistillKind, DistillationConfig, MultiVectorSettings};
+pub use super::sources::{Batches, Sampling, SamplingName, SourceConfig, SourceLoss};
 pub use super::sparse_config::{SparseSettings, SpladeConfig};
 
 impl Default for ModelConfig {
@@ -437,6 +474,11 @@ pub struct TrainConfig {
     /// chosen, not read); a budget nothing fits is refused before any step. See
     /// [`crate::budget`].
     pub memory_budget: Option<String>,
+    /// Which evaluation picks the checkpoint kept as best (`best/` in the checkpoints
+    /// folder): the name of a `[[data.evals]]` set, or `"mean"` (their mean nDCG@10);
+    /// unset: no best checkpoint is kept. Judged by nDCG@10 at each evaluation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_by: Option<String>,
 }
 
 impl Default for TrainConfig {
@@ -454,6 +496,7 @@ impl Default for TrainConfig {
             keep_checkpoints: 2,
             on_nonfinite: OnNonFinite::Stop,
             memory_budget: None,
+            best_by: None,
         }
     }
 }
@@ -743,7 +786,13 @@ impl Config {
         self.validate_sparse()?;
         if let Some(d) = &self.loss.distillation {
             let temperature_set = self.loss.temperature != LossConfig::default().temperature;
-            d.validate(m.multi_vector.is_some(), t.hard_negatives, temperature_set)?;
+            // The temperature is InfoNCE's: refused only when no batch uses it.
+            let all_distilled = self.sources().iter().all(|s| s.distill);
+            d.validate(
+                m.multi_vector.is_some(),
+                self.widest_hard_negatives(),
+                temperature_set && all_distilled,
+            )?;
         }
         if m.base_dtype != BaseDtype::F32 && m.lora.is_none() {
             return Err(invalid(
@@ -786,12 +835,54 @@ impl Config {
                 ));
             }
         }
-        if self.data.eval_file.is_none() && self.data.eval_pairs == 0 {
+        self.validate_sources()?;
+        self.validate_evals()?;
+        Ok(())
+    }
+
+    /// Checks `[[data.evals]]` and `train.best_by`.
+    fn validate_evals(&self) -> Result<()> {
+        let d = &self.data;
+        if d.eval_file.is_none() && d.evals.is_empty() && d.eval_pairs == 0 {
             return Err(invalid(
                 "data.eval_pairs",
                 0,
-                "set data.eval_file, or hold out at least one pair",
+                "set data.eval_file or [[data.evals]], or hold out at least one pair",
             ));
+        }
+        if d.eval_file.is_some() && !d.evals.is_empty() {
+            return Err(invalid(
+                "data.eval_file",
+                "set",
+                "[[data.evals]] name every evaluation set: put this file among them",
+            ));
+        }
+        let mut seen: Vec<&str> = Vec::new();
+        for (i, e) in d.evals.iter().enumerate() {
+            if e.name.trim().is_empty() || e.name == "mean" {
+                return Err(invalid(
+                    "data.evals.name",
+                    format!("{:?} (set {} of [[data.evals]])", e.name, i + 1),
+                    "every evaluation set needs a name of its own (`mean` is their mean)",
+                ));
+            }
+            if seen.contains(&e.name.as_str()) {
+                return Err(invalid(
+                    "data.evals.name",
+                    format!("{:?} (set {} of [[data.evals]])", e.name, i + 1),
+                    "names two evaluation sets: each name must be its own",
+                ));
+            }
+            seen.push(&e.name);
+        }
+        if let Some(by) = &self.train.best_by {
+            if by != "mean" && !seen.contains(&by.as_str()) {
+                return Err(invalid(
+                    "train.best_by",
+                    format!("{by:?}"),
+                    "names no [[data.evals]] set: give one of their names, or \"mean\"",
+                ));
+            }
         }
         Ok(())
     }
@@ -825,6 +916,8 @@ impl Config {
         // What a non-finite step does may change: a run stopped on one resumes with
         // `skip`.
         shaping.train.on_nonfinite = OnNonFinite::Stop;
+        // Nor which evaluation picks the best checkpoint.
+        shaping.train.best_by = None;
         // How many processes share the work does not change what is trained: a run may
         // resume (or be exported) with another backend or world size.
         shaping.dist = DistConfig::default();

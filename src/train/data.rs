@@ -29,6 +29,10 @@ pub struct Pair {
     /// distillation learns from; empty when the data has none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub scores: Vec<f32>,
+    /// The row's own instruction, put before its query instead of its source's prompt
+    /// (BGE's `prompt` per row); `None`: the source's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt: Option<String>,
 }
 
 impl Pair {
@@ -74,11 +78,19 @@ pub struct Fields {
     /// `scores`; what distillation reads, optional otherwise).
     #[serde(skip_serializing_if = "Fields::is_default_scores")]
     pub scores: String,
+    /// Field holding a row's own instruction for its query (default `prompt`, BGE's
+    /// layout; optional in the data).
+    #[serde(skip_serializing_if = "Fields::is_default_prompt")]
+    pub prompt: String,
 }
 
 impl Fields {
     fn is_default_scores(name: &str) -> bool {
         name == "scores"
+    }
+
+    fn is_default_prompt(name: &str) -> bool {
+        name == "prompt"
     }
 }
 
@@ -89,6 +101,7 @@ impl Default for Fields {
             positive: "positive".into(),
             negatives: "negatives".into(),
             scores: "scores".into(),
+            prompt: "prompt".into(),
         }
     }
 }
@@ -199,6 +212,11 @@ pub struct TextBatch {
     /// Where each query's pair is in the training file ([`PairSource::origin`]: its
     /// 1-based line or row), in batch order.
     pub lines: Vec<usize>,
+    /// Each query's own instruction ([`Pair::prompt`]), in batch order: put before it
+    /// instead of its source's query prompt.
+    pub prompts: Vec<Option<String>>,
+    /// The source the batch was drawn from (its index among the run's sources).
+    pub source: usize,
 }
 
 /// Serves fixed-size batches in a seeded order per epoch; a last incomplete batch of an
@@ -370,6 +388,37 @@ impl Loader {
         Ok(arranged)
     }
 
+    /// Moves on by `batches` batches as [`Loader::next_batch`] would serve them, without
+    /// reading them (what a mixture's resume does for each source).
+    pub fn skip_batches(&mut self, mut batches: u64) -> Result<()> {
+        while batches > 0 {
+            let left =
+                (self.order.len().saturating_sub(self.position.offset) / self.batch_size) as u64;
+            if left == 0 {
+                self.seek(Position {
+                    epoch: self.position.epoch + 1,
+                    offset: 0,
+                })?;
+                self.check_full_batch()?;
+                continue;
+            }
+            let take = left.min(batches);
+            self.position.offset += take as usize * self.batch_size;
+            batches -= take;
+        }
+        Ok(())
+    }
+
+    /// The number of pairs it serves from.
+    pub fn pairs(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// Where pair `i` is in its file ([`PairSource::origin`]).
+    pub fn origin(&self, i: usize) -> usize {
+        self.pairs.origin(i)
+    }
+
     /// The next batch, moving to the next epoch when this one has no full batch left.
     pub fn next_batch(&mut self) -> Result<TextBatch> {
         if self.position.offset + self.batch_size > self.order.len() {
@@ -388,6 +437,8 @@ impl Loader {
             scores: Vec::new(),
             filled: 0,
             lines: ids.iter().map(|&i| self.pairs.origin(i)).collect(),
+            prompts: Vec::with_capacity(ids.len()),
+            source: 0,
         };
         for &i in ids {
             let pair = self.pairs.pair(i)?;
@@ -398,6 +449,7 @@ impl Loader {
                 batch.scores.extend_from_slice(scores);
             }
             batch.queries.push(pair.query);
+            batch.prompts.push(pair.prompt);
             batch.passages.push(pair.positive);
             for j in 0..self.hard_negatives {
                 match pair.negatives.get(j) {

@@ -245,6 +245,17 @@ pub(crate) fn pair_from_object(
             .ok_or_else(bad_scores)?,
         Some(_) => return Err(bad_scores()),
     };
+    let prompt = match object.get(&fields.prompt) {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(s)) if s.is_empty() => None,
+        Some(serde_json::Value::String(s)) => Some(s.clone()),
+        Some(_) => {
+            return Err(error(format!(
+                "field `{}` (the row's instruction) is not a string",
+                fields.prompt
+            )))
+        }
+    };
     if object.contains_key("positive_passages") {
         let positives = passages(
             object.get("positive_passages"),
@@ -266,6 +277,7 @@ pub(crate) fn pair_from_object(
                 error,
             )?,
             scores,
+            prompt,
         });
     }
     let list_error = || {
@@ -303,6 +315,7 @@ pub(crate) fn pair_from_object(
         positive: text(&fields.positive)?,
         negatives,
         scores,
+        prompt,
     })
 }
 
@@ -490,6 +503,12 @@ fn table_pairs(path: &Path, fields: &Fields, delimiter: u8, push: &mut Push) -> 
                 .map(str::to_string)
                 .collect(),
             scores: Vec::new(),
+            prompt: headers
+                .iter()
+                .position(|h| h == fields.prompt.as_str())
+                .and_then(|i| record.get(i))
+                .filter(|t| !t.is_empty())
+                .map(str::to_string),
         };
         push(pair, line);
     }

@@ -47,6 +47,32 @@ impl From<&crate::retrieval::CorpusMetrics> for RetrievalMetrics {
 }
 
 impl RetrievalMetrics {
+    /// The mean of several sets' metrics, each measure averaged over the sets (as NanoBEIR
+    /// reports one figure over many); the queries are summed. `None` for no sets; one set
+    /// is itself.
+    pub fn mean(sets: &[RetrievalMetrics]) -> Option<Self> {
+        let first = *sets.first()?;
+        if sets.len() == 1 {
+            return Some(first);
+        }
+        let n = sets.len() as f64;
+        let mean = |f: fn(&RetrievalMetrics) -> f64| sets.iter().map(f).sum::<f64>() / n;
+        let mean_opt = |f: fn(&RetrievalMetrics) -> Option<f64>| {
+            let all: Option<Vec<f64>> = sets.iter().map(f).collect();
+            all.map(|v| v.iter().sum::<f64>() / n)
+        };
+        Some(Self {
+            queries: sets.iter().map(|m| m.queries).sum(),
+            recall_at_1: mean(|m| m.recall_at_1),
+            recall_at_5: mean(|m| m.recall_at_5),
+            recall_at_10: mean(|m| m.recall_at_10),
+            mrr_at_10: mean(|m| m.mrr_at_10),
+            ndcg_at_10: mean(|m| m.ndcg_at_10),
+            recall_at_100: mean_opt(|m| m.recall_at_100),
+            map_at_100: mean_opt(|m| m.map_at_100),
+        })
+    }
+
     /// Metrics from the 1-based rank of each query's relevant passage.
     pub fn from_ranks(ranks: &[usize]) -> Self {
         let n = ranks.len().max(1) as f64;

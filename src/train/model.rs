@@ -121,9 +121,21 @@ pub(super) fn run_prompts(
     head: Option<&SentenceTransformersConfig>,
 ) -> Result<(Prompts, bool)> {
     let own = head.map(|h| h.prompts.clone()).unwrap_or_default();
+    // A mixture's sources' instructions, by the sources' names (their passage prompts as
+    // `<name>_passage`).
+    let mut named = std::collections::BTreeMap::new();
+    for s in &cfg.data.sources {
+        if let Some(q) = &s.query_prompt {
+            named.insert(s.name.clone(), q.clone());
+        }
+        if let Some(p) = &s.passage_prompt {
+            named.insert(format!("{}_passage", s.name), p.clone());
+        }
+    }
     let prompts = Prompts {
         query: cfg.model.query_prompt.clone().unwrap_or(own.query),
         passage: cfg.model.passage_prompt.clone().unwrap_or(own.passage),
+        named,
     };
     let pooled = cfg
         .model

@@ -145,49 +145,86 @@ impl MultiVectorSettings {
     }
 }
 
-/// `[loss.distillation]`: the loss is the KL divergence from a teacher's scores, given in
-/// the data (a `scores` list beside each pair's positive and hard negatives), to the
-/// model's MaxSim scores of each query's own passages (PyLate's `Distillation`), instead
-/// of InfoNCE over the batch.
+/// `[loss.distillation]`: learn a teacher's scores given in the data (a `scores` list
+/// beside each pair's positive and hard negatives, as `gradcache mine --output-scores`
+/// writes them).
+///
+/// - A multi-vector model: the KL divergence from the teacher's scores to the model's
+///   MaxSim scores of each query's own passages (PyLate's `Distillation`), instead of
+///   InfoNCE over the batch.
+/// - A single-vector or sparse model: `kind = "kl"` (sentence-transformers'
+///   `DistillKLDivLoss`) or `"margin_mse"` (`MarginMSELoss`) on the model's similarity of
+///   each query to its own passages, times `weight`, plus `infonce_weight` times InfoNCE
+///   over the batch (0: distillation alone).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DistillationConfig {
-    /// Min-max normalise the model's scores of each query's passages before the softmax
-    /// (PyLate's `normalize_scores`, on by default).
+    /// `"kl"` or `"margin_mse"` (single-vector and sparse models); unset: `kl`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kind: Option<DistillKind>,
+    /// Multi-vector models: min-max normalise the model's scores of each query's passages
+    /// before the softmax (PyLate's `normalize_scores`, on by default).
     pub normalize_scores: bool,
-    /// The teacher's scores are divided by this before their softmax: 1 (PyLate's) for a
-    /// cross-encoder's logits; a bi-encoder teacher's cosine scores want the temperature
-    /// it was trained with (0.05 for configs/bible-beir.toml's model).
+    /// The teacher's scores are divided by this before their softmax: 1 (PyLate's and
+    /// sentence-transformers') for a cross-encoder's logits; a bi-encoder teacher's cosine
+    /// scores want the temperature it was trained with (0.05 for configs/bible-beir.toml's
+    /// model).
     pub teacher_temperature: f64,
+    /// `kind = "kl"`: the student's scores are divided by this before their softmax, and
+    /// the loss multiplied by its square (sentence-transformers' `temperature`; 1).
+    #[serde(skip_serializing_if = "is_one")]
+    pub student_temperature: f64,
+    /// The distillation term's weight (single-vector and sparse models).
+    #[serde(skip_serializing_if = "is_one")]
+    pub weight: f64,
+    /// The weight of InfoNCE over the batch beside it (single-vector and sparse models; 0:
+    /// distillation alone). `loss.temperature` is InfoNCE's.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub infonce_weight: f64,
+}
+
+/// What a single-vector or sparse model's distillation computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DistillKind {
+    /// KL divergence of the softmaxes (`DistillKLDivLoss`).
+    Kl,
+    /// Squared error of the score margins (`MarginMSELoss`).
+    MarginMse,
+}
+
+fn is_one(x: &f64) -> bool {
+    *x == 1.0
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 impl Default for DistillationConfig {
     fn default() -> Self {
         Self {
+            kind: None,
             normalize_scores: true,
             teacher_temperature: 1.0,
+            student_temperature: 1.0,
+            weight: 1.0,
+            infonce_weight: 0.0,
         }
     }
 }
 
 impl DistillationConfig {
-    /// Refuses what distillation cannot train: a single-vector model, no hard negatives
-    /// (a query would have one passage), a temperature set (`temperature_set`; the loss
-    /// has none).
+    /// Refuses what distillation cannot train: no hard negatives (a query would have one
+    /// passage), a temperature that takes no part (`temperature_set` on a run whose every
+    /// source distils, without InfoNCE beside), weights out of range, a multi-vector model
+    /// with the single-vector settings.
     pub(super) fn validate(
         &self,
         multi_vector: bool,
         hard_negatives: usize,
         temperature_set: bool,
     ) -> Result<()> {
-        if !multi_vector {
-            return Err(invalid(
-                "loss.distillation",
-                "set",
-                "distils a teacher's scores into a multi-vector model (PyLate's \
-                 Distillation over MaxSim scores): set [model.multi_vector]",
-            ));
-        }
         if hard_negatives == 0 {
             return Err(invalid(
                 "train.hard_negatives",
@@ -196,20 +233,57 @@ impl DistillationConfig {
                  hard negatives whose teacher scores each pair gives (at least 1)",
             ));
         }
-        let t = self.teacher_temperature;
-        if !(t.is_finite() && t > 0.0) {
-            return Err(invalid(
+        for (field, t) in [
+            (
                 "loss.distillation.teacher_temperature",
-                t,
-                "must be a finite number greater than 0",
+                self.teacher_temperature,
+            ),
+            (
+                "loss.distillation.student_temperature",
+                self.student_temperature,
+            ),
+            ("loss.distillation.weight", self.weight),
+        ] {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(invalid(field, t, "must be a finite number greater than 0"));
+            }
+        }
+        if !(self.infonce_weight.is_finite() && self.infonce_weight >= 0.0) {
+            return Err(invalid(
+                "loss.distillation.infonce_weight",
+                self.infonce_weight,
+                "must be a finite number, 0 (distillation alone) or more",
             ));
         }
-        if temperature_set {
+        if multi_vector {
+            let single = [
+                ("loss.distillation.kind", self.kind.is_some()),
+                (
+                    "loss.distillation.student_temperature",
+                    self.student_temperature != 1.0,
+                ),
+                ("loss.distillation.weight", self.weight != 1.0),
+                (
+                    "loss.distillation.infonce_weight",
+                    self.infonce_weight != 0.0,
+                ),
+            ];
+            if let Some((field, _)) = single.iter().find(|(_, set)| *set) {
+                return Err(invalid(
+                    field,
+                    "set",
+                    "a single-vector distillation setting on a multi-vector model, whose \
+                     distillation is PyLate's (KL over MaxSim scores, alone): leave it unset",
+                ));
+            }
+        }
+        if temperature_set && (multi_vector || self.infonce_weight == 0.0) {
             return Err(invalid(
                 "loss.temperature",
                 "set",
-                "has no part in distillation (PyLate's Distillation has none): leave it \
-                 unset (loss.distillation.teacher_temperature scales the teacher's scores)",
+                "has no part in distillation alone (loss.distillation.teacher_temperature \
+                 and student_temperature scale the scores; loss.temperature is InfoNCE's \
+                 when loss.distillation.infonce_weight is above 0)",
             ));
         }
         Ok(())

@@ -28,6 +28,8 @@ pub struct StepReport {
     pub heap_peak_bytes: usize,
     /// Hard negatives that were missing and filled from other pairs.
     pub filled_negatives: usize,
+    /// The data source the batch was drawn from (a mixture's; `None` for one source).
+    pub source: Option<String>,
     /// Wall time of each phase of the step.
     pub phases: PhaseTimes,
     /// Peak heap bytes of each phase above the step's start (0 unless the binary counts
@@ -118,9 +120,15 @@ pub enum Event {
     Eval {
         /// Updates done when it ran.
         step: u64,
-        /// Retrieval metrics on the held-out pairs.
+        /// Retrieval metrics on the held-out pairs (with several evaluation sets, their
+        /// mean).
         metrics: RetrievalMetrics,
+        /// Each named evaluation set's metrics (`[[data.evals]]`); empty with one set.
+        sets: Vec<(String, RetrievalMetrics)>,
     },
+    /// A training checkpoint of this step is about to be written (what was observed so
+    /// far belongs on disk first).
+    Checkpointing(u64),
     /// A training checkpoint was written to this directory.
     CheckpointSaved(PathBuf),
     /// A fact worth a log line.

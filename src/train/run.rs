@@ -69,7 +69,9 @@ pub type QueryInput<T> = <<T as Task>::Query as Encoder>::Input;
 /// One chunk of the passage (or text) tower's input.
 pub type PassageInput<T> = <<T as Task>::Passage as Encoder>::Input;
 
+mod best;
 mod resume;
+pub use best::BEST_DIR;
 pub(super) use resume::check_fingerprint;
 
 /// What a kind of training supplies to the loop: its data, its inputs, its evaluation.
@@ -124,6 +126,29 @@ pub trait Task: Sized {
 
     /// Retrieval metrics on the held-out data (evaluation mode: no dropout).
     fn evaluate(&self, gc: &TaskCache<Self>) -> Result<RetrievalMetrics>;
+
+    /// The metrics of each named evaluation set of the last [`Task::evaluate`], which
+    /// returned their mean; none by default (one set).
+    fn take_eval_sets(&self) -> Vec<(String, RetrievalMetrics)> {
+        Vec::new()
+    }
+
+    /// What judges the checkpoint kept as best, and the score of an evaluation by it
+    /// (higher is better): `train.best_by`'s set or the mean, by nDCG@10; `None` (the
+    /// default): no best checkpoint is kept.
+    fn best_score(
+        &self,
+        _metrics: &RetrievalMetrics,
+        _sets: &[(String, RetrievalMetrics)],
+    ) -> Option<(String, f64)> {
+        None
+    }
+
+    /// The name of the data source `batch` was drawn from, for the step's report (a
+    /// mixture's); `None` by default.
+    fn batch_source(&self, _batch: &Self::Batch) -> Option<String> {
+        None
+    }
 
     /// The chunk sizes the step ran with and the settings that lower them, for the error
     /// of a step that ran out of GPU memory: `(chunks, settings)`.
@@ -249,6 +274,9 @@ impl Buffers {
         Ok(())
     }
 }
+
+/// An evaluation's metrics (the mean over its sets) and each named set's.
+type Evaluated = (RetrievalMetrics, Vec<(String, RetrievalMetrics)>);
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -387,8 +415,11 @@ impl<T: Task> Run<T> {
 
     /// Evaluates on rank 0 only; every rank receives rank 0's metrics (a failure there
     /// stops every rank).
-    fn evaluate_on_root(&self) -> Result<RetrievalMetrics> {
-        dist::from_root(&*self.comm, "the evaluation", || self.evaluate())
+    fn evaluate_on_root(&self) -> Result<Evaluated> {
+        dist::from_root(&*self.comm, "the evaluation", || {
+            let metrics = self.evaluate()?;
+            Ok((metrics, self.task.take_eval_sets()))
+        })
     }
 
     /// Times one gradient-cache step over `batch` (its inputs prepared as a training
@@ -462,6 +493,7 @@ impl<T: Task> Run<T> {
             peak_bytes: peak,
             heap_peak_bytes: if peak > 0 { heap_at_start + peak } else { 0 },
             filled_negatives: self.task.filled_negatives(&batch),
+            source: self.task.batch_source(&batch),
             phases: u.phases,
             phase_peaks: u.phase_peaks,
             flops: u.flops,
@@ -605,6 +637,7 @@ impl<T: Task> Run<T> {
                 checkpoint: None,
             });
         }
+        observer.event(&Event::Checkpointing(self.step))?;
         let (dir, new) = self.checkpoint_here()?;
         if new {
             observer.event(&Event::CheckpointSaved(dir.clone()))?;
@@ -650,10 +683,11 @@ impl<T: Task> Run<T> {
             return Err(self.stop(signal, observer)?);
         }
         let before = if self.step == 0 {
-            let m = self.evaluate_on_root()?;
+            let (m, sets) = self.evaluate_on_root()?;
             let observed = observer.event(&Event::Eval {
                 step: 0,
                 metrics: m,
+                sets,
             });
             dist::agree(&*self.comm, observed)?;
             Some(m)
@@ -676,20 +710,31 @@ impl<T: Task> Run<T> {
             if let Some(signal) = self.step_boundary(agreed)? {
                 return Err(self.stop(signal, observer)?);
             }
-            let s = &self.settings;
-            let last = self.step == s.steps;
-            if s.eval_every > 0 && self.step.is_multiple_of(s.eval_every) && !last {
-                let m = self.evaluate_on_root()?;
+            let (eval_every, checkpoint_every) =
+                (self.settings.eval_every, self.settings.checkpoint_every);
+            let last = self.step == self.settings.steps;
+            if eval_every > 0 && self.step.is_multiple_of(eval_every) && !last {
+                let (m, sets) = self.evaluate_on_root()?;
+                let best = self.task.best_score(&m, &sets);
                 observed = observer.event(&Event::Eval {
                     step: self.step,
                     metrics: m,
+                    sets,
                 });
+                if let Some((by, score)) = best {
+                    if let Some(note) = self.keep_if_best(&by, score)? {
+                        observed = observed.and_then(|()| observer.event(&Event::Note(note)));
+                    }
+                }
                 if let Some(note) = self.task.eval_note(&self.gc)? {
                     let line = format!("step {}: {note}", self.step);
                     observed = observed.and_then(|()| observer.event(&Event::Note(line)));
                 }
             }
-            if (s.checkpoint_every > 0 && self.step.is_multiple_of(s.checkpoint_every)) || last {
+            if (checkpoint_every > 0 && self.step.is_multiple_of(checkpoint_every)) || last {
+                // The metrics up to this step are on disk before the checkpoint is: a run
+                // killed after it resumes with none of its steps' lines missing.
+                observed = observed.and_then(|()| observer.event(&Event::Checkpointing(self.step)));
                 let (dir, new) = self.checkpoint_here()?;
                 if new {
                     observed = observed.and_then(|()| observer.event(&Event::CheckpointSaved(dir)));
@@ -709,11 +754,18 @@ impl<T: Task> Run<T> {
                 self.world_size()
             )))?;
         }
-        let after = self.evaluate_on_root()?;
+        let (after, sets) = self.evaluate_on_root()?;
+        let best = self.task.best_score(&after, &sets);
         observer.event(&Event::Eval {
             step: self.step,
             metrics: after,
+            sets,
         })?;
+        if let Some((by, score)) = best {
+            if let Some(note) = self.keep_if_best(&by, score)? {
+                observer.event(&Event::Note(note))?;
+            }
+        }
         if let Some(note) = self.task.finish(&self.gc, self.step)? {
             observer.event(&Event::Note(note))?;
         }

@@ -6,10 +6,11 @@ use std::path::{Path, PathBuf};
 
 use crate::dist::{self, Collective};
 use crate::retrieval::BeirSet;
+use crate::train::config::Batches;
 use crate::train::config::Config;
-use crate::train::data::{split, Loader, NumberedPairs, Pair, PairSource};
-use crate::train::formats::{read_numbered, read_pairs, Layout};
-use crate::train::stream::JsonlIndex;
+use crate::train::data::{split, NumberedPairs, Pair};
+use crate::train::formats::{read_pairs, Layout};
+use crate::train::mixture::{read_source, Mixture, SourceData};
 use crate::{Error, Result};
 
 /// What a run evaluates on.
@@ -54,60 +55,66 @@ impl EvalData {
     }
 }
 
+/// One evaluation set of a run.
+pub(super) struct Evaluation {
+    /// Its name (`[[data.evals]]`), or `None` for the one set of `data.eval_file` or the
+    /// held-out pairs.
+    pub(super) name: Option<String>,
+    /// Its queries and what they are scored against.
+    pub(super) data: EvalData,
+    /// The prompt before its queries, over the model's.
+    pub(super) query_prompt: Option<String>,
+}
+
 /// The training data of a run.
 pub(super) struct RunData {
-    pub(super) loader: Loader,
-    pub(super) eval: EvalData,
+    pub(super) mixture: Mixture,
+    pub(super) evals: Vec<Evaluation>,
     /// The training split's texts, query then positive of each pair (what a fresh
     /// tokenizer learns from and the memory budget samples lengths from; empty when
     /// neither needs them).
     pub(super) texts: Vec<String>,
 }
 
-/// Reads the training and held-out pairs (every rank; a failure anywhere stops all),
+/// Reads the training and evaluation data (every rank; a failure anywhere stops all),
 /// checks that all ranks run the same configuration on the same data, and builds the
-/// loader.
+/// batches.
 pub(super) fn load_data(
     cfg: &Config,
     comm: &dyn Collective,
     notes: &mut Vec<String>,
 ) -> Result<RunData> {
-    let (train, eval) = dist::agree(comm, load_pairs(cfg))?;
-    let distill = cfg.loss.distillation.is_some();
-    let source: Box<dyn PairSource> = match train {
-        Training::InMemory(pairs) => {
-            if distill {
-                // Every pair gives its teacher scores, checked before the run starts (a
-                // streamed pair is checked when it is served).
-                let file = &cfg.data.train_file;
-                for (pair, &line) in pairs.pairs.iter().zip(&pairs.lines) {
-                    pair.teacher_scores(cfg.train.hard_negatives)
-                        .map_err(|reason| Error::data(file, line, reason))?;
-                }
-            }
-            Box::new(pairs)
-        }
-        Training::Streamed(index) => {
+    let (sources, evals) = dist::agree(comm, load_sources(cfg))?;
+    let several = sources.len() > 1;
+    for s in &sources {
+        if s.source.stream {
             notes.push(format!(
                 "streaming {} training pairs from {} (an index of {} MiB; pairs are read when \
                  served)",
-                index.len(),
-                cfg.data.train_file.display(),
-                (index.len() * 12) >> 20
+                s.pairs.len(),
+                s.label(several),
+                (s.pairs.len() * 12) >> 20
             ));
-            Box::new(index)
         }
-    };
-    check_same_run(comm, cfg, source.as_ref(), &eval)?;
+    }
+    check_same_run(comm, cfg, &sources, &evals)?;
     let batch = cfg.train.batch_size;
-    let n = source.len();
-    if !n.is_multiple_of(batch) {
-        notes.push(format!(
-            "{n} training pairs make {} batches of {batch} per epoch; the last {} pairs of each \
-             (shuffled) epoch are dropped",
-            n / batch,
-            n % batch
-        ));
+    let mixed = several && cfg.batches() == Batches::Mixed;
+    for s in sources.iter().filter(|_| !mixed) {
+        let n = s.pairs.len();
+        if !n.is_multiple_of(batch) {
+            notes.push(format!(
+                "{n} training pairs{} make {} batches of {batch} per epoch; the last {} pairs \
+                 of each (shuffled) epoch are dropped",
+                if several {
+                    format!(" of source {:?}", s.source.name)
+                } else {
+                    String::new()
+                },
+                n / batch,
+                n % batch
+            ));
+        }
     }
     let world = comm.world_size();
     if world > 1 {
@@ -118,102 +125,132 @@ pub(super) fn load_data(
         ));
     }
     // A fresh tokenizer learns from the training split only (never the held-out pairs);
-    // the memory budget samples text lengths from it. A streamed file lends an even sample
-    // of at most TEXT_SAMPLE pairs.
-    let texts: Vec<String> = if cfg.model.pretrained.is_empty() || cfg.train.memory_budget.is_some()
-    {
-        let every = if cfg.data.stream {
-            n.div_ceil(TEXT_SAMPLE).max(1)
-        } else {
-            1
-        };
-        let mut texts = Vec::new();
-        for i in (0..n).step_by(every) {
-            let p = source.pair(i)?;
-            texts.push(p.query);
-            texts.push(p.positive);
+    // the memory budget samples text lengths from it. A streamed source lends an even
+    // sample of at most TEXT_SAMPLE pairs.
+    let mut texts: Vec<String> = Vec::new();
+    if cfg.model.pretrained.is_empty() || cfg.train.memory_budget.is_some() {
+        for s in &sources {
+            let n = s.pairs.len();
+            let every = if s.source.stream {
+                n.div_ceil(TEXT_SAMPLE).max(1)
+            } else {
+                1
+            };
+            for i in (0..n).step_by(every) {
+                let p = s.pairs.pair(i)?;
+                texts.push(p.query);
+                texts.push(p.positive);
+            }
         }
-        texts
-    } else {
-        Vec::new()
-    };
-    let mut loader = Loader::from_source(source, batch, cfg.train.hard_negatives, cfg.seed)?
-        .with_no_duplicates(cfg.train.no_duplicates)?;
-    if distill {
-        loader = loader.with_teacher_scores(&cfg.data.train_file);
+    }
+    let mixture = Mixture::new(cfg, sources)?;
+    if several {
+        notes.push(mixture_note(cfg, &mixture));
     }
     Ok(RunData {
-        loader,
-        eval,
+        mixture,
+        evals,
         texts,
     })
+}
+
+/// `3 sources, a step's batch from one (proportional): web 62.5%, nli 25.0%, ...`.
+fn mixture_note(cfg: &Config, mixture: &Mixture) -> String {
+    let p = mixture.picker().probabilities();
+    let shares: Vec<String> = mixture
+        .sources()
+        .iter()
+        .zip(&p)
+        .map(|(s, p)| {
+            format!("{} {} pairs", s.source.name, s.pairs.len())
+                + &if mixture.is_mixed() {
+                    String::new()
+                } else {
+                    format!(" ({:.1}% of steps)", p * 100.0)
+                }
+        })
+        .collect();
+    let how = if mixture.is_mixed() {
+        "their pairs shuffled together".to_string()
+    } else {
+        let sampling = match cfg.data.sampling {
+            None => "proportional".to_string(),
+            Some(s) => serde_json::to_string(&s)
+                .unwrap_or_default()
+                .replace('"', ""),
+        };
+        format!("a step's batch from one, sampled {sampling}")
+    };
+    format!(
+        "{} sources, {how}: {}",
+        mixture.sources().len(),
+        shares.join(", ")
+    )
 }
 
 /// With `data.stream`: the pairs a fresh tokenizer and the memory budget sample at most.
 const TEXT_SAMPLE: usize = 200_000;
 
-/// The training pairs of a run: in memory, or indexed on disk (`data.stream`).
-enum Training {
-    InMemory(NumberedPairs),
-    Streamed(JsonlIndex),
-}
-
-/// The training and held-out pairs of a run.
-fn load_pairs(cfg: &Config) -> Result<(Training, EvalData)> {
+/// Every source's pairs and the evaluation sets of a run.
+fn load_sources(cfg: &Config) -> Result<(Vec<SourceData>, Vec<Evaluation>)> {
     let d = &cfg.data;
-    let eval = |path: &Path| -> Result<EvalData> {
+    let eval = |path: &Path, split: &str| -> Result<EvalData> {
         Ok(if Layout::of(path) == Layout::Beir {
-            EvalData::Corpus(BeirSet::load(path, &d.eval_split)?)
+            EvalData::Corpus(BeirSet::load(path, split)?)
         } else {
-            EvalData::Pairs(read_pairs(
-                path,
-                &d.fields,
-                &d.eval_split,
-                &d.title_separator,
-            )?)
+            EvalData::Pairs(read_pairs(path, &d.fields, split, &d.title_separator)?)
         })
     };
-    if d.stream {
-        let Some(path) = &d.eval_file else {
+    let mut evals: Vec<Evaluation> = Vec::new();
+    if let Some(path) = &d.eval_file {
+        evals.push(Evaluation {
+            name: None,
+            data: eval(path, &d.eval_split)?,
+            query_prompt: None,
+        });
+    }
+    for e in &d.evals {
+        evals.push(Evaluation {
+            name: Some(e.name.clone()),
+            data: eval(&e.path, e.split.as_deref().unwrap_or(&d.eval_split))?,
+            query_prompt: e.query_prompt.clone(),
+        });
+    }
+    let mut sources = Vec::new();
+    for source in cfg.sources() {
+        if source.stream && evals.is_empty() {
             return Err(Error::InvalidConfig {
                 field: "data.stream",
                 value: "true".into(),
                 reason: "a streamed training file is not held out of: set data.eval_file",
             });
-        };
-        if Layout::of(&d.train_file) != Layout::JsonLines {
-            return Err(Error::InvalidConfig {
-                field: "data.stream",
-                value: d.train_file.display().to_string(),
-                reason: "streams JSON lines only (ours, Tevatron's); read other layouts into \
-                         memory (data.stream = false)",
-            });
         }
-        let index = JsonlIndex::build(&d.train_file, &d.fields, &d.title_separator)?;
-        return Ok((Training::Streamed(index), eval(path)?));
+        let local = crate::train::hub_data::local_path(&source.path)?;
+        sources.push(read_source(cfg, &source, &local)?);
     }
-    let layout = Layout::of(&d.train_file);
-    let numbered = read_numbered(
-        &d.train_file,
-        layout,
-        &d.fields,
-        &d.train_split,
-        &d.title_separator,
-    )?;
-    match &d.eval_file {
-        Some(path) => Ok((Training::InMemory(numbered), eval(path)?)),
-        None => {
-            let items: Vec<(Pair, usize)> =
-                numbered.pairs.into_iter().zip(numbered.lines).collect();
-            let (train, held) = split(items, d.eval_pairs, cfg.seed)?;
-            let (pairs, lines) = train.into_iter().unzip();
-            let held = held.into_iter().map(|(p, _)| p).collect();
-            Ok((
-                Training::InMemory(NumberedPairs { pairs, lines }),
-                EvalData::Pairs(held),
-            ))
-        }
+    if evals.is_empty() {
+        // The one source's pairs less `eval_pairs` held out (a seeded choice).
+        let source = sources
+            .pop()
+            .expect("validated: one source without an eval file");
+        let pairs = source.pairs;
+        let items: Vec<(Pair, usize)> = (0..pairs.len())
+            .map(|i| Ok((pairs.pair(i)?, pairs.origin(i))))
+            .collect::<Result<_>>()?;
+        let (train, held) = split(items, d.eval_pairs, cfg.seed)?;
+        let (kept, lines) = train.into_iter().unzip();
+        let held = held.into_iter().map(|(p, _)| p).collect();
+        sources.push(SourceData {
+            pairs: std::rc::Rc::new(NumberedPairs { pairs: kept, lines }),
+            ..source
+        });
+        evals.push(Evaluation {
+            name: None,
+            data: EvalData::Pairs(held),
+            query_prompt: None,
+        });
     }
+    Ok((sources, evals))
 }
 
 /// Checks that every rank runs the same configuration on the same data. Data paths may
@@ -221,15 +258,21 @@ fn load_pairs(cfg: &Config) -> Result<(Training, EvalData)> {
 fn check_same_run(
     comm: &dyn Collective,
     cfg: &Config,
-    train: &dyn PairSource,
-    eval: &EvalData,
+    sources: &[SourceData],
+    evals: &[Evaluation],
 ) -> Result<()> {
     if comm.world_size() == 1 {
         return Ok(());
     }
     let mut shaping = cfg.clone();
-    shaping.data.train_file = PathBuf::new();
+    shaping.data.train_file = None;
     shaping.data.eval_file = None;
+    for source in &mut shaping.data.sources {
+        source.path = String::new();
+    }
+    for set in &mut shaping.data.evals {
+        set.path = PathBuf::new();
+    }
     let json = dist::agree(comm, shaping.to_json())?;
     let all = comm.all_gather_bytes(json.to_string().as_bytes())?;
     let differing: Vec<String> = (1..all.len())
@@ -246,23 +289,32 @@ fn check_same_run(
         });
     }
     let mut hash = crate::rng::hash_str("");
-    for i in 0..train.len() {
-        let p = train.pair(i)?;
-        for text in [&p.query, &p.positive].into_iter().chain(&p.negatives) {
+    let mut pairs = 0;
+    for s in sources {
+        let train = &s.pairs;
+        pairs += train.len();
+        for i in 0..train.len() {
+            let p = train.pair(i)?;
+            for text in [&p.query, &p.positive]
+                .into_iter()
+                .chain(&p.negatives)
+                .chain(&p.prompt)
+            {
+                hash = hash.rotate_left(5) ^ crate::rng::hash_str(text);
+            }
+            for score in &p.scores {
+                hash = hash.rotate_left(5) ^ u64::from(score.to_bits());
+            }
+        }
+    }
+    let mut held = 0;
+    for e in evals {
+        held += e.data.len();
+        for text in e.data.texts() {
             hash = hash.rotate_left(5) ^ crate::rng::hash_str(text);
         }
-        for score in &p.scores {
-            hash = hash.rotate_left(5) ^ u64::from(score.to_bits());
-        }
     }
-    for text in eval.texts() {
-        hash = hash.rotate_left(5) ^ crate::rng::hash_str(text);
-    }
-    let print = format!(
-        "{} training pairs, {} held out, hash {hash:016x}",
-        train.len(),
-        eval.len()
-    );
+    let print = format!("{pairs} training pairs, {held} held out, hash {hash:016x}");
     dist::ensure_same(comm, "the data", print.as_bytes(), |b| {
         String::from_utf8_lossy(b).into_owned()
     })

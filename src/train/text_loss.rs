@@ -8,14 +8,19 @@ use candle_core::{Device, Tensor};
 
 use crate::dist::Collective;
 use crate::hub::multi_vector::MultiVectorHead;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use crate::loss::{
-    Flops, Guide, InfoNce, Loss, LossValue, Matryoshka, MaxSim, MaxSimDistillation, SpladeLoss,
-    TeacherScores, WeightScale,
+    Flops, GroupObjective, GroupScores, Guide, InfoNce, Loss, LossValue, Matryoshka, MaxSim,
+    MaxSimDistillation, SpladeLoss, TeacherScores, WeightScale, Weighted,
 };
 use crate::params::Params;
 use crate::train::config::Config;
+use crate::train::config::DistillKind;
 use crate::train::config::SpladeConfig;
 use crate::train::data::TextBatch;
+use crate::train::sources::Source;
 use crate::Result;
 use crate::Similarity;
 
@@ -23,72 +28,205 @@ use crate::Similarity;
 pub enum TextLoss {
     /// Single vectors.
     InfoNce(Matryoshka<InfoNce>),
+    /// Single vectors with a distillation term or without in-batch negatives: a weighted
+    /// sum of InfoNCE (over the batch, or over each query's own passages) and the
+    /// distillation of the teacher's scores.
+    Scores(Weighted),
     /// Token matrices (ColBERT).
     MaxSim(MaxSim),
     /// Token matrices learning a teacher's scores (PyLate's distillation).
     Distillation(MaxSimDistillation),
-    /// Sparse (SPLADE) vectors: InfoNCE on dot products plus the FLOPS regularisers.
-    Splade(SpladeLoss<InfoNce>),
+    /// Sparse (SPLADE) vectors: InfoNCE on dot products (or distillation) plus the FLOPS
+    /// regularisers.
+    Splade(SpladeLoss<Weighted>),
+    /// A mixture whose sources train with different losses: the loss of the source of the
+    /// batch at hand ([`ActiveSource`]).
+    PerSource(Vec<TextLoss>, ActiveSource),
+}
+
+/// The source of the batch being trained on (its index among the run's sources), set by
+/// the task before each step; a [`TextLoss::PerSource`] reads it. Clones share it.
+#[derive(Clone, Default, Debug)]
+pub struct ActiveSource(Arc<AtomicUsize>);
+
+impl ActiveSource {
+    /// Sets the source of the next step.
+    pub fn set(&self, source: usize) {
+        self.0.store(source, Ordering::Relaxed);
+    }
+
+    fn get(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
 }
 
 impl TextLoss {
-    /// The loss `cfg` asks for: over `multi_vector`'s token matrices when the model is
-    /// one, judging false negatives by the `guide` cell's embeddings when it has one.
-    pub(super) fn from_config(
+    /// The loss of a run over `sources`: one loss when every source trains alike, else one
+    /// per source behind the returned [`ActiveSource`]. Over `multi_vector`'s token
+    /// matrices when the model is one, judging false negatives by the `guide` cell's
+    /// embeddings when it has one.
+    pub(super) fn for_sources(
         cfg: &Config,
+        sources: &[&Source],
         multi_vector: Option<&MultiVectorHead>,
         guide: Option<Guide>,
         inference_free: bool,
+    ) -> Result<(Self, ActiveSource)> {
+        let active = ActiveSource::default();
+        let teacher = TeacherScores::new();
+        let scale = WeightScale::new();
+        let alike = sources.windows(2).all(|w| {
+            (
+                w[0].symmetric,
+                &w[0].directions,
+                w[0].in_batch,
+                w[0].distill,
+            ) == (
+                w[1].symmetric,
+                &w[1].directions,
+                w[1].in_batch,
+                w[1].distill,
+            )
+        });
+        if alike || sources.len() < 2 {
+            let source = sources.first().ok_or(crate::Error::EmptyBatch {
+                side: crate::Side::Query,
+            })?;
+            let loss = Self::for_source(
+                cfg,
+                source,
+                multi_vector,
+                guide,
+                inference_free,
+                (&teacher, &scale),
+            )?;
+            return Ok((loss, active));
+        }
+        let losses = sources
+            .iter()
+            .map(|s| {
+                Self::for_source(
+                    cfg,
+                    s,
+                    multi_vector,
+                    guide.clone(),
+                    inference_free,
+                    (&teacher, &scale),
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((TextLoss::PerSource(losses, active.clone()), active))
+    }
+
+    /// The loss `cfg` asks for on the batches of `source` (its symmetric term, directions,
+    /// in-batch negatives and distillation), reading teacher scores from `teacher`.
+    fn for_source(
+        cfg: &Config,
+        source: &Source,
+        multi_vector: Option<&MultiVectorHead>,
+        guide: Option<Guide>,
+        inference_free: bool,
+        (teacher, scale): (&TeacherScores, &WeightScale),
     ) -> Result<Self> {
         let l = &cfg.loss;
-        Ok(match (multi_vector, &l.distillation) {
-            (Some(head), Some(d)) => TextLoss::Distillation(
-                MaxSimDistillation::new(head.dim, TeacherScores::new())?
-                    .with_normalized_scores(d.normalize_scores)
-                    .with_teacher_temperature(d.teacher_temperature)?,
-            ),
-            (Some(head), None) => {
-                TextLoss::MaxSim(MaxSim::new(head.dim)?.with_temperature(l.temperature)?)
+        let distillation = l.distillation.as_ref().filter(|_| source.distill);
+        if let Some(head) = multi_vector {
+            if !source.in_batch || source.symmetric || source.directions != l.directions {
+                return Err(crate::Error::InvalidConfig {
+                    field: "data.sources.loss",
+                    value: format!("set (source {:?})", source.name),
+                    reason: "a multi-vector model's loss is InfoNCE over MaxSim scores (or its \
+                             distillation): symmetric, directions and in_batch do not apply",
+                });
             }
-            (None, _) if cfg.model.sparse.is_some() => {
-                let block = (l.block_rows > 0).then_some(l.block_rows);
-                let base = InfoNce::new(l.temperature)?
-                    .with_similarity(Similarity::Dot)
-                    .with_symmetric(l.symmetric)
-                    .with_directions(&l.directions)?
-                    .with_block_rows(block)?
-                    .with_false_negative_margin(l.false_negative_margin)?
-                    .with_guide(guide);
-                let s = l.splade.clone().unwrap_or_default();
-                let documents = Flops::new(s.document_weight)?.with_threshold(s.document_threshold);
-                let queries = match s.effective_query_weight(inference_free) {
-                    Some(w) => Some(Flops::new(w)?.with_threshold(s.query_threshold)),
-                    None => None,
+            return Ok(match distillation {
+                Some(d) => TextLoss::Distillation(
+                    MaxSimDistillation::new(head.dim, teacher.clone())?
+                        .with_normalized_scores(d.normalize_scores)
+                        .with_teacher_temperature(d.teacher_temperature)?,
+                ),
+                None => TextLoss::MaxSim(MaxSim::new(head.dim)?.with_temperature(l.temperature)?),
+            });
+        }
+        let sparse = cfg.model.sparse.is_some();
+        let similarity = if sparse {
+            Similarity::Dot
+        } else {
+            l.similarity
+        };
+        // Unset: the loss chooses (the CPU kernel's blocks, or the composed path's that
+        // fit).
+        let block = (l.block_rows > 0).then_some(l.block_rows);
+        let in_batch = InfoNce::new(l.temperature)?
+            .with_similarity(similarity)
+            .with_symmetric(source.symmetric)
+            .with_directions(&source.directions)?
+            .with_block_rows(block)?
+            .with_false_negative_margin(l.false_negative_margin)?
+            .with_guide(guide);
+        let contrastive: Box<dyn Loss> = if !source.in_batch {
+            Box::new(GroupScores::new(
+                GroupObjective::InfoNce {
+                    temperature: l.temperature,
+                },
+                similarity,
+                teacher.clone(),
+            )?)
+        } else if sparse {
+            Box::new(in_batch.clone())
+        } else {
+            Box::new(Matryoshka::new(
+                in_batch.clone(),
+                l.matryoshka_dims.clone(),
+                l.matryoshka_weights.clone(),
+            )?)
+        };
+        let parts: Vec<(f64, Box<dyn Loss>)> = match distillation {
+            None => vec![(1.0, contrastive)],
+            Some(d) => {
+                let objective = match d.kind.unwrap_or(DistillKind::Kl) {
+                    DistillKind::Kl => GroupObjective::Kl {
+                        student_temperature: d.student_temperature,
+                        teacher_temperature: d.teacher_temperature,
+                    },
+                    DistillKind::MarginMse => GroupObjective::MarginMse,
                 };
-                TextLoss::Splade(
-                    SpladeLoss::new(base, documents)
-                        .with_queries(queries)
-                        .with_documents_only(s.documents_only)?,
-                )
+                let mut parts: Vec<(f64, Box<dyn Loss>)> = vec![(
+                    d.weight,
+                    Box::new(GroupScores::new(objective, similarity, teacher.clone())?),
+                )];
+                if d.infonce_weight > 0.0 {
+                    parts.push((d.infonce_weight, contrastive));
+                }
+                parts
             }
-            (None, _) => {
-                // Unset: the loss chooses (the CPU kernel's blocks, or the composed
-                // path's that fit).
-                let block = (l.block_rows > 0).then_some(l.block_rows);
-                let loss = InfoNce::new(l.temperature)?
-                    .with_similarity(l.similarity)
-                    .with_symmetric(l.symmetric)
-                    .with_directions(&l.directions)?
-                    .with_block_rows(block)?
-                    .with_false_negative_margin(l.false_negative_margin)?
-                    .with_guide(guide);
-                TextLoss::InfoNce(Matryoshka::new(
-                    loss,
-                    l.matryoshka_dims.clone(),
-                    l.matryoshka_weights.clone(),
-                )?)
-            }
-        })
+        };
+        let weighted = match distillation {
+            Some(_) => Weighted::new(parts)?.with_teacher(teacher.clone()),
+            None => Weighted::new(parts)?,
+        };
+        if sparse {
+            let s = l.splade.clone().unwrap_or_default();
+            let documents = Flops::new(s.document_weight)?.with_threshold(s.document_threshold);
+            let queries = match s.effective_query_weight(inference_free) {
+                Some(w) => Some(Flops::new(w)?.with_threshold(s.query_threshold)),
+                None => None,
+            };
+            return Ok(TextLoss::Splade(
+                SpladeLoss::new(weighted, documents)
+                    .with_weight_scale(scale.clone())
+                    .with_queries(queries)
+                    .with_documents_only(s.documents_only)?,
+            ));
+        }
+        if distillation.is_none() && source.in_batch {
+            return Ok(TextLoss::InfoNce(Matryoshka::new(
+                in_batch,
+                l.matryoshka_dims.clone(),
+                l.matryoshka_weights.clone(),
+            )?));
+        }
+        Ok(TextLoss::Scores(weighted))
     }
 
     /// The MaxSim scoring, on a multi-vector run.
@@ -96,7 +234,8 @@ impl TextLoss {
         match self {
             TextLoss::MaxSim(m) => Some(m),
             TextLoss::Distillation(d) => Some(d.maxsim()),
-            TextLoss::InfoNce(_) | TextLoss::Splade(_) => None,
+            TextLoss::PerSource(losses, _) => losses.first().and_then(TextLoss::maxsim),
+            TextLoss::InfoNce(_) | TextLoss::Scores(_) | TextLoss::Splade(_) => None,
         }
     }
 
@@ -107,6 +246,8 @@ impl TextLoss {
                 l.weight_scale().clone(),
                 cfg.loss.splade.clone().unwrap_or_default(),
             )),
+            // Every source's regularisers share one scale (see `for_sources`).
+            TextLoss::PerSource(losses, _) => losses.iter().find_map(|l| l.splade(cfg)),
             _ => None,
         }
     }
@@ -115,6 +256,9 @@ impl TextLoss {
     pub fn teacher(&self) -> Option<&TeacherScores> {
         match self {
             TextLoss::Distillation(d) => Some(d.teacher()),
+            TextLoss::Scores(w) => w.teacher(),
+            TextLoss::Splade(l) => l.inner().teacher(),
+            TextLoss::PerSource(losses, _) => losses.iter().find_map(TextLoss::teacher),
             _ => None,
         }
     }
@@ -125,6 +269,10 @@ impl TextLoss {
             TextLoss::MaxSim(l) => l,
             TextLoss::Distillation(l) => l,
             TextLoss::Splade(l) => l,
+            TextLoss::Scores(l) => l,
+            TextLoss::PerSource(losses, active) => {
+                losses[active.get().min(losses.len() - 1)].inner()
+            }
         }
     }
 }

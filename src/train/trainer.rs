@@ -34,15 +34,17 @@ use crate::retrieval::{evaluate_corpus, CorpusEvalOptions, Scoring};
 use crate::train::budget::plan_memory;
 use crate::train::config::Config;
 use crate::train::config::SpladeConfig;
-use crate::train::data::{Loader, Position, TextBatch};
+use crate::train::data::{Position, TextBatch};
 use crate::train::formats::Layout;
 use crate::train::metrics::{evaluate, RetrievalMetrics};
+use crate::train::mixture::Mixture;
 use crate::train::model::{build_model, Model};
 use crate::train::run::{LoopConfig, Run, Task, TaskCache};
 pub use crate::train::run_export::{export_run, export_run_as, ExportLayout};
 use crate::train::run_export::{write_run_files, RunHead, MAY_CHANGE};
-use crate::train::text_data::{load_data, EvalData, RunData};
-use crate::train::text_loss::{set_teacher_scores, TextLoss};
+use crate::train::sources::Source;
+use crate::train::text_data::{load_data, EvalData, Evaluation, RunData};
+use crate::train::text_loss::{set_teacher_scores, ActiveSource, TextLoss};
 use crate::train::text_towers::PairTower;
 use crate::{Error, Result, Side};
 
@@ -71,8 +73,15 @@ pub struct TextPairs {
     passage_tokenizer: Tokenizer,
     /// The tokenizer an export writes: the model's own limit, not a side's training one.
     export_tokenizer: Tokenizer,
-    loader: Loader,
-    eval: EvalData,
+    /// The training batches over the run's sources.
+    mixture: Mixture,
+    /// Each source's query and passage tokenizers (its prompts over the model's); under
+    /// `data.batches = "mixed"` one pair, each row's prompt carried by the batch.
+    source_tokenizers: Vec<(Tokenizer, Tokenizer)>,
+    /// What the run evaluates on.
+    evals: Vec<Evaluation>,
+    /// The last evaluation's metrics of each named set (`[[data.evals]]`).
+    eval_sets: std::cell::RefCell<Vec<(String, RetrievalMetrics)>>,
     /// With `train.memory_budget`: the predicted heap peak of a step (bytes).
     predicted_peak: Option<u64>,
     /// With `loss.false_negative_guide`: the frozen guide model and the cell the loss
@@ -80,6 +89,8 @@ pub struct TextPairs {
     guide: Option<(EmbeddingModel, Guide)>,
     /// With `loss.distillation`: the cell the loss reads each batch's teacher scores from.
     teacher: Option<TeacherScores>,
+    /// The source of the batch being trained on, which picks its loss.
+    active_source: ActiveSource,
     /// A multi-vector (ColBERT) run's settings.
     multi_vector: Option<MultiVectorHead>,
     /// A sparse run's handle on its regularisers' weights and their warm-up.
@@ -116,7 +127,15 @@ impl Task for TextPairs {
         if let Some((scale, splade)) = &self.splade {
             scale.set(splade.weight_scale(step, self.cfg.train.steps));
         }
-        self.loader.next_batch()
+        self.mixture.next_batch(step)
+    }
+
+    fn batch_source(&self, batch: &TextBatch) -> Option<String> {
+        if self.mixture.sources().len() > 1 && !self.mixture.is_mixed() {
+            Some(self.mixture.sources()[batch.source].source.name.clone())
+        } else {
+            None
+        }
     }
 
     fn batch_rows(&self, batch: &TextBatch) -> usize {
@@ -146,26 +165,37 @@ impl Task for TextPairs {
     }
 
     fn describe_batch(&self, batch: &TextBatch) -> String {
-        let d = &self.cfg.data;
-        let unit = crate::train::formats::origin_unit(Layout::of(&d.train_file));
+        let source = &self.mixture.sources()[batch.source];
+        let unit = crate::train::formats::origin_unit(Layout::of(&source.files[0]));
         let mut lines = batch.lines.clone();
         lines.sort_unstable();
         format!(
             "{} {} of {}",
             unit,
             list_numbers(&lines, 64),
-            d.train_file.display()
+            self.mixture.describe_source(batch.source)
         )
     }
 
     /// This rank's share, tokenized and put in length order.
     fn inputs(&self, batch: &TextBatch, comm: &dyn Collective) -> Result<(TokenBatch, TokenBatch)> {
         let (queries, passages) = self.share(batch, comm)?;
-        let q = self.query_tokenizer.encode(&queries, &self.device)?;
-        let p = self.passage_tokenizer.encode(&passages, &self.device)?;
+        let (query_tokenizer, passage_tokenizer) = &self.source_tokenizers[batch.source];
+        let rows = queries.len();
+        let first = comm.rank() * rows;
+        let prompts = batch.prompts.get(first..first + rows).unwrap_or(&[]);
+        let q = if prompts.iter().any(Option::is_some) {
+            let prompts: Vec<Option<&str>> = prompts.iter().map(Option::as_deref).collect();
+            query_tokenizer.encode_prompted(&queries, &prompts, &self.device)?
+        } else {
+            query_tokenizer.encode(&queries, &self.device)?
+        };
+        let p = passage_tokenizer.encode(&passages, &self.device)?;
+        // The loss of the batch's source (its own settings, or distillation on or off).
+        self.active_source.set(batch.source);
         let (q, p, order) = in_length_order(&q, &p)?;
-        if let Some(cell) = &self.teacher {
-            let first = comm.rank() * queries.len();
+        let distilled = self.mixture.sources()[batch.source].source.distill;
+        if let (Some(cell), true) = (&self.teacher, distilled) {
             set_teacher_scores(cell, batch, first, &order, comm, &self.device)?;
         }
         if let Some((guide, cell)) = &self.guide {
@@ -230,16 +260,84 @@ impl Task for TextPairs {
     }
 
     fn position(&self, _step: u64) -> Position {
-        self.loader.position()
+        self.mixture.position()
     }
 
-    fn seek(&mut self, position: Position, _step: u64) -> Result<()> {
-        self.loader.seek(position)
+    fn seek(&mut self, position: Position, step: u64) -> Result<()> {
+        self.mixture.seek(position, step)
     }
 
-    /// Every held-out query against every held-out positive, or every judged query of a
-    /// BEIR split against its whole corpus (dropout off).
+    fn eval_note(&self, _gc: &TaskCache<Self>) -> Result<Option<String>> {
+        Ok(self.served_note())
+    }
+
+    fn finish(&self, _gc: &TaskCache<Self>, _step: u64) -> Result<Option<String>> {
+        Ok(self.served_note())
+    }
+
+    fn best_score(
+        &self,
+        metrics: &RetrievalMetrics,
+        sets: &[(String, RetrievalMetrics)],
+    ) -> Option<(String, f64)> {
+        let by = self.cfg.train.best_by.as_ref()?;
+        let m = match by.as_str() {
+            "mean" => metrics,
+            name => &sets.iter().find(|(n, _)| n == name)?.1,
+        };
+        Some((by.clone(), m.ndcg_at_10))
+    }
+
+    fn take_eval_sets(&self) -> Vec<(String, RetrievalMetrics)> {
+        std::mem::take(&mut *self.eval_sets.borrow_mut())
+    }
+
+    /// Every evaluation set (see [`TextPairs::evaluate_set`]); with several, the mean of
+    /// their metrics, each set's kept for [`Task::take_eval_sets`].
     fn evaluate(&self, gc: &TaskCache<Self>) -> Result<RetrievalMetrics> {
+        let mut sets = Vec::with_capacity(self.evals.len());
+        for e in &self.evals {
+            sets.push(self.evaluate_set(gc, e)?);
+        }
+        let named: Vec<(String, RetrievalMetrics)> = self
+            .evals
+            .iter()
+            .zip(&sets)
+            .filter_map(|(e, m)| e.name.clone().map(|n| (n, *m)))
+            .collect();
+        let mean = RetrievalMetrics::mean(&sets).ok_or(Error::EmptyBatch { side: Side::Query })?;
+        *self.eval_sets.borrow_mut() = named;
+        Ok(mean)
+    }
+}
+
+impl TextPairs {
+    /// Steps and pairs each source has served since step 0.
+    fn served(&self) -> Vec<(String, crate::train::Served)> {
+        self.mixture
+            .sources()
+            .iter()
+            .zip(self.mixture.served())
+            .map(|(s, n)| (s.source.name.clone(), *n))
+            .collect()
+    }
+
+    /// `steps per source: web 12 (768 pairs), nli 4 (256 pairs)` for a mixture.
+    fn served_note(&self) -> Option<String> {
+        if self.mixture.sources().len() < 2 || self.mixture.is_mixed() {
+            return None;
+        }
+        let parts: Vec<String> = self
+            .served()
+            .iter()
+            .map(|(name, n)| format!("{name} {} ({} pairs)", n.steps, n.pairs))
+            .collect();
+        Some(format!("steps per source: {}", parts.join(", ")))
+    }
+
+    /// One evaluation set: every held-out query against every held-out positive, or every
+    /// judged query of a BEIR split against its whole corpus (dropout off).
+    fn evaluate_set(&self, gc: &TaskCache<Self>, set: &Evaluation) -> Result<RetrievalMetrics> {
         let t = &self.cfg.train;
         // A multi-vector model's rows are token matrices, scored by MaxSim.
         let (scoring, dim): (Scoring, Option<usize>) = match gc.loss().maxsim() {
@@ -254,10 +352,18 @@ impl Task for TextPairs {
                 None => Ok(x),
             }
         };
+        let prompted;
+        let query_tokenizer = match &set.query_prompt {
+            Some(prompt) => {
+                prompted = self.query_tokenizer.clone().with_prompt(prompt);
+                &prompted
+            }
+            None => &self.query_tokenizer,
+        };
         let embed_queries = |texts: &[&str]| {
             shaped(embed(
                 gc.query_encoder(),
-                &self.query_tokenizer,
+                query_tokenizer,
                 texts,
                 t.query_chunk,
                 &self.device,
@@ -272,7 +378,7 @@ impl Task for TextPairs {
                 &self.device,
             )?)
         };
-        match &self.eval {
+        match &set.data {
             EvalData::Pairs(pairs) => {
                 let queries: Vec<&str> = pairs.iter().map(|p| p.query.as_str()).collect();
                 let passages: Vec<&str> = pairs.iter().map(|p| p.positive.as_str()).collect();
@@ -292,9 +398,7 @@ impl Task for TextPairs {
             }
         }
     }
-}
 
-impl TextPairs {
     /// This rank's queries and passages of a global batch: an equal, contiguous share
     /// (passages keep their per-query groups).
     fn share<'b>(
@@ -309,7 +413,7 @@ impl TextPairs {
             || group * batch.queries.len() != batch.passages.len()
         {
             return Err(Error::Data {
-                path: self.cfg.data.train_file.clone(),
+                path: self.mixture.sources()[batch.source].files[0].clone(),
                 line: 0,
                 reason: format!(
                     "a batch of {} queries and {} passages does not split over {world} ranks",
@@ -468,7 +572,37 @@ impl Run<TextPairs> {
             }
         };
         let cell = guide.as_ref().map(|(_, cell)| cell.clone());
-        let loss = TextLoss::from_config(&cfg, model.multi_vector.as_ref(), cell, static_queries)?;
+        let sources: Vec<&Source> = data.mixture.sources().iter().map(|s| &s.source).collect();
+        let (loss, active_source) = TextLoss::for_sources(
+            &cfg,
+            &sources,
+            model.multi_vector.as_ref(),
+            cell,
+            static_queries,
+        )?;
+        let source_tokenizers = data
+            .mixture
+            .sources()
+            .iter()
+            .map(|s| {
+                let q = match &s.source.query_prompt {
+                    Some(prompt) if !data.mixture.is_mixed() => {
+                        query_tokenizer.clone().with_prompt(prompt)
+                    }
+                    _ => query_tokenizer.clone(),
+                };
+                let p = match &s.source.passage_prompt {
+                    Some(prompt) => passage_tokenizer.clone().with_prompt(prompt),
+                    None => passage_tokenizer.clone(),
+                };
+                (q, p)
+            })
+            .take(if data.mixture.is_mixed() {
+                1
+            } else {
+                usize::MAX
+            })
+            .collect();
         let width = model
             .options
             .dense
@@ -535,8 +669,11 @@ impl Run<TextPairs> {
             query_tokenizer,
             passage_tokenizer,
             export_tokenizer,
-            loader: data.loader,
-            eval: data.eval,
+            source_tokenizers,
+            mixture: data.mixture,
+            evals: data.evals,
+            eval_sets: Default::default(),
+            active_source,
             predicted_peak: None,
             guide,
             teacher: gc.loss().teacher().cloned(),
@@ -581,6 +718,11 @@ impl Run<TextPairs> {
             ));
         }
         Ok(())
+    }
+
+    /// Steps and pairs each source has served since step 0 (a mixture's).
+    pub fn served(&self) -> Vec<(String, crate::train::Served)> {
+        self.task.served()
     }
 
     /// With `train.memory_budget`: the heap peak a step was predicted to reach, in bytes

@@ -286,8 +286,7 @@ fn distillation_settings_and_data_that_do_not_fit_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = tiny_distillation(dir.path());
     let k2 = "train.hard_negatives=2".to_string();
-    // Settings: no hard negatives, a temperature (the loss has none), a single-vector
-    // model.
+    // Settings: no hard negatives, a temperature (the loss has none).
     for (sets, field) in [
         (vec![], "train.hard_negatives"),
         (
@@ -298,10 +297,17 @@ fn distillation_settings_and_data_that_do_not_fit_are_refused() {
         let err = Config::load(&path, &sets).unwrap_err().to_string();
         assert!(err.contains(field), "{sets:?}: {err}");
     }
-    let mut single = Config::load(&path, std::slice::from_ref(&k2)).unwrap();
-    single.model.multi_vector = None;
-    let err = Trainer::new(single, None).err().unwrap().to_string();
-    assert!(err.contains("loss.distillation"), "{err}");
+    // A single-vector setting of distillation (margin MSE, InfoNCE beside) on a
+    // multi-vector model, whose distillation is PyLate's.
+    for set in [
+        "loss.distillation.kind=margin_mse",
+        "loss.distillation.infonce_weight=0.5",
+    ] {
+        let err = Config::load(&path, &[k2.clone(), set.into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("multi-vector"), "{set}: {err}");
+    }
     // Data: more hard negatives than a pair has (none can be filled), a pair without
     // scores, a score list of another length, scores that are not numbers; each names
     // its line, before the run directory exists.

@@ -13,6 +13,7 @@ fn pair(i: usize, negatives: usize) -> Pair {
         positive: format!("p{i}"),
         negatives: (0..negatives).map(|j| format!("n{i}.{j}")).collect(),
         scores: Vec::new(),
+        prompt: None,
     }
 }
 
@@ -49,6 +50,7 @@ fn reads_pairs_with_optional_negatives_and_custom_fields() {
             positive: "b".into(),
             negatives: vec!["c".into()],
             scores: Vec::new(),
+            prompt: None,
         }
     );
 }

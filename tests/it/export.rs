@@ -192,6 +192,7 @@ fn prompts_round_trip_and_are_put_before_the_texts() {
     let prompts = Prompts {
         query: "lord ".into(),
         passage: "light ".into(),
+        ..Default::default()
     };
     let dir = work.path().join("prompted");
     export_bert(

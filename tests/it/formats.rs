@@ -25,6 +25,7 @@ fn pair(q: &str, p: &str, n: &[&str]) -> Pair {
         positive: p.into(),
         negatives: n.iter().map(|s| s.to_string()).collect(),
         scores: Vec::new(),
+        prompt: None,
     }
 }
 

@@ -50,6 +50,7 @@ mod lstm;
 mod merge;
 mod metrics;
 mod mixed_precision;
+mod mixture;
 mod nn;
 mod optim;
 mod precision;

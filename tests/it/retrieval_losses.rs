@@ -229,6 +229,7 @@ fn pairs_with_repeats() -> Vec<Pair> {
             positive: format!("passage {}", i % 11),
             negatives: vec![format!("passage {}", (i + 3) % 13)],
             scores: Vec::new(),
+            prompt: None,
         })
         .collect()
 }
@@ -282,6 +283,7 @@ fn no_duplicates_batches_hold_every_text_once_and_resume_exactly() {
             positive: format!("p{i}"),
             negatives: Vec::new(),
             scores: Vec::new(),
+            prompt: None,
         })
         .collect();
     match Loader::new(same, 2, 0, 1).unwrap().with_no_duplicates(true) {

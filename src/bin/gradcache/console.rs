@@ -132,13 +132,17 @@ impl Observer for Console {
                     r.peak_bytes as f64 / 1048576.0
                 ));
                 let seconds = r.phases.total_ms() / 1e3;
-                self.line(serde_json::json!({"type": "step", "step": r.step, "loss": r.loss, "lr": r.lr,
+                let mut line = serde_json::json!({"type": "step", "step": r.step, "loss": r.loss, "lr": r.lr,
                     "grad_norm": r.grad_norm, "pairs_per_sec": r.pairs_per_sec, "peak_bytes": r.peak_bytes,
                     "heap_peak_bytes": r.heap_peak_bytes,
                     "phases_ms": r.phases, "phase_peak_bytes": r.phase_peaks, "flops": r.flops,
                     "gflops_per_sec": r.flops / seconds.max(1e-9) / 1e9,
                     "loss_scale": r.loss_scaling.map(|s| s.used),
-                    "skipped": r.skipped, "gpu_memory": r.gpu_memory}));
+                    "skipped": r.skipped, "gpu_memory": r.gpu_memory});
+                if let Some(source) = &r.source {
+                    line["source"] = serde_json::json!(source);
+                }
+                self.line(line);
                 if !r.profile.is_empty() {
                     self.line(
                         serde_json::json!({"type": "profile", "step": r.step, "spans": r.profile}),
@@ -191,13 +195,37 @@ impl Observer for Console {
                     );
                 }
             }
-            Event::Eval { step, metrics } => {
+            Event::Eval {
+                step,
+                metrics,
+                sets,
+            } => {
+                for (name, m) in sets {
+                    let text = describe(m);
+                    self.bar
+                        .suspend(|| tracing::info!("eval {name} at step {step}: {text}"));
+                    self.line(serde_json::json!({
+                        "type": "eval", "step": step, "set": name, "metrics": m,
+                    }));
+                }
                 let text = describe(metrics);
-                self.bar
-                    .suspend(|| tracing::info!("eval at step {step}: {text}"));
-                self.line(serde_json::json!({"type": "eval", "step": step, "metrics": metrics}));
+                if sets.is_empty() {
+                    self.bar
+                        .suspend(|| tracing::info!("eval at step {step}: {text}"));
+                    self.line(
+                        serde_json::json!({"type": "eval", "step": step, "metrics": metrics}),
+                    );
+                } else {
+                    self.bar.suspend(|| {
+                        tracing::info!("eval mean of {} sets at step {step}: {text}", sets.len())
+                    });
+                    self.line(serde_json::json!({
+                        "type": "eval", "step": step, "set": "mean", "metrics": metrics,
+                    }));
+                }
                 self.metrics.flush()?;
             }
+            Event::Checkpointing(_) => self.metrics.flush()?,
             Event::CheckpointSaved(dir) => {
                 self.bar
                     .suspend(|| tracing::info!("checkpoint {}", dir.display()));
