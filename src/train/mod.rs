@@ -1,4 +1,6 @@
 //! The trainer behind `gradcache train`: [`config`] (TOML with documented defaults),
+//! [`sources`] (a mixture of training sets: which source each step draws, each with its
+//! own prompts, hard negatives and loss; [`hub_data`] reads one from the Hub's cache),
 //! [`data`] (pairs, held-out split, seeded resumable loader), [`formats`] (pairs from
 //! JSONL, Tevatron, TSV/CSV and BEIR folders, plain or compressed), [`optim`] (AdamW,
 //! SGD, the warmup schedule, clipping), [`metrics`] (retrieval quality), [`checkpoint`]
@@ -17,6 +19,7 @@ pub mod checkpoint;
 pub mod config;
 mod config_file;
 pub mod data;
+mod data_config;
 pub mod formats;
 pub mod hub_data;
 pub mod image_text;

@@ -17,35 +17,36 @@
 use std::path::Path;
 use std::rc::Rc;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 
 use crate::batch::{Batch, Chunking, TokenBatch};
 use crate::cache::GradCache;
 use crate::dist::{self, Backend, Collective};
 use crate::hub::export::ExportNotes;
 use crate::hub::multi_vector::MultiVectorHead;
-use crate::hub::{embed, export_bert, Prompts, Tokenizer};
+use crate::hub::{export_bert, Prompts, Tokenizer};
 use crate::hub::{EmbeddingModel, LoadOptions};
 use crate::loss::Guide;
 use crate::loss::{TeacherScores, WeightScale};
 use crate::models::bert::{BertConfig, BertOptions};
 use crate::precision::Precision;
-use crate::retrieval::{evaluate_corpus, CorpusEvalOptions, Scoring};
 use crate::train::budget::plan_memory;
 use crate::train::config::Config;
 use crate::train::config::SpladeConfig;
 use crate::train::data::{Position, TextBatch};
 use crate::train::formats::Layout;
-use crate::train::metrics::{evaluate, RetrievalMetrics};
+use crate::train::metrics::RetrievalMetrics;
 use crate::train::mixture::Mixture;
 use crate::train::model::{build_model, Model};
 use crate::train::run::{LoopConfig, Run, Task, TaskCache};
 pub use crate::train::run_export::{export_run, export_run_as, ExportLayout};
 use crate::train::run_export::{write_run_files, RunHead, MAY_CHANGE};
 use crate::train::sources::Source;
-use crate::train::text_data::{load_data, EvalData, Evaluation, RunData};
+use crate::train::text_data::{load_data, Evaluation, RunData};
 use crate::train::text_loss::{set_teacher_scores, ActiveSource, TextLoss};
 use crate::train::text_towers::PairTower;
+
+mod eval;
 use crate::{Error, Result, Side};
 
 pub use super::model::{
@@ -333,70 +334,6 @@ impl TextPairs {
             .map(|(name, n)| format!("{name} {} ({} pairs)", n.steps, n.pairs))
             .collect();
         Some(format!("steps per source: {}", parts.join(", ")))
-    }
-
-    /// One evaluation set: every held-out query against every held-out positive, or every
-    /// judged query of a BEIR split against its whole corpus (dropout off).
-    fn evaluate_set(&self, gc: &TaskCache<Self>, set: &Evaluation) -> Result<RetrievalMetrics> {
-        let t = &self.cfg.train;
-        // A multi-vector model's rows are token matrices, scored by MaxSim.
-        let (scoring, dim): (Scoring, Option<usize>) = match gc.loss().maxsim() {
-            Some(l) => (Scoring::MaxSim, Some(l.dim())),
-            // A sparse model's vectors are vocabulary-wide: an inverted index scores them.
-            None if self.cfg.model.sparse.is_some() => (Scoring::Sparse, None),
-            None => (self.cfg.similarity().into(), None),
-        };
-        let shaped = |x: Tensor| -> Result<Tensor> {
-            match dim {
-                Some(d) => Ok(x.reshape((x.dim(0)?, (), d))?),
-                None => Ok(x),
-            }
-        };
-        let prompted;
-        let query_tokenizer = match &set.query_prompt {
-            Some(prompt) => {
-                prompted = self.query_tokenizer.clone().with_prompt(prompt);
-                &prompted
-            }
-            None => &self.query_tokenizer,
-        };
-        let embed_queries = |texts: &[&str]| {
-            shaped(embed(
-                gc.query_encoder(),
-                query_tokenizer,
-                texts,
-                t.query_chunk,
-                &self.device,
-            )?)
-        };
-        let embed_passages = |texts: &[&str]| {
-            shaped(embed(
-                gc.passage_encoder(),
-                &self.passage_tokenizer,
-                texts,
-                t.passage_chunk,
-                &self.device,
-            )?)
-        };
-        match &set.data {
-            EvalData::Pairs(pairs) => {
-                let queries: Vec<&str> = pairs.iter().map(|p| p.query.as_str()).collect();
-                let passages: Vec<&str> = pairs.iter().map(|p| p.positive.as_str()).collect();
-                let q = embed_queries(&queries)?;
-                let p = embed_passages(&passages)?;
-                let targets: Vec<usize> = (0..queries.len()).collect();
-                evaluate(&q, &p, &targets, scoring, 256)
-            }
-            EvalData::Corpus(set) => {
-                let options = CorpusEvalOptions {
-                    title_separator: self.cfg.data.title_separator.clone(),
-                    ..CorpusEvalOptions::default()
-                };
-                let evaluation =
-                    evaluate_corpus(set, scoring, &options, embed_queries, embed_passages)?;
-                Ok(RetrievalMetrics::from(&evaluation.metrics))
-            }
-        }
     }
 
     /// This rank's queries and passages of a global batch: an equal, contiguous share
