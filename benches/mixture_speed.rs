@@ -11,13 +11,15 @@
 //! cargo bench --bench mixture_speed -- --steps 8
 //! ```
 //!
-//! Prints the CPU, each run's median step time and pairs/s, and their ratio.
+//! Prints the CPU, each run's median step time and pairs/s and their ratio, and the data
+//! path alone (a batch drawn and served, median of 2,000) of each: what the mixture adds
+//! to a step, as a share of the pairs/s.
 
 use std::fs;
 use std::path::Path;
 use std::time::Instant;
 
-use gradcache::train::{Config, Trainer};
+use gradcache::train::{Config, Task, Trainer};
 
 mod common;
 use common::cpu;
@@ -103,7 +105,11 @@ fn main() {
         .collect();
     let three = config(d, &format!("[data]\n{eval}\n{sources}"), "three");
     let mut runs = [
-        ("one source", Trainer::new(one, None).unwrap(), Vec::new()),
+        (
+            "one source",
+            Trainer::new(one, None).unwrap(),
+            Vec::<(f64, f64)>::new(),
+        ),
         (
             "three sources",
             Trainer::new(three, None).unwrap(),
@@ -116,22 +122,60 @@ fn main() {
             let report = trainer.train_step().unwrap();
             assert!(report.loss.is_finite());
             if k >= 2 {
-                times.push(start.elapsed().as_secs_f64());
+                times.push((start.elapsed().as_secs_f64(), report.flops));
             }
         }
     }
     let mut speeds = Vec::new();
+    let mut rates = Vec::new();
+    let mut step_s = Vec::new();
     for (name, _, times) in runs.iter_mut() {
-        let m = median(times);
+        let mut secs: Vec<f64> = times.iter().map(|t| t.0).collect();
+        let mut gflops: Vec<f64> = times.iter().map(|t| t.1 / t.0 / 1e9).collect();
+        let m = median(&mut secs);
+        let rate = median(&mut gflops);
         let pairs = 128.0 / m;
         println!(
-            "{name:>14}: median step {:.1} ms, {pairs:.0} pairs/s ({steps} steps)",
+            "{name:>14}: median step {:.1} ms, {pairs:.0} pairs/s, {rate:.2} GFLOP/s of the \
+             step's products ({steps} steps)",
             m * 1e3
         );
         speeds.push(pairs);
+        rates.push(rate);
+        step_s.push(m);
     }
+    // Each source shuffles by itself, so the two runs' batches differ and with them the
+    // texts' lengths: the work done per second (the products' FLOPs over the real tokens)
+    // compares them at equal work, the pairs/s as they come.
     println!(
-        "three sources / one source: {:.3}x the pairs/s",
-        speeds[1] / speeds[0]
+        "three sources / one source: {:.3}x the pairs/s, {:.3}x the work per second",
+        speeds[1] / speeds[0],
+        rates[1] / rates[0]
+    );
+    // The data path alone, what the mixture adds to a step: drawing the source and
+    // serving its batch (the same pairs, the same batch size), timed over many batches.
+    let mut served = Vec::new();
+    for (name, trainer, _) in runs.iter_mut() {
+        let mut times = Vec::new();
+        for step in 0..2000u64 {
+            let start = Instant::now();
+            let batch = trainer.task_mut().next_batch(1000 + step).unwrap();
+            times.push(start.elapsed().as_secs_f64());
+            assert_eq!(batch.queries.len(), 128);
+        }
+        let m = median(&mut times);
+        println!(
+            "{name:>14}: a batch drawn and served in {:.1} us (median of 2,000)",
+            m * 1e6
+        );
+        served.push(m);
+    }
+    let extra = (served[1] - served[0]).max(0.0);
+    println!(
+        "the mixture's data path adds {:.1} us to a step of {:.0} ms: {:.5}x the pairs/s of one \
+         source from the sampler's cost",
+        extra * 1e6,
+        step_s[0] * 1e3,
+        step_s[0] / (step_s[0] + extra)
     );
 }

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use crate::dist::{self, Collective};
 use crate::retrieval::BeirSet;
-use crate::train::config::Batches;
 use crate::train::config::Config;
+use crate::train::config::{Batches, Sampling, SamplingName};
 use crate::train::data::{split, NumberedPairs, Pair};
 use crate::train::formats::{read_pairs, Layout};
 use crate::train::mixture::{read_source, Mixture, SourceData};
@@ -174,12 +174,12 @@ fn mixture_note(cfg: &Config, mixture: &Mixture) -> String {
         "their pairs shuffled together".to_string()
     } else {
         let sampling = match cfg.data.sampling {
-            None => "proportional".to_string(),
-            Some(s) => serde_json::to_string(&s)
-                .unwrap_or_default()
-                .replace('"', ""),
+            None | Some(Sampling::Named(SamplingName::Proportional)) => "by size".to_string(),
+            Some(Sampling::Named(SamplingName::RoundRobin)) => "in turn".into(),
+            Some(Sampling::Named(SamplingName::Weighted)) => "by weight".into(),
+            Some(Sampling::Tempered { temperature }) => format!("by size^(1/{temperature})"),
         };
-        format!("a step's batch from one, sampled {sampling}")
+        format!("a step's batch from one, drawn {sampling}")
     };
     format!(
         "{} sources, {how}: {}",
