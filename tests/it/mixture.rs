@@ -680,3 +680,24 @@ fn evaluation_sets_are_reported_by_name_with_their_mean_and_the_best_is_kept() {
         "{best_state}"
     );
 }
+
+#[test]
+fn the_shipped_mixture_config_learns() {
+    // configs/mixture.toml as shipped (its three sources, instructions, distillation and
+    // evaluation sets), shortened to 24 steps of 32 pairs.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = Config::load(
+        Path::new("configs/mixture.toml"),
+        &[
+            format!("output_dir={}", dir.path().join("run").display()),
+            "train.steps=24".into(),
+            "train.batch_size=32".into(),
+            "train.eval_every=0".into(),
+            "train.checkpoint_every=0".into(),
+        ],
+    )
+    .unwrap();
+    assert_eq!(cfg.sources().len(), 3);
+    assert_eq!(cfg.data.evals.len(), 2);
+    crate::common::assert_learns(Trainer::new(cfg, None).unwrap());
+}
