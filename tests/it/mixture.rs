@@ -12,7 +12,14 @@
 //!   uninterrupted run's, bit for bit, and the same source at every step;
 //! - distillation per source (a source without scores trains by InfoNCE alone) and a
 //!   source without in-batch negatives, under the cache;
-//! - bad mixtures refused by name before anything is written.
+//! - a folder or a glob of shards, a streamed source and a source's own field names serve
+//!   what one file in memory would; `mixed` batches take rows of every source;
+//! - a Hub data set of two Parquet shards trains from the hf-hub cache with the network
+//!   off;
+//! - `[[data.evals]]` reported by name with their mean; `train.best_by` keeps the best
+//!   evaluation's checkpoint;
+//! - bad mixtures refused by name before anything is written;
+//! - `configs/mixture.toml` as shipped learns (shortened).
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs;
@@ -700,4 +707,57 @@ fn the_shipped_mixture_config_learns() {
     assert_eq!(cfg.sources().len(), 3);
     assert_eq!(cfg.data.evals.len(), 2);
     crate::common::assert_learns(Trainer::new(cfg, None).unwrap());
+}
+
+#[test]
+fn a_streamed_source_and_a_source_with_its_own_fields_serve_the_same_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_mixture(dir.path(), "");
+    let batches = |trainer: &mut Trainer| -> Vec<(usize, Vec<String>, Vec<String>)> {
+        (0..30)
+            .map(|step| {
+                let b = trainer.task_mut().next_batch(step).unwrap();
+                (b.source, b.queries, b.passages)
+            })
+            .collect()
+    };
+    let cfg = Config::load(&path, &[]).unwrap();
+    let want = batches(&mut Trainer::new(cfg, None).unwrap());
+    // `verses` read from disk as batches need it; `prompted` with fields named q and p.
+    let prompted = fs::read_to_string(dir.path().join("prompted.jsonl")).unwrap();
+    let renamed: Vec<String> = prompted
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let mut r = serde_json::json!({"q": v["query"], "p": v["positive"]});
+            if let Some(prompt) = v.get("prompt") {
+                r["prompt"] = prompt.clone();
+            }
+            r.to_string()
+        })
+        .collect();
+    fs::write(dir.path().join("renamed.jsonl"), renamed.join("\n")).unwrap();
+    let text = fs::read_to_string(&path)
+        .unwrap()
+        .replacen("name = \"verses\"", "name = \"verses\"\nstream = true", 1)
+        .replacen(
+            &format!("path = \"{}/prompted.jsonl\"", dir.path().display()),
+            &format!(
+                "path = \"{}/renamed.jsonl\"\nfields = {{ query = \"q\", positive = \"p\" }}",
+                dir.path().display()
+            ),
+            1,
+        );
+    fs::write(&path, text).unwrap();
+    let cfg = Config::load(&path, &[]).unwrap();
+    let mut trainer = Trainer::new(cfg, None).unwrap();
+    assert!(
+        trainer
+            .setup_notes()
+            .iter()
+            .any(|n| n.contains("streaming 40 training pairs")),
+        "{:?}",
+        trainer.setup_notes()
+    );
+    assert_eq!(batches(&mut trainer), want);
 }
