@@ -43,7 +43,7 @@ mod text_loss;
 mod text_towers;
 pub use text_towers::PairTower;
 pub mod volumes;
-pub use text_loss::TextLoss;
+pub use text_loss::{ActiveSource, TextLoss};
 pub mod trainer;
 
 pub use config::Config;

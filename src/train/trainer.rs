@@ -293,7 +293,7 @@ impl Task for TextPairs {
         std::mem::take(&mut *self.eval_sets.borrow_mut())
     }
 
-    /// Every evaluation set (see [`TextPairs::evaluate_set`]); with several, the mean of
+    /// Every evaluation set (each as `trainer/eval.rs` evaluates one); with several, the mean of
     /// their metrics, each set's kept for [`Task::take_eval_sets`].
     fn evaluate(&self, gc: &TaskCache<Self>) -> Result<RetrievalMetrics> {
         let mut sets = Vec::with_capacity(self.evals.len());
