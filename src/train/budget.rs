@@ -332,9 +332,11 @@ pub(super) fn plan_memory(
     }
     let t = &cfg.train;
     let width = model.bert.hidden_size;
+    // A mixture's steps are planned for its widest source (the most passages a query).
+    let hard_negatives = cfg.widest_hard_negatives();
     let (q_rows, p_rows) = (
         t.batch_size / world,
-        t.batch_size / world * (1 + t.hard_negatives),
+        t.batch_size / world * (1 + hard_negatives),
     );
     // Chunks are padded to their longest text, so the probes run at the longest text of
     // the training data (a sample of up to 10,000 pairs), within each side's max_len.
@@ -447,7 +449,7 @@ pub(super) fn plan_memory(
     }
     // The loss at the full (global) batch on stand-in representations of its shapes.
     let global_q = t.batch_size;
-    let global_p = global_q * (1 + t.hard_negatives);
+    let global_p = global_q * (1 + cfg.widest_hard_negatives());
     let reps =
         |rows, seed| crate::rng::normal(seed, 0.0, 1.0, &(rows, width).into(), DType::F32, device);
     let (rq, rp) = (reps(global_q, 1)?, reps(global_p, 2)?);
