@@ -1,10 +1,11 @@
 //! What drawing batches from a mixture costs: the same pairs trained as one source
 //! (`data.train_file`) and as three sources (`[[data.sources]]`, a step's batch from one,
 //! drawn by size), side by side in one process, steps alternating between the two runs.
-//! The pairs are the quickstart's 4,000 cut into sources of 2,000, 1,200 and 800 (the
-//! one-source run reads the three files concatenated, so both runs train the same
-//! tokenizer and model from the same seed, and their batches have the same shape): what
-//! differs is the sampler, a loader per source and the per-source tokenizers.
+//! The pairs are the quickstart's 4,000 dealt into sources of 2,000, 1,200 and 800 (line
+//! `i` by `i % 10`: each source a sample of the same texts; the one-source run reads the
+//! three files concatenated, so both runs train the same tokenizer and model from the same
+//! seed, and their batches have the same shape): what differs is the sampler, a loader per
+//! source and the per-source tokenizers.
 //!
 //! ```text
 //! cargo bench --bench mixture_speed               # 24 steps each after 2 of warm-up
@@ -83,11 +84,21 @@ fn main() {
         .lines()
         .map(String::from)
         .collect();
-    let cuts = [(0, 2000, "a"), (2000, 3200, "b"), (3200, 4000, "c")];
-    for (from, to, name) in cuts {
-        fs::write(d.join(format!("{name}.jsonl")), lines[from..to].join("\n")).unwrap();
+    // Line i of every ten goes to `a` (5 of them), `b` (3) or `c` (2): each source a sample
+    // of the same texts, so that a step costs the same whichever source it draws.
+    let cuts = [(0..5, "a"), (5..8, "b"), (8..10, "c")];
+    let mut all = Vec::new();
+    for (keep, name) in &cuts {
+        let part: Vec<&str> = lines[..4000]
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| keep.contains(&(i % 10)))
+            .map(|(_, l)| l.as_str())
+            .collect();
+        fs::write(d.join(format!("{name}.jsonl")), part.join("\n")).unwrap();
+        all.extend(part);
     }
-    fs::write(d.join("all.jsonl"), lines[..4000].join("\n")).unwrap();
+    fs::write(d.join("all.jsonl"), all.join("\n")).unwrap();
     let eval = "eval_file = \"data/quickstart/eval.jsonl\"";
     let one = config(
         d,
@@ -96,7 +107,7 @@ fn main() {
     );
     let sources: String = cuts
         .iter()
-        .map(|(_, _, n)| {
+        .map(|(_, n)| {
             format!(
                 "[[data.sources]]\nname = \"{n}\"\npath = \"{}/{n}.jsonl\"\n",
                 d.display()
@@ -117,7 +128,10 @@ fn main() {
         ),
     ];
     for k in 0..steps + 2 {
-        for (_, trainer, times) in runs.iter_mut() {
+        // The two runs in turn, which goes first alternating: neither always follows the
+        // other.
+        for i in [k % 2, 1 - k % 2] {
+            let (_, trainer, times) = &mut runs[i];
             let start = Instant::now();
             let report = trainer.train_step().unwrap();
             assert!(report.loss.is_finite());
