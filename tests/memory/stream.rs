@@ -212,3 +212,66 @@ fn a_file_changed_after_indexing_and_a_layout_that_cannot_stream_are_refused() {
         other => panic!("{other}"),
     }
 }
+
+#[test]
+fn a_streamed_source_of_a_mixture_holds_its_index_not_its_texts() {
+    // A mixture of a 100,000-pair source and a small one, on a tiny pretrained model (no
+    // tokenizer to train, so no texts sampled): with the big source streamed, the run as
+    // built holds about the index and the shuffled order; read into memory, the texts.
+    let _alone = alone();
+    let tmp = tempfile::tempdir().unwrap();
+    let big = tmp.path().join("big.jsonl");
+    write_pairs(&big, 100_000);
+    let size = std::fs::metadata(&big).unwrap().len() as usize;
+    let small = tmp.path().join("small.jsonl");
+    common::vocab_pairs(&small);
+    let model = tmp.path().join("model");
+    common::write_bert_dir(&model, common::TINY_BERT, false);
+    let held = |stream: bool| -> usize {
+        let config = tmp.path().join("mix.toml");
+        std::fs::write(
+            &config,
+            format!(
+                r#"
+output_dir = "{out}"
+[data]
+eval_file = "{small}"
+[[data.sources]]
+name = "big"
+path = "{big}"
+stream = {stream}
+[[data.sources]]
+name = "small"
+path = "{small}"
+[model]
+pretrained = "{model}"
+[train]
+batch_size = 8
+"#,
+                out = tmp.path().join(format!("run-{stream}")).display(),
+                small = small.display(),
+                big = big.display(),
+                model = model.display(),
+            ),
+        )
+        .unwrap();
+        let cfg = Config::load(&config, &[]).unwrap();
+        let before = current_bytes();
+        let mut trainer = Trainer::new(cfg, None).unwrap();
+        trainer.train_step().unwrap();
+        let held = current_bytes().saturating_sub(before);
+        drop(trainer);
+        held
+    };
+    let streamed = held(true);
+    let whole = held(false);
+    println!("a file of {size} bytes: streamed {streamed} bytes held, in memory {whole}");
+    assert!(
+        streamed < size / 4,
+        "streamed: {streamed} bytes held for a file of {size}"
+    );
+    assert!(
+        whole > size,
+        "in memory: {whole} bytes held for a file of {size}"
+    );
+}
