@@ -258,6 +258,58 @@ impl Tokenizer {
             self.inner.encode_batch(prompted, self.special_tokens)
         }
         .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        self.batch_of(&encodings, device, true)
+    }
+
+    /// Tokenizes (query, document) pairs as a cross-encoder reads them, with the
+    /// tokenizer's pair template (BERT's `[CLS] q [SEP] d [SEP]`, the second segment's
+    /// token types 1; RoBERTa's `<s> q </s></s> d </s>`), truncated to the maximum length
+    /// by taking a token from the longer side first, as `transformers` does
+    /// (`truncation=True`), and padded to the batch's longest pair. No prompt, no
+    /// multi-vector rows.
+    pub fn encode_pairs(
+        &self,
+        queries: &[&str],
+        documents: &[&str],
+        device: &Device,
+    ) -> Result<TokenBatch> {
+        if queries.is_empty() {
+            return Err(Error::EmptyBatch {
+                side: crate::Side::Query,
+            });
+        }
+        if queries.len() != documents.len() {
+            return Err(Error::InvalidArgument {
+                what: "pairs",
+                value: format!(
+                    "{} queries and {} documents",
+                    queries.len(),
+                    documents.len()
+                ),
+                reason: "a cross-encoder scores one document per query: give as many of each",
+            });
+        }
+        let inputs: Vec<tokenizers::EncodeInput> = queries
+            .iter()
+            .zip(documents)
+            .map(|(&q, &d)| (q, d).into())
+            .collect();
+        let encodings = self
+            .inner
+            .encode_batch(inputs, true)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        self.batch_of(&encodings, device, false)
+    }
+
+    /// A padded batch of `encodings` (all of one length): ids, mask and token types; with
+    /// `texts` (not pairs), the pooling's first position after the prompt and a
+    /// multi-vector side's rows.
+    fn batch_of(
+        &self,
+        encodings: &[tokenizers::Encoding],
+        device: &Device,
+        texts: bool,
+    ) -> Result<TokenBatch> {
         let rows = encodings.len();
         let len = encodings.first().map_or(0, |e| e.len());
         let field = |f: fn(&tokenizers::Encoding) -> &[u32]| -> Vec<u32> {
@@ -272,15 +324,16 @@ impl Tokenizer {
             field(|e| e.get_type_ids()),
         );
         let tensor = |v: Vec<u32>, len: usize| Tensor::from_vec(v, (rows, len), device);
-        let Some(side) = &self.vectors else {
+        let Some(side) = self.vectors.as_ref().filter(|_| texts) else {
             let host_mask = mask.chunks(len.max(1)).map(<[u32]>::to_vec).collect();
+            let pool_from = if texts { self.pool_from()? } else { 0 };
             return Ok(TokenBatch::new(
                 tensor(ids, len)?,
                 tensor(mask, len)?,
                 tensor(types, len)?,
             )?
             .with_host_mask(host_mask)?
-            .with_pool_from(self.pool_from()?));
+            .with_pool_from(pool_from));
         };
         let (ids, mask, types, keep, len) =
             vector_rows(side, [ids, mask, types], len, self.max_len);

@@ -53,6 +53,7 @@ mod mixed_precision;
 mod mixture;
 mod nn;
 mod optim;
+mod pair_tokens;
 mod precision;
 mod replay;
 mod resnet;
