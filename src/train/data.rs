@@ -409,16 +409,6 @@ impl Loader {
         Ok(())
     }
 
-    /// The number of pairs it serves from.
-    pub fn pairs(&self) -> usize {
-        self.pairs.len()
-    }
-
-    /// Where pair `i` is in its file ([`PairSource::origin`]).
-    pub fn origin(&self, i: usize) -> usize {
-        self.pairs.origin(i)
-    }
-
     /// The next batch, moving to the next epoch when this one has no full batch left.
     pub fn next_batch(&mut self) -> Result<TextBatch> {
         if self.position.offset + self.batch_size > self.order.len() {

@@ -41,11 +41,18 @@ pub enum Layout {
 }
 
 impl Layout {
-    /// The layout of `path`.
+    /// The layout of `path`: a directory is a BEIR folder, a file is read by its name
+    /// ([`Layout::of_name`]), JSON lines when the name says nothing.
     pub fn of(path: &Path) -> Self {
         if path.is_dir() {
             return Layout::Beir;
         }
+        Self::of_name(path).unwrap_or(Layout::JsonLines)
+    }
+
+    /// The layout a file's name names (`.jsonl`, `.json`, `.tsv`, `.csv`, `.parquet`, each
+    /// plain or `.gz` / `.zst`), if it names one.
+    pub fn of_name(path: &Path) -> Option<Self> {
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().to_lowercase())
@@ -54,15 +61,16 @@ impl Layout {
             .strip_suffix(".gz")
             .or_else(|| name.strip_suffix(".zst"))
             .unwrap_or(&name);
-        if name.ends_with(".tsv") {
-            Layout::Tsv
-        } else if name.ends_with(".csv") {
-            Layout::Csv
-        } else if name.ends_with(".parquet") {
-            Layout::Parquet
-        } else {
-            Layout::JsonLines
-        }
+        [
+            (".tsv", Layout::Tsv),
+            (".csv", Layout::Csv),
+            (".parquet", Layout::Parquet),
+            (".jsonl", Layout::JsonLines),
+            (".json", Layout::JsonLines),
+        ]
+        .into_iter()
+        .find(|(ext, _)| name.ends_with(ext))
+        .map(|(_, layout)| layout)
     }
 }
 

@@ -156,8 +156,3 @@ fn download(id: &str, revision: &str, inner: &str, hub: &HubSettings) -> Result<
 fn download(_: &str, _: &str, _: &str, _: &HubSettings) -> Result<()> {
     Ok(())
 }
-
-/// Whether `path` names a Hub data set.
-pub fn is_hub(path: &str) -> bool {
-    path.starts_with(SCHEME)
-}

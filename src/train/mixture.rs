@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use crate::train::config::{Batches, Config};
-use crate::train::data::{Loader, NumberedPairs, Pair, PairSource, Position, TextBatch};
+use crate::train::data::{split, Loader, NumberedPairs, Pair, PairSource, Position, TextBatch};
 use crate::train::formats::{read_numbered, Layout};
 use crate::train::sources::{Source, SourcePicker};
 use crate::train::stream::JsonlIndex;
@@ -29,11 +29,6 @@ pub(super) struct SourceData {
 }
 
 impl SourceData {
-    /// The file and 1-based line of pair `i`.
-    fn place(&self, i: usize) -> (&Path, usize) {
-        (self.files[0].as_path(), self.pairs.origin(i))
-    }
-
     /// What error messages call the source: its path, and its name in a mixture.
     pub(super) fn label(&self, mixture: bool) -> String {
         if mixture {
@@ -44,18 +39,22 @@ impl SourceData {
     }
 }
 
-/// Pairs read from several files, one after another (a source's shards).
+/// Pairs of several sources one after another: a source's shards, or under
+/// `data.batches = "mixed"` every source's pairs, each part's rows without a prompt of
+/// their own given that part's (its source's query prompt). Nothing is copied: each pair
+/// is read from its part when served.
 pub(super) struct Shards {
-    parts: Vec<Box<dyn PairSource>>,
+    parts: Vec<(Rc<dyn PairSource>, Option<String>)>,
     starts: Vec<usize>,
     len: usize,
 }
 
 impl Shards {
-    pub(super) fn new(parts: Vec<Box<dyn PairSource>>) -> Self {
+    /// `parts` in order, each with the prompt its rows take when they have none.
+    pub(super) fn new(parts: Vec<(Rc<dyn PairSource>, Option<String>)>) -> Self {
         let mut starts = Vec::with_capacity(parts.len());
         let mut len = 0;
-        for p in &parts {
+        for (p, _) in &parts {
             starts.push(len);
             len += p.len();
         }
@@ -75,12 +74,17 @@ impl PairSource for Shards {
 
     fn pair(&self, i: usize) -> Result<Pair> {
         let (part, j) = self.locate(i);
-        self.parts[part].pair(j)
+        let (pairs, prompt) = &self.parts[part];
+        let mut pair = pairs.pair(j)?;
+        if pair.prompt.is_none() {
+            pair.prompt.clone_from(prompt);
+        }
+        Ok(pair)
     }
 
     fn origin(&self, i: usize) -> usize {
         let (part, j) = self.locate(i);
-        self.parts[part].origin(j)
+        self.parts[part].0.origin(j)
     }
 }
 
@@ -104,7 +108,7 @@ pub(super) fn source_files(path: &Path) -> Result<Vec<PathBuf>> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(path)
             .map_err(|e| Error::io("read", path, e))?
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_file() && is_data_file(p))
+            .filter(|p| p.is_file() && Layout::of_name(p).is_some())
             .collect();
         files.sort();
         if files.is_empty() {
@@ -126,26 +130,20 @@ pub(super) fn source_files(path: &Path) -> Result<Vec<PathBuf>> {
     Ok(vec![path.to_path_buf()])
 }
 
-fn is_data_file(path: &Path) -> bool {
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().to_lowercase())
-        .unwrap_or_default();
-    let name = name
-        .strip_suffix(".gz")
-        .or_else(|| name.strip_suffix(".zst"))
-        .unwrap_or(&name);
-    [".jsonl", ".json", ".tsv", ".csv", ".parquet"]
-        .iter()
-        .any(|ext| name.ends_with(ext))
-}
-
 /// Reads one source (every rank; the caller agrees on the outcome): its files in memory,
-/// or with `stream` an index of each.
-pub(super) fn read_source(cfg: &Config, source: &Source, local: &Path) -> Result<SourceData> {
+/// or with `stream` an index of each. With `hold_out` pairs to hold out for evaluation (the
+/// one source of a run without an evaluation set: in memory), those pairs, chosen by a
+/// seeded shuffle, are returned apart and kept out of the source.
+pub(super) fn read_source(
+    cfg: &Config,
+    source: &Source,
+    local: &Path,
+    hold_out: usize,
+) -> Result<(SourceData, Vec<Pair>)> {
     let files = source_files(local)?;
     let separator = &cfg.data.title_separator;
     let mut parts: Vec<Box<dyn PairSource>> = Vec::with_capacity(files.len());
+    let mut numbered_parts: Vec<NumberedPairs> = Vec::new();
     for file in &files {
         if source.stream {
             if Layout::of(file) != Layout::JsonLines {
@@ -177,18 +175,43 @@ pub(super) fn read_source(cfg: &Config, source: &Source, local: &Path) -> Result
                         .map_err(|reason| Error::data(file, line, reason))?;
                 }
             }
-            parts.push(Box::new(numbered));
+            numbered_parts.push(numbered);
         }
     }
+    let mut held = Vec::new();
+    if hold_out > 0 {
+        // One list of the files' pairs (in order), split without copying a text.
+        let mut all = NumberedPairs {
+            pairs: Vec::new(),
+            lines: Vec::new(),
+        };
+        for part in numbered_parts.drain(..) {
+            all.pairs.extend(part.pairs);
+            all.lines.extend(part.lines);
+        }
+        let items: Vec<(Pair, usize)> = all.pairs.into_iter().zip(all.lines).collect();
+        let (train, out) = split(items, hold_out, cfg.seed)?;
+        let (pairs, lines) = train.into_iter().unzip();
+        held = out.into_iter().map(|(p, _)| p).collect();
+        numbered_parts.push(NumberedPairs { pairs, lines });
+    }
+    parts.extend(
+        numbered_parts
+            .into_iter()
+            .map(|p| Box::new(p) as Box<dyn PairSource>),
+    );
     let pairs: Rc<dyn PairSource> = match parts.len() {
         1 => Rc::from(parts.pop().expect("one part")),
-        _ => Rc::new(Shards::new(parts)),
+        _ => Rc::new(Shards::new(
+            parts.into_iter().map(|p| (Rc::from(p), None)).collect(),
+        )),
     };
-    Ok(SourceData {
+    let data = SourceData {
         source: source.clone(),
         files,
         pairs,
-    })
+    };
+    Ok((data, held))
 }
 
 /// Steps and pairs a source has served.
@@ -263,22 +286,14 @@ impl Mixture {
     }
 
     /// One loader over every source's pairs, each pair without its own prompt given its
-    /// source's query prompt.
+    /// source's query prompt (read from the sources when served, not copied).
     fn mixed(cfg: &Config, sources: Vec<SourceData>) -> Result<Self> {
-        let mut all = NumberedPairs {
-            pairs: Vec::new(),
-            lines: Vec::new(),
-        };
-        for s in &sources {
-            for i in 0..s.pairs.len() {
-                let mut pair = s.pairs.pair(i)?;
-                if pair.prompt.is_none() {
-                    pair.prompt = s.source.query_prompt.clone();
-                }
-                all.pairs.push(pair);
-                all.lines.push(s.pairs.origin(i));
-            }
-        }
+        let all = Shards::new(
+            sources
+                .iter()
+                .map(|s| (Rc::clone(&s.pairs), s.source.query_prompt.clone()))
+                .collect(),
+        );
         let first = &sources[0].source;
         let mut loader = Loader::from_source(
             Box::new(all),
@@ -368,8 +383,8 @@ impl Mixture {
         &self.served
     }
 
-    /// The file and line of the pair behind `line` in source `source`, for messages: the
-    /// source's path (its first file for shards).
+    /// What messages call the file a batch of source `source` was read from: its file,
+    /// its path and number of shards, or the mixed sources' names.
     pub(super) fn describe_source(&self, source: usize) -> String {
         if self.mixed {
             let names: Vec<&str> = self
@@ -380,11 +395,10 @@ impl Mixture {
             return format!("the mixed sources {}", names.join(", "));
         }
         let s = &self.sources[source];
-        let (file, _) = s.place(0);
         if s.files.len() > 1 {
             format!("{} ({} shards)", s.source.path, s.files.len())
         } else {
-            file.display().to_string()
+            s.files[0].display().to_string()
         }
     }
 }

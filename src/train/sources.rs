@@ -329,6 +329,16 @@ impl Config {
                 ));
             }
             crate::loss::InfoNce::new(1.0)?.with_directions(&s.directions)?;
+            if self.model.multi_vector.is_some()
+                && (!s.in_batch || s.symmetric || s.directions != self.loss.directions)
+            {
+                return Err(invalid(
+                    "data.sources.loss",
+                    format!("set (source {:?})", s.name),
+                    "a multi-vector model's loss is InfoNCE over MaxSim scores (or its \
+                     distillation): symmetric, directions and in_batch do not apply",
+                ));
+            }
         }
         if d.batches == Some(Batches::Mixed) && sources.len() > 1 {
             let first = &sources[0];

@@ -8,7 +8,7 @@ use crate::dist::{self, Collective};
 use crate::retrieval::BeirSet;
 use crate::train::config::Config;
 use crate::train::config::{Batches, Sampling, SamplingName};
-use crate::train::data::{split, NumberedPairs, Pair};
+use crate::train::data::Pair;
 use crate::train::formats::{read_pairs, Layout};
 use crate::train::mixture::{read_source, Mixture, SourceData};
 use crate::{Error, Result};
@@ -216,6 +216,8 @@ fn load_sources(cfg: &Config) -> Result<(Vec<SourceData>, Vec<Evaluation>)> {
             query_prompt: e.query_prompt.clone(),
         });
     }
+    // Without an evaluation set, the one source's pairs less `eval_pairs` held out.
+    let hold_out = if evals.is_empty() { d.eval_pairs } else { 0 };
     let mut sources = Vec::new();
     for source in cfg.sources() {
         if source.stream && evals.is_empty() {
@@ -226,29 +228,15 @@ fn load_sources(cfg: &Config) -> Result<(Vec<SourceData>, Vec<Evaluation>)> {
             });
         }
         let local = crate::train::hub_data::local_path(&source.path)?;
-        sources.push(read_source(cfg, &source, &local)?);
-    }
-    if evals.is_empty() {
-        // The one source's pairs less `eval_pairs` held out (a seeded choice).
-        let source = sources
-            .pop()
-            .expect("validated: one source without an eval file");
-        let pairs = source.pairs;
-        let items: Vec<(Pair, usize)> = (0..pairs.len())
-            .map(|i| Ok((pairs.pair(i)?, pairs.origin(i))))
-            .collect::<Result<_>>()?;
-        let (train, held) = split(items, d.eval_pairs, cfg.seed)?;
-        let (kept, lines) = train.into_iter().unzip();
-        let held = held.into_iter().map(|(p, _)| p).collect();
-        sources.push(SourceData {
-            pairs: std::rc::Rc::new(NumberedPairs { pairs: kept, lines }),
-            ..source
-        });
-        evals.push(Evaluation {
-            name: None,
-            data: EvalData::Pairs(held),
-            query_prompt: None,
-        });
+        let (data, held) = read_source(cfg, &source, &local, hold_out)?;
+        sources.push(data);
+        if hold_out > 0 {
+            evals.push(Evaluation {
+                name: None,
+                data: EvalData::Pairs(held),
+                query_prompt: None,
+            });
+        }
     }
     Ok((sources, evals))
 }

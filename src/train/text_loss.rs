@@ -130,15 +130,8 @@ impl TextLoss {
     ) -> Result<Self> {
         let l = &cfg.loss;
         let distillation = l.distillation.as_ref().filter(|_| source.distill);
+        // A multi-vector source's loss settings are refused by `Config::validate`.
         if let Some(head) = multi_vector {
-            if !source.in_batch || source.symmetric || source.directions != l.directions {
-                return Err(crate::Error::InvalidConfig {
-                    field: "data.sources.loss",
-                    value: format!("set (source {:?})", source.name),
-                    reason: "a multi-vector model's loss is InfoNCE over MaxSim scores (or its \
-                             distillation): symmetric, directions and in_batch do not apply",
-                });
-            }
             return Ok(match distillation {
                 Some(d) => TextLoss::Distillation(
                     MaxSimDistillation::new(head.dim, teacher.clone())?

@@ -242,8 +242,37 @@ fn a_weighted_sum_adds_its_parts() {
     assert!(crate::common::max_diff(&all.grad_queries, &want) < 1e-6);
     let want = ((a.grad_passages * 0.5).unwrap() + (b.grad_passages * 2.0).unwrap()).unwrap();
     assert!(crate::common::max_diff(&all.grad_passages, &want) < 1e-6);
-    // A weight of 0 or less is refused.
+    // A weight of 0 or less, no part, a temperature of 0 are refused.
     assert!(Weighted::new(vec![(0.0, Box::new(infonce()) as Box<dyn Loss>)]).is_err());
+    assert!(Weighted::new(Vec::new()).is_err());
+    for objective in [
+        GroupObjective::Kl {
+            student_temperature: 0.0,
+            teacher_temperature: 1.0,
+        },
+        GroupObjective::Kl {
+            student_temperature: 1.0,
+            teacher_temperature: f64::NAN,
+        },
+        GroupObjective::InfoNce { temperature: -1.0 },
+    ] {
+        let made = GroupScores::new(objective, Similarity::Dot, TeacherScores::new());
+        assert!(made.is_err(), "{objective:?}");
+    }
+    // Margin MSE needs a hard negative per query; the teacher's scores must be set and
+    // of the batch's shape.
+    let margin =
+        GroupScores::new(GroupObjective::MarginMse, Similarity::Dot, teacher.clone()).unwrap();
+    assert!(margin
+        .value_and_grads(&q, &p.narrow(0, 0, 2).unwrap())
+        .is_err());
+    let unset = GroupScores::new(
+        GroupObjective::MarginMse,
+        Similarity::Dot,
+        TeacherScores::new(),
+    )
+    .unwrap();
+    assert!(unset.value_and_grads(&q, &p).is_err());
 }
 
 /// Without in-batch negatives a query is ranked against its own passages only: another

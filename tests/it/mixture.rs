@@ -260,6 +260,14 @@ fn a_rows_own_prompt_replaces_its_sources_and_the_export_names_the_prompts() {
         got.input_ids.to_vec2::<u32>().unwrap(),
         want.input_ids.to_vec2::<u32>().unwrap()
     );
+    // A prompt left out of the pooling is one per side: rows' own prompts are refused.
+    let pooled_apart = tokenizer.clone().with_prompt_pooled(false);
+    match pooled_apart.encode_prompted(&texts, &[Some("Find its twin: "), None], &Device::Cpu) {
+        Err(gradcache::Error::InvalidConfig { field, .. }) => {
+            assert_eq!(field, "model.include_prompt")
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
     // The rows of `prompted` carry their own prompts into the batch.
     let mut seen = 0;
     for step in 0..40 {
@@ -760,4 +768,119 @@ fn a_streamed_source_and_a_source_with_its_own_fields_serve_the_same_batches() {
         trainer.setup_notes()
     );
     assert_eq!(batches(&mut trainer), want);
+}
+
+#[test]
+fn more_bad_mixtures_evaluation_sets_and_distillation_settings_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_mixture(dir.path(), "");
+    let text = fs::read_to_string(&path).unwrap();
+    let d = dir.path().display();
+    let eval_file = format!("eval_file = \"{d}/eval.jsonl\"\n");
+    let evals = |tables: &str| text.replacen(&eval_file, "", 1) + tables;
+    let set =
+        |name: &str| format!("\n[[data.evals]]\nname = \"{name}\"\npath = \"{d}/eval.jsonl\"\n");
+    let alike = text
+        .replacen("loss = { symmetric = true }\n", "", 1)
+        .replacen("hard_negatives = 2\n", "", 1);
+    let multi_vector = text
+        .replacen("query_max_len = 24\npassage_max_len = 24\n", "", 1)
+        .replacen(
+            "[model.fresh]",
+            "[model.multi_vector]\ndim = 8\n[model.fresh]",
+            1,
+        )
+        .replacen(
+            "hard_negatives = 2\n",
+            "hard_negatives = 2\nloss = { in_batch = false }\n",
+            1,
+        );
+    let cases: Vec<(String, &str)> = vec![
+        (evals(&set("")), "data.evals.name"),
+        (evals(&set("mean")), "data.evals.name"),
+        (evals(&(set("a") + &set("a"))), "names two evaluation sets"),
+        (text.clone() + &set("a"), "data.eval_file"),
+        (
+            evals(&set("a")).replacen("[train]\n", "[train]\nbest_by = \"b\"\n", 1),
+            "train.best_by",
+        ),
+        (text.replacen(&eval_file, "", 1), "data.eval_file"),
+        (
+            text.replacen(&format!("path = \"{d}/verses.jsonl\""), "path = \"\"", 1),
+            "data.sources.path",
+        ),
+        (
+            text.replacen(
+                "loss = { symmetric = true }",
+                "hard_negatives = 1\nloss = { symmetric = true, in_batch = false }",
+                1,
+            ),
+            "data.sources.loss.in_batch",
+        ),
+        (
+            alike.replacen(
+                "[data]",
+                "[data]\nbatches = \"mixed\"\nsampling = \"round_robin\"",
+                1,
+            ),
+            "data.sampling",
+        ),
+        (multi_vector, "data.sources.loss"),
+        (
+            text.replacen("temperature = 0.1\n", "", 1) + "\n[loss.distillation]\n",
+            "data.sources.hard_negatives",
+        ),
+    ];
+    for (field, value) in [
+        ("student_temperature", "0"),
+        ("weight", "0"),
+        ("infonce_weight", "-1"),
+    ] {
+        let beside = if field == "infonce_weight" {
+            ""
+        } else {
+            "infonce_weight = 1.0\n"
+        };
+        let config = format!("{text}\n[loss.distillation]\n{beside}{field} = {value}\n");
+        fs::write(&path, config).unwrap();
+        let err = Config::load(&path, &[]).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("loss.distillation.{field}")),
+            "{field}: {err}"
+        );
+    }
+    for (config, want) in cases {
+        fs::write(&path, &config).unwrap();
+        let err = Config::load(&path, &[]).unwrap_err().to_string();
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    // Found when the data is read: a glob matching nothing, a folder with no data file,
+    // a Hub path that names no data set.
+    let empty = dir.path().join("empty");
+    fs::create_dir_all(&empty).unwrap();
+    fs::write(empty.join("notes.txt"), "not data").unwrap();
+    for (path_line, want) in [
+        (
+            format!("path = \"{d}/none-*.jsonl\""),
+            "the glob matches no file",
+        ),
+        (
+            format!("path = \"{}\"", empty.display()),
+            "holds no data file",
+        ),
+        (
+            "path = \"hf://models/someone/model\"".to_string(),
+            "data set repository",
+        ),
+    ] {
+        fs::write(
+            &path,
+            text.replacen(&format!("path = \"{d}/verses.jsonl\""), &path_line, 1),
+        )
+        .unwrap();
+        let cfg = Config::load(&path, &[]).unwrap();
+        let err = Trainer::new(cfg, None).err().unwrap().to_string();
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    assert!(!dir.path().join("run").exists());
 }
