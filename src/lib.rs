@@ -87,6 +87,7 @@ pub mod precision;
 pub mod profile;
 pub mod recompute;
 pub mod replay;
+pub mod rerank;
 pub mod retrieval;
 pub mod rng;
 pub mod selfcheck;

@@ -141,6 +141,36 @@ impl Tokenizer {
         self.config.as_ref()
     }
 
+    /// Whether the model is fed token types (`transformers` passes `token_type_ids` only
+    /// when the tokenizer's `model_input_names` has them): `tokenizer_config.json`'s
+    /// `model_input_names` where it says, else by its `tokenizer_class` (the generic
+    /// `TokenizersBackend` of transformers 5 and the RoBERTa, XLM-R, MPNet and DistilBERT
+    /// tokenizers leave them out; BERT's and the fast default pass them). Only a pair's
+    /// second segment has types other than 0, so this matters to cross-encoders alone.
+    pub fn passes_token_types(&self) -> bool {
+        let Some(config) = &self.config else {
+            return true;
+        };
+        if let Some(names) = config.get("model_input_names").and_then(|v| v.as_array()) {
+            return names.iter().any(|n| n.as_str() == Some("token_type_ids"));
+        }
+        let class = config
+            .get("tokenizer_class")
+            .and_then(|v| v.as_str())
+            .unwrap_or("");
+        let without = [
+            "TokenizersBackend",
+            "RobertaTokenizer",
+            "XLMRobertaTokenizer",
+            "MPNetTokenizer",
+            "DistilBertTokenizer",
+            "CamembertTokenizer",
+        ];
+        !without
+            .iter()
+            .any(|w| class.strip_suffix("Fast").unwrap_or(class) == *w)
+    }
+
     /// Whether batches are padded on the left (decoders as Qwen3-Embedding).
     pub fn pads_left(&self) -> bool {
         self.inner
@@ -301,6 +331,25 @@ impl Tokenizer {
         self.batch_of(&encodings, device, false)
     }
 
+    /// How many of `pairs` are longer than the maximum length (and so truncated,
+    /// longest side first, by [`Self::encode_pairs`]).
+    pub fn count_truncated_pairs(&self, queries: &[&str], documents: &[&str]) -> Result<usize> {
+        let mut untruncated = self.inner.clone();
+        untruncated
+            .with_truncation(None)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        untruncated.with_padding(None);
+        let inputs: Vec<tokenizers::EncodeInput> = queries
+            .iter()
+            .zip(documents)
+            .map(|(&q, &d)| (q, d).into())
+            .collect();
+        let encodings = untruncated
+            .encode_batch(inputs, true)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        Ok(encodings.iter().filter(|e| e.len() > self.max_len).count())
+    }
+
     /// A padded batch of `encodings` (all of one length): ids, mask and token types; with
     /// `texts` (not pairs), the pooling's first position after the prompt and a
     /// multi-vector side's rows.
@@ -318,11 +367,15 @@ impl Tokenizer {
                 .flat_map(|e| f(e).iter().copied())
                 .collect()
         };
-        let (ids, mask, types) = (
+        let (ids, mask, mut types) = (
             field(|e| e.get_ids()),
             field(|e| e.get_attention_mask()),
             field(|e| e.get_type_ids()),
         );
+        // A pair's second segment, for a model not fed token types.
+        if !texts && !self.passes_token_types() {
+            types.fill(0);
+        }
         let tensor = |v: Vec<u32>, len: usize| Tensor::from_vec(v, (rows, len), device);
         let Some(side) = self.vectors.as_ref().filter(|_| texts) else {
             let host_mask = mask.chunks(len.max(1)).map(<[u32]>::to_vec).collect();

@@ -36,6 +36,8 @@ use crate::{Error, Result};
 pub use super::bert_config::{
     Activation, BertConfig, DecoderKind, DecoderSettings, Family, SUPPORTED_FAMILIES,
 };
+use super::classifier::ClassifierHead;
+pub use super::classifier::ClassifierSpec;
 use super::decoder::{Decoder, DecoderAux};
 use super::dense::Dense;
 pub use super::dense::{DenseActivation, DenseSpec};
@@ -46,7 +48,8 @@ pub use super::sparse::{SparseSpec, SpladeActivation, SpladeStrategy};
 
 mod build;
 pub use build::{
-    check_mlm_head, create_dense, create_mlm_head, load_pretrained, with_model_weights,
+    check_classifier, check_mlm_head, create_classifier, create_dense, create_mlm_head,
+    load_pretrained, with_model_weights,
 };
 
 /// Encoder options that are not part of the Hugging Face config.
@@ -74,6 +77,10 @@ pub struct BertOptions {
     /// A sparse (SPLADE) head: the masked-language model's logits pooled into one
     /// vocabulary-wide vector instead of the pooling, `Dense` modules and normalisation.
     pub sparse: Option<SparseSpec>,
+    /// A cross-encoder's classification head ([`ClassifierHead`]): the family's
+    /// `*ForSequenceClassification` head over the pair's hidden states, `[n, labels]`
+    /// logits instead of the pooling, `Dense` modules and normalisation.
+    pub classifier: Option<ClassifierSpec>,
 }
 
 /// The sites of BERT that selective recompute can recompute instead of keeping (Hugging
@@ -158,6 +165,9 @@ pub struct Bert {
     dense: Vec<Dense>,
     /// A sparse model's MLM head (then the pooling, `Dense` and normalisation are not).
     sparse: Option<MlmHead>,
+    /// A cross-encoder's classification head (then the pooling, `Dense` and normalisation
+    /// are not).
+    classifier: Option<ClassifierHead>,
 }
 
 /// Per-chunk data every layer reads: the additive attention bias `[n, 1, 1, s]` and the
@@ -612,7 +622,7 @@ impl LayerStack for Bert {
         }
     }
 
-    fn head(&self, x: &Tensor, aux: &BertAux, _: &Ctx) -> Result<Tensor> {
+    fn head(&self, x: &Tensor, aux: &BertAux, ctx: &Ctx) -> Result<Tensor> {
         let x = &x.to_dtype(aux.mask.dtype())?;
         let x = &self.final_norm(x)?;
         match (&aux.vectors, self.options.multi_vector) {
@@ -629,6 +639,9 @@ impl LayerStack for Bert {
         }
         if let Some(head) = &self.sparse {
             return head.pool(x, &aux.mask);
+        }
+        if let Some(head) = &self.classifier {
+            return head.forward(x, &aux.mask, (&aux.first, &aux.kept), ctx);
         }
         let pooling = self.options.pooling;
         if self.dense.is_empty() {

@@ -10,6 +10,7 @@
 
 pub mod bert;
 mod bert_config;
+pub mod classifier;
 mod decoder;
 mod decoder_config;
 mod dense;

@@ -120,6 +120,7 @@ fn encoder(
         dense: Vec::new(),
         multi_vector: false,
         sparse: None,
+        classifier: None,
     };
     BertEncoder::build(store, prefix, &cfg, &options)
 }

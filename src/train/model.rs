@@ -187,6 +187,7 @@ pub(super) fn bert_options(
             }
             (None, None) => None,
         },
+        classifier: None,
     })
 }
 

@@ -56,6 +56,7 @@ mod optim;
 mod pair_tokens;
 mod precision;
 mod replay;
+mod rerank;
 mod resnet;
 mod resume;
 mod retrieval;

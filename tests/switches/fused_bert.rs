@@ -31,6 +31,7 @@ fn step_in(family: &str, fused: bool, recompute: Recompute, precision: Precision
         dense: Vec::new(),
         multi_vector: false,
         sparse: None,
+        classifier: None,
     };
     let q = BertEncoder::build(&store, "query", &cfg, &options(Pooling::Cls)).unwrap();
     let p = BertEncoder::build(&store, "passage", &cfg, &options(Pooling::Mean)).unwrap();

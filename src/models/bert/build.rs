@@ -96,6 +96,30 @@ impl Bert {
                 });
             }
         }
+        if options.classifier.is_some()
+            && (options.sparse.is_some() || options.multi_vector || !options.dense.is_empty())
+        {
+            return Err(Error::InvalidArgument {
+                what: "cross-encoder",
+                value: format!(
+                    "sparse: {}, multi-vector: {}, Dense modules: {}",
+                    options.sparse.is_some(),
+                    options.multi_vector,
+                    options.dense.len()
+                ),
+                reason: "a cross-encoder's output is its classification head's logits: no \
+                         sparse or multi-vector head, no Dense modules",
+            });
+        }
+        let classifier = match options.classifier {
+            Some(spec) => Some(ClassifierHead::new(
+                cfg,
+                spec,
+                layer_id(cfg.num_hidden_layers),
+                &vb,
+            )?),
+            None => None,
+        };
         let dense = dense_modules(h, &options.dense, &vb)?;
         if family.is_decoder() {
             let decoder = Decoder::new(cfg, cfg.decoder(path)?, options.lora.as_ref(), vb)?;
@@ -115,6 +139,7 @@ impl Bert {
                 options: options.clone(),
                 dense,
                 sparse: None,
+                classifier,
             });
         }
         if family == Family::ModernBert {
@@ -135,6 +160,7 @@ impl Bert {
                 options: options.clone(),
                 dense,
                 sparse: None,
+                classifier,
             });
         }
         let e = vb.pp("embeddings");
@@ -217,6 +243,7 @@ impl Bert {
             options: options.clone(),
             dense,
             sparse,
+            classifier,
         })
     }
 }
@@ -354,6 +381,23 @@ pub fn with_model_weights(
             }
         }
     }
+    // A cross-encoder's head sits beside the base model too (`classifier.*`, ...).
+    if options.classifier.is_some() {
+        let cfg = BertConfig::from_file(&files.config)?;
+        if let Some(modules) = crate::models::classifier::head_modules(cfg.family(&files.config)?) {
+            for module in modules {
+                let name = match prefix {
+                    "" => module.to_string(),
+                    p => format!("{p}.{module}"),
+                };
+                store = add(
+                    store,
+                    &name,
+                    WeightFile::open(&files.weights, &format!("{module}."))?,
+                );
+            }
+        }
+    }
     for dense in &options.dense {
         let weights = files.dir.join(&dense.path).join("model.safetensors");
         let module = match prefix {
@@ -392,6 +436,43 @@ pub fn create_mlm_head(
         MlmHead::new(cfg, spec, table.clone(), &vb)
     })?;
     Ok(())
+}
+
+/// Creates the variables of `cfg`'s classification head under `prefix` in `store`, drawn
+/// from its seed as transformers initialises them: the head of a cross-encoder over a
+/// plain encoder (`model.reranker.new_head`), created before the file serves the names
+/// around it (BERT's pooler included: the whole head starts fresh).
+pub fn create_classifier(
+    store: &ParamStore,
+    prefix: &str,
+    cfg: &BertConfig,
+    spec: crate::models::classifier::ClassifierSpec,
+) -> Result<()> {
+    Tower::build(store, prefix, |vb| {
+        crate::models::classifier::ClassifierHead::new(cfg, spec, 0, &vb)
+    })?;
+    Ok(())
+}
+
+/// Whether the weights of `files` hold `cfg`'s family's classification head (e.g.
+/// `classifier.weight`): `Err` names the missing weight and the way out.
+pub fn check_classifier(files: &ModelFiles, cfg: &BertConfig) -> Result<()> {
+    let family = cfg.family(&files.config)?;
+    let name = crate::models::classifier::head_weight(family);
+    if WeightFile::open(&files.weights, "")?.contains(name) {
+        return Ok(());
+    }
+    Err(Error::InvalidConfig {
+        field: "model.pretrained",
+        value: format!(
+            "{} (no `{name}` in {}: the weights hold no classification head)",
+            files.dir.display(),
+            files.weights.display()
+        ),
+        reason: "a cross-encoder scores a pair with its classification head: give a \
+                 *ForSequenceClassification model (a sentence-transformers CrossEncoder), or \
+                 set model.reranker.new_head = true to create the head from the seed",
+    })
 }
 
 /// Whether the weights of `files` hold `cfg`'s family's masked-language-model head (its

@@ -1,0 +1,315 @@
+//! Rerankers: cross-encoders that read a (query, document) pair as one text and score it.
+//!
+//! [`CrossEncoder`] loads one for inference from a directory or the Hub, in
+//! sentence-transformers' `CrossEncoder` layout or as plain
+//! `AutoModelForSequenceClassification` files: the encoder family's own classification
+//! head ([`crate::models::classifier`]), the activation `CrossEncoder.predict` applies
+//! ([`ScoreActivation`]) and the tokenizer's pair template. [`loss`] holds the losses over
+//! a batch's scores, and [`cache`] the gradient-cache step in which a pair's score is the
+//! representation: every pair scored without a graph, the loss over all scores, each chunk
+//! of pairs replayed with its slice of the scores' gradient.
+
+pub mod cache;
+pub mod loss;
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::batch::{Batch, TokenBatch};
+use crate::dropout::Ctx;
+use crate::encoder::Encoder;
+use crate::hub::files::{HubSettings, ModelFiles};
+use crate::hub::{load_tokenizer, tokenizer, Tokenizer};
+use crate::models::bert::{
+    check_classifier, load_pretrained, BertConfig, BertEncoder, BertOptions, ClassifierSpec,
+};
+use crate::params::ParamStore;
+use crate::{Error, Result};
+
+pub use cache::RerankCache;
+pub use loss::{RerankLoss, RerankObjective};
+
+/// What `CrossEncoder.predict` applies to the logits (sentence-transformers'
+/// `activation_fn`): a sigmoid for one label unless the model says otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScoreActivation {
+    /// `torch.nn.Sigmoid`: a probability of relevance.
+    Sigmoid,
+    /// `torch.nn.Identity`: the raw logit.
+    Identity,
+    /// `torch.nn.Tanh`.
+    Tanh,
+}
+
+impl ScoreActivation {
+    /// The class path sentence-transformers writes (`activation_fn`).
+    pub fn class_path(self) -> &'static str {
+        match self {
+            ScoreActivation::Sigmoid => "torch.nn.modules.activation.Sigmoid",
+            ScoreActivation::Identity => "torch.nn.modules.linear.Identity",
+            ScoreActivation::Tanh => "torch.nn.modules.activation.Tanh",
+        }
+    }
+
+    /// Reads a class path (`torch.nn.Sigmoid` and the module path both); `None` for one
+    /// not built here.
+    pub fn from_class_path(path: &str) -> Option<Self> {
+        match path.rsplit('.').next()? {
+            "Sigmoid" => Some(ScoreActivation::Sigmoid),
+            "Identity" => Some(ScoreActivation::Identity),
+            "Tanh" => Some(ScoreActivation::Tanh),
+            _ => None,
+        }
+    }
+
+    /// The activation of one logit.
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            ScoreActivation::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+            ScoreActivation::Identity => x,
+            ScoreActivation::Tanh => x.tanh(),
+        }
+    }
+
+    /// The default for a model with `labels` outputs: sigmoid for one, identity else.
+    pub fn default_for(labels: usize) -> Self {
+        if labels == 1 {
+            ScoreActivation::Sigmoid
+        } else {
+            ScoreActivation::Identity
+        }
+    }
+}
+
+/// What a model's files say of it as a cross-encoder.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CrossEncoderFiles {
+    /// Outputs per pair (`config.json`'s `id2label`, else `num_labels`).
+    pub labels: Option<usize>,
+    /// The activation sentence-transformers saved, and where it was read.
+    pub activation: Option<(ScoreActivation, &'static str)>,
+    /// Whether `config.json`'s architecture is a `*ForSequenceClassification`.
+    pub classification: bool,
+}
+
+/// Reads what `dir`'s `config.json` and `config_sentence_transformers.json` say of a
+/// cross-encoder: sentence-transformers 6 writes the activation to the latter, 4 and 5 to
+/// `config.json`'s `sentence_transformers`, older ones `sbert_ce_default_activation_function`.
+pub fn read_cross_encoder_files(dir: &Path) -> Result<CrossEncoderFiles> {
+    let read = |name: &str| -> Result<Option<serde_json::Value>> {
+        let path = dir.join(name);
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io("read", &path, e))?;
+        serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| Error::ModelFile {
+                path,
+                reason: e.to_string(),
+            })
+    };
+    let config = read("config.json")?.unwrap_or_default();
+    let st = read(crate::hub::export::SENTENCE_TRANSFORMERS_CONFIG)?.unwrap_or_default();
+    let labels = config
+        .get("id2label")
+        .and_then(|v| v.as_object())
+        .map(|m| m.len())
+        .or_else(|| {
+            config
+                .get("num_labels")
+                .and_then(|v| v.as_u64())
+                .map(|n| n as usize)
+        });
+    let found = [
+        (
+            st.get("activation_fn"),
+            "activation_fn of config_sentence_transformers.json",
+        ),
+        (
+            config
+                .get("sentence_transformers")
+                .and_then(|v| v.get("activation_fn")),
+            "sentence_transformers.activation_fn of config.json",
+        ),
+        (
+            config.get("sbert_ce_default_activation_function"),
+            "sbert_ce_default_activation_function of config.json",
+        ),
+    ]
+    .into_iter()
+    .find_map(|(v, at)| v.and_then(|v| v.as_str()).map(|s| (s.to_string(), at)));
+    let activation = match found {
+        Some((path, at)) => Some((
+            ScoreActivation::from_class_path(&path).ok_or_else(|| Error::ModelFile {
+                path: dir.join(if at.contains("sentence_transformers.json") {
+                    crate::hub::export::SENTENCE_TRANSFORMERS_CONFIG
+                } else {
+                    "config.json"
+                }),
+                reason: format!(
+                    "the activation `{path}` is not one built here (Sigmoid, Identity, Tanh)"
+                ),
+            })?,
+            at,
+        )),
+        None => None,
+    };
+    let classification = config
+        .get("architectures")
+        .and_then(|v| v.as_array())
+        .and_then(|a| a.first())
+        .and_then(|v| v.as_str())
+        .is_some_and(|a| a.ends_with("ForSequenceClassification"));
+    Ok(CrossEncoderFiles {
+        labels,
+        activation,
+        classification,
+    })
+}
+
+/// A cross-encoder loaded for inference: encoder with its classification head, the
+/// tokenizer's pair template, the activation of its scores.
+pub struct CrossEncoder {
+    encoder: BertEncoder,
+    tokenizer: Tokenizer,
+    config: BertConfig,
+    labels: usize,
+    activation: ScoreActivation,
+    settings: String,
+    device: Device,
+    _store: ParamStore,
+}
+
+impl CrossEncoder {
+    /// Loads a model directory or Hub repo id (see [`ModelFiles::resolve`]) with its
+    /// classification head; `max_len` caps the pair's tokens (default and ceiling: the
+    /// model's own limit).
+    pub fn load(model: &str, max_len: Option<usize>, device: &Device) -> Result<Self> {
+        let files = ModelFiles::resolve(model, &HubSettings::from_env())?;
+        Self::from_files(&files, max_len, device)
+    }
+
+    /// Loads a cross-encoder from its resolved files.
+    pub fn from_files(files: &ModelFiles, max_len: Option<usize>, device: &Device) -> Result<Self> {
+        let config = BertConfig::from_file(&files.config)?;
+        check_classifier(files, &config)?;
+        let own = read_cross_encoder_files(&files.dir)?;
+        let labels = own.labels.unwrap_or(1);
+        let (activation, activation_src) = match own.activation {
+            Some((a, at)) => (a, format!("from {at}")),
+            None => (
+                ScoreActivation::default_for(labels),
+                "sentence-transformers' default".to_string(),
+            ),
+        };
+        let options = BertOptions {
+            classifier: Some(ClassifierSpec { labels }),
+            ..Default::default()
+        };
+        let store = ParamStore::new(0, DType::F32, device);
+        let (encoder, config, store) = load_pretrained(files, "", &options, store)?;
+        let (inner, tokenizer_config) = load_tokenizer(files, &config)?;
+        let (limit, limit_src) = tokenizer::model_max_length(&files.dir, config.max_tokens())?;
+        let max_len = max_len.map_or(limit, |m| m.min(limit));
+        let tokenizer = Tokenizer::new(inner, max_len)?.with_config(tokenizer_config);
+        let settings = format!(
+            "cross-encoder: {} ({}), {labels} label{}, activation {} ({activation_src}), \
+             max_len {max_len} (the model's {limit}, {limit_src})",
+            config.model_type.as_deref().unwrap_or("bert"),
+            files.dir.display(),
+            if labels == 1 { "" } else { "s" },
+            activation.class_path(),
+        );
+        Ok(Self {
+            encoder,
+            tokenizer,
+            config,
+            labels,
+            activation,
+            settings,
+            device: device.clone(),
+            _store: store,
+        })
+    }
+
+    /// Outputs per pair.
+    pub fn labels(&self) -> usize {
+        self.labels
+    }
+
+    /// The activation [`Self::predict`] applies.
+    pub fn activation(&self) -> ScoreActivation {
+        self.activation
+    }
+
+    /// What was loaded and from where, for the log.
+    pub fn settings(&self) -> &str {
+        &self.settings
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &BertConfig {
+        &self.config
+    }
+
+    /// The tokenizer (its pair template).
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The encoder with its head.
+    pub fn encoder(&self) -> &BertEncoder {
+        &self.encoder
+    }
+
+    /// The raw logits `[pairs, labels]` of (query, document) pairs, in evaluation mode, in
+    /// passes of at most `batch` pairs taken in order of length (as `CrossEncoder.predict`
+    /// sorts them), returned in the order given.
+    pub fn logits(&self, pairs: &[(&str, &str)], batch: usize) -> Result<Vec<Vec<f32>>> {
+        let _flush = crate::denormal::flush();
+        let batch = batch.max(1);
+        let lengths: Vec<usize> = pairs.iter().map(|(q, d)| q.len() + d.len()).collect();
+        let mut order: Vec<usize> = (0..pairs.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+        let mut out = vec![Vec::new(); pairs.len()];
+        for part in order.chunks(batch) {
+            let queries: Vec<&str> = part.iter().map(|&i| pairs[i].0).collect();
+            let documents: Vec<&str> = part.iter().map(|&i| pairs[i].1).collect();
+            let input = self
+                .tokenizer
+                .encode_pairs(&queries, &documents, &self.device)?;
+            let rows = self.encoder.encode(&input, &Ctx::eval())?;
+            let rows: Vec<Vec<f32>> = rows.to_dtype(DType::F32)?.to_vec2()?;
+            for (&i, row) in part.iter().zip(rows) {
+                out[i] = row;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The scores of pairs with the model's activation (the first label's, for a model of
+    /// one label: what `CrossEncoder.predict` returns).
+    pub fn predict(&self, pairs: &[(&str, &str)], batch: usize) -> Result<Vec<f32>> {
+        Ok(self
+            .logits(pairs, batch)?
+            .into_iter()
+            .map(|row| self.activation.apply(row[0]))
+            .collect())
+    }
+
+    /// One padded batch of pairs, as the trainer feeds the cache.
+    pub fn encode_pairs(&self, queries: &[&str], documents: &[&str]) -> Result<TokenBatch> {
+        let batch = self
+            .tokenizer
+            .encode_pairs(queries, documents, &self.device)?;
+        debug_assert_eq!(batch.rows(), queries.len());
+        Ok(batch)
+    }
+
+    /// The scores `[pairs, labels]` of one tokenized batch, in evaluation mode.
+    pub fn score_batch(&self, input: &TokenBatch) -> Result<Tensor> {
+        self.encoder.encode(input, &Ctx::eval())
+    }
+}
