@@ -101,6 +101,59 @@ def build(family, seed):
     return CrossEncoder(out)
 
 
+def make_beir(ce):
+    """A BEIR folder of 12 test queries of data/bible-beir, a corpus of their relevant
+    verses and 48 others, and a first-stage run of 8 documents a query (its positive at
+    rank 1-8, or missing for every fourth query; one run line names a document not in the
+    corpus); the evaluator's measures of it, its positives reranked or not."""
+    from sentence_transformers.cross_encoder.evaluation import CrossEncoderRerankingEvaluator
+    import gzip
+    import random
+    src = os.path.join(ROOT, "data", "bible-beir")
+    queries = [json.loads(l) for l in open(os.path.join(src, "queries.jsonl"))]
+    qrels = [l.split("\t") for l in open(os.path.join(src, "qrels", "test.tsv")).read().splitlines()[1:]]
+    qrels = qrels[:12]
+    corpus = {d["_id"]: d for d in map(json.loads, gzip.open(os.path.join(src, "corpus.jsonl.gz"), "rt"))}
+    rng = random.Random(7)
+    relevant = [d for _, d, _ in qrels]
+    others = [i for i in sorted(corpus) if i.startswith("31") and i not in relevant][:48]
+    docs = relevant + others
+    out = os.path.join(OUT, "beir")
+    os.makedirs(os.path.join(out, "qrels"), exist_ok=True)
+    with open(os.path.join(out, "corpus.jsonl"), "w") as f:
+        for i in docs:
+            f.write(json.dumps(corpus[i]) + "\n")
+    by_id = {q["_id"]: q for q in queries}
+    with open(os.path.join(out, "queries.jsonl"), "w") as f:
+        for q, _, _ in qrels:
+            f.write(json.dumps(by_id[q]) + "\n")
+    with open(os.path.join(out, "qrels", "test.tsv"), "w") as f:
+        f.write("query-id\tcorpus-id\tscore\n")
+        for q, d, g in qrels:
+            f.write(f"{q}\t{d}\t{g}\n")
+    run = []
+    samples = []
+    text = lambda i: corpus[i]["title"] + " " + corpus[i]["text"]
+    for n, (q, d, _) in enumerate(qrels):
+        ranked = rng.sample(others, 8)
+        if n % 4 != 3:
+            ranked[n % 8] = d
+        for r, i in enumerate(ranked):
+            run.append(f"{q} Q0 {i} {r + 1} {20 - r} first")
+        samples.append({"query": by_id[q]["text"], "positive": [text(d)],
+                        "documents": [text(i) for i in ranked]})
+    run.insert(3, f"{qrels[0][0]} Q0 nowhere 99 0.5 first")
+    with open(os.path.join(out, "run.trec"), "w") as f:
+        f.write("\n".join(run) + "\n")
+    result = {}
+    for always in [False, True]:
+        ev = CrossEncoderRerankingEvaluator(samples, at_k=10, always_rerank_positives=always,
+                                            write_csv=False)
+        result["always" if always else "retrieved"] = {k: float(v) for k, v in ev(ce).items()}
+    print("rerank", result)
+    return result
+
+
 def grads(ce, case, tensors, meta, loss, inputs, labels, extra):
     ce.model.zero_grad()
     # ListNetLoss and LambdaLoss cast the logits to float32 (`.float()`) and build their
@@ -141,6 +194,8 @@ def main():
     # documents of terms that nearly cancel (exactly, for the bias, before the sigmoid's
     # slopes), so float32 rounding shows in it at 1e-4 (5.9e-4 of the classifier's bias,
     # measured); the gradients are kept as float32.
+    ce_f32 = CrossEncoder(os.path.join(OUT, "bert"))
+    ce_f32.model.eval()
     ce = models["bert"]
     ce.model.eval()
     ce.model.double()
@@ -173,6 +228,8 @@ def main():
     grads(ce, "margin_mse", tensors, meta, losses.MarginMSELoss(ce),
           [list(q)] + [[docs[r][k] for r in range(4)] for k in range(3)],
           torch.tensor(teacher), {"queries": q, "groups": docs, "labels": teacher})
+
+    meta["rerank"] = make_beir(ce_f32)
 
     meta["versions"] = {
         "torch": torch.__version__,

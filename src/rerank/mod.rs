@@ -10,6 +10,7 @@
 //! of pairs replayed with its slice of the scores' gradient.
 
 pub mod cache;
+pub mod evaluate;
 pub mod loss;
 
 use std::path::Path;

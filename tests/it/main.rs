@@ -57,6 +57,7 @@ mod pair_tokens;
 mod precision;
 mod replay;
 mod rerank;
+mod rerank_cli;
 mod resnet;
 mod resume;
 mod retrieval;

@@ -5,6 +5,7 @@ mod console;
 mod encode;
 mod merge;
 mod plot;
+mod rerank;
 mod retrieval;
 
 use std::io::Write;
@@ -167,6 +168,15 @@ enum Command {
     /// (`query`, `positive`, `negatives`; with `--output-scores`, the model's `scores` of
     /// the positive and each negative) that `gradcache train` reads.
     Mine(retrieval::MineArgs),
+    /// Rerank a first-stage run with a cross-encoder: each judged query's top documents
+    /// of a TREC run (`gradcache eval --run-file`, or any) scored as (query, document)
+    /// pairs; prints nDCG@10, MRR@10 and MAP before and after, as sentence-transformers'
+    /// CrossEncoderRerankingEvaluator computes them.
+    Rerank(rerank::RerankArgs),
+    /// Score (query, document) pairs with a cross-encoder: JSONL rows `{"query",
+    /// "document"}` in, `{"score": s}` a line out, in order, with the activation
+    /// `CrossEncoder.predict` applies (`--raw`: the logits).
+    Score(rerank::ScoreArgs),
     /// Embed texts: `--text` arguments, or a file with one text per line or JSONL with a
     /// `text` field. Writes JSONL `{"text", "embedding"}`; for a sparse (SPLADE) model
     /// `{"text", "sparse": {token: weight}, "indices", "values"}` (its active entries).
@@ -430,6 +440,8 @@ fn run(command: Command) -> Result<()> {
             }
         }
         Command::Mine(args) => retrieval::mine_command(args),
+        Command::Rerank(args) => rerank::rerank(args),
+        Command::Score(args) => rerank::score(args),
         Command::Encode {
             model,
             text,
