@@ -499,6 +499,17 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         Ok(self)
     }
 
+    /// Sets how each side is cut into chunks (rows or tokens, each side its own).
+    pub fn with_chunking(mut self, query: Chunking, passage: Chunking) -> Result<Self> {
+        let size = |c: Chunking| match c {
+            Chunking::Rows(n) | Chunking::Tokens(n) => n,
+        };
+        nonzero_chunks(size(query), size(passage))?;
+        self.query_chunking = query;
+        self.passage_chunking = passage;
+        Ok(self)
+    }
+
     /// How the query and the passage side are cut into chunks.
     pub fn chunking(&self) -> (Chunking, Chunking) {
         (self.query_chunking, self.passage_chunking)

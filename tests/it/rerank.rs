@@ -133,10 +133,10 @@ fn cached_step(
             .all(|&t| t == 0),
         "the fixture's tokenizer (TokenizersBackend) feeds the model no token types"
     );
-    let cache = RerankCache::new(encoder, chunk, loss)
+    let cache = RerankCache::new(encoder, chunk, loss, group)
         .unwrap()
         .with_dropout(false);
-    let out = cache.step(0, &batch, group, c.labels.as_deref()).unwrap();
+    let out = cache.step(0, &batch, c.labels.as_deref()).unwrap();
     (out.loss, out.grads)
 }
 
@@ -299,4 +299,70 @@ fn a_plain_encoder_is_refused_as_a_cross_encoder_by_name() {
         err.contains("classifier.weight") && err.contains("new_head"),
         "{err}"
     );
+}
+
+/// With dropout on, one chunk of every pair replays its masks bit for bit: the cached step
+/// equals the plain full-batch step (whose masks are chunk 0's), loss and every gradient,
+/// for a loss with labels and one without.
+#[test]
+fn cached_step_with_dropout_equals_the_full_batch_step() {
+    let meta = reference();
+    for (name, objective) in [
+        ("cmnrl", RerankObjective::MultipleNegatives { scale: 10.0 }),
+        ("margin_mse", RerankObjective::MarginMse),
+    ] {
+        let c = case(&meta, name);
+        let files = ModelFiles::from_dir(&dir().join("bert")).unwrap();
+        let options = BertOptions {
+            classifier: Some(ClassifierSpec { labels: 1 }),
+            ..Default::default()
+        };
+        let store = ParamStore::new(0, DType::F32, &Device::Cpu);
+        let (encoder, _, _store) = load_pretrained(&files, "", &options, store).unwrap();
+        let model =
+            CrossEncoder::load(dir().join("bert").to_str().unwrap(), None, &Device::Cpu).unwrap();
+        let group = c.groups[0].len();
+        let queries: Vec<&str> = c
+            .queries
+            .iter()
+            .flat_map(|q| std::iter::repeat_n(q.as_str(), group))
+            .collect();
+        let documents: Vec<&str> = c.groups.iter().flatten().map(String::as_str).collect();
+        let batch = model.encode_pairs(&queries, &documents).unwrap();
+        let loss = RerankLoss::new(objective).unwrap();
+        let cache = RerankCache::new(encoder, documents.len(), loss, group)
+            .unwrap()
+            .with_seed(7);
+        let cached = cache.step(3, &batch, c.labels.as_deref()).unwrap();
+        let full = cache
+            .full_batch_step(3, &batch, c.labels.as_deref())
+            .unwrap();
+        let rel = (cached.loss - full.loss).abs() / full.loss.abs().max(1.0);
+        assert!(rel <= 1e-6, "{name}: {} {}", cached.loss, full.loss);
+        assert_eq!(cached.grads.len(), cache.params().len(), "{name}");
+        for (n, g) in cached.grads.iter() {
+            let want = full.grads.get(n).unwrap();
+            let err = max_diff(g, want) / max_abs(want).max(1e-6);
+            assert!(err <= 1e-4, "{name}: `{n}` off by {err:e}");
+        }
+        // Dropout is on: the step differs from one without it.
+        let plain = RerankCache::new(
+            load_pretrained(
+                &files,
+                "",
+                &options,
+                ParamStore::new(0, DType::F32, &Device::Cpu),
+            )
+            .unwrap()
+            .0,
+            4,
+            loss,
+            group,
+        )
+        .unwrap()
+        .with_dropout(false)
+        .step(3, &batch, c.labels.as_deref())
+        .unwrap();
+        assert_ne!(plain.loss, cached.loss, "{name}");
+    }
 }
