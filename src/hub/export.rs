@@ -247,50 +247,7 @@ pub fn export_bert(
         None => write_model_files(&model_dir, cfg, &weights, sparse.is_some())?,
     };
 
-    let mut plain = tokenizer.inner().clone();
-    plain.with_padding(None);
-    plain
-        .with_truncation(None)
-        .map_err(|e| Error::Tokenizer(e.to_string()))?;
-    plain
-        .save(model_dir.join("tokenizer.json"), false)
-        .map_err(|e| Error::io("write", &model_dir.join("tokenizer.json"), e))?;
-    // The special tokens of the vocabulary's convention: BERT's `[CLS]`-style or the
-    // RoBERTa family's `<s>`-style (the first that the vocabulary holds).
-    let special = |names: &[&str]| {
-        names
-            .iter()
-            .find(|t| plain.token_to_id(t).is_some())
-            .map(|t| json!(t))
-            .unwrap_or(serde_json::Value::Null)
-    };
-    let tokenizer_config = match tokenizer.config() {
-        // The model's own (its special tokens, padding side, class), with this
-        // tokenizer's limit and side.
-        Some(own) => {
-            let mut own = serde_json::Value::Object(own.clone());
-            own["model_max_length"] = json!(tokenizer.max_len());
-            own["padding_side"] = json!(if tokenizer.pads_left() { "left" } else { "right" });
-            own
-        }
-        None => {
-            let mut generated = json!({
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "model_max_length": tokenizer.max_len(),
-                "cls_token": special(&["[CLS]", "<s>"]),
-                "sep_token": special(&["[SEP]", "</s>"]),
-                "pad_token": special(&["[PAD]", "<pad>"]),
-                "unk_token": special(&["[UNK]", "<unk>"]),
-                "mask_token": special(&["[MASK]", "<mask>"]),
-            });
-            if plain.token_to_id("<s>").is_some() && plain.token_to_id("</s>").is_some() {
-                generated["bos_token"] = json!("<s>");
-                generated["eos_token"] = json!("</s>");
-            }
-            generated
-        }
-    };
-    write_json(&model_dir.join("tokenizer_config.json"), &tokenizer_config)?;
+    write_tokenizer_files(&model_dir, tokenizer)?;
 
     let mut modules = vec![
         json!({"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}),
@@ -398,6 +355,61 @@ pub fn export_bert(
         let _ = fs::remove_dir_all(&tmp);
     }
     written
+}
+
+/// Writes `tokenizer.json` (no padding or truncation) and `tokenizer_config.json` (the
+/// model's own with this tokenizer's limit and padding side, else one generated for the
+/// vocabulary's special tokens) into `model_dir`.
+pub(crate) fn write_tokenizer_files(model_dir: &Path, tokenizer: &Tokenizer) -> Result<()> {
+    let mut plain = tokenizer.inner().clone();
+    plain.with_padding(None);
+    plain
+        .with_truncation(None)
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    plain
+        .save(model_dir.join("tokenizer.json"), false)
+        .map_err(|e| Error::io("write", &model_dir.join("tokenizer.json"), e))?;
+    // The special tokens of the vocabulary's convention: BERT's `[CLS]`-style or the
+    // RoBERTa family's `<s>`-style (the first that the vocabulary holds).
+    let special = |names: &[&str]| {
+        names
+            .iter()
+            .find(|t| plain.token_to_id(t).is_some())
+            .map(|t| json!(t))
+            .unwrap_or(serde_json::Value::Null)
+    };
+    let tokenizer_config = match tokenizer.config() {
+        // The model's own (its special tokens, padding side, class), with this
+        // tokenizer's limit and side.
+        Some(own) => {
+            let mut own = serde_json::Value::Object(own.clone());
+            own["model_max_length"] = json!(tokenizer.max_len());
+            own["padding_side"] = json!(if tokenizer.pads_left() {
+                "left"
+            } else {
+                "right"
+            });
+            own
+        }
+        None => {
+            let mut generated = json!({
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": tokenizer.max_len(),
+                "cls_token": special(&["[CLS]", "<s>"]),
+                "sep_token": special(&["[SEP]", "</s>"]),
+                "pad_token": special(&["[PAD]", "<pad>"]),
+                "unk_token": special(&["[UNK]", "<unk>"]),
+                "mask_token": special(&["[MASK]", "<mask>"]),
+            });
+            if plain.token_to_id("<s>").is_some() && plain.token_to_id("</s>").is_some() {
+                generated["bos_token"] = json!("<s>");
+                generated["eos_token"] = json!("</s>");
+            }
+            generated
+        }
+    };
+    write_json(&model_dir.join("tokenizer_config.json"), &tokenizer_config)?;
+    Ok(())
 }
 
 /// The pooling module's `config.json` in the layout every version of sentence-transformers

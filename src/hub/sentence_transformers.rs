@@ -330,11 +330,21 @@ pub fn read_dense(dir: &Path) -> Result<DenseLayer> {
 /// does not implement is an error that names it, not a silent substitute.
 pub fn read_sentence_transformers_config(dir: &Path) -> Result<Option<SentenceTransformersConfig>> {
     let modules_path = dir.join(MODULES);
-    if !modules_path.is_file() {
+    if !modules_path.is_file() || is_cross_encoder(dir) {
         return Ok(None);
     }
     let modules = read_modules(&modules_path)?;
     read_head(dir, &modules, &modules_path).map(Some)
+}
+
+/// Whether `dir` holds a sentence-transformers `CrossEncoder` (its
+/// `config_sentence_transformers.json` says so): its one module is the transformer with
+/// its classification head, no pooling (see [`crate::rerank`]).
+pub fn is_cross_encoder(dir: &Path) -> bool {
+    std::fs::read_to_string(dir.join(super::files::SENTENCE_TRANSFORMERS_CONFIG))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|v| v.get("model_type").and_then(|m| m.as_str()) == Some("CrossEncoder"))
 }
 
 /// The head of the model in `dir` whose modules are `modules` (types and directories

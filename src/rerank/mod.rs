@@ -11,6 +11,7 @@
 
 pub mod cache;
 pub mod evaluate;
+pub mod export;
 pub mod loss;
 
 use std::path::Path;

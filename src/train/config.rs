@@ -173,11 +173,16 @@ pub struct ModelConfig {
     /// vocabulary-wide vector, scored by dot products.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sparse: Option<SparseSettings>,
+    /// A reranker (cross-encoder): each (query, document) pair read as one text and
+    /// scored by the family's classification head (see [`crate::rerank`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reranker: Option<RerankerModel>,
 }
 
 pub use super::data_config::{DataConfig, EvalSet};
 pub use super::lora_config::{BaseDtype, LoraConfig, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK};
 pub use super::multi_vector_config::{DistillKind, DistillationConfig, MultiVectorSettings};
+pub use super::rerank_config::{RerankLossKind, RerankerLoss, RerankerModel};
 pub use super::sources::{Batches, Sampling, SamplingName, SourceConfig, SourceLoss};
 pub use super::sparse_config::{SparseSettings, SpladeConfig};
 
@@ -201,6 +206,7 @@ impl Default for ModelConfig {
             base_dtype: BaseDtype::F32,
             multi_vector: None,
             sparse: None,
+            reranker: None,
         }
     }
 }
@@ -283,6 +289,9 @@ pub struct LossConfig {
     /// sparse run without the section gets sentence-transformers' documented weights.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub splade: Option<SpladeConfig>,
+    /// `[loss.reranker]`: a reranker run's loss (with `[model.reranker]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reranker: Option<RerankerLoss>,
 }
 
 use super::config_file::config_error;
@@ -320,6 +329,7 @@ impl Default for LossConfig {
             false_negative_guide: None,
             distillation: None,
             splade: None,
+            reranker: None,
         }
     }
 }
@@ -377,6 +387,10 @@ pub struct TrainConfig {
     /// unset: no best checkpoint is kept. Judged by nDCG@10 at each evaluation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub best_by: Option<String>,
+    /// A reranker run: (query, document) pairs scored with a graph at once (the chunk of
+    /// the pairs; `chunk_tokens` cuts by tokens instead). Unset: 32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pair_chunk: Option<usize>,
 }
 
 impl Default for TrainConfig {
@@ -395,6 +409,7 @@ impl Default for TrainConfig {
             on_nonfinite: OnNonFinite::Stop,
             memory_budget: None,
             best_by: None,
+            pair_chunk: None,
         }
     }
 }

@@ -57,6 +57,13 @@ pub struct DataConfig {
     /// The qrels split a BEIR `eval_file` evaluates on.
     #[serde(default = "default_eval_split", skip_serializing_if = "is_eval_split")]
     pub eval_split: String,
+    /// A reranker run: the first stage's TREC run over `eval_file` (a BEIR folder) whose
+    /// top `eval_top_k` documents per query are reranked at each evaluation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_run_file: Option<PathBuf>,
+    /// A reranker run: the first stage's documents reranked per query. Unset: 100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_top_k: Option<usize>,
     /// Read the training pairs from disk as batches need them (an index of line offsets
     /// in memory, not the texts), for files larger than memory: uncompressed JSON lines
     /// only, with an `eval_file`.

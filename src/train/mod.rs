@@ -32,6 +32,8 @@ mod model;
 mod multi_vector_config;
 pub mod optim;
 pub mod report;
+mod rerank_config;
+pub mod rerank_task;
 pub mod run;
 mod run_export;
 pub mod shapes;

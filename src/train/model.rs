@@ -187,7 +187,11 @@ pub(super) fn bert_options(
             }
             (None, None) => None,
         },
-        classifier: None,
+        classifier: cfg
+            .model
+            .reranker
+            .as_ref()
+            .map(|_| crate::models::bert::ClassifierSpec { labels: 1 }),
     })
 }
 
@@ -537,12 +541,19 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     if options.sparse.is_some() && !new_head {
         crate::models::bert::check_mlm_head(&files, &bert)?;
     }
+    let new_classifier = cfg.model.reranker.as_ref().is_some_and(|r| r.new_head);
+    if options.classifier.is_some() && !new_classifier {
+        crate::models::bert::check_classifier(&files, &bert)?;
+    }
     let load = |prefix: &str, store: ParamStore| -> Result<(BertEncoder, BertConfig, ParamStore)> {
         if multi_vector.is_some() && from_files.dense.is_empty() {
             create_dense(&store, prefix, &options.dense)?;
         }
         if let (Some(spec), true) = (options.sparse, new_head) {
             crate::models::bert::create_mlm_head(&store, prefix, &bert, spec)?;
+        }
+        if let (Some(spec), true) = (options.classifier, new_classifier) {
+            crate::models::bert::create_classifier(&store, prefix, &bert, spec)?;
         }
         let store = with_model_weights(&files, prefix, &from_files, store, false)?;
         let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;

@@ -172,7 +172,14 @@ impl Config {
     /// its file name).
     pub fn sources(&self) -> Vec<Source> {
         let d = &self.data;
-        let distill = self.loss.distillation.is_some();
+        // A reranker's loss over its rows' scores reads them as distillation does.
+        let reranker_scores = self.model.reranker.is_some()
+            && self
+                .loss
+                .reranker
+                .as_ref()
+                .is_some_and(|r| r.reads_scores());
+        let distill = self.loss.distillation.is_some() || reranker_scores;
         if let Some(file) = &d.train_file {
             let name = file
                 .file_name()

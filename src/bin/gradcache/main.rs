@@ -560,16 +560,40 @@ fn train_on(
     comm: Rc<dyn Collective>,
     stop: gradcache::stop::StopSignal,
 ) -> Result<()> {
-    let mut trainer = Trainer::with_options(cfg.clone(), resume, extend, comm)?;
+    if cfg.model.reranker.is_some() {
+        if extend {
+            bail!("--extend continues text-pair runs; a reranker run resumes with its own train.steps");
+        }
+        let trainer =
+            gradcache::train::rerank_task::RerankTrainer::reranker(cfg.clone(), resume, comm)?;
+        return drive(trainer, &cfg, resume, stop);
+    }
+    let trainer = Trainer::with_options(cfg.clone(), resume, extend, comm)?;
+    drive(trainer, &cfg, resume, stop)
+}
+
+/// Runs a built trainer with the console (rank 0) and draws its plots.
+fn drive<T: gradcache::train::run::Task>(
+    mut trainer: gradcache::train::run::Run<T>,
+    cfg: &Config,
+    resume: Option<&Path>,
+    stop: gradcache::stop::StopSignal,
+) -> Result<()> {
     trainer.set_stop_signal(stop);
     if trainer.rank() != 0 {
         // One progress bar, one metrics file and one loss curve: rank 0's.
         trainer.run(&mut Quiet)?;
         return Ok(());
     }
-    let chunks = match cfg.train.chunk_tokens {
-        Some(tokens) => format!("chunks of at most {tokens} padded tokens"),
-        None => format!(
+    let chunks = match (cfg.train.chunk_tokens, &cfg.model.reranker) {
+        (Some(tokens), _) => format!("chunks of at most {tokens} padded tokens"),
+        (None, Some(_)) => format!(
+            "chunks of {} (query, document) pairs",
+            cfg.train
+                .pair_chunk
+                .unwrap_or(gradcache::train::rerank_task::DEFAULT_PAIR_CHUNK)
+        ),
+        (None, None) => format!(
             "chunks of {}/{} (query/passage)",
             cfg.train.query_chunk, cfg.train.passage_chunk
         ),
