@@ -98,6 +98,18 @@ pub fn export_cross_encoder(
         fs::set_permissions(&weights_path, shared)
             .map_err(|e| Error::io("set permissions of", &weights_path, e))?;
         write_tokenizer_files(&tmp, tokenizer)?;
+        // transformers feeds the model token types only when `model_input_names` has
+        // them: say what the model was trained with.
+        let path = tmp.join("tokenizer_config.json");
+        let text = fs::read_to_string(&path).map_err(|e| Error::io("read", &path, e))?;
+        let mut tokenizer_config: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::io("read", &path, e))?;
+        tokenizer_config["model_input_names"] = if tokenizer.passes_token_types() {
+            json!(["input_ids", "token_type_ids", "attention_mask"])
+        } else {
+            json!(["input_ids", "attention_mask"])
+        };
+        write_json(&path, &tokenizer_config)?;
         write_json(
             &tmp.join(MODULES),
             &json!([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"}]),

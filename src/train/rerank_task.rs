@@ -226,13 +226,7 @@ impl Task for Rerank {
         if dir.exists() {
             std::fs::remove_dir_all(&dir).map_err(|e| Error::io("replace", &dir, e))?;
         }
-        crate::rerank::export::export_cross_encoder(
-            &dir,
-            &self.bert,
-            gc.query_encoder().params(),
-            &self.tokenizer,
-            ScoreActivation::Sigmoid,
-        )?;
+        self.export(gc, &dir)?;
         Ok(Some(format!(
             "trained cross-encoder (sentence-transformers' CrossEncoder layout): {}",
             dir.display()
@@ -241,6 +235,17 @@ impl Task for Rerank {
 }
 
 impl Rerank {
+    /// Writes the cross-encoder of `gc` to `dir`.
+    fn export(&self, gc: &TaskCache<Self>, dir: &Path) -> Result<()> {
+        crate::rerank::export::export_cross_encoder(
+            dir,
+            &self.bert,
+            gc.query_encoder().params(),
+            &self.tokenizer,
+            ScoreActivation::Sigmoid,
+        )
+    }
+
     fn pair_chunk(&self) -> usize {
         self.cfg.train.pair_chunk.unwrap_or(DEFAULT_PAIR_CHUNK)
     }
@@ -466,7 +471,12 @@ impl Run<Rerank> {
         if let Some(path) = resume {
             trainer.restore(path)?;
         }
-        trainer.lock_output_dir()?;
         Ok(trainer)
+    }
+
+    /// Writes the model at its current step to `dir` in sentence-transformers'
+    /// `CrossEncoder` layout (`dir` must not exist or be empty).
+    pub fn export(&self, dir: &Path) -> Result<()> {
+        self.task.export(&self.gc, dir)
     }
 }

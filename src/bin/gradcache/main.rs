@@ -481,6 +481,22 @@ fn run(command: Command) -> Result<()> {
             let mut cfg = Config::load(&config, &set)?;
             // Exporting reads one checkpoint: one process, whatever the run used.
             cfg.dist.backend = Backend::None;
+            if cfg.model.reranker.is_some() {
+                let from = checkpoint.unwrap_or_else(|| cfg.output_dir.join("checkpoints"));
+                gradcache::durable::refuse_non_empty(&output)?;
+                let trainer = gradcache::train::rerank_task::RerankTrainer::reranker(
+                    cfg,
+                    Some(&from),
+                    Rc::new(gradcache::Single),
+                )?;
+                trainer.export(&output)?;
+                tracing::info!(
+                    "exported step {} (a cross-encoder) to {}",
+                    trainer.step(),
+                    output.display()
+                );
+                return Ok(());
+            }
             let side = match tower {
                 TowerArg::Query => Side::Query,
                 TowerArg::Passage => Side::Passage,
