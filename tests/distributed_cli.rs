@@ -853,3 +853,39 @@ warmup_steps = 1
     assert_eq!(one, sources(&dir.path().join("two")));
     assert_eq!(one, ["plain", "own", "distilled", "plain"]);
 }
+
+#[test]
+fn a_reranker_on_two_ranks_follows_the_one_rank_loss_curve() {
+    // The shipped reranker config shortened: each rank scores its 4 queries' 7 pairs
+    // (the positive, 3 mined negatives, 3 drawn from the global batch's other rows) in
+    // chunks of 5 pairs that divide neither a rank's 28 pairs nor the global 56; the
+    // scores are all-gathered and the loss is the global batch's.
+    let dir = tempfile::tempdir().unwrap();
+    let rerank = |out: &Path| -> Vec<String> {
+        let mut v: Vec<String> = vec![
+            "train".into(),
+            "--config".into(),
+            "configs/reranker.toml".into(),
+        ];
+        for s in [
+            format!("output_dir={}", out.display()),
+            "train.steps=4".into(),
+            "train.batch_size=8".into(),
+            "train.pair_chunk=5".into(),
+            "train.eval_every=0".into(),
+            "train.checkpoint_every=0".into(),
+            "model.dropout=false".into(),
+            "model.fresh.vocab_size=500".into(),
+            "model.passage_max_len=64".into(),
+            "model.query_max_len=64".into(),
+            "data.eval_top_k=2".into(),
+            "loss.reranker.num_negatives=3".into(),
+            "dist.backend=\"mpi\"".into(),
+        ] {
+            v.push("--set".into());
+            v.push(s);
+        }
+        v
+    };
+    one_and_two_ranks_agree(dir.path(), rerank);
+}
