@@ -7,6 +7,9 @@
                                          # CachedMultipleNegativesRankingLoss training;
                                          # prints (query, document) pairs/s
 
+    rerank_bench.py predict MODEL PAIRS BATCH
+                                         # CrossEncoder.predict; prints pairs/s
+
 ROWS is JSONL (gzip) with `query`, `positive` and `negatives` (the hard negatives); each
 query is scored against its positive, its hard negatives and NEGATIVES documents of other
 rows (the loss's num_negatives), MINI pairs at a time (mini_batch_size), in training mode
@@ -62,10 +65,26 @@ def train(model_dir, rows, batch, negatives, mini, max_len, steps):
     print(f"{sum(rates) / len(rates):.2f}")
 
 
+def predict(model_dir, pairs_path, batch):
+    """CrossEncoder.predict over JSONL {"query", "document"} rows; prints pairs/s."""
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    rows = [json.loads(l) for l in open(pairs_path)]
+    pairs = [(r["query"], r["document"]) for r in rows]
+    model = CrossEncoder(model_dir, device="cpu")
+    model.predict(pairs[:batch], batch_size=batch)
+    start = time.perf_counter()
+    model.predict(pairs, batch_size=batch)
+    print(f"{len(pairs) / (time.perf_counter() - start):.2f}")
+
+
 if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "make":
         make(sys.argv[2], sys.argv[3])
+    elif cmd == "predict":
+        predict(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
         a = sys.argv[2:]
         train(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), int(a[6]))
