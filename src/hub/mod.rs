@@ -209,7 +209,7 @@ impl Block {
 /// item's time of one another, where rayon's halving of the slice could leave the longest
 /// chunks of a block to one thread while the other waits (AMD EPYC, 2 threads, 4,000 texts:
 /// 0.3 thread-seconds idle of 16.7).
-fn longest_first<P: Sync, R: Send>(
+pub(crate) fn longest_first<P: Sync, R: Send>(
     items: &[P],
     f: impl Fn(&P) -> Result<R> + Sync,
 ) -> Result<Vec<R>> {

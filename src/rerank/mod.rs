@@ -267,23 +267,37 @@ impl CrossEncoder {
     }
 
     /// The raw logits `[pairs, labels]` of (query, document) pairs, in evaluation mode, in
-    /// passes of at most `batch` pairs taken in order of length (as `CrossEncoder.predict`
-    /// sorts them), returned in the order given.
+    /// passes of at most `batch` pairs of similar length (as `CrossEncoder.predict` sorts
+    /// them), returned in the order given. On the CPU the passes run side by side, one per
+    /// thread, the longest first (as [`crate::hub::embed`] runs its chunks).
     pub fn logits(&self, pairs: &[(&str, &str)], batch: usize) -> Result<Vec<Vec<f32>>> {
         let _flush = crate::denormal::flush();
         let batch = batch.max(1);
         let lengths: Vec<usize> = pairs.iter().map(|(q, d)| q.len() + d.len()).collect();
+        // Shortest first: the passes are taken from the last, the longest.
         let mut order: Vec<usize> = (0..pairs.len()).collect();
-        order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+        order.sort_by_key(|&i| lengths[i]);
+        let parts: Vec<&[usize]> = order.chunks(batch).collect();
+        let pieces = parts
+            .iter()
+            .map(|part| {
+                let queries: Vec<&str> = part.iter().map(|&i| pairs[i].0).collect();
+                let documents: Vec<&str> = part.iter().map(|&i| pairs[i].1).collect();
+                self.tokenizer
+                    .encode_pairs(&queries, &documents, &self.device)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let encode = |piece: &TokenBatch| -> Result<Vec<Vec<f32>>> {
+            let rows = self.encoder.encode(piece, &Ctx::eval())?;
+            Ok(rows.to_dtype(DType::F32)?.to_vec2()?)
+        };
+        let scored = if self.device.is_cpu() {
+            crate::hub::longest_first(&pieces, |piece| crate::nn::serial(|| encode(piece)))?
+        } else {
+            pieces.iter().map(encode).collect::<Result<Vec<_>>>()?
+        };
         let mut out = vec![Vec::new(); pairs.len()];
-        for part in order.chunks(batch) {
-            let queries: Vec<&str> = part.iter().map(|&i| pairs[i].0).collect();
-            let documents: Vec<&str> = part.iter().map(|&i| pairs[i].1).collect();
-            let input = self
-                .tokenizer
-                .encode_pairs(&queries, &documents, &self.device)?;
-            let rows = self.encoder.encode(&input, &Ctx::eval())?;
-            let rows: Vec<Vec<f32>> = rows.to_dtype(DType::F32)?.to_vec2()?;
+        for (part, rows) in parts.iter().zip(scored) {
             for (&i, row) in part.iter().zip(rows) {
                 out[i] = row;
             }

@@ -10,6 +10,8 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use gradcache::rerank::CrossEncoder as CrossEncoderModel;
+
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rerank")
 }
@@ -214,4 +216,73 @@ fn rerank_and_score_refuse_bad_input_with_nothing_written() {
         "{stderr}"
     );
     assert!(!out.exists(), "nothing written on a refusal");
+}
+
+#[test]
+fn mine_rescore_with_writes_the_cross_encoder_scores() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("mined.jsonl");
+    let bi = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/bert");
+    let ce = dir().join("bert");
+    let beir = dir().join("beir");
+    let (ok, stderr, _) = run(&[
+        "mine",
+        "--model",
+        bi.to_str().unwrap(),
+        "--beir",
+        beir.to_str().unwrap(),
+        "--split",
+        "test",
+        "--num-negatives",
+        "2",
+        "--rescore-with",
+        ce.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let model =
+        CrossEncoderModel::load(ce.to_str().unwrap(), None, &candle_core::Device::Cpu).unwrap();
+    let rows: Vec<serde_json::Value> = fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 12);
+    for row in &rows {
+        let q = row["query"].as_str().unwrap();
+        let docs: Vec<&str> = std::iter::once(row["positive"].as_str().unwrap())
+            .chain(
+                row["negatives"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.as_str().unwrap()),
+            )
+            .collect();
+        let pairs: Vec<(&str, &str)> = docs.iter().map(|&d| (q, d)).collect();
+        let want = model.predict(&pairs, 3).unwrap();
+        let got: Vec<f32> = serde_json::from_value(row["scores"].clone()).unwrap();
+        assert_eq!(got.len(), 3);
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-6, "{g} against {w}");
+        }
+    }
+    // A rescoring model without a head is refused before anything is mined or written.
+    let out2 = tmp.path().join("mined2.jsonl");
+    let (ok, stderr, _) = run(&[
+        "mine",
+        "--model",
+        bi.to_str().unwrap(),
+        "--beir",
+        beir.to_str().unwrap(),
+        "--split",
+        "test",
+        "--rescore-with",
+        bi.to_str().unwrap(),
+        "--output",
+        out2.to_str().unwrap(),
+    ]);
+    assert!(!ok && stderr.contains("classification head"), "{stderr}");
+    assert!(!out2.exists());
 }

@@ -70,6 +70,12 @@ pub struct MineArgs {
     /// learns from.
     #[arg(long)]
     pub output_scores: bool,
+    /// Score each written row's positive and negatives with this cross-encoder (a
+    /// directory or Hub id; `predict`'s activation) instead of the mining model: the
+    /// reranker's `scores` become the teacher scores distillation reads (implies
+    /// `--output-scores`).
+    #[arg(long)]
+    pub rescore_with: Option<String>,
     /// Token limit (default: the model's own; a larger one is capped at it).
     #[arg(long)]
     pub max_len: Option<usize>,
@@ -107,11 +113,13 @@ pub fn mine_command(args: MineArgs) -> Result<()> {
         sampling,
         seed,
         output_scores,
+        rescore_with,
         max_len,
         chunk,
         search,
         head,
     } = args;
+    let output_scores = output_scores || rescore_with.is_some();
     let mine_options = gradcache::retrieval::MineOptions {
         num_negatives,
         range_min,
@@ -137,14 +145,23 @@ pub fn mine_command(args: MineArgs) -> Result<()> {
         (None, None) => bail!("give --data or --beir"),
     };
     gradcache::durable::check_destination(&output)?;
+    // The reranker is loaded (and a bad one refused) before the mining runs.
+    let reranker = match &rescore_with {
+        Some(name) => {
+            let ce = gradcache::rerank::CrossEncoder::load(name, None, &head.device.open()?)?;
+            tracing::info!("rescoring with {}", ce.settings());
+            Some(ce)
+        }
+        None => None,
+    };
     let model = load_retriever(&model, &head.load_options(max_len)?)?;
     mine_negatives(
         &*model,
         &source,
         &mine_options,
-        chunk,
-        search.corpus_block,
+        (chunk, search.corpus_block),
         &search.title_separator,
+        reranker.as_ref(),
         &output,
     )
 }
@@ -257,9 +274,9 @@ pub fn mine_negatives(
     model: &dyn Retriever,
     source: &MineSource,
     options: &MineOptions,
-    chunk: usize,
-    corpus_block: usize,
+    (chunk, corpus_block): (usize, usize),
     title_separator: &str,
+    reranker: Option<&gradcache::rerank::CrossEncoder>,
     output: &Path,
 ) -> Result<()> {
     options.validate()?;
@@ -320,13 +337,34 @@ pub fn mine_negatives(
             model.embed_passages(&texts, chunk)
         },
     )?;
-    let rows = set.rows(&mined, options.output_scores);
+    let mut rows = set.rows(&mined, options.output_scores);
     if rows.is_empty() {
         bail!(
             "no query kept {} negatives after the filters; loosen range_max, the margins or \
              the score limits (nothing written)",
             options.num_negatives
         );
+    }
+    if let Some(ce) = reranker {
+        // Every row's positive and negatives as (query, document) pairs, scored at once.
+        let (scores, pairs) = {
+            let pairs: Vec<(&str, &str)> = rows
+                .iter()
+                .flat_map(|r| {
+                    std::iter::once(r.positive.as_str())
+                        .chain(r.negatives.iter().map(String::as_str))
+                        .map(move |d| (r.query.as_str(), d))
+                })
+                .collect();
+            (ce.predict(&pairs, 64)?, pairs.len())
+        };
+        let mut at = 0;
+        for row in &mut rows {
+            let n = 1 + row.negatives.len();
+            row.scores = Some(scores[at..at + n].to_vec());
+            at += n;
+        }
+        tracing::info!("{pairs} pairs rescored by the cross-encoder");
     }
     let mut text = String::new();
     for row in &rows {
