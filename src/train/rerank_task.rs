@@ -311,13 +311,6 @@ fn check(cfg: &Config, loss: &RerankerLoss) -> Result<()> {
             "a loss over a query's documents needs them: hard negatives with their `scores`",
         );
     }
-    if loss.kind == RerankLossKind::MarginMse && cfg.train.hard_negatives == 0 {
-        return bad(
-            "train.hard_negatives",
-            "0".into(),
-            "margin MSE needs negatives",
-        );
-    }
     if cfg.train.pair_chunk == Some(0) {
         return bad(
             "train.pair_chunk",
