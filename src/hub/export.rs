@@ -116,7 +116,7 @@ fn write_model_files(
     write_weights(weights, &dir.join("model.safetensors"), &config_path)
 }
 
-fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+pub(crate) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(value).map_err(|e| Error::io("write", path, e))?;
     fs::write(path, text + "\n").map_err(|e| Error::io("write", path, e))
 }

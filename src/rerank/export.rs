@@ -12,7 +12,9 @@ use std::path::Path;
 use candle_core::Tensor;
 use serde_json::json;
 
-use crate::hub::export::{write_tokenizer_files, MODULES, SENTENCE_TRANSFORMERS_CONFIG};
+use crate::hub::export::{
+    write_json, write_tokenizer_files, MODULES, SENTENCE_TRANSFORMERS_CONFIG,
+};
 use crate::hub::Tokenizer;
 use crate::models::bert::{BertConfig, Family};
 use crate::models::classifier::head_modules;
@@ -139,9 +141,4 @@ pub fn export_cross_encoder(
         let _ = fs::remove_dir_all(&tmp);
     }
     written
-}
-
-fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
-    let text = serde_json::to_string_pretty(value).map_err(|e| Error::io("write", path, e))?;
-    fs::write(path, text + "\n").map_err(|e| Error::io("write", path, e))
 }

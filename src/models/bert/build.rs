@@ -363,39 +363,30 @@ pub fn with_model_weights(
         prefix,
         WeightFile::open(&files.weights, file_prefix)?,
     );
-    // A sparse model's MLM head sits beside the base model in the file, each module under
-    // its own name (`cls.*`, `vocab_transform.*`, ...).
-    if options.sparse.is_some() {
-        let cfg = BertConfig::from_file(&files.config)?;
-        if let Some(names) = crate::models::sparse::MlmNames::of(cfg.family(&files.config)?) {
-            for module in names.modules {
-                let name = match prefix {
-                    "" => module.to_string(),
-                    p => format!("{p}.{module}"),
-                };
-                store = add(
-                    store,
-                    &name,
-                    WeightFile::open(&files.weights, &format!("{module}."))?,
-                );
+    // A head beside the base model in the file, each module under its own name: a
+    // sparse model's MLM head (`cls.*`, `vocab_transform.*`, ...), a cross-encoder's
+    // classification head (`classifier.*`, `head.*`, ...).
+    if options.sparse.is_some() || options.classifier.is_some() {
+        let family = BertConfig::from_file(&files.config)?.family(&files.config)?;
+        let mut modules: Vec<&str> = Vec::new();
+        if options.sparse.is_some() {
+            if let Some(names) = crate::models::sparse::MlmNames::of(family) {
+                modules.extend(names.modules);
             }
         }
-    }
-    // A cross-encoder's head sits beside the base model too (`classifier.*`, ...).
-    if options.classifier.is_some() {
-        let cfg = BertConfig::from_file(&files.config)?;
-        if let Some(modules) = crate::models::classifier::head_modules(cfg.family(&files.config)?) {
-            for module in modules {
-                let name = match prefix {
-                    "" => module.to_string(),
-                    p => format!("{p}.{module}"),
-                };
-                store = add(
-                    store,
-                    &name,
-                    WeightFile::open(&files.weights, &format!("{module}."))?,
-                );
-            }
+        if options.classifier.is_some() {
+            modules.extend(crate::models::classifier::head_modules(family).unwrap_or(&[]));
+        }
+        for module in modules {
+            let name = match prefix {
+                "" => module.to_string(),
+                p => format!("{p}.{module}"),
+            };
+            store = add(
+                store,
+                &name,
+                WeightFile::open(&files.weights, &format!("{module}."))?,
+            );
         }
     }
     for dense in &options.dense {
