@@ -250,13 +250,14 @@ impl ModelFiles {
         let tokenizer = fetch(TOKENIZER)?;
         // The sentence-transformers head (pooling, Dense modules, normalisation,
         // similarity, prompts, the token limit) and the tokenizer's config (padding side,
-        // pad token, BOS/EOS), when the repo has them: fetched into the same snapshot
+        // pad token, BOS/EOS) and chat template, when the repo has them: fetched into the same snapshot
         // directory.
         for file in [
             POOLING,
             SENTENCE_TRANSFORMERS_CONFIG,
             SENTENCE_BERT_CONFIG,
             TOKENIZER_CONFIG,
+            crate::hub::chat::CHAT_TEMPLATE,
         ] {
             fetch(file)?;
         }

@@ -13,6 +13,7 @@
 //! binary can log it.
 
 pub mod adapter;
+pub mod chat;
 pub mod export;
 pub mod files;
 pub mod merge;

@@ -22,6 +22,8 @@ use crate::batch::TokenBatch;
 use crate::hub::files;
 use crate::{Error, Result};
 
+mod pairs;
+
 /// A tokenizer with the truncation and padding a bi-encoder needs.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -40,6 +42,9 @@ pub struct Tokenizer {
     /// Whether the special tokens (`[CLS]`, `[SEP]`) are added: an inference-free sparse
     /// model's query side tokenizes without them.
     special_tokens: bool,
+    /// A decoder reranker's chat template: pairs are rendered by it (see
+    /// [`super::chat`]), the prompt their instruction.
+    chat: Option<std::sync::Arc<super::chat::ChatTemplate>>,
 }
 
 /// What a multi-vector (ColBERT) tokenizer does to one side's batches.
@@ -104,6 +109,7 @@ impl Tokenizer {
             config: None,
             vectors: None,
             special_tokens: true,
+            chat: None,
         })
     }
 
@@ -134,6 +140,18 @@ impl Tokenizer {
     ) -> Self {
         self.config = config;
         self
+    }
+
+    /// The same tokenizer reading (query, document) pairs through a chat template (a
+    /// decoder reranker's; the prompt, if any, is the instruction).
+    pub fn with_chat_template(mut self, chat: Option<super::chat::ChatTemplate>) -> Self {
+        self.chat = chat.map(std::sync::Arc::new);
+        self
+    }
+
+    /// The chat template pairs are rendered by, if any.
+    pub fn chat_template(&self) -> Option<&super::chat::ChatTemplate> {
+        self.chat.as_deref()
     }
 
     /// The model's `tokenizer_config.json`, if it has one.
@@ -291,83 +309,6 @@ impl Tokenizer {
         self.batch_of(&encodings, device, true)
     }
 
-    /// Tokenizes (query, document) pairs as a cross-encoder reads them, with the
-    /// tokenizer's pair template (BERT's `[CLS] q [SEP] d [SEP]`, the second segment's
-    /// token types 1; RoBERTa's `<s> q </s></s> d </s>`), truncated to the maximum length
-    /// by taking a token from the longer side first, as `transformers` does
-    /// (`truncation=True`), and padded to the batch's longest pair. No prompt, no
-    /// multi-vector rows.
-    pub fn encode_pairs(
-        &self,
-        queries: &[&str],
-        documents: &[&str],
-        device: &Device,
-    ) -> Result<TokenBatch> {
-        if queries.is_empty() {
-            return Err(Error::EmptyBatch {
-                side: crate::Side::Query,
-            });
-        }
-        if queries.len() != documents.len() {
-            return Err(Error::InvalidArgument {
-                what: "pairs",
-                value: format!(
-                    "{} queries and {} documents",
-                    queries.len(),
-                    documents.len()
-                ),
-                reason: "a cross-encoder scores one document per query: give as many of each",
-            });
-        }
-        let tokenize = |e: tokenizers::Result<tokenizers::Encoding>| {
-            e.map_err(|e| Error::Tokenizer(e.to_string()))
-        };
-        // Each side alone, then cut to its share of the pair's budget (see
-        // `pair_lengths`), then the pair template, then the padding.
-        let mut bare = self.inner.clone();
-        bare.with_truncation(None)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        bare.with_padding(None);
-        let budget = self.max_len.saturating_sub(
-            bare.get_post_processor()
-                .map_or(0, |p| tokenizers::PostProcessor::added_tokens(p, true)),
-        );
-        let mut encodings = Vec::with_capacity(queries.len());
-        for (&q, &d) in queries.iter().zip(documents) {
-            let mut first = tokenize(bare.encode(q, false))?;
-            let mut second = tokenize(bare.encode(d, false))?;
-            let (n1, n2) = pair_lengths(first.len(), second.len(), budget);
-            let right = tokenizers::TruncationDirection::Right;
-            first.truncate(n1, 0, right);
-            second.truncate(n2, 0, right);
-            encodings.push(tokenize(bare.post_process(first, Some(second), true))?);
-        }
-        if let Some(padding) = self.inner.get_padding() {
-            tokenizers::utils::padding::pad_encodings(&mut encodings, padding)
-                .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        }
-        self.batch_of(&encodings, device, false)
-    }
-
-    /// How many of `pairs` are longer than the maximum length (and so truncated,
-    /// longest side first, by [`Self::encode_pairs`]).
-    pub fn count_truncated_pairs(&self, queries: &[&str], documents: &[&str]) -> Result<usize> {
-        let mut untruncated = self.inner.clone();
-        untruncated
-            .with_truncation(None)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        untruncated.with_padding(None);
-        let inputs: Vec<tokenizers::EncodeInput> = queries
-            .iter()
-            .zip(documents)
-            .map(|(&q, &d)| (q, d).into())
-            .collect();
-        let encodings = untruncated
-            .encode_batch(inputs, true)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        Ok(encodings.iter().filter(|e| e.len() > self.max_len).count())
-    }
-
     /// A padded batch of `encodings` (all of one length): ids, mask and token types; with
     /// `texts` (not pairs), the pooling's first position after the prompt and a
     /// multi-vector side's rows.
@@ -410,30 +351,6 @@ impl Tokenizer {
             vector_rows(side, [ids, mask, types], len, self.max_len);
         TokenBatch::new(tensor(ids, len)?, tensor(mask, len)?, tensor(types, len)?)?
             .with_vectors(tensor(keep, len)?, self.max_len)
-    }
-}
-
-/// How many tokens of a pair's two sides (`n1`, `n2` tokens) fit `budget` under
-/// `transformers`' longest-first truncation: nothing cut when both fit; else the longer
-/// side cut down to what the shorter leaves, but to no less than the shorter; when that
-/// still does not fit, half the budget each, the odd token to the longer side (to the
-/// second on a tie). What `tokenizers`' Python package and `transformers` give (the Rust
-/// crate's `encode` gave the odd token to the shorter side on a fixture's pair of 54 and
-/// 53 tokens, so the pairs are cut here).
-fn pair_lengths(n1: usize, n2: usize, budget: usize) -> (usize, usize) {
-    if n1 + n2 <= budget {
-        return (n1, n2);
-    }
-    let swap = n1 > n2;
-    let (short, long) = if swap { (n2, n1) } else { (n1, n2) };
-    let mut cut = (short, long.min(budget.saturating_sub(short)).max(short));
-    if cut.0 + cut.1 > budget {
-        cut = (budget / 2, budget / 2 + budget % 2);
-    }
-    if swap {
-        (cut.1, cut.0)
-    } else {
-        cut
     }
 }
 
@@ -517,7 +434,7 @@ fn tokenizer_settings(dir: &Path) -> Result<serde_json::Map<String, serde_json::
 
 /// A special token of a tokenizer config: a string, or an added-token object
 /// (`{"content": ...}`).
-fn special_token(
+pub(crate) fn special_token(
     settings: &serde_json::Map<String, serde_json::Value>,
     key: &str,
 ) -> Option<String> {

@@ -9,7 +9,13 @@
 //! - DistilBERT: `pre_classifier` on the first token, ReLU, dropout, `classifier`;
 //! - ModernBERT: the first token or the mean of the real tokens (`classifier_pooling`),
 //!   `head.dense` (bias as `classifier_bias`), the `classifier_activation`, `head.norm`,
-//!   dropout, `classifier`.
+//!   dropout, `classifier`;
+//! - the decoders (Qwen3, Qwen2, Llama, Mistral, Gemma3): `*ForSequenceClassification`'s
+//!   `score` (no bias) on the last real token; or, a causal LM read as Qwen3-Reranker is
+//!   (sentence-transformers' `LogitScore`), the language-model head's logit of a "yes"
+//!   token less that of a "no" token at the last real token: `lm_head`'s two rows, or the
+//!   word embeddings' where the head is tied to them (`tie_word_embeddings`), Gemma's
+//!   `final_logit_softcapping` applied to each logit.
 
 use candle_core::Tensor;
 use candle_nn::VarBuilder;
@@ -20,34 +26,77 @@ use crate::dropout::{Ctx, Dropout};
 use crate::nn::{Act, LayerNorm, Linear};
 use crate::{Error, Result};
 
-/// A classification head: how many outputs (`num_labels`; a reranker has one).
+/// A classification head: how many outputs (`num_labels`; a reranker has one), and how a
+/// decoder scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClassifierSpec {
     /// Outputs per pair (`num_labels`).
     pub labels: usize,
+    /// The head's kind.
+    pub kind: HeadKind,
+}
+
+impl ClassifierSpec {
+    /// A `*ForSequenceClassification` head of `labels` outputs.
+    pub fn labels(labels: usize) -> Self {
+        Self {
+            labels,
+            kind: HeadKind::Classification,
+        }
+    }
+}
+
+/// What a cross-encoder's score is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HeadKind {
+    /// The family's `*ForSequenceClassification` head.
+    #[default]
+    Classification,
+    /// A causal LM's logit of the token `yes` less that of `no` (the logit of `yes`
+    /// alone without one) at the last position: sentence-transformers' `LogitScore`, the
+    /// layout of Qwen3-Reranker.
+    LogitScore { yes: u32, no: Option<u32> },
 }
 
 /// The families with a classification head, for errors.
 pub const CLASSIFIER_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, \
-                                       distilbert, modernbert";
+                                       distilbert, modernbert, qwen3, qwen2, llama, mistral, \
+                                       gemma3_text";
 
-/// The modules a family's `*ForSequenceClassification` keeps outside its base model (read
-/// from the weights file each by its own name); the BERT pooler lives inside the base
-/// model (`bert.pooler`).
-pub fn head_modules(family: Family) -> Option<&'static [&'static str]> {
-    match family {
-        Family::Bert | Family::Roberta | Family::MpNet => Some(&["classifier"]),
-        Family::DistilBert => Some(&["pre_classifier", "classifier"]),
-        Family::ModernBert => Some(&["head", "classifier"]),
-        _ => None,
+/// Whether a decoder's language-model head is its word embeddings
+/// (`tie_word_embeddings`; Gemma's default, not the others').
+pub fn ties_word_embeddings(cfg: &BertConfig, family: Family) -> bool {
+    cfg.extra
+        .get("tie_word_embeddings")
+        .and_then(|v| v.as_bool())
+        .unwrap_or(family == Family::Gemma3)
+}
+
+/// The modules a family's head keeps outside its base model (read from the weights file
+/// each by its own name); the BERT pooler lives inside the base model (`bert.pooler`), a
+/// tied language-model head is the word embeddings.
+pub fn head_modules(cfg: &BertConfig, family: Family, kind: HeadKind) -> &'static [&'static str] {
+    match (family, kind) {
+        (Family::Bert | Family::Roberta | Family::MpNet, _) => &["classifier"],
+        (Family::DistilBert, _) => &["pre_classifier", "classifier"],
+        (Family::ModernBert, _) => &["head", "classifier"],
+        (_, HeadKind::LogitScore { .. }) if ties_word_embeddings(cfg, family) => &[],
+        (_, HeadKind::LogitScore { .. }) => &["lm_head"],
+        (f, HeadKind::Classification) if f.is_decoder() => &["score"],
+        _ => &[],
     }
 }
 
-/// The weight whose presence says a model's file holds its classification head.
-pub fn head_weight(family: Family) -> &'static str {
-    match family {
-        Family::Roberta | Family::MpNet => "classifier.out_proj.weight",
-        _ => "classifier.weight",
+/// The weight whose presence says a model's file holds its head (`None`: a tied
+/// language-model head, which the base model holds).
+pub fn head_weight(cfg: &BertConfig, family: Family, kind: HeadKind) -> Option<&'static str> {
+    match (family, kind) {
+        (Family::Roberta | Family::MpNet, _) => Some("classifier.out_proj.weight"),
+        (f, HeadKind::LogitScore { .. }) if f.is_decoder() => {
+            (!ties_word_embeddings(cfg, family)).then_some("lm_head.weight")
+        }
+        (f, HeadKind::Classification) if f.is_decoder() => Some("score.weight"),
+        _ => Some("classifier.weight"),
     }
 }
 
@@ -64,13 +113,24 @@ enum Layout {
         act: Act,
         norm: LayerNorm,
     },
+    /// A decoder's `score` (the `out` projection alone).
+    Score,
+    /// A causal LM's `yes` (and `no`) rows of its LM head `table` `[vocab, hidden]`.
+    LogitScore {
+        table: Tensor,
+        /// `[1]` or `[2]` u32: `yes`, then `no`.
+        rows: Tensor,
+        /// Gemma's `final_logit_softcapping`.
+        softcap: Option<f64>,
+    },
 }
 
 /// A family's classification head.
 pub struct ClassifierHead {
     layout: Layout,
-    /// The last projection (`classifier`, RoBERTa's `classifier.out_proj`).
-    out: Linear,
+    /// The last projection (`classifier`, RoBERTa's `classifier.out_proj`, a decoder's
+    /// `score`; none for a `LogitScore`).
+    out: Option<Linear>,
     pooling: Pooling,
     dropout: Dropout,
     /// The dropout masks' layer id (past the encoder's layers).
@@ -80,13 +140,15 @@ pub struct ClassifierHead {
 impl ClassifierHead {
     /// `cfg`'s family's head under `vb` (the model's root: the names as the family's
     /// `*ForSequenceClassification` keeps them, the base model's prefix stripped), masks
-    /// drawn as layer `layer`. Fresh weights as transformers initialises them: normal(0,
+    /// drawn as layer `layer`; `words` is a decoder's word embeddings (a tied LM head's
+    /// rows). Fresh weights as transformers initialises them: normal(0,
     /// `initializer_range`), zero biases, LayerNorm ones.
     pub fn new(
         cfg: &BertConfig,
         spec: ClassifierSpec,
         layer: u32,
         vb: &VarBuilder,
+        words: Option<&Tensor>,
     ) -> Result<Self> {
         let path = std::path::Path::new("config");
         let family = cfg.family(path)?;
@@ -102,6 +164,55 @@ impl ClassifierHead {
         let x = &cfg.extra;
         let num = |key: &str| x.get(key).and_then(|v| v.as_f64());
         let hidden_dropout = num("classifier_dropout").unwrap_or(cfg.hidden_dropout_prob);
+        if let HeadKind::LogitScore { yes, no } = spec.kind {
+            if !family.is_decoder() || spec.labels != 1 {
+                return Err(Error::InvalidArgument {
+                    what: "LogitScore head",
+                    value: format!("{family:?} with {} labels", spec.labels),
+                    reason: "a yes/no logit score is a causal LM's (qwen3, qwen2, llama, \
+                             mistral, gemma3_text), one score a pair",
+                });
+            }
+            let vocab = cfg.vocab_size;
+            if let Some(bad) = [Some(yes), no]
+                .into_iter()
+                .flatten()
+                .find(|&t| t as usize >= vocab)
+            {
+                return Err(Error::InvalidArgument {
+                    what: "LogitScore token",
+                    value: bad.to_string(),
+                    reason: "the yes/no token ids must be rows of the LM head (below \
+                             vocab_size)",
+                });
+            }
+            let table = match (ties_word_embeddings(cfg, family), words) {
+                (true, Some(words)) => words.clone(),
+                // A tied head is the base model's: a head built alone reads no weight.
+                (true, None) => Tensor::zeros(1, candle_core::DType::F32, vb.device())?,
+                (false, _) => vb.pp("lm_head").get_with_hints(
+                    (vocab, h),
+                    "weight",
+                    candle_nn::Init::Randn {
+                        mean: 0.0,
+                        stdev: std,
+                    },
+                )?,
+            };
+            let ids: Vec<u32> = [Some(yes), no].into_iter().flatten().collect();
+            let n = ids.len();
+            return Ok(Self {
+                layout: Layout::LogitScore {
+                    table,
+                    rows: Tensor::from_vec(ids, n, vb.device())?,
+                    softcap: num("final_logit_softcapping"),
+                },
+                out: None,
+                pooling: Pooling::LastToken,
+                dropout: Dropout::new(0.0)?,
+                layer,
+            });
+        }
         let (layout, out, pooling, p) = match family {
             Family::Bert => (
                 Layout::Bert {
@@ -175,6 +286,12 @@ impl ClassifierHead {
                     num("classifier_dropout").unwrap_or(0.0),
                 )
             }
+            f if f.is_decoder() => (
+                Layout::Score,
+                Linear::normal_without_bias(h, spec.labels, std, at("score"))?,
+                Pooling::LastToken,
+                0.0,
+            ),
             _ => {
                 return Err(Error::UnsupportedConfig {
                     field: "model_type",
@@ -186,7 +303,7 @@ impl ClassifierHead {
         };
         Ok(Self {
             layout,
-            out,
+            out: Some(out),
             pooling,
             dropout: Dropout::new(p as f32)?,
             layer,
@@ -215,7 +332,27 @@ impl ClassifierHead {
                 let t = norm.forward(&dense.forward_activated(&pooled, *act)?)?;
                 drop(&t, 0)?
             }
+            Layout::Score => pooled,
+            Layout::LogitScore {
+                table,
+                rows,
+                softcap,
+            } => {
+                // [n, h] x [h, 1 or 2]: the yes (and no) logits.
+                let head = table.index_select(rows, 0)?.to_dtype(pooled.dtype())?;
+                let mut logits = pooled.matmul(&head.t()?)?;
+                if let Some(c) = softcap {
+                    logits = ((logits / *c)?.tanh()? * *c)?;
+                }
+                return match logits.dim(1)? {
+                    1 => Ok(logits),
+                    _ => Ok((logits.narrow(1, 0, 1)? - logits.narrow(1, 1, 1)?)?),
+                };
+            }
         };
-        self.out.forward(&y)
+        match &self.out {
+            Some(out) => out.forward(&y),
+            None => Ok(y),
+        }
     }
 }

@@ -95,6 +95,11 @@ fn norm(size: usize, gemma: bool, vb: VarBuilder) -> Result<Tensor> {
 }
 
 impl Decoder {
+    /// The word embeddings `[vocab, hidden]` (a tied LM head's rows).
+    pub(super) fn word_embeddings(&self) -> &Tensor {
+        &self.tokens
+    }
+
     /// Builds the layers under `vb`. Fresh weights: normal(0, `initializer_range`).
     pub(super) fn new(
         cfg: &BertConfig,

@@ -4,6 +4,10 @@
 //! it), the tokenizer, and the sentence-transformers files that say it is a
 //! `CrossEncoder`, its activation and its max length. Loads with `CrossEncoder(path)`,
 //! `AutoModelForSequenceClassification.from_pretrained(path)` and [`super::CrossEncoder`].
+//! A causal-LM reranker (Qwen3-Reranker's layout) is written as its `*ForCausalLM` (the
+//! LM head beside the base model unless tied to the word embeddings) with the
+//! `LogitScore` module of its yes/no tokens, loading with `CrossEncoder(path)` and
+//! `AutoModelForCausalLM`; a chat template is written beside the tokenizer.
 
 use std::collections::HashMap;
 use std::fs;
@@ -12,36 +16,45 @@ use std::path::Path;
 use candle_core::Tensor;
 use serde_json::json;
 
+use crate::hub::chat::CHAT_TEMPLATE;
 use crate::hub::export::{
     write_json, write_tokenizer_files, MODULES, SENTENCE_TRANSFORMERS_CONFIG,
 };
 use crate::hub::Tokenizer;
 use crate::models::bert::{BertConfig, Family};
-use crate::models::classifier::head_modules;
+use crate::models::classifier::{head_modules, HeadKind};
 use crate::params::Params;
 use crate::rerank::ScoreActivation;
 use crate::{Error, Result};
 
-/// The family's `*ForSequenceClassification` class and its base model's prefix.
-fn classification(cfg: &BertConfig) -> Result<(&'static str, &'static str, Family)> {
+/// The folder sentence-transformers saves a `LogitScore` module in.
+const LOGIT_SCORE_DIR: &str = "1_LogitScore";
+
+/// The model's class (the family's `*ForSequenceClassification`, or a decoder's
+/// `*ForCausalLM` for a yes/no logit score) and its base model's prefix.
+fn architecture(cfg: &BertConfig, kind: HeadKind) -> Result<(String, &'static str, Family)> {
     let family = cfg.family(Path::new("config.json"))?;
     let model_type = cfg.model_type.as_deref().unwrap_or("bert");
+    let class = |name: &str| match kind {
+        HeadKind::Classification => format!("{name}ForSequenceClassification"),
+        HeadKind::LogitScore { .. } => format!("{name}ForCausalLM"),
+    };
     let names = match (family, model_type) {
-        (Family::Bert, _) => ("BertForSequenceClassification", "bert."),
-        (Family::Roberta, "xlm-roberta") => ("XLMRobertaForSequenceClassification", "roberta."),
-        (Family::Roberta, "camembert") => ("CamembertForSequenceClassification", "roberta."),
-        (Family::Roberta, _) => ("RobertaForSequenceClassification", "roberta."),
-        (Family::MpNet, _) => ("MPNetForSequenceClassification", "mpnet."),
-        (Family::DistilBert, _) => ("DistilBertForSequenceClassification", "distilbert."),
-        (Family::ModernBert, _) => ("ModernBertForSequenceClassification", "model."),
-        _ => {
-            return Err(Error::InvalidArgument {
-                what: "cross-encoder export",
-                value: model_type.to_string(),
-                reason: "a classification head is built for the encoder families (bert, \
-                         roberta, xlm-roberta, camembert, mpnet, distilbert, modernbert)",
-            })
-        }
+        (Family::Bert, _) => (class("Bert"), "bert."),
+        (Family::Roberta, "xlm-roberta") => (class("XLMRoberta"), "roberta."),
+        (Family::Roberta, "camembert") => (class("Camembert"), "roberta."),
+        (Family::Roberta, _) => (class("Roberta"), "roberta."),
+        (Family::MpNet, _) => (class("MPNet"), "mpnet."),
+        (Family::DistilBert, _) => (class("DistilBert"), "distilbert."),
+        (Family::ModernBert, _) => (class("ModernBert"), "model."),
+        (Family::Qwen3, _) => (class("Qwen3"), "model."),
+        (Family::Qwen2, _) => (class("Qwen2"), "model."),
+        (Family::Llama, _) => (class("Llama"), "model."),
+        (Family::Mistral, _) => (class("Mistral"), "model."),
+        (Family::Gemma3, _) => match kind {
+            HeadKind::Classification => ("Gemma3TextForSequenceClassification".into(), "model."),
+            HeadKind::LogitScore { .. } => ("Gemma3ForCausalLM".into(), "model."),
+        },
     };
     Ok((names.0, names.1, family))
 }
@@ -52,16 +65,19 @@ fn classification(cfg: &BertConfig) -> Result<(&'static str, &'static str, Famil
 pub fn export_cross_encoder(
     dir: &Path,
     cfg: &BertConfig,
+    kind: HeadKind,
     params: &Params,
     tokenizer: &Tokenizer,
     activation: ScoreActivation,
 ) -> Result<()> {
     crate::durable::refuse_non_empty(dir)?;
-    let (architecture, base, family) = classification(cfg)?;
-    let head = head_modules(family).unwrap_or(&[]);
-    if !head
-        .iter()
-        .any(|m| params.iter().any(|(n, _)| n.starts_with(&format!("{m}."))))
+    let (architecture, base, family) = architecture(cfg, kind)?;
+    let head = head_modules(cfg, family, kind);
+    let tied = matches!(kind, HeadKind::LogitScore { .. }) && head.is_empty();
+    if !tied
+        && !head
+            .iter()
+            .any(|m| params.iter().any(|(n, _)| n.starts_with(&format!("{m}."))))
     {
         return Err(Error::InvalidArgument {
             what: "cross-encoder export",
@@ -88,8 +104,16 @@ pub fn export_cross_encoder(
         let mut config = cfg.to_json();
         config["architectures"] = json!([architecture]);
         config["model_type"] = json!(cfg.model_type.clone().unwrap_or_else(|| "bert".into()));
-        config["id2label"] = json!({"0": "LABEL_0"});
-        config["label2id"] = json!({"LABEL_0": 0});
+        if kind == HeadKind::Classification {
+            config["id2label"] = json!({"0": "LABEL_0"});
+            config["label2id"] = json!({"LABEL_0": 0});
+        }
+        if family.is_decoder() && config.get("pad_token_id").is_none_or(|v| v.is_null()) {
+            // A decoder's sequence classification finds the last real token by it.
+            if let Some(pad) = tokenizer.inner().get_padding() {
+                config["pad_token_id"] = json!(pad.pad_id);
+            }
+        }
         write_json(&config_path, &config)?;
         let weights_path = tmp.join("model.safetensors");
         candle_core::safetensors::save(&weights, &weights_path)
@@ -112,16 +136,43 @@ pub fn export_cross_encoder(
             json!(["input_ids", "attention_mask"])
         };
         write_json(&path, &tokenizer_config)?;
-        write_json(
-            &tmp.join(MODULES),
-            &json!([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"}]),
-        )?;
+        if let Some(chat) = tokenizer.chat_template() {
+            let path = tmp.join(CHAT_TEMPLATE);
+            fs::write(&path, chat.source()).map_err(|e| Error::io("write", &path, e))?;
+        }
+        let transformer = json!({"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"});
+        let (task, output) = match kind {
+            HeadKind::Classification => ("sequence-classification", "scores"),
+            HeadKind::LogitScore { .. } => ("text-generation", "causal_logits"),
+        };
+        let forward = json!({"method": "forward", "method_output_name": "logits"});
+        let mut modality = json!({"text": forward});
+        if tokenizer.chat_template().is_some() {
+            let mut message = forward.clone();
+            message["format"] = json!("flat");
+            modality["message"] = message;
+        }
+        match kind {
+            HeadKind::Classification => write_json(&tmp.join(MODULES), &json!([transformer]))?,
+            HeadKind::LogitScore { yes, no } => {
+                write_json(
+                    &tmp.join(MODULES),
+                    &json!([transformer, {"idx": 1, "name": "1", "path": LOGIT_SCORE_DIR, "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"}]),
+                )?;
+                let folder = tmp.join(LOGIT_SCORE_DIR);
+                fs::create_dir_all(&folder).map_err(|e| Error::io("create", &folder, e))?;
+                write_json(
+                    &folder.join("config.json"),
+                    &json!({"true_token_id": yes, "false_token_id": no, "module_input_name": "causal_logits"}),
+                )?;
+            }
+        }
         write_json(
             &tmp.join("sentence_bert_config.json"),
             &json!({
-                "transformer_task": "sequence-classification",
-                "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
-                "module_output_name": "scores",
+                "transformer_task": task,
+                "modality_config": modality,
+                "module_output_name": output,
                 "max_seq_length": tokenizer.max_len(),
             }),
         )?;

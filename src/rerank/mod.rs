@@ -21,11 +21,13 @@ use candle_core::{DType, Device, Tensor};
 use crate::batch::{Batch, TokenBatch};
 use crate::dropout::Ctx;
 use crate::encoder::Encoder;
+use crate::hub::chat::ChatTemplate;
 use crate::hub::files::{HubSettings, ModelFiles};
 use crate::hub::{load_tokenizer, tokenizer, Tokenizer};
 use crate::models::bert::{
     check_classifier, load_pretrained, BertConfig, BertEncoder, BertOptions, ClassifierSpec,
 };
+use crate::models::classifier::HeadKind;
 use crate::params::ParamStore;
 use crate::{Error, Result};
 
@@ -93,6 +95,12 @@ pub struct CrossEncoderFiles {
     pub activation: Option<(ScoreActivation, &'static str)>,
     /// Whether `config.json`'s architecture is a `*ForSequenceClassification`.
     pub classification: bool,
+    /// Whether `config.json`'s architecture is a `*ForCausalLM` (a decoder reranker read
+    /// by its LM head's yes/no logits).
+    pub causal: bool,
+    /// The token ids of a `LogitScore` module in `modules.json` (`true_token_id`,
+    /// `false_token_id`).
+    pub logit_score: Option<(u32, Option<u32>)>,
 }
 
 /// Reads what `dir`'s `config.json` and `config_sentence_transformers.json` say of a
@@ -158,16 +166,96 @@ pub fn read_cross_encoder_files(dir: &Path) -> Result<CrossEncoderFiles> {
         )),
         None => None,
     };
-    let classification = config
+    let architecture = config
         .get("architectures")
         .and_then(|v| v.as_array())
         .and_then(|a| a.first())
         .and_then(|v| v.as_str())
-        .is_some_and(|a| a.ends_with("ForSequenceClassification"));
+        .unwrap_or("");
     Ok(CrossEncoderFiles {
         labels,
         activation,
-        classification,
+        classification: architecture.ends_with("ForSequenceClassification"),
+        causal: architecture.ends_with("ForCausalLM"),
+        logit_score: read_logit_score(dir)?,
+    })
+}
+
+/// The token ids of the `LogitScore` module `modules.json` names, if any.
+fn read_logit_score(dir: &Path) -> Result<Option<(u32, Option<u32>)>> {
+    let modules = dir.join(crate::hub::files::MODULES);
+    if !modules.is_file() {
+        return Ok(None);
+    }
+    let bad = |path: &Path, reason: String| Error::ModelFile {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let read = |path: &Path| -> Result<serde_json::Value> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))?;
+        serde_json::from_str(&text).map_err(|e| bad(path, e.to_string()))
+    };
+    let list = read(&modules)?;
+    let Some(entry) = list.as_array().into_iter().flatten().find(|m| {
+        m.get("type")
+            .and_then(|t| t.as_str())
+            .is_some_and(|t| t.ends_with("LogitScore"))
+    }) else {
+        return Ok(None);
+    };
+    let folder = entry.get("path").and_then(|p| p.as_str()).unwrap_or("");
+    let path = dir.join(folder).join("config.json");
+    let config = read(&path)?;
+    let id = |key: &str| -> Result<Option<u32>> {
+        match config.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .map(Some)
+                .ok_or_else(|| bad(&path, format!("`{key}` = {v} is not a token id"))),
+        }
+    };
+    let yes =
+        id("true_token_id")?.ok_or_else(|| bad(&path, "`true_token_id` is missing".into()))?;
+    if let Some(input) = config.get("module_input_name").and_then(|v| v.as_str()) {
+        if input != "causal_logits" {
+            return Err(bad(
+                &path,
+                format!("`module_input_name` = {input:?}: only the causal LM's logits are read"),
+            ));
+        }
+    }
+    Ok(Some((yes, id("false_token_id")?)))
+}
+
+/// How the model of `files` scores a pair: a causal LM (`*ForCausalLM`, or a `LogitScore`
+/// module) by its LM head's logits of the `LogitScore`'s tokens, else of the tokens "yes"
+/// and "no" (as sentence-transformers picks them); any other model by its classification
+/// head.
+pub fn head_kind(files: &ModelFiles, tokenizer: &tokenizers::Tokenizer) -> Result<HeadKind> {
+    let own = read_cross_encoder_files(&files.dir)?;
+    if let Some((yes, no)) = own.logit_score {
+        return Ok(HeadKind::LogitScore { yes, no });
+    }
+    if !own.causal {
+        return Ok(HeadKind::Classification);
+    }
+    let id = |token: &str| {
+        tokenizer
+            .token_to_id(token)
+            .ok_or_else(|| Error::ModelFile {
+                path: files.dir.join(crate::hub::files::TOKENIZER),
+                reason: format!(
+                    "a causal-LM reranker scores by its \"yes\" and \"no\" tokens' logits, and \
+                 the tokenizer has no token {token:?}: give the model a LogitScore module \
+                 (1_LogitScore/config.json) naming its tokens"
+                ),
+            })
+    };
+    Ok(HeadKind::LogitScore {
+        yes: id("yes")?,
+        no: Some(id("no")?),
     })
 }
 
@@ -196,9 +284,15 @@ impl CrossEncoder {
     /// Loads a cross-encoder from its resolved files.
     pub fn from_files(files: &ModelFiles, max_len: Option<usize>, device: &Device) -> Result<Self> {
         let config = BertConfig::from_file(&files.config)?;
-        check_classifier(files, &config)?;
+        let (inner, tokenizer_config) = load_tokenizer(files, &config)?;
+        let kind = head_kind(files, &inner)?;
+        check_classifier(files, &config, kind)?;
         let own = read_cross_encoder_files(&files.dir)?;
-        let labels = own.labels.unwrap_or(1);
+        // A causal LM's config keeps transformers' default two labels: its score is one.
+        let labels = match kind {
+            HeadKind::LogitScore { .. } => 1,
+            HeadKind::Classification => own.labels.unwrap_or(1),
+        };
         let (activation, activation_src) = match own.activation {
             Some((a, at)) => (a, format!("from {at}")),
             None => (
@@ -207,22 +301,37 @@ impl CrossEncoder {
             ),
         };
         let options = BertOptions {
-            classifier: Some(ClassifierSpec { labels }),
+            classifier: Some(ClassifierSpec { labels, kind }),
             ..Default::default()
         };
         let store = ParamStore::new(0, DType::F32, device);
         let (encoder, config, store) = load_pretrained(files, "", &options, store)?;
-        let (inner, tokenizer_config) = load_tokenizer(files, &config)?;
         let (limit, limit_src) = tokenizer::model_max_length(&files.dir, config.max_tokens())?;
         let max_len = max_len.map_or(limit, |m| m.min(limit));
-        let tokenizer = Tokenizer::new(inner, max_len)?.with_config(tokenizer_config);
+        let chat = ChatTemplate::read(&files.dir, tokenizer_config.as_ref())?;
+        let tokenizer = Tokenizer::new(inner, max_len)?
+            .with_config(tokenizer_config)
+            .with_chat_template(chat);
+        let head = match kind {
+            HeadKind::LogitScore { yes, no: Some(no) } => {
+                format!("the LM head's logit of token {yes} less token {no}'s")
+            }
+            HeadKind::LogitScore { yes, no: None } => format!("the LM head's logit of token {yes}"),
+            HeadKind::Classification => {
+                format!("{labels} label{}", if labels == 1 { "" } else { "s" })
+            }
+        };
         let settings = format!(
-            "cross-encoder: {} ({}), {labels} label{}, activation {} ({activation_src}), \
-             max_len {max_len} (the model's {limit}, {limit_src})",
+            "cross-encoder: {} ({}), {head}, activation {} ({activation_src}), max_len {max_len} \
+             (the model's {limit}, {limit_src}){}",
             config.model_type.as_deref().unwrap_or("bert"),
             files.dir.display(),
-            if labels == 1 { "" } else { "s" },
             activation.class_path(),
+            if tokenizer.chat_template().is_some() {
+                ", pairs rendered by its chat template"
+            } else {
+                ""
+            },
         );
         Ok(Self {
             encoder,
@@ -234,6 +343,26 @@ impl CrossEncoder {
             device: device.clone(),
             _store: store,
         })
+    }
+
+    /// The same model rendering every pair with `instruction` (a `system` message before
+    /// the query and the document, as sentence-transformers passes a prompt to a chat
+    /// template: Qwen3-Reranker's `<Instruct>`). Refused for a model without a chat
+    /// template.
+    pub fn with_instruction(mut self, instruction: &str) -> Result<Self> {
+        if self.tokenizer.chat_template().is_none() {
+            return Err(Error::InvalidArgument {
+                what: "instruction",
+                value: instruction.to_string(),
+                reason: "an instruction is rendered by the model's chat template, and this \
+                         model's tokenizer has none (no chat_template.jinja, no \
+                         `chat_template` in tokenizer_config.json)",
+            });
+        }
+        self.tokenizer = self.tokenizer.with_prompt(instruction);
+        self.settings
+            .push_str(&format!(", instruction {instruction:?}"));
+        Ok(self)
     }
 
     /// Outputs per pair.

@@ -191,7 +191,7 @@ pub(super) fn bert_options(
             .model
             .reranker
             .as_ref()
-            .map(|_| crate::models::bert::ClassifierSpec { labels: 1 }),
+            .map(|_| crate::models::bert::ClassifierSpec::labels(1)),
     })
 }
 
@@ -522,7 +522,11 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
         None => files.head()?,
     };
     let free = inference_free(cfg, files.router.is_some())?;
-    let options = bert_options(cfg, head.as_ref())?;
+    let mut options = bert_options(cfg, head.as_ref())?;
+    // A causal LM reranks by its LM head's yes/no logits (Qwen3-Reranker's layout).
+    if let Some(spec) = options.classifier.as_mut() {
+        spec.kind = crate::rerank::head_kind(&files, &tokenizer)?;
+    }
     let options = match &multi_vector {
         Some(mv) => multi_vector_options(mv, own.as_ref(), bert.hidden_size, options)?,
         None => options,
@@ -543,7 +547,8 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     }
     let new_classifier = cfg.model.reranker.as_ref().is_some_and(|r| r.new_head);
     if options.classifier.is_some() && !new_classifier {
-        crate::models::bert::check_classifier(&files, &bert)?;
+        let kind = options.classifier.map_or(Default::default(), |c| c.kind);
+        crate::models::bert::check_classifier(&files, &bert, kind)?;
     }
     let load = |prefix: &str, store: ParamStore| -> Result<(BertEncoder, BertConfig, ParamStore)> {
         if multi_vector.is_some() && from_files.dense.is_empty() {

@@ -30,8 +30,11 @@ use crate::cache::GradCache;
 use crate::dist::Collective;
 use crate::dropout::Ctx;
 use crate::encoder::Encoder;
+use crate::hub::chat::ChatTemplate;
+use crate::hub::files::{HubSettings, ModelFiles};
 use crate::hub::Tokenizer;
 use crate::models::bert::{BertConfig, BertEncoder};
+use crate::models::classifier::HeadKind;
 use crate::rerank::cache::{label_column, LabelTower, ScoreLoss};
 use crate::rerank::evaluate::{rerank_beir, RerankMetrics, RerankOptions};
 use crate::rerank::ScoreActivation;
@@ -67,6 +70,9 @@ pub struct Rerank {
     cfg: Config,
     device: Device,
     bert: BertConfig,
+    /// How the model scores a pair (its classification head, or a causal LM's yes/no
+    /// logits).
+    kind: HeadKind,
     tokenizer: Tokenizer,
     mixture: Mixture,
     loss: RerankerLoss,
@@ -240,6 +246,7 @@ impl Rerank {
         crate::rerank::export::export_cross_encoder(
             dir,
             &self.bert,
+            self.kind,
             gc.query_encoder().params(),
             &self.tokenizer,
             ScoreActivation::Sigmoid,
@@ -380,8 +387,17 @@ impl Run<Rerank> {
             .passage_max_len
             .unwrap_or(model.limit)
             .min(model.limit);
+        // A decoder reranker reads its pairs through its chat template.
+        let chat = match cfg.model.pretrained.as_str() {
+            "" => None,
+            name => {
+                let files = ModelFiles::resolve(name, &HubSettings::from_env())?;
+                ChatTemplate::read(&files.dir, model.tokenizer_config.as_ref())?
+            }
+        };
         let tokenizer = Tokenizer::new(model.tokenizer.clone(), max_len)?
-            .with_config(model.tokenizer_config.clone());
+            .with_config(model.tokenizer_config.clone())
+            .with_chat_template(chat);
         let hard_negatives = cfg.train.hard_negatives;
         let group = 1
             + hard_negatives
@@ -445,6 +461,10 @@ impl Run<Rerank> {
         };
         let task = Rerank {
             device: device.clone(),
+            kind: model
+                .options
+                .classifier
+                .map_or(HeadKind::Classification, |c| c.kind),
             bert: model.bert,
             tokenizer,
             mixture: data.mixture,

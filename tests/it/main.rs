@@ -58,6 +58,7 @@ mod precision;
 mod replay;
 mod rerank;
 mod rerank_cli;
+mod rerank_decoder;
 mod rerank_training;
 mod resnet;
 mod resume;

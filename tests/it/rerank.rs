@@ -108,7 +108,7 @@ fn cached_step(
     let files = ModelFiles::from_dir(&dir().join("bert")).unwrap();
     let options = BertOptions {
         recompute,
-        classifier: Some(ClassifierSpec { labels: 1 }),
+        classifier: Some(ClassifierSpec::labels(1)),
         ..Default::default()
     };
     let store = ParamStore::new(0, dtype, &Device::Cpu);
@@ -314,7 +314,7 @@ fn cached_step_with_dropout_equals_the_full_batch_step() {
         let c = case(&meta, name);
         let files = ModelFiles::from_dir(&dir().join("bert")).unwrap();
         let options = BertOptions {
-            classifier: Some(ClassifierSpec { labels: 1 }),
+            classifier: Some(ClassifierSpec::labels(1)),
             ..Default::default()
         };
         let store = ParamStore::new(0, DType::F32, &Device::Cpu);

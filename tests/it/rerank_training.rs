@@ -58,6 +58,12 @@ fn write_pairs(path: &Path) {
 }
 
 fn config(dir: &Path, extra: &str) -> Config {
+    config_for(dir, &fixture().join("bert"), extra)
+}
+
+/// A reranker run of `model` on the fixture's BEIR folder (6 steps of 4 rows, one hard
+/// negative each, chunks of 5 pairs, evaluated and checkpointed every 3 steps).
+pub(crate) fn config_for(dir: &Path, model: &Path, extra: &str) -> Config {
     let pairs = dir.join("pairs.jsonl");
     write_pairs(&pairs);
     let text = format!(
@@ -88,7 +94,7 @@ lr = 1e-3
         pairs = pairs.display(),
         beir = fixture().join("beir").display(),
         run = fixture().join("beir/run.trec").display(),
-        model = fixture().join("bert").display(),
+        model = model.display(),
     );
     let path = dir.join("rerank.toml");
     fs::write(&path, text).unwrap();

@@ -45,6 +45,10 @@ pub struct RerankArgs {
     /// Token limit of a pair (default and ceiling: the model's own).
     #[arg(long)]
     pub max_len: Option<usize>,
+    /// An instruction for a model with a chat template (a decoder reranker such as
+    /// Qwen3-Reranker: its `<Instruct>`), passed as a `system` message.
+    #[arg(long)]
+    pub instruction: Option<String>,
     /// Joins a document's title and text.
     #[arg(long, default_value = " ")]
     pub title_separator: String,
@@ -86,7 +90,10 @@ pub fn rerank(args: RerankArgs) -> Result<()> {
         )
     })?;
     let set = BeirSet::load(&args.beir, &args.split)?;
-    let model = CrossEncoder::load(&args.model, args.max_len, &args.device.open()?)?;
+    let mut model = CrossEncoder::load(&args.model, args.max_len, &args.device.open()?)?;
+    if let Some(instruction) = &args.instruction {
+        model = model.with_instruction(instruction)?;
+    }
     tracing::info!("{}", model.settings());
     let options = RerankOptions {
         top_k: args.top_k,
@@ -111,9 +118,10 @@ pub fn rerank(args: RerankArgs) -> Result<()> {
     );
     if truncated > 0 {
         tracing::info!(
-            "{truncated} of {} pairs longer than {} tokens: truncated, the longer side first",
+            "{truncated} of {} pairs longer than {} tokens: truncated, {}",
             report.pairs,
-            model.tokenizer().max_len()
+            model.tokenizer().max_len(),
+            model.tokenizer().pair_truncation()
         );
     }
     if report.missing.0 > 0 {
@@ -191,6 +199,10 @@ pub struct ScoreArgs {
     /// Token limit of a pair (default and ceiling: the model's own).
     #[arg(long)]
     pub max_len: Option<usize>,
+    /// An instruction for a model with a chat template (a decoder reranker such as
+    /// Qwen3-Reranker: its `<Instruct>`), passed as a `system` message.
+    #[arg(long)]
+    pub instruction: Option<String>,
     /// Where to run: cpu, cuda (GPU 0) or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: gradcache::DeviceSpec,
@@ -237,7 +249,10 @@ pub fn score(args: ScoreArgs) -> Result<()> {
         gradcache::durable::check_destination(path)?;
     }
     let pairs = read_score_pairs(&args.input)?;
-    let model = CrossEncoder::load(&args.model, args.max_len, &args.device.open()?)?;
+    let mut model = CrossEncoder::load(&args.model, args.max_len, &args.device.open()?)?;
+    if let Some(instruction) = &args.instruction {
+        model = model.with_instruction(instruction)?;
+    }
     tracing::info!("{}", model.settings());
     let refs: Vec<(&str, &str)> = pairs
         .iter()
@@ -247,9 +262,10 @@ pub fn score(args: ScoreArgs) -> Result<()> {
     let truncated = model.tokenizer().count_truncated_pairs(&q, &d)?;
     if truncated > 0 {
         tracing::info!(
-            "{truncated} of {} pairs longer than {} tokens: truncated, the longer side first",
+            "{truncated} of {} pairs longer than {} tokens: truncated, {}",
             pairs.len(),
-            model.tokenizer().max_len()
+            model.tokenizer().max_len(),
+            model.tokenizer().pair_truncation()
         );
     }
     let logits = model.logits(&refs, args.batch_size)?;

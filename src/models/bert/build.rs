@@ -111,18 +111,22 @@ impl Bert {
                          sparse or multi-vector head, no Dense modules",
             });
         }
-        let classifier = match options.classifier {
-            Some(spec) => Some(ClassifierHead::new(
-                cfg,
-                spec,
-                layer_id(cfg.num_hidden_layers),
-                &vb,
-            )?),
-            None => None,
+        let head = |words: Option<&candle_core::Tensor>| -> Result<Option<ClassifierHead>> {
+            match options.classifier {
+                Some(spec) => Ok(Some(ClassifierHead::new(
+                    cfg,
+                    spec,
+                    layer_id(cfg.num_hidden_layers),
+                    &vb,
+                    words,
+                )?)),
+                None => Ok(None),
+            }
         };
         let dense = dense_modules(h, &options.dense, &vb)?;
         if family.is_decoder() {
-            let decoder = Decoder::new(cfg, cfg.decoder(path)?, options.lora.as_ref(), vb)?;
+            let decoder = Decoder::new(cfg, cfg.decoder(path)?, options.lora.as_ref(), vb.clone())?;
+            let classifier = head(Some(decoder.word_embeddings()))?;
             return Ok(Self {
                 embeddings: None,
                 layers: Vec::new(),
@@ -142,6 +146,7 @@ impl Bert {
                 classifier,
             });
         }
+        let classifier = head(None)?;
         if family == Family::ModernBert {
             let modern = ModernBert::new(cfg, &cfg.modern(path)?, options.lora.as_ref(), vb)?;
             return Ok(Self {
@@ -374,8 +379,11 @@ pub fn with_model_weights(
                 modules.extend(names.modules);
             }
         }
-        if options.classifier.is_some() {
-            modules.extend(crate::models::classifier::head_modules(family).unwrap_or(&[]));
+        if let Some(spec) = options.classifier {
+            let cfg = BertConfig::from_file(&files.config)?;
+            modules.extend(crate::models::classifier::head_modules(
+                &cfg, family, spec.kind,
+            ));
         }
         for module in modules {
             let name = match prefix {
@@ -440,16 +448,22 @@ pub fn create_classifier(
     spec: crate::models::classifier::ClassifierSpec,
 ) -> Result<()> {
     Tower::build(store, prefix, |vb| {
-        crate::models::classifier::ClassifierHead::new(cfg, spec, 0, &vb)
+        crate::models::classifier::ClassifierHead::new(cfg, spec, 0, &vb, None)
     })?;
     Ok(())
 }
 
 /// Whether the weights of `files` hold `cfg`'s family's classification head (e.g.
 /// `classifier.weight`): `Err` names the missing weight and the way out.
-pub fn check_classifier(files: &ModelFiles, cfg: &BertConfig) -> Result<()> {
+pub fn check_classifier(
+    files: &ModelFiles,
+    cfg: &BertConfig,
+    kind: crate::models::classifier::HeadKind,
+) -> Result<()> {
     let family = cfg.family(&files.config)?;
-    let name = crate::models::classifier::head_weight(family);
+    let Some(name) = crate::models::classifier::head_weight(cfg, family, kind) else {
+        return Ok(());
+    };
     if WeightFile::open(&files.weights, "")?.contains(name) {
         return Ok(());
     }
