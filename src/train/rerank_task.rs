@@ -311,13 +311,6 @@ fn check(cfg: &Config, loss: &RerankerLoss) -> Result<()> {
             "binary cross-entropy labels the row's own documents: set 0",
         );
     }
-    if loss.reads_scores() && cfg.train.hard_negatives == 0 {
-        return bad(
-            "train.hard_negatives",
-            "0".into(),
-            "a loss over a query's documents needs them: hard negatives with their `scores`",
-        );
-    }
     if cfg.train.pair_chunk == Some(0) {
         return bad(
             "train.pair_chunk",

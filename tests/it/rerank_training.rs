@@ -241,6 +241,45 @@ fn bad_reranker_settings_are_refused_by_name_with_nothing_written() {
         assert!(err.contains(field), "{extra}: {err}");
         assert!(!cfg.output_dir.exists(), "{extra}: nothing written");
     }
+    // Settings outside [loss.reranker], each named.
+    type Edit = fn(&mut Config);
+    let edits: [(Edit, &str); 6] = [
+        (
+            |c| {
+                c.loss.reranker.as_mut().unwrap().kind =
+                    gradcache::train::config::RerankLossKind::Listnet;
+                c.train.hard_negatives = 0;
+            },
+            // The data's check (a loss over a query's documents needs them).
+            "data.sources.hard_negatives",
+        ),
+        (|c| c.train.pair_chunk = Some(0), "train.pair_chunk"),
+        (|c| c.model.shared = false, "model.reranker"),
+        (|c| c.data.eval_run_file = None, "data.eval_run_file"),
+        (
+            |c| c.train.memory_budget = Some("1GiB".into()),
+            "train.memory_budget",
+        ),
+        (
+            |c| {
+                let r = c.loss.reranker.as_mut().unwrap();
+                r.kind = gradcache::train::config::RerankLossKind::Bce;
+                r.num_negatives = 2;
+            },
+            "loss.reranker.num_negatives",
+        ),
+    ];
+    for (edit, field) in edits {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cfg = config(tmp.path(), "[loss.reranker]\nnum_negatives = 0");
+        edit(&mut cfg);
+        let err = RerankTrainer::reranker(cfg.clone(), None, single())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(err.contains(field), "{field}: {err}");
+        assert!(!cfg.output_dir.exists(), "{field}: nothing written");
+    }
     // A plain encoder without a head, and without new_head.
     let tmp = tempfile::tempdir().unwrap();
     let mut cfg = config(tmp.path(), "");
