@@ -16,11 +16,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+pub use crate::hub::files::CHAT_TEMPLATE;
 use crate::hub::files::TOKENIZER_CONFIG;
 use crate::{Error, Result};
-
-/// The file transformers 5 writes a tokenizer's chat template to.
-pub const CHAT_TEMPLATE: &str = "chat_template.jinja";
 
 /// The special tokens transformers passes a template (`special_tokens_map`).
 const SPECIAL_TOKENS: [&str; 7] = [
@@ -150,9 +148,7 @@ impl ChatTemplate {
         let specials = config.map_or_else(Vec::new, |config| {
             SPECIAL_TOKENS
                 .iter()
-                .filter_map(|&key| {
-                    super::tokenizer::special_token(config, key).map(|t| (key.to_string(), t))
-                })
+                .filter_map(|&key| special_token(config, key).map(|t| (key.to_string(), t)))
                 .collect()
         });
         Ok(Self {
@@ -291,6 +287,19 @@ impl ChatTemplate {
             rows.push(ids);
         }
         Ok((rows, cut))
+    }
+}
+
+/// A special token of a tokenizer config: a string, or an added-token object
+/// (`{"content": ...}`).
+pub(crate) fn special_token(
+    settings: &serde_json::Map<String, serde_json::Value>,
+    key: &str,
+) -> Option<String> {
+    match settings.get(key)? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
+        _ => None,
     }
 }
 

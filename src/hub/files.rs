@@ -40,6 +40,8 @@ pub const WEIGHTS_INDEX: &str = "model.safetensors.index.json";
 pub const TOKENIZER: &str = "tokenizer.json";
 /// The tokenizer's config (padding side, special tokens, `model_max_length`).
 pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+/// The file transformers 5 writes a tokenizer's chat template to.
+pub const CHAT_TEMPLATE: &str = "chat_template.jinja";
 /// sentence-transformers' config of its Transformer module (`max_seq_length`, tokenizer
 /// kwargs).
 pub const SENTENCE_BERT_CONFIG: &str = "sentence_bert_config.json";
@@ -257,7 +259,7 @@ impl ModelFiles {
             SENTENCE_TRANSFORMERS_CONFIG,
             SENTENCE_BERT_CONFIG,
             TOKENIZER_CONFIG,
-            crate::hub::chat::CHAT_TEMPLATE,
+            CHAT_TEMPLATE,
         ] {
             fetch(file)?;
         }

@@ -19,6 +19,7 @@ use candle_core::{Device, Tensor};
 use tokenizers::{PaddingDirection, PaddingParams, PaddingStrategy, TruncationParams};
 
 use crate::batch::TokenBatch;
+use crate::hub::chat::special_token;
 use crate::hub::files;
 use crate::{Error, Result};
 
@@ -430,19 +431,6 @@ fn tokenizer_settings(dir: &Path) -> Result<serde_json::Map<String, serde_json::
         }
     }
     Ok(settings)
-}
-
-/// A special token of a tokenizer config: a string, or an added-token object
-/// (`{"content": ...}`).
-pub(crate) fn special_token(
-    settings: &serde_json::Map<String, serde_json::Value>,
-    key: &str,
-) -> Option<String> {
-    match settings.get(key)? {
-        serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
-        _ => None,
-    }
 }
 
 /// Reads a model's `tokenizer.json` at `path` as the model expects it, with the settings
