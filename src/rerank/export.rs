@@ -178,12 +178,21 @@ pub fn export_cross_encoder(
         )?;
         write_json(
             &tmp.join(SENTENCE_TRANSFORMERS_CONFIG),
-            &json!({
-                "model_type": "CrossEncoder",
-                "activation_fn": activation.class_path(),
-                "prompts": {},
-                "default_prompt_name": null,
-            }),
+            &match tokenizer.prompt() {
+                "" => json!({
+                    "model_type": "CrossEncoder",
+                    "activation_fn": activation.class_path(),
+                    "prompts": {},
+                    "default_prompt_name": null,
+                }),
+                // The instruction it was trained with, applied when `predict` gets none.
+                prompt => json!({
+                    "model_type": "CrossEncoder",
+                    "activation_fn": activation.class_path(),
+                    "prompts": {"instruction": prompt},
+                    "default_prompt_name": "instruction",
+                }),
+            },
         )?;
         Ok(())
     })()

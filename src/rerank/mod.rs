@@ -101,6 +101,9 @@ pub struct CrossEncoderFiles {
     /// The token ids of a `LogitScore` module in `modules.json` (`true_token_id`,
     /// `false_token_id`).
     pub logit_score: Option<(u32, Option<u32>)>,
+    /// The prompt `config_sentence_transformers.json`'s `default_prompt_name` names: the
+    /// instruction `predict` applies when given none.
+    pub default_prompt: Option<String>,
 }
 
 /// Reads what `dir`'s `config.json` and `config_sentence_transformers.json` say of a
@@ -178,6 +181,12 @@ pub fn read_cross_encoder_files(dir: &Path) -> Result<CrossEncoderFiles> {
         classification: architecture.ends_with("ForSequenceClassification"),
         causal: architecture.ends_with("ForCausalLM"),
         logit_score: read_logit_score(dir)?,
+        default_prompt: st
+            .get("default_prompt_name")
+            .and_then(|n| n.as_str())
+            .and_then(|n| st.get("prompts")?.get(n)?.as_str())
+            .filter(|p| !p.is_empty())
+            .map(String::from),
     })
 }
 
@@ -333,6 +342,17 @@ impl CrossEncoder {
                 ""
             },
         );
+        let tokenizer = match &own.default_prompt {
+            Some(prompt) => tokenizer.with_prompt(prompt),
+            None => tokenizer,
+        };
+        let settings = match &own.default_prompt {
+            Some(prompt) => format!(
+                "{settings}, instruction {prompt:?} (the default prompt of {})",
+                crate::hub::export::SENTENCE_TRANSFORMERS_CONFIG
+            ),
+            None => settings,
+        };
         Ok(Self {
             encoder,
             tokenizer,
@@ -345,24 +365,14 @@ impl CrossEncoder {
         })
     }
 
-    /// The same model rendering every pair with `instruction` (a `system` message before
-    /// the query and the document, as sentence-transformers passes a prompt to a chat
-    /// template: Qwen3-Reranker's `<Instruct>`). Refused for a model without a chat
-    /// template.
-    pub fn with_instruction(mut self, instruction: &str) -> Result<Self> {
-        if self.tokenizer.chat_template().is_none() {
-            return Err(Error::InvalidArgument {
-                what: "instruction",
-                value: instruction.to_string(),
-                reason: "an instruction is rendered by the model's chat template, and this \
-                         model's tokenizer has none (no chat_template.jinja, no \
-                         `chat_template` in tokenizer_config.json)",
-            });
-        }
+    /// The same model reading every pair with `instruction`, as sentence-transformers'
+    /// `predict(prompt=...)`: with a chat template, a `system` message before the query and
+    /// the document (Qwen3-Reranker's `<Instruct>`); without one, put before the query.
+    pub fn with_instruction(mut self, instruction: &str) -> Self {
         self.tokenizer = self.tokenizer.with_prompt(instruction);
         self.settings
             .push_str(&format!(", instruction {instruction:?}"));
-        Ok(self)
+        self
     }
 
     /// Outputs per pair.

@@ -14,6 +14,10 @@ pub struct RerankerModel {
     /// A pretrained encoder without a classification head gets a fresh one from the seed
     /// (else such a model is refused by name).
     pub new_head: bool,
+    /// An instruction every pair is read with (sentence-transformers' `prompt`): a
+    /// `system` message for a model with a chat template (Qwen3-Reranker's `<Instruct>`),
+    /// else put before the query. The export makes it the model's default prompt.
+    pub instruction: Option<String>,
 }
 
 /// Which cross-encoder loss.

@@ -388,9 +388,16 @@ impl Run<Rerank> {
                 ChatTemplate::read(&files.dir, model.tokenizer_config.as_ref())?
             }
         };
+        let instruction = cfg
+            .model
+            .reranker
+            .as_ref()
+            .and_then(|r| r.instruction.clone())
+            .unwrap_or_default();
         let tokenizer = Tokenizer::new(model.tokenizer.clone(), max_len)?
             .with_config(model.tokenizer_config.clone())
-            .with_chat_template(chat);
+            .with_chat_template(chat)
+            .with_prompt(&instruction);
         let hard_negatives = cfg.train.hard_negatives;
         let group = 1
             + hard_negatives

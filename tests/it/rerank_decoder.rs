@@ -65,7 +65,7 @@ fn decoder_rerankers_read_pairs_and_score_as_sentence_transformers() {
             let mut model = CrossEncoder::load(path.to_str().unwrap(), None, &Device::Cpu)
                 .unwrap_or_else(|e| panic!("{what}: {e}"));
             if instructed {
-                model = model.with_instruction(instruction).unwrap();
+                model = model.with_instruction(instruction);
             }
             assert_eq!(model.labels(), 1, "{what}");
             assert_eq!(model.activation(), ScoreActivation::Sigmoid, "{what}");
@@ -178,12 +178,31 @@ fn one_cached_step_of_a_causal_reranker_equals_sentence_transformers() {
     }
 }
 
+/// Without a chat template an instruction goes before the query, as sentence-transformers
+/// prepends a prompt to a pair's first text.
 #[test]
-fn an_instruction_needs_a_chat_template() {
+fn without_a_chat_template_an_instruction_prefixes_the_query() {
     let bert = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/rerank/bert");
-    let model = CrossEncoder::load(bert.to_str().unwrap(), None, &Device::Cpu).unwrap();
-    let err = model.with_instruction("judge").err().unwrap().to_string();
-    assert!(err.contains("chat template"), "{err}");
+    let plain = CrossEncoder::load(bert.to_str().unwrap(), None, &Device::Cpu).unwrap();
+    let pairs = [
+        ("light", "And God said, Let there be light"),
+        ("waters", "the deep"),
+    ];
+    let prefixed: Vec<(String, &str)> = pairs
+        .iter()
+        .map(|(q, d)| (format!("judge: {q}"), *d))
+        .collect();
+    let prefixed: Vec<(&str, &str)> = prefixed.iter().map(|(q, d)| (q.as_str(), *d)).collect();
+    let want = plain.predict(&prefixed, 2).unwrap();
+    let instructed = CrossEncoder::load(bert.to_str().unwrap(), None, &Device::Cpu)
+        .unwrap()
+        .with_instruction("judge: ");
+    assert_eq!(instructed.predict(&pairs, 2).unwrap(), want);
+    assert_ne!(
+        plain.predict(&pairs, 2).unwrap(),
+        want,
+        "the instruction is read"
+    );
 }
 
 /// Each decoder layout trains under the cache (every parameter moves: the tied word
@@ -193,6 +212,7 @@ fn an_instruction_needs_a_chat_template() {
 #[test]
 fn decoder_rerankers_train_and_export_their_layout() {
     use gradcache::train::rerank_task::RerankTrainer;
+    let instruction = "Given a question, find the verse";
     for (name, architecture, head) in [
         ("qwen3-causal", "Qwen3ForCausalLM", None),
         ("qwen2-causal", "Qwen2ForCausalLM", Some("lm_head.weight")),
@@ -212,6 +232,7 @@ fn decoder_rerankers_train_and_export_their_layout() {
         cfg.train.steps = 3;
         cfg.train.eval_every = 0;
         cfg.train.checkpoint_every = 0;
+        cfg.model.reranker.as_mut().unwrap().instruction = Some(instruction.into());
         let mut trainer =
             RerankTrainer::reranker(cfg.clone(), None, std::rc::Rc::new(gradcache::Single))
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -272,9 +293,17 @@ fn decoder_rerankers_train_and_export_their_layout() {
             std::fs::read_to_string(source.join("chat_template.jinja")).unwrap(),
             "{name}"
         );
+        // The instruction it was trained with is the export's default prompt, which a load
+        // applies as sentence-transformers' `predict` does.
+        let st = read(out.join("config_sentence_transformers.json"));
+        assert_eq!(st["default_prompt_name"], "instruction", "{name}");
+        assert_eq!(st["prompts"]["instruction"], instruction, "{name}");
         let pairs = [("light", "And God said, Let there be light")];
         let trained = CrossEncoder::load(out.to_str().unwrap(), None, &Device::Cpu).unwrap();
-        let original = CrossEncoder::load(source.to_str().unwrap(), None, &Device::Cpu).unwrap();
+        assert_eq!(trained.tokenizer().prompt(), instruction, "{name}");
+        let original = CrossEncoder::load(source.to_str().unwrap(), None, &Device::Cpu)
+            .unwrap()
+            .with_instruction(instruction);
         let (a, b) = (
             trained.predict(&pairs, 1).unwrap()[0],
             original.predict(&pairs, 1).unwrap()[0],

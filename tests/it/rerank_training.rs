@@ -294,7 +294,10 @@ fn bad_reranker_settings_are_refused_by_name_with_nothing_written() {
     assert!(err.contains("new_head"), "{err}");
     assert!(!cfg.output_dir.exists());
     // With new_head the plain encoder trains with a fresh head.
-    cfg.model.reranker = Some(gradcache::train::config::RerankerModel { new_head: true });
+    cfg.model.reranker = Some(gradcache::train::config::RerankerModel {
+        new_head: true,
+        ..Default::default()
+    });
     cfg.train.steps = 1;
     cfg.train.eval_every = 0;
     cfg.train.checkpoint_every = 0;

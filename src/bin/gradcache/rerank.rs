@@ -45,8 +45,8 @@ pub struct RerankArgs {
     /// Token limit of a pair (default and ceiling: the model's own).
     #[arg(long)]
     pub max_len: Option<usize>,
-    /// An instruction for a model with a chat template (a decoder reranker such as
-    /// Qwen3-Reranker: its `<Instruct>`), passed as a `system` message.
+    /// An instruction (sentence-transformers' `prompt`): a `system` message for a model
+    /// with a chat template (Qwen3-Reranker's `<Instruct>`), else put before the query.
     #[arg(long)]
     pub instruction: Option<String>,
     /// Joins a document's title and text.
@@ -92,7 +92,7 @@ pub fn rerank(args: RerankArgs) -> Result<()> {
     let set = BeirSet::load(&args.beir, &args.split)?;
     let mut model = CrossEncoder::load(&args.model, args.max_len, &args.device.open()?)?;
     if let Some(instruction) = &args.instruction {
-        model = model.with_instruction(instruction)?;
+        model = model.with_instruction(instruction);
     }
     tracing::info!("{}", model.settings());
     let options = RerankOptions {
@@ -199,8 +199,8 @@ pub struct ScoreArgs {
     /// Token limit of a pair (default and ceiling: the model's own).
     #[arg(long)]
     pub max_len: Option<usize>,
-    /// An instruction for a model with a chat template (a decoder reranker such as
-    /// Qwen3-Reranker: its `<Instruct>`), passed as a `system` message.
+    /// An instruction (sentence-transformers' `prompt`): a `system` message for a model
+    /// with a chat template (Qwen3-Reranker's `<Instruct>`), else put before the query.
     #[arg(long)]
     pub instruction: Option<String>,
     /// Where to run: cpu, cuda (GPU 0) or cuda:N.
@@ -251,7 +251,7 @@ pub fn score(args: ScoreArgs) -> Result<()> {
     let pairs = read_score_pairs(&args.input)?;
     let mut model = CrossEncoder::load(&args.model, args.max_len, &args.device.open()?)?;
     if let Some(instruction) = &args.instruction {
-        model = model.with_instruction(instruction)?;
+        model = model.with_instruction(instruction);
     }
     tracing::info!("{}", model.settings());
     let refs: Vec<(&str, &str)> = pairs

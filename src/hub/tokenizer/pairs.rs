@@ -21,8 +21,9 @@ impl Tokenizer {
     /// tokenizer's pair template (BERT's `[CLS] q [SEP] d [SEP]`, the second segment's
     /// token types 1; RoBERTa's `<s> q </s></s> d </s>`), truncated to the maximum length
     /// by taking a token from the longer side first, as `transformers` does
-    /// (`truncation=True`), and padded to the batch's longest pair. No prompt, no
-    /// multi-vector rows.
+    /// (`truncation=True`), and padded to the batch's longest pair; the prompt (an
+    /// instruction) before each query, as sentence-transformers puts it. No multi-vector
+    /// rows. With a chat template, the pairs are rendered by it ([`crate::hub::chat`]).
     pub fn encode_pairs(
         &self,
         queries: &[&str],
@@ -67,6 +68,9 @@ impl Tokenizer {
         );
         let mut encodings = Vec::with_capacity(queries.len());
         for (&q, &d) in queries.iter().zip(documents) {
+            // An instruction goes before the query, as sentence-transformers prepends a
+            // prompt to a pair's first text.
+            let q = format!("{}{q}", self.prompt);
             let mut first = tokenize(bare.encode(q, false))?;
             let mut second = tokenize(bare.encode(d, false))?;
             let (n1, n2) = pair_lengths(first.len(), second.len(), budget);
@@ -95,7 +99,7 @@ impl Tokenizer {
         let inputs: Vec<tokenizers::EncodeInput> = queries
             .iter()
             .zip(documents)
-            .map(|(&q, &d)| (q, d).into())
+            .map(|(&q, &d)| (format!("{}{q}", self.prompt), d.to_string()).into())
             .collect();
         let encodings = untruncated
             .encode_batch(inputs, true)
