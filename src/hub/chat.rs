@@ -65,11 +65,7 @@ impl serde_json::ser::Formatter for PythonFormatter {
         writer: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            writer.write_all(b", ")
-        }
+        writer.write_all(if first { b"" } else { b", " })
     }
 
     fn begin_object_key<W: ?Sized + std::io::Write>(
@@ -77,11 +73,7 @@ impl serde_json::ser::Formatter for PythonFormatter {
         writer: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            writer.write_all(b", ")
-        }
+        self.begin_array_value(writer, first)
     }
 
     fn begin_object_value<W: ?Sized + std::io::Write>(

@@ -110,21 +110,9 @@ pub struct CrossEncoderFiles {
 /// cross-encoder: sentence-transformers 6 writes the activation to the latter, 4 and 5 to
 /// `config.json`'s `sentence_transformers`, older ones `sbert_ce_default_activation_function`.
 pub fn read_cross_encoder_files(dir: &Path) -> Result<CrossEncoderFiles> {
-    let read = |name: &str| -> Result<Option<serde_json::Value>> {
-        let path = dir.join(name);
-        if !path.is_file() {
-            return Ok(None);
-        }
-        let text = std::fs::read_to_string(&path).map_err(|e| Error::io("read", &path, e))?;
-        serde_json::from_str(&text)
-            .map(Some)
-            .map_err(|e| Error::ModelFile {
-                path,
-                reason: e.to_string(),
-            })
-    };
-    let config = read("config.json")?.unwrap_or_default();
-    let st = read(crate::hub::export::SENTENCE_TRANSFORMERS_CONFIG)?.unwrap_or_default();
+    let config = read_json(&dir.join("config.json"))?.unwrap_or_default();
+    let st =
+        read_json(&dir.join(crate::hub::export::SENTENCE_TRANSFORMERS_CONFIG))?.unwrap_or_default();
     let labels = config
         .get("id2label")
         .and_then(|v| v.as_object())
@@ -190,21 +178,29 @@ pub fn read_cross_encoder_files(dir: &Path) -> Result<CrossEncoderFiles> {
     })
 }
 
-/// The token ids of the `LogitScore` module `modules.json` names, if any.
-fn read_logit_score(dir: &Path) -> Result<Option<(u32, Option<u32>)>> {
-    let modules = dir.join(crate::hub::files::MODULES);
-    if !modules.is_file() {
+/// A JSON file of a model's directory; `None` where there is none.
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>> {
+    if !path.is_file() {
         return Ok(None);
     }
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))?;
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| Error::ModelFile {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })
+}
+
+/// The token ids of the `LogitScore` module `modules.json` names, if any.
+fn read_logit_score(dir: &Path) -> Result<Option<(u32, Option<u32>)>> {
+    let Some(list) = read_json(&dir.join(crate::hub::files::MODULES))? else {
+        return Ok(None);
+    };
     let bad = |path: &Path, reason: String| Error::ModelFile {
         path: path.to_path_buf(),
         reason,
     };
-    let read = |path: &Path| -> Result<serde_json::Value> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io("read", path, e))?;
-        serde_json::from_str(&text).map_err(|e| bad(path, e.to_string()))
-    };
-    let list = read(&modules)?;
     let Some(entry) = list.as_array().into_iter().flatten().find(|m| {
         m.get("type")
             .and_then(|t| t.as_str())
@@ -214,7 +210,8 @@ fn read_logit_score(dir: &Path) -> Result<Option<(u32, Option<u32>)>> {
     };
     let folder = entry.get("path").and_then(|p| p.as_str()).unwrap_or("");
     let path = dir.join(folder).join("config.json");
-    let config = read(&path)?;
+    let config = read_json(&path)?
+        .ok_or_else(|| bad(&path, "the LogitScore module's config is missing".into()))?;
     let id = |key: &str| -> Result<Option<u32>> {
         match config.get(key) {
             None | Some(serde_json::Value::Null) => Ok(None),
@@ -238,12 +235,15 @@ fn read_logit_score(dir: &Path) -> Result<Option<(u32, Option<u32>)>> {
     Ok(Some((yes, id("false_token_id")?)))
 }
 
-/// How the model of `files` scores a pair: a causal LM (`*ForCausalLM`, or a `LogitScore`
-/// module) by its LM head's logits of the `LogitScore`'s tokens, else of the tokens "yes"
-/// and "no" (as sentence-transformers picks them); any other model by its classification
-/// head.
-pub fn head_kind(files: &ModelFiles, tokenizer: &tokenizers::Tokenizer) -> Result<HeadKind> {
-    let own = read_cross_encoder_files(&files.dir)?;
+/// How the model of `files` (whose files say `own`) scores a pair: a causal LM
+/// (`*ForCausalLM`, or a `LogitScore` module) by its LM head's logits of the
+/// `LogitScore`'s tokens, else of the tokens "yes" and "no" (as sentence-transformers picks
+/// them); any other model by its classification head.
+pub fn head_kind(
+    files: &ModelFiles,
+    own: &CrossEncoderFiles,
+    tokenizer: &tokenizers::Tokenizer,
+) -> Result<HeadKind> {
     if let Some((yes, no)) = own.logit_score {
         return Ok(HeadKind::LogitScore { yes, no });
     }
@@ -294,9 +294,9 @@ impl CrossEncoder {
     pub fn from_files(files: &ModelFiles, max_len: Option<usize>, device: &Device) -> Result<Self> {
         let config = BertConfig::from_file(&files.config)?;
         let (inner, tokenizer_config) = load_tokenizer(files, &config)?;
-        let kind = head_kind(files, &inner)?;
-        check_classifier(files, &config, kind)?;
         let own = read_cross_encoder_files(&files.dir)?;
+        let kind = head_kind(files, &own, &inner)?;
+        check_classifier(files, &config, kind)?;
         // A causal LM's config keeps transformers' default two labels: its score is one.
         let labels = match kind {
             HeadKind::LogitScore { .. } => 1,
@@ -320,7 +320,8 @@ impl CrossEncoder {
         let chat = ChatTemplate::read(&files.dir, tokenizer_config.as_ref())?;
         let tokenizer = Tokenizer::new(inner, max_len)?
             .with_config(tokenizer_config)
-            .with_chat_template(chat);
+            .with_chat_template(chat)
+            .with_prompt(own.default_prompt.as_deref().unwrap_or_default());
         let head = match kind {
             HeadKind::LogitScore { yes, no: Some(no) } => {
                 format!("the LM head's logit of token {yes} less token {no}'s")
@@ -332,7 +333,7 @@ impl CrossEncoder {
         };
         let settings = format!(
             "cross-encoder: {} ({}), {head}, activation {} ({activation_src}), max_len {max_len} \
-             (the model's {limit}, {limit_src}){}",
+             (the model's {limit}, {limit_src}){}{}",
             config.model_type.as_deref().unwrap_or("bert"),
             files.dir.display(),
             activation.class_path(),
@@ -341,18 +342,14 @@ impl CrossEncoder {
             } else {
                 ""
             },
+            match &own.default_prompt {
+                Some(prompt) => format!(
+                    ", instruction {prompt:?} (the default prompt of {})",
+                    crate::hub::export::SENTENCE_TRANSFORMERS_CONFIG
+                ),
+                None => String::new(),
+            },
         );
-        let tokenizer = match &own.default_prompt {
-            Some(prompt) => tokenizer.with_prompt(prompt),
-            None => tokenizer,
-        };
-        let settings = match &own.default_prompt {
-            Some(prompt) => format!(
-                "{settings}, instruction {prompt:?} (the default prompt of {})",
-                crate::hub::export::SENTENCE_TRANSFORMERS_CONFIG
-            ),
-            None => settings,
-        };
         Ok(Self {
             encoder,
             tokenizer,

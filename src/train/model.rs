@@ -54,6 +54,8 @@ pub(super) struct Model {
     pub(super) tokenizer: tokenizers::Tokenizer,
     /// The model's `tokenizer_config.json`, its `model_max_length` the model's limit.
     pub(super) tokenizer_config: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The tokenizer's chat template (a decoder reranker reads its pairs through it).
+    pub(super) chat: Option<crate::hub::chat::ChatTemplate>,
     /// The token limits of queries and passages: the configured ones, else the model's.
     pub(super) query_max_len: usize,
     pub(super) passage_max_len: usize,
@@ -444,6 +446,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         options,
         tokenizer,
         tokenizer_config: None,
+        chat: None,
         query_max_len,
         passage_max_len,
         limit: query_max_len.max(passage_max_len),
@@ -475,6 +478,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     let files = ModelFiles::resolve(&cfg.model.pretrained, &HubSettings::from_env())?;
     let bert = BertConfig::from_file(&files.config)?;
     let (tokenizer, tokenizer_config) = crate::hub::load_tokenizer(&files, &bert)?;
+    let mut chat = crate::hub::chat::ChatTemplate::read(&files.dir, tokenizer_config.as_ref())?;
     if cfg.model.sparse.is_some() {
         crate::hub::check_sparse_vocabulary(&files, &tokenizer, &bert)?;
     }
@@ -525,7 +529,8 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
     let mut options = bert_options(cfg, head.as_ref())?;
     // A causal LM reranks by its LM head's yes/no logits (Qwen3-Reranker's layout).
     if let Some(spec) = options.classifier.as_mut() {
-        spec.kind = crate::rerank::head_kind(&files, &tokenizer)?;
+        let own = crate::rerank::read_cross_encoder_files(&files.dir)?;
+        spec.kind = crate::rerank::head_kind(&files, &own, &tokenizer)?;
     }
     let options = match &multi_vector {
         Some(mv) => multi_vector_options(mv, own.as_ref(), bert.hidden_size, options)?,
@@ -546,9 +551,8 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
         crate::models::bert::check_mlm_head(&files, &bert)?;
     }
     let new_classifier = cfg.model.reranker.as_ref().is_some_and(|r| r.new_head);
-    if options.classifier.is_some() && !new_classifier {
-        let kind = options.classifier.map_or(Default::default(), |c| c.kind);
-        crate::models::bert::check_classifier(&files, &bert, kind)?;
+    if let Some(spec) = options.classifier.filter(|_| !new_classifier) {
+        crate::models::bert::check_classifier(&files, &bert, spec.kind)?;
     }
     let load = |prefix: &str, store: ParamStore| -> Result<(BertEncoder, BertConfig, ParamStore)> {
         if multi_vector.is_some() && from_files.dense.is_empty() {
@@ -603,6 +607,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             options: options.clone(),
             tokenizer,
             tokenizer_config,
+            chat: chat.take(),
             query_max_len,
             passage_max_len,
             limit,
@@ -624,6 +629,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             options: options.clone(),
             tokenizer,
             tokenizer_config,
+            chat: chat.take(),
             query_max_len,
             passage_max_len,
             limit,

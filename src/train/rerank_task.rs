@@ -30,8 +30,6 @@ use crate::cache::GradCache;
 use crate::dist::Collective;
 use crate::dropout::Ctx;
 use crate::encoder::Encoder;
-use crate::hub::chat::ChatTemplate;
-use crate::hub::files::{HubSettings, ModelFiles};
 use crate::hub::Tokenizer;
 use crate::models::bert::{BertConfig, BertEncoder};
 use crate::models::classifier::HeadKind;
@@ -380,14 +378,6 @@ impl Run<Rerank> {
             .passage_max_len
             .unwrap_or(model.limit)
             .min(model.limit);
-        // A decoder reranker reads its pairs through its chat template.
-        let chat = match cfg.model.pretrained.as_str() {
-            "" => None,
-            name => {
-                let files = ModelFiles::resolve(name, &HubSettings::from_env())?;
-                ChatTemplate::read(&files.dir, model.tokenizer_config.as_ref())?
-            }
-        };
         let instruction = cfg
             .model
             .reranker
@@ -396,7 +386,7 @@ impl Run<Rerank> {
             .unwrap_or_default();
         let tokenizer = Tokenizer::new(model.tokenizer.clone(), max_len)?
             .with_config(model.tokenizer_config.clone())
-            .with_chat_template(chat)
+            .with_chat_template(model.chat)
             .with_prompt(&instruction);
         let hard_negatives = cfg.train.hard_negatives;
         let group = 1

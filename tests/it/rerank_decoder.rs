@@ -18,7 +18,9 @@ use candle_core::{DType, Device, Tensor};
 use gradcache::bert::{load_pretrained, BertOptions, ClassifierSpec};
 use gradcache::hub::ModelFiles;
 use gradcache::rerank::loss::{RerankLoss, RerankObjective};
-use gradcache::rerank::{head_kind, CrossEncoder, RerankCache, ScoreActivation};
+use gradcache::rerank::{
+    head_kind, read_cross_encoder_files, CrossEncoder, RerankCache, ScoreActivation,
+};
 use gradcache::{ParamStore, Recompute};
 
 use crate::common::families::assert_step_matches;
@@ -149,7 +151,8 @@ fn one_cached_step_of_a_causal_reranker_equals_sentence_transformers() {
         .collect();
     let d: Vec<&str> = groups.iter().flatten().map(String::as_str).collect();
     let batch = model.encode_pairs(&q, &d).unwrap();
-    let kind = head_kind(&files, model.tokenizer().inner()).unwrap();
+    let own = read_cross_encoder_files(&path).unwrap();
+    let kind = head_kind(&files, &own, model.tokenizer().inner()).unwrap();
     for (chunk, recompute) in [
         (4, Recompute::Off),
         (1, Recompute::Off),
@@ -175,6 +178,92 @@ fn one_cached_step_of_a_causal_reranker_equals_sentence_transformers() {
             &want,
         );
         assert_eq!(seen, want.len(), "{what}: every parameter has its gradient");
+    }
+}
+
+/// A decoder reranker's files that do not say how to score are refused by name: a
+/// `LogitScore` that reads other logits, lacks its token or names one past the vocabulary,
+/// a causal LM whose tokenizer has no "yes" (without a `LogitScore`), a `LogitScore` on an
+/// encoder.
+#[test]
+fn bad_logit_score_files_are_refused_by_name() {
+    let edit_json = |path: &Path, f: &dyn Fn(&mut serde_json::Value)| {
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        f(&mut v);
+        std::fs::write(path, v.to_string()).unwrap();
+    };
+    type Edit = fn(&Path, &dyn Fn(&Path, &dyn Fn(&mut serde_json::Value)));
+    let cases: [(&str, Edit, &str); 5] = [
+        (
+            "qwen3-causal",
+            |d, edit| {
+                edit(&d.join("1_LogitScore/config.json"), &|v| {
+                    v["module_input_name"] = "logits".into()
+                })
+            },
+            "module_input_name",
+        ),
+        (
+            "qwen3-causal",
+            |d, edit| {
+                edit(&d.join("1_LogitScore/config.json"), &|v| {
+                    v.as_object_mut().unwrap().remove("true_token_id");
+                })
+            },
+            "true_token_id",
+        ),
+        (
+            "qwen3-causal",
+            |d, edit| {
+                edit(&d.join("1_LogitScore/config.json"), &|v| {
+                    v["true_token_id"] = 9999.into()
+                })
+            },
+            "vocab_size",
+        ),
+        (
+            "qwen3-causal",
+            |d, edit| {
+                edit(&d.join("modules.json"), &|v| {
+                    v.as_array_mut().unwrap().truncate(1);
+                });
+                edit(&d.join("tokenizer.json"), &|v| {
+                    for t in v["added_tokens"].as_array_mut().unwrap() {
+                        if t["content"] == "yes" {
+                            t["content"] = "yea".into();
+                        }
+                    }
+                });
+            },
+            "\"yes\"",
+        ),
+        (
+            "../bert",
+            |d, edit| {
+                let logit = d.join("1_LogitScore");
+                std::fs::create_dir_all(&logit).unwrap();
+                std::fs::write(logit.join("config.json"), r#"{"true_token_id": 5}"#).unwrap();
+                edit(&d.join("modules.json"), &|v| {
+                    v.as_array_mut().unwrap().push(serde_json::json!({
+                        "idx": 1, "name": "1", "path": "1_LogitScore",
+                        "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"
+                    }));
+                });
+            },
+            "LogitScore head",
+        ),
+    ];
+    for (source, edit, needle) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let model = tmp.path().join("model");
+        crate::common::copy_dir(&dir().join(source), &model);
+        edit(&model, &edit_json);
+        let err = CrossEncoder::load(model.to_str().unwrap(), None, &Device::Cpu)
+            .err()
+            .unwrap_or_else(|| panic!("{needle}: loaded"))
+            .to_string();
+        assert!(err.contains(needle), "{needle}: {err}");
     }
 }
 

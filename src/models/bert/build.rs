@@ -372,7 +372,8 @@ pub fn with_model_weights(
     // sparse model's MLM head (`cls.*`, `vocab_transform.*`, ...), a cross-encoder's
     // classification head (`classifier.*`, `head.*`, ...).
     if options.sparse.is_some() || options.classifier.is_some() {
-        let family = BertConfig::from_file(&files.config)?.family(&files.config)?;
+        let cfg = BertConfig::from_file(&files.config)?;
+        let family = cfg.family(&files.config)?;
         let mut modules: Vec<&str> = Vec::new();
         if options.sparse.is_some() {
             if let Some(names) = crate::models::sparse::MlmNames::of(family) {
@@ -380,7 +381,6 @@ pub fn with_model_weights(
             }
         }
         if let Some(spec) = options.classifier {
-            let cfg = BertConfig::from_file(&files.config)?;
             modules.extend(crate::models::classifier::head_modules(
                 &cfg, family, spec.kind,
             ));
