@@ -195,7 +195,7 @@ pub struct ModernSettings {
 
 /// The `model_type`s [`Family`] accepts, for errors.
 pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, distilbert, \
-    modernbert (encoders); qwen3, qwen2, llama, mistral, gemma3_text (decoders)";
+    modernbert, eurobert (encoders); qwen3, qwen2, llama, mistral, gemma3_text (decoders)";
 
 impl BertConfig {
     /// A BERT of the given size with Hugging Face's defaults for everything else (GELU,
@@ -357,6 +357,7 @@ impl BertConfig {
             Some("llama") => Ok(Family::Llama),
             Some("mistral") => Ok(Family::Mistral),
             Some("gemma3_text") => Ok(Family::Gemma3),
+            Some("eurobert") => Ok(Family::EuroBert),
             Some(other) => Err(Error::UnsupportedConfig {
                 field: "model_type",
                 value: other.to_string(),
@@ -385,7 +386,7 @@ impl BertConfig {
             return Err(Error::UnsupportedConfig {
                 field: "model_type",
                 value: self.model_type.clone().unwrap_or_else(|| "bert".into()),
-                supported: "qwen3, qwen2, llama, mistral, gemma3_text",
+                supported: "qwen3, qwen2, llama, mistral, gemma3_text, eurobert",
                 path: path.to_path_buf(),
             });
         };

@@ -82,7 +82,7 @@ pub fn head_modules(cfg: &BertConfig, family: Family, kind: HeadKind) -> &'stati
         (Family::ModernBert, _) => &["head", "classifier"],
         (_, HeadKind::LogitScore { .. }) if ties_word_embeddings(cfg, family) => &[],
         (_, HeadKind::LogitScore { .. }) => &["lm_head"],
-        (f, HeadKind::Classification) if f.is_decoder() => &["score"],
+        (f, HeadKind::Classification) if f.is_causal_lm() => &["score"],
         _ => &[],
     }
 }
@@ -92,10 +92,10 @@ pub fn head_modules(cfg: &BertConfig, family: Family, kind: HeadKind) -> &'stati
 pub fn head_weight(cfg: &BertConfig, family: Family, kind: HeadKind) -> Option<&'static str> {
     match (family, kind) {
         (Family::Roberta | Family::MpNet, _) => Some("classifier.out_proj.weight"),
-        (f, HeadKind::LogitScore { .. }) if f.is_decoder() => {
+        (f, HeadKind::LogitScore { .. }) if f.is_causal_lm() => {
             (!ties_word_embeddings(cfg, family)).then_some("lm_head.weight")
         }
-        (f, HeadKind::Classification) if f.is_decoder() => Some("score.weight"),
+        (f, HeadKind::Classification) if f.is_causal_lm() => Some("score.weight"),
         _ => Some("classifier.weight"),
     }
 }
@@ -165,7 +165,7 @@ impl ClassifierHead {
         let num = |key: &str| x.get(key).and_then(|v| v.as_f64());
         let hidden_dropout = num("classifier_dropout").unwrap_or(cfg.hidden_dropout_prob);
         if let HeadKind::LogitScore { yes, no } = spec.kind {
-            if !family.is_decoder() || spec.labels != 1 {
+            if !family.is_causal_lm() || spec.labels != 1 {
                 return Err(Error::InvalidArgument {
                     what: "LogitScore head",
                     value: format!("{family:?} with {} labels", spec.labels),
@@ -286,7 +286,7 @@ impl ClassifierHead {
                     num("classifier_dropout").unwrap_or(0.0),
                 )
             }
-            f if f.is_decoder() => (
+            f if f.is_causal_lm() => (
                 Layout::Score,
                 Linear::normal_without_bias(h, spec.labels, std, at("score"))?,
                 Pooling::LastToken,

@@ -54,6 +54,8 @@ pub enum DecoderKind {
     /// four norms a layer (sandwiching attention and feed-forward), q/k norms,
     /// `query_pre_attn_scalar`, sliding and global layers with their own rotary bases.
     Gemma3,
+    /// `eurobert`: Llama's layer, bidirectional whatever the config says.
+    EuroBert,
 }
 
 /// The rotary inverse frequencies of one layer type, `head_dim / 2` values, computed in
@@ -196,7 +198,8 @@ impl DecoderSettings {
             DecoderKind::Mistral => (false, false),
             _ => (attention_bias, attention_bias),
         };
-        let mlp_bias = kind == DecoderKind::Llama && flag("mlp_bias").unwrap_or(false);
+        let mlp_bias = matches!(kind, DecoderKind::Llama | DecoderKind::EuroBert)
+            && flag("mlp_bias").unwrap_or(false);
         let scale = if gemma {
             let scalar = num("query_pre_attn_scalar").unwrap_or(256.0);
             if scalar <= 0.0 || !scalar.is_finite() {
@@ -221,8 +224,9 @@ impl DecoderSettings {
                 }
             }
         }
-        let causal = !(flag("use_bidirectional_attention").unwrap_or(false)
-            || flag("is_causal") == Some(false));
+        let causal = kind != DecoderKind::EuroBert
+            && !(flag("use_bidirectional_attention").unwrap_or(false)
+                || flag("is_causal") == Some(false));
         let layers = cfg.num_hidden_layers;
         let sliding = layer_types(cfg, kind, path)?;
         let window = match uint("sliding_window")? {
@@ -302,6 +306,7 @@ impl DecoderKind {
             Family::Llama => Some(DecoderKind::Llama),
             Family::Mistral => Some(DecoderKind::Mistral),
             Family::Gemma3 => Some(DecoderKind::Gemma3),
+            Family::EuroBert => Some(DecoderKind::EuroBert),
             _ => None,
         }
     }
@@ -314,6 +319,7 @@ impl DecoderKind {
             DecoderKind::Llama => "LlamaModel",
             DecoderKind::Mistral => "MistralModel",
             DecoderKind::Gemma3 => "Gemma3TextModel",
+            DecoderKind::EuroBert => "EuroBertModel",
         }
     }
 
@@ -323,6 +329,7 @@ impl DecoderKind {
             DecoderKind::Qwen3 | DecoderKind::Qwen2 => 32_768,
             DecoderKind::Llama => 2_048,
             DecoderKind::Mistral | DecoderKind::Gemma3 => 131_072,
+            DecoderKind::EuroBert => 8_192,
         }
     }
 }
@@ -373,7 +380,7 @@ fn layer_types(cfg: &DecoderFields, kind: DecoderKind, path: &Path) -> Result<Ve
             (0..layers).map(|i| on && has_window && i >= from).collect()
         }
         DecoderKind::Mistral => vec![has_window; layers],
-        DecoderKind::Llama => vec![false; layers],
+        DecoderKind::Llama | DecoderKind::EuroBert => vec![false; layers],
         DecoderKind::Gemma3 => {
             let every = x
                 .get("sliding_window_pattern")

@@ -39,15 +39,30 @@ pub enum Family {
     /// around attention and feed-forward, q/k norms, GELU-tanh GeGLU, sliding and global
     /// layers, bidirectional when the config says so.
     Gemma3,
+    /// `eurobert`: an encoder on the Llama layer (RMSNorm, rotary positions, grouped KV
+    /// heads, SwiGLU, a final norm) with bidirectional attention.
+    EuroBert,
 }
 
 impl Family {
-    /// Whether the family is a decoder (Qwen3, Qwen2, Llama, Mistral, Gemma3).
+    /// Whether the family runs on the decoder layers (Qwen3, Qwen2, Llama, Mistral, Gemma3,
+    /// and EuroBERT's bidirectional Llama layer).
     pub fn is_decoder(self) -> bool {
         matches!(
             self,
-            Family::Qwen3 | Family::Qwen2 | Family::Llama | Family::Mistral | Family::Gemma3
+            Family::Qwen3
+                | Family::Qwen2
+                | Family::Llama
+                | Family::Mistral
+                | Family::Gemma3
+                | Family::EuroBert
         )
+    }
+
+    /// Whether the family is a causal language model (a decoder but EuroBERT): what a
+    /// decoder cross-encoder's heads (`score`, the LM head's logits) need.
+    pub fn is_causal_lm(self) -> bool {
+        self.is_decoder() && self != Family::EuroBert
     }
 }
 

@@ -51,6 +51,7 @@ fn architecture(cfg: &BertConfig, kind: HeadKind) -> Result<(String, &'static st
         (Family::Qwen2, _) => (class("Qwen2"), "model."),
         (Family::Llama, _) => (class("Llama"), "model."),
         (Family::Mistral, _) => (class("Mistral"), "model."),
+        (Family::EuroBert, _) => (class("EuroBert"), "model."),
         (Family::Gemma3, _) => match kind {
             HeadKind::Classification => ("Gemma3TextForSequenceClassification".into(), "model."),
             HeadKind::LogitScore { .. } => ("Gemma3ForCausalLM".into(), "model."),

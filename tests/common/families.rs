@@ -9,13 +9,14 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 
 /// The encoder families of the fixtures.
-pub const ENCODERS: [&str; 6] = [
+pub const ENCODERS: [&str; 7] = [
     "bert",
     "roberta",
     "xlm-roberta",
     "mpnet",
     "modernbert",
     "distilbert",
+    "eurobert",
 ];
 
 /// The decoder families of the fixtures.
