@@ -34,6 +34,7 @@ import torch
 import transformers
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_modules
+from transformers.core_model_loading import revert_weight_conversion
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_family_fixtures as base  # noqa: E402
@@ -121,6 +122,11 @@ TOKENIZERS = {
 }
 
 
+# Families whose checkpoints transformers 5 renames on load and back on save: their
+# reference gradients are named as the checkpoint names their weights.
+CHECKPOINT_NAMED_GRADIENTS = {"nomic_bert", "gte", "jina_embeddings_v3"}
+
+
 def save(kind, tokenizer, model):
     raw = os.path.join(base.OUT, f"_{kind}_raw")
     model.save_pretrained(raw, safe_serialization=True)
@@ -159,6 +165,13 @@ def main():
                                   batch_size=len(base.TEXTS))
                     tensors[f"embeddings.{side}"] = e.contiguous()
         loss, grads = base.contrastive_grads(st)
+        if kind in CHECKPOINT_NAMED_GRADIENTS:
+            # The gradients under the names the saved checkpoint has (transformers 5 saves
+            # these families in their published layout: fused `Wqkv`, `fc11`, `emb_ln`, ...),
+            # the chunked weights' gradients concatenated as their weights are.
+            bare = {k.removeprefix("grad."): v for k, v in grads.items()}
+            saved = revert_weight_conversion(st[0].auto_model, bare)
+            grads = {f"grad.{k}": v.contiguous() for k, v in saved.items()}
         tensors.update(grads)
         base.write(kind, st, tensors, loss)
 

@@ -45,8 +45,10 @@ fn glob(pattern: &[u8], text: &[u8]) -> bool {
 /// names them: BERT and RoBERTa (`query`, `key`, `value`, the `dense` of
 /// `attention.output`, `intermediate` and `output`), MPNet (`attn.q` .. `attn.o`),
 /// DistilBERT (`q_lin` .. `out_lin`, `ffn.lin1`, `ffn.lin2`), ModernBERT (`Wqkv`, `Wo`,
-/// `Wi`) and the decoders (`q_proj` .. `down_proj`). The default targets.
-pub const DEFAULT_TARGETS: [&str; 24] = [
+/// `Wi`), the decoders and EuroBERT (`q_proj` .. `down_proj`), NomicBERT and Jina v3
+/// (`Wqkv`, `out_proj`, `fc11` / `fc12` / `fc2`, `fc1` / `fc2`) and GTE (`qkv_proj`,
+/// `o_proj`, `up_gate_proj`, `down_proj`). The default targets.
+pub const DEFAULT_TARGETS: [&str; 31] = [
     "query",
     "key",
     "value",
@@ -71,6 +73,13 @@ pub const DEFAULT_TARGETS: [&str; 24] = [
     "gate_proj",
     "up_proj",
     "down_proj",
+    "qkv_proj",
+    "out_proj",
+    "up_gate_proj",
+    "fc11",
+    "fc12",
+    "fc1",
+    "fc2",
 ];
 
 /// Whether PEFT's `target_modules` entry `target` names the module at `path`: the path

@@ -94,8 +94,13 @@ fn write_model_files(
         .family(&config_path)
         .ok()
         .and_then(crate::models::bert::DecoderKind::of);
+    let rotary = cfg
+        .family(&config_path)
+        .ok()
+        .and_then(crate::models::bert::RotaryKind::of);
     let architecture = match (model_type.as_str(), decoder) {
         (_, Some(kind)) => kind.architecture(),
+        _ if rotary.is_some() => rotary.map_or("", |k| k.architecture()),
         ("roberta", _) => "RobertaModel",
         ("xlm-roberta", _) => "XLMRobertaModel",
         ("camembert", _) => "CamembertModel",

@@ -34,7 +34,8 @@ use crate::recompute::{LayerStack, Recompute, Recomputed};
 use crate::{Error, Result};
 
 pub use super::bert_config::{
-    Activation, BertConfig, DecoderKind, DecoderSettings, Family, SUPPORTED_FAMILIES,
+    Activation, BertConfig, DecoderKind, DecoderSettings, Family, RotaryKind, RotarySettings,
+    SUPPORTED_FAMILIES,
 };
 use super::classifier::ClassifierHead;
 pub use super::classifier::ClassifierSpec;
@@ -43,6 +44,7 @@ use super::dense::Dense;
 pub use super::dense::{DenseActivation, DenseSpec};
 use super::modernbert::{ModernAux, ModernBert};
 pub use super::pooling::Pooling;
+use super::rotary_encoder::{RotaryAux, RotaryEncoder};
 use super::sparse::MlmHead;
 pub use super::sparse::{SparseSpec, SpladeActivation, SpladeStrategy};
 
@@ -149,6 +151,8 @@ pub struct Bert {
     modern: Option<Box<ModernBert>>,
     /// A decoder's embeddings and layers, which then replace BERT's.
     decoder: Option<Box<Decoder>>,
+    /// NomicBERT's, GTE's or Jina v3's embeddings and layers, which then replace BERT's.
+    rotary: Option<Box<RotaryEncoder>>,
     relative_bias: Option<RelativeBias>,
     heads: usize,
     /// The position of the first token (see [`BertConfig::first_position`]).
@@ -180,6 +184,8 @@ pub struct BertAux {
     modern: Option<ModernAux>,
     /// A decoder's positions and rotary tables.
     decoder: Option<DecoderAux>,
+    /// The rotary tables of NomicBERT, GTE or Jina v3.
+    rotary: Option<RotaryAux>,
     /// Only the pooled token's output of the last layer is read (a decoder under
     /// last-token pooling, on the way to the head; never for [`Bert::hidden_states`]).
     last_token_only: bool,
@@ -415,10 +421,11 @@ impl LayerStack for Bert {
     type Aux = BertAux;
 
     fn aux(&self, input: &TokenBatch) -> Result<BertAux> {
-        let dtype = match (&self.modern, &self.decoder, &self.embeddings) {
-            (Some(m), _, _) => m.dtype(),
-            (_, Some(d), _) => d.dtype(),
-            (_, _, Some(e)) => e.norm.dtype(),
+        let dtype = match (&self.modern, &self.decoder, &self.embeddings, &self.rotary) {
+            (Some(m), _, _, _) => m.dtype(),
+            (_, Some(d), _, _) => d.dtype(),
+            (_, _, Some(e), _) => e.norm.dtype(),
+            (_, _, _, Some(r)) => r.dtype(),
             _ => candle_core::DType::F32,
         };
         let mask = input.attention_mask.to_dtype(dtype)?;
@@ -443,14 +450,16 @@ impl LayerStack for Bert {
             Some(m) => Some(m.aux(&bias)?),
             None => None,
         };
+        let layers = match self.options.precision {
+            Precision::F32 => dtype,
+            half => half.dtype(),
+        };
         let decoder = match &self.decoder {
-            Some(d) => {
-                let layers = match self.options.precision {
-                    Precision::F32 => dtype,
-                    half => half.dtype(),
-                };
-                Some(d.aux(input, layers)?)
-            }
+            Some(d) => Some(d.aux(input, layers)?),
+            None => None,
+        };
+        let rotary = match &self.rotary {
+            Some(r) => Some(r.aux(input, layers)?),
             None => None,
         };
         // The pooling's mask: the prompt (with the special token before it) left out when
@@ -494,6 +503,7 @@ impl LayerStack for Bert {
                 && vectors.is_none(),
             modern,
             decoder,
+            rotary,
             first,
             kept,
             buckets,
@@ -508,6 +518,9 @@ impl LayerStack for Bert {
                 len: s,
                 max: self.max_positions,
             });
+        }
+        if let Some(r) = &self.rotary {
+            return r.embed(input, self.options.precision, ctx);
         }
         let e = match (&self.modern, &self.decoder, &self.embeddings) {
             (Some(m), _, _) => return m.embed(input, self.options.precision, ctx),
@@ -558,9 +571,10 @@ impl LayerStack for Bert {
     }
 
     fn num_layers(&self) -> usize {
-        match (&self.modern, &self.decoder) {
-            (Some(m), _) => m.num_layers(),
-            (_, Some(d)) => d.num_layers(),
+        match (&self.modern, &self.decoder, &self.rotary) {
+            (Some(m), _, _) => m.num_layers(),
+            (_, Some(d), _) => d.num_layers(),
+            (_, _, Some(r)) => r.num_layers(),
             _ => self.layers.len(),
         }
     }
@@ -570,6 +584,9 @@ impl LayerStack for Bert {
             let probs = ctx.recompute.recomputes(SITE_ATTENTION_PROBS);
             let last = aux.last_token_only && i + 1 == d.num_layers();
             return d.layer(i, x, &aux.bias, decoder_aux, (probs, last), ctx);
+        }
+        if let (Some(r), Some(rotary_aux)) = (&self.rotary, &aux.rotary) {
+            return r.layer(i, x, &aux.bias, rotary_aux, ctx);
         }
         if let (Some(m), Some(modern_aux)) = (&self.modern, &aux.modern) {
             let probs = ctx.recompute.recomputes(SITE_ATTENTION_PROBS);
@@ -616,9 +633,10 @@ impl LayerStack for Bert {
     }
 
     fn sites(&self) -> &'static [&'static str] {
-        match &self.decoder {
-            Some(_) => &DECODER_SITES,
-            None => &SITES,
+        match (&self.decoder, &self.rotary) {
+            (Some(_), _) => &DECODER_SITES,
+            (_, Some(r)) => r.sites(),
+            _ => &SITES,
         }
     }
 

@@ -7,6 +7,7 @@ use std::path::Path;
 
 pub use super::decoder_config::{DecoderFields, DecoderKind, DecoderSettings};
 pub use super::family::{Activation, Family};
+pub use super::rotary_encoder::{RotaryKind, RotarySettings};
 use crate::{Error, Result};
 
 /// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).
@@ -195,7 +196,7 @@ pub struct ModernSettings {
 
 /// The `model_type`s [`Family`] accepts, for errors.
 pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, distilbert, \
-    modernbert, eurobert (encoders); qwen3, qwen2, llama, mistral, gemma3_text (decoders)";
+    modernbert, nomic_bert, gte, jina_embeddings_v3, eurobert (encoders); qwen3, qwen2, llama, mistral, gemma3_text (decoders)";
 
 impl BertConfig {
     /// A BERT of the given size with Hugging Face's defaults for everything else (GELU,
@@ -252,9 +253,10 @@ impl BertConfig {
             let per_token = 2.0 * h * (2.0 * q + 2.0 * kv) + 6.0 * h * i + 4.0 * keys * q;
             return per_token * s * rows as f64 * self.num_hidden_layers as f64;
         }
-        // ModernBERT's GeGLU has two up projections (`Wi` is `[2 I, h]`).
+        // ModernBERT's GeGLU has two up projections (`Wi` is `[2 I, h]`), as NomicBERT's
+        // and GTE's gated feed-forwards.
         let up = match self.family(Path::new("config")) {
-            Ok(Family::ModernBert) => 6.0,
+            Ok(Family::ModernBert | Family::NomicBert | Family::Gte) => 6.0,
             _ => 4.0,
         };
         let per_token = 8.0 * h * h + up * h * i + 4.0 * s * h;
@@ -314,6 +316,25 @@ impl BertConfig {
                 }
             }
         }
+        if let Some(kind) = cfg.family(path).ok().and_then(RotaryKind::of) {
+            let (positions, act, types, eps, pad) = kind.defaults();
+            let missing = |key: &str| !cfg.keys.iter().any(|k| k == key);
+            if missing("max_position_embeddings") {
+                cfg.max_position_embeddings = positions;
+            }
+            if missing("hidden_act") {
+                cfg.hidden_act = act.into();
+            }
+            if missing("type_vocab_size") {
+                cfg.type_vocab_size = types;
+            }
+            if missing("layer_norm_eps") {
+                cfg.layer_norm_eps = eps;
+            }
+            if missing("pad_token_id") {
+                cfg.pad_token_id = Some(pad);
+            }
+        }
         cfg.validate(path)?;
         Ok(cfg)
     }
@@ -333,10 +354,10 @@ impl BertConfig {
         if matches!(self.family(Path::new("config")), Ok(Family::DistilBert)) {
             return distilbert::to_own_names(value);
         }
-        let decoder = self
+        let own_keys = self
             .family(Path::new("config"))
-            .is_ok_and(Family::is_decoder);
-        if decoder && !self.keys.is_empty() {
+            .is_ok_and(|f| f.is_decoder() || f.is_rotary_post_norm());
+        if own_keys && !self.keys.is_empty() {
             if let Some(map) = value.as_object_mut() {
                 map.retain(|k, _| self.keys.iter().any(|key| key == k));
             }
@@ -358,6 +379,9 @@ impl BertConfig {
             Some("mistral") => Ok(Family::Mistral),
             Some("gemma3_text") => Ok(Family::Gemma3),
             Some("eurobert") => Ok(Family::EuroBert),
+            Some("nomic_bert") => Ok(Family::NomicBert),
+            Some("gte") => Ok(Family::Gte),
+            Some("jina_embeddings_v3") => Ok(Family::JinaV3),
             Some(other) => Err(Error::UnsupportedConfig {
                 field: "model_type",
                 value: other.to_string(),
@@ -401,6 +425,21 @@ impl BertConfig {
             extra: &self.extra,
         };
         DecoderSettings::from_config(&fields, kind, path)
+    }
+
+    /// The settings of NomicBERT, GTE or Jina v3 (the rotary post-norm layers); an error
+    /// for another family.
+    pub fn rotary(&self, path: &Path) -> Result<RotarySettings> {
+        let family = self.family(path)?;
+        let Some(kind) = RotaryKind::of(family) else {
+            return Err(Error::UnsupportedConfig {
+                field: "model_type",
+                value: self.model_type.clone().unwrap_or_else(|| "bert".into()),
+                supported: "nomic_bert, gte, jina_embeddings_v3",
+                path: path.to_path_buf(),
+            });
+        };
+        RotarySettings::from_config(self, kind, path)
     }
 
     /// ModernBERT's settings, read from the config's fields beyond BERT's.
@@ -523,6 +562,38 @@ impl BertConfig {
                         "{} / {}",
                         self.max_position_embeddings, self.num_hidden_layers
                     ),
+                    reason: "must be at least 1",
+                });
+            }
+            return Ok(());
+        }
+        if self.family(path)?.is_rotary_post_norm() {
+            self.rotary(path)?;
+            for (field, p) in [
+                ("hidden_dropout_prob", self.hidden_dropout_prob),
+                (
+                    "attention_probs_dropout_prob",
+                    self.attention_probs_dropout_prob,
+                ),
+            ] {
+                if !(0.0..1.0).contains(&p) {
+                    return Err(Error::InvalidConfig {
+                        field,
+                        value: p.to_string(),
+                        reason: "a drop probability must be in [0, 1)",
+                    });
+                }
+            }
+            let positive = [
+                ("vocab_size", self.vocab_size),
+                ("intermediate_size", self.intermediate_size),
+                ("num_hidden_layers", self.num_hidden_layers),
+                ("max_position_embeddings", self.max_position_embeddings),
+            ];
+            if let Some((field, _)) = positive.into_iter().find(|(_, v)| *v == 0) {
+                return Err(Error::InvalidConfig {
+                    field,
+                    value: "0".into(),
                     reason: "must be at least 1",
                 });
             }

@@ -392,6 +392,31 @@ fn layer_types(cfg: &DecoderFields, kind: DecoderKind, path: &Path) -> Result<Ve
     })
 }
 
+/// The one set of rotary frequencies of an encoder on rotary layers (NomicBERT, GTE, Jina
+/// v3): `rope_parameters`, or `rope_theta` and `rope_scaling`, with Llama's defaults.
+/// `default_theta` where the file names no base (transformers' `default_theta` of the
+/// family).
+pub fn single_rope(
+    cfg: &DecoderFields,
+    dim: usize,
+    default_theta: f64,
+    path: &Path,
+) -> Result<Rope> {
+    let x = &cfg.extra;
+    let p = x
+        .get("rope_parameters")
+        .or_else(|| x.get("rope_scaling"))
+        .filter(|v| !v.is_null())
+        .cloned()
+        .unwrap_or(serde_json::json!({}));
+    let theta = p
+        .get("rope_theta")
+        .and_then(|v| v.as_f64())
+        .or_else(|| x.get("rope_theta").and_then(|v| v.as_f64()))
+        .unwrap_or(default_theta);
+    rope(&p, theta, dim, cfg, path)
+}
+
 /// The rotary frequencies: one set, or Gemma3's global (index 0) and local (index 1).
 fn ropes(cfg: &DecoderFields, kind: DecoderKind, dim: usize, path: &Path) -> Result<Vec<Rope>> {
     let x = &cfg.extra;

@@ -39,6 +39,15 @@ pub enum Family {
     /// around attention and feed-forward, q/k norms, GELU-tanh GeGLU, sliding and global
     /// layers, bidirectional when the config says so.
     Gemma3,
+    /// `nomic_bert`: NomicBERT (nomic-embed-text): post-norm layers with rotary attention,
+    /// a SwiGLU feed-forward, no biases in the layers.
+    NomicBert,
+    /// `gte`: GTE's "new" architecture (gte-base-en-v1.5, gte-multilingual-base): post-norm
+    /// rotary layers with biases and a GeGLU feed-forward.
+    Gte,
+    /// `jina_embeddings_v3`: XLM-R's vocabulary on post-norm rotary layers with biases
+    /// and a plain GELU feed-forward.
+    JinaV3,
     /// `eurobert`: an encoder on the Llama layer (RMSNorm, rotary positions, grouped KV
     /// heads, SwiGLU, a final norm) with bidirectional attention.
     EuroBert,
@@ -57,6 +66,11 @@ impl Family {
                 | Family::Gemma3
                 | Family::EuroBert
         )
+    }
+
+    /// Whether the family runs on the rotary post-norm layers (NomicBERT, GTE, Jina v3).
+    pub fn is_rotary_post_norm(self) -> bool {
+        matches!(self, Family::NomicBert | Family::Gte | Family::JinaV3)
     }
 
     /// Whether the family is a causal language model (a decoder but EuroBERT): what a

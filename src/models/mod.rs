@@ -20,6 +20,7 @@ pub mod lstm;
 mod modernbert;
 mod pooling;
 pub mod resnet;
+mod rotary_encoder;
 pub(crate) mod sparse;
 pub mod sparse_static;
 pub mod toy;

@@ -52,6 +52,9 @@ fn architecture(cfg: &BertConfig, kind: HeadKind) -> Result<(String, &'static st
         (Family::Llama, _) => (class("Llama"), "model."),
         (Family::Mistral, _) => (class("Mistral"), "model."),
         (Family::EuroBert, _) => (class("EuroBert"), "model."),
+        (Family::NomicBert, _) => (class("NomicBert"), "model."),
+        (Family::Gte, _) => (class("Gte"), "model."),
+        (Family::JinaV3, _) => (class("JinaEmbeddingsV3"), "roberta."),
         (Family::Gemma3, _) => match kind {
             HeadKind::Classification => ("Gemma3TextForSequenceClassification".into(), "model."),
             HeadKind::LogitScore { .. } => ("Gemma3ForCausalLM".into(), "model."),

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 
 /// The encoder families of the fixtures.
-pub const ENCODERS: [&str; 7] = [
+pub const ENCODERS: [&str; 10] = [
     "bert",
     "roberta",
     "xlm-roberta",
@@ -17,6 +17,9 @@ pub const ENCODERS: [&str; 7] = [
     "modernbert",
     "distilbert",
     "eurobert",
+    "nomic_bert",
+    "gte",
+    "jina_embeddings_v3",
 ];
 
 /// The decoder families of the fixtures.

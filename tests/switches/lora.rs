@@ -35,6 +35,9 @@ fn config(family: &str) -> BertConfig {
             set("local_attention", 4.into());
             set("attention_dropout", 0.1.into());
         }
+        "nomic_bert" | "gte" | "jina_embeddings_v3" => {
+            set("rope_theta", 50.0.into());
+        }
         "qwen3" => {
             set("head_dim", 6.into());
             set("num_key_value_heads", 1.into());
@@ -47,13 +50,22 @@ fn config(family: &str) -> BertConfig {
     if family == "mpnet" {
         cfg.pad_token_id = Some(1);
     }
-    if family == "qwen3" {
+    if family == "qwen3" || family == "nomic_bert" {
         cfg.hidden_act = "silu".into();
     }
     cfg
 }
 
-const FAMILIES: [&str; 5] = ["bert", "distilbert", "mpnet", "modernbert", "qwen3"];
+const FAMILIES: [&str; 8] = [
+    "bert",
+    "distilbert",
+    "mpnet",
+    "modernbert",
+    "qwen3",
+    "nomic_bert",
+    "gte",
+    "jina_embeddings_v3",
+];
 
 /// Rows of different lengths, right-padded.
 fn tokens(seed: usize, rows: usize) -> TokenBatch {
@@ -134,7 +146,8 @@ fn adapters_alone_train_and_their_gradients_are_the_chain_rule_through_the_merge
         let projections = names.len() / 2;
         let per_layer = match family {
             "qwen3" => 7,
-            "modernbert" => 4,
+            "nomic_bert" => 5,
+            "modernbert" | "gte" | "jina_embeddings_v3" => 4,
             _ => 6,
         };
         assert_eq!(projections, 3 * per_layer, "{family}: adapted projections");

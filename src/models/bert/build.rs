@@ -132,6 +132,7 @@ impl Bert {
                 layers: Vec::new(),
                 modern: None,
                 decoder: Some(Box::new(decoder)),
+                rotary: None,
                 relative_bias: None,
                 heads: cfg.num_attention_heads,
                 first_position: 0,
@@ -147,6 +148,28 @@ impl Bert {
             });
         }
         let classifier = head(None)?;
+        if family.is_rotary_post_norm() {
+            let rotary = RotaryEncoder::new(cfg, cfg.rotary(path)?, options.lora.as_ref(), vb)?;
+            return Ok(Self {
+                embeddings: None,
+                layers: Vec::new(),
+                modern: None,
+                decoder: None,
+                rotary: Some(Box::new(rotary)),
+                relative_bias: None,
+                heads: cfg.num_attention_heads,
+                first_position: 0,
+                max_positions: cfg.max_tokens(),
+                activation: cfg.activation(path)?,
+                hidden_dropout: Dropout::new(0.0)?,
+                attention_dropout: Dropout::new(0.0)?,
+                attention_output_dropout: Dropout::new(0.0)?,
+                options: options.clone(),
+                dense,
+                sparse: None,
+                classifier,
+            });
+        }
         if family == Family::ModernBert {
             let modern = ModernBert::new(cfg, &cfg.modern(path)?, options.lora.as_ref(), vb)?;
             return Ok(Self {
@@ -154,6 +177,7 @@ impl Bert {
                 layers: Vec::new(),
                 modern: Some(Box::new(modern)),
                 decoder: None,
+                rotary: None,
                 relative_bias: None,
                 heads: cfg.num_attention_heads,
                 first_position: 0,
@@ -234,6 +258,7 @@ impl Bert {
             layers,
             modern: None,
             decoder: None,
+            rotary: None,
             relative_bias,
             heads: cfg.num_attention_heads,
             first_position: cfg.first_position(),
@@ -347,18 +372,25 @@ pub fn with_model_weights(
     fallback: bool,
 ) -> Result<ParamStore> {
     let probe = WeightFile::open(&files.weights, "")?;
-    let file_prefix = ["bert.", "roberta.", "mpnet.", "distilbert.", "model."]
-        .into_iter()
-        .find(|p| {
-            [
-                "embeddings.word_embeddings.weight",
-                "embeddings.tok_embeddings.weight",
-                "embed_tokens.weight",
-            ]
-            .iter()
-            .any(|t| probe.contains(&format!("{p}{t}")))
-        })
-        .unwrap_or("");
+    let file_prefix = [
+        "bert.",
+        "roberta.",
+        "mpnet.",
+        "distilbert.",
+        "model.",
+        "new.",
+    ]
+    .into_iter()
+    .find(|p| {
+        [
+            "embeddings.word_embeddings.weight",
+            "embeddings.tok_embeddings.weight",
+            "embed_tokens.weight",
+        ]
+        .iter()
+        .any(|t| probe.contains(&format!("{p}{t}")))
+    })
+    .unwrap_or("");
     let add = |store: ParamStore, prefix: &str, file: WeightFile| match fallback {
         true => store.with_fallback_weights(prefix, Arc::new(file)),
         false => store.with_weights(prefix, Arc::new(file)),

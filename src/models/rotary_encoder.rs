@@ -1,0 +1,540 @@
+//! The rotary post-norm encoders: NomicBERT (`nomic_bert`: nomic-embed-text), GTE (`gte`,
+//! the "new" architecture: gte-base-en-v1.5, gte-multilingual-base, arctic-embed-m-v2.0)
+//! and Jina v3 (`jina_embeddings_v3`), one layer in transformers 5 (its
+//! `JinaEmbeddingsV3Layer`) that differs only in its biases and feed-forward:
+//!
+//! ```text
+//! x = LN(words[ids] + types[type_ids])                  (GTE without types: words alone)
+//! per layer:
+//!   q, k, v = x Wqkv^T (+ b)                            (one product, rows q | k | v)
+//!   q, k    = rotary(q), rotary(k)                      (Llama's rotate-half, positions 0..s)
+//!   x       = LN(x + dropout(attention(q, k, v) Wo^T (+ b)))     (bidirectional)
+//!   m       = down(act(gate(x)) * up(x))                (NomicBERT: SwiGLU, no biases;
+//!                                                        GTE: GeGLU, dropout on the product,
+//!                                                        a bias on down)
+//!           | fc2(act(fc1(x)))                          (Jina v3, biased)
+//!   x       = LN(x + dropout(m))
+//! no final norm.
+//! ```
+//!
+//! The weights are read under the names the published checkpoints have (and transformers 5
+//! writes back on save): NomicBERT's `emb_ln`, `encoder.layers.{i}.attn.Wqkv`, `attn.out_proj`,
+//! `mlp.fc11` (up) / `mlp.fc12` (gate) / `mlp.fc2`, `norm1`, `norm2`; GTE's
+//! `embeddings.LayerNorm`, `encoder.layer.{i}.attention.qkv_proj`, `attention.o_proj`,
+//! `attn_ln`, `mlp.up_gate_proj` (rows up | gate), `mlp.down_proj`, `mlp_ln`; Jina v3's
+//! `emb_ln`, `encoder.layers.{i}.mixer.Wqkv`, `mixer.out_proj`, `mlp.fc1`, `mlp.fc2`, `norm1`,
+//! `norm2`. [`Bert`](super::bert::Bert) runs the stack as its layers, so the gradient
+//! cache, recompute policies, dtypes, export and the distributed backends are those of
+//! every family. Each op runs as the crate's fused node where the fused kernels run
+//! (projections, rotary, attention, the residual LayerNorm, the gated unit).
+
+use std::path::Path;
+
+use candle_core::{DType, Tensor, D};
+use candle_nn::{Init, VarBuilder};
+
+use crate::batch::TokenBatch;
+use crate::dropout::{Ctx, Dropout};
+use crate::nn::lora::LoraSpec;
+use crate::nn::{AttentionSpec, LayerNorm, Linear};
+use crate::precision::Precision;
+use crate::{Error, Result};
+
+use super::bert_config::{BertConfig, DecoderFields};
+use super::decoder_config::Rope;
+use super::family::{Activation, Family};
+
+/// Dropout sites of a layer (the `site` of a mask seed), as BERT's.
+mod site {
+    pub const EMBEDDINGS: u32 = 0;
+    pub const ATTENTION_PROBS: u32 = 1;
+    pub const ATTENTION_OUTPUT: u32 = 2;
+    pub const FEED_FORWARD_OUTPUT: u32 = 3;
+    /// GTE's dropout on the gated product.
+    pub const GATED: u32 = 4;
+}
+
+/// The sites selective recompute can recompute (indices as BERT's): the attention
+/// probabilities, the residual sums under the two LayerNorms, and (Jina v3's plain
+/// feed-forward) the activation.
+pub const ROTARY_SITES: [&str; 4] = [
+    "attention.probs",
+    "post_attention_layernorm",
+    "mlp.activation",
+    "post_mlp_layernorm",
+];
+const SITE_ATTENTION_PROBS: usize = 0;
+const SITE_ATTENTION_NORM: usize = 1;
+const SITE_ACTIVATION: usize = 2;
+const SITE_MLP_NORM: usize = 3;
+
+/// Which of the three layouts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RotaryKind {
+    /// `nomic_bert`.
+    Nomic,
+    /// `gte`.
+    Gte,
+    /// `jina_embeddings_v3`.
+    Jina,
+}
+
+impl RotaryKind {
+    /// The family's layout, if it is one of these.
+    pub fn of(family: Family) -> Option<Self> {
+        match family {
+            Family::NomicBert => Some(Self::Nomic),
+            Family::Gte => Some(Self::Gte),
+            Family::JinaV3 => Some(Self::Jina),
+            _ => None,
+        }
+    }
+
+    /// `config.json`'s `architectures` entry of the base model.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Self::Nomic => "NomicBertModel",
+            Self::Gte => "GteModel",
+            Self::Jina => "JinaEmbeddingsV3Model",
+        }
+    }
+
+    /// transformers' defaults for the fields a file may leave out: `max_position_embeddings`,
+    /// `hidden_act`, `type_vocab_size`, `layer_norm_eps`, `pad_token_id`.
+    pub fn defaults(self) -> (usize, &'static str, usize, f64, usize) {
+        match self {
+            Self::Nomic => (2_048, "silu", 2, 1e-12, 0),
+            Self::Gte => (8_192, "gelu", 1, 1e-12, 1),
+            Self::Jina => (8_194, "gelu", 1, 1e-5, 1),
+        }
+    }
+
+    /// transformers' rotary base where the file names none (its config's `default_theta`).
+    fn default_theta(self) -> f64 {
+        match self {
+            Self::Nomic => 1_000.0,
+            Self::Gte => 160_000.0,
+            Self::Jina => 10_000.0,
+        }
+    }
+
+    /// The module names of a layer: `(layers list, qkv, attention output, first norm,
+    /// second norm)`.
+    fn names(
+        self,
+    ) -> (
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+    ) {
+        match self {
+            Self::Nomic => (
+                "encoder.layers",
+                "attn.Wqkv",
+                "attn.out_proj",
+                "norm1",
+                "norm2",
+            ),
+            Self::Gte => (
+                "encoder.layer",
+                "attention.qkv_proj",
+                "attention.o_proj",
+                "attn_ln",
+                "mlp_ln",
+            ),
+            Self::Jina => (
+                "encoder.layers",
+                "mixer.Wqkv",
+                "mixer.out_proj",
+                "norm1",
+                "norm2",
+            ),
+        }
+    }
+
+    /// The embeddings' norm.
+    fn embedding_norm(self) -> &'static str {
+        match self {
+            Self::Gte => "embeddings.LayerNorm",
+            Self::Nomic | Self::Jina => "emb_ln",
+        }
+    }
+}
+
+/// What these families' configs say beyond BERT's fields.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RotarySettings {
+    /// The layout.
+    pub kind: RotaryKind,
+    /// Width of a head (`head_dim`, else `hidden_size / num_attention_heads`).
+    pub head_dim: usize,
+    /// The rotary frequencies (`rope_parameters`, or transformers 4's `rope_theta` and
+    /// `rope_scaling`).
+    pub rope: Rope,
+    /// The feed-forward activation (`hidden_act`).
+    pub activation: Activation,
+}
+
+impl RotarySettings {
+    /// Reads and checks the fields of `cfg` (from `path`, named in errors).
+    pub fn from_config(cfg: &BertConfig, kind: RotaryKind, path: &Path) -> Result<Self> {
+        let bad = |field: &str, reason: String| Error::ModelConfig {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            reason,
+        };
+        let heads = cfg.num_attention_heads;
+        if heads == 0 || cfg.hidden_size == 0 || !cfg.hidden_size.is_multiple_of(heads) {
+            return Err(bad(
+                "num_attention_heads",
+                format!(
+                    "= {heads} must divide hidden_size = {} (and be at least 1)",
+                    cfg.hidden_size
+                ),
+            ));
+        }
+        let head_dim = cfg.hidden_size / heads;
+        if let Some(d) = cfg.extra.get("head_dim").and_then(|v| v.as_u64()) {
+            if d as usize != head_dim {
+                return Err(bad(
+                    "head_dim",
+                    format!(
+                        "= {d}: these layers' heads are hidden_size / num_attention_heads = \
+                         {head_dim} wide"
+                    ),
+                ));
+            }
+        }
+        if !head_dim.is_multiple_of(2) {
+            return Err(bad(
+                "num_attention_heads",
+                format!("= {heads}: rotary embeddings need an even head width, not {head_dim}"),
+            ));
+        }
+        let fields = DecoderFields {
+            hidden_size: cfg.hidden_size,
+            num_attention_heads: heads,
+            num_hidden_layers: cfg.num_hidden_layers,
+            intermediate_size: cfg.intermediate_size,
+            vocab_size: cfg.vocab_size,
+            hidden_act: &cfg.hidden_act,
+            max_position_embeddings: cfg.max_position_embeddings,
+            extra: &cfg.extra,
+        };
+        let rope =
+            super::decoder_config::single_rope(&fields, head_dim, kind.default_theta(), path)?;
+        Ok(Self {
+            kind,
+            head_dim,
+            rope,
+            activation: cfg.activation(path)?,
+        })
+    }
+}
+
+/// The builder of the module at dotted `name` under `vb`.
+fn at<'a>(vb: &VarBuilder<'a>, name: &str) -> VarBuilder<'a> {
+    name.split('.').fold(vb.clone(), |v, p| v.pp(p))
+}
+
+/// A layer's feed-forward.
+enum Mlp {
+    /// NomicBERT: `fc2(act(fc12(x)) * fc11(x))`.
+    Split {
+        up: Linear,
+        gate: Linear,
+        down: Linear,
+    },
+    /// GTE: `down(dropout(act(gate) * up))` with `[up, gate] = x up_gate^T`.
+    Fused { up_gate: Linear, down: Linear },
+    /// Jina v3: `fc2(act(fc1(x)))`.
+    Plain { fc1: Linear, fc2: Linear },
+}
+
+struct Layer {
+    qkv: Linear,
+    out: Linear,
+    attention_norm: LayerNorm,
+    mlp: Mlp,
+    mlp_norm: LayerNorm,
+}
+
+/// The embeddings and layers of a rotary post-norm encoder.
+pub(super) struct RotaryEncoder {
+    words: Tensor,
+    types: Option<Tensor>,
+    norm: LayerNorm,
+    layers: Vec<Layer>,
+    s: RotarySettings,
+    heads: usize,
+    hidden_dropout: Dropout,
+    attention_dropout: Dropout,
+    /// The token row PyTorch's `padding_idx` leaves untrained.
+    padding_idx: Option<u32>,
+}
+
+/// Per-chunk data of the layers: the rotary tables `(cos, sin)` `[s, head_dim]` in the
+/// layers' dtype.
+pub(super) struct RotaryAux {
+    tables: (Tensor, Tensor),
+}
+
+impl RotaryEncoder {
+    /// Builds the layers under `vb`. Fresh weights: normal(0, `initializer_range`), norms
+    /// ones and zeros, biases zero.
+    pub(super) fn new(
+        cfg: &BertConfig,
+        s: RotarySettings,
+        lora: Option<&LoraSpec>,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let (h, std, eps) = (cfg.hidden_size, cfg.initializer_range, cfg.layer_norm_eps);
+        let inter = cfg.intermediate_size;
+        let init = Init::Randn {
+            mean: 0.0,
+            stdev: std,
+        };
+        let e = vb.pp("embeddings");
+        let words = e
+            .pp("word_embeddings")
+            .get_with_hints((cfg.vocab_size, h), "weight", init)?;
+        let types = (cfg.type_vocab_size > 0)
+            .then(|| {
+                e.pp("token_type_embeddings").get_with_hints(
+                    (cfg.type_vocab_size, h),
+                    "weight",
+                    init,
+                )
+            })
+            .transpose()?;
+        let kind = s.kind;
+        let bias = kind != RotaryKind::Nomic;
+        let (list, qkv, out, norm1, norm2) = kind.names();
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let l = at(&vb, &format!("{list}.{i}"));
+                let m = l.pp("mlp");
+                let proj = |shape, vb| Linear::projection(shape, std, lora, vb);
+                let mlp = match kind {
+                    RotaryKind::Nomic => Mlp::Split {
+                        up: proj((h, inter, false), m.pp("fc11"))?,
+                        gate: proj((h, inter, false), m.pp("fc12"))?,
+                        down: proj((inter, h, false), m.pp("fc2"))?,
+                    },
+                    RotaryKind::Gte => Mlp::Fused {
+                        up_gate: proj((h, 2 * inter, false), m.pp("up_gate_proj"))?,
+                        down: proj((inter, h, true), m.pp("down_proj"))?,
+                    },
+                    RotaryKind::Jina => Mlp::Plain {
+                        fc1: proj((h, inter, true), m.pp("fc1"))?,
+                        fc2: proj((inter, h, true), m.pp("fc2"))?,
+                    },
+                };
+                Ok(Layer {
+                    qkv: proj((h, 3 * h, bias), at(&l, qkv))?,
+                    out: proj((h, h, bias), at(&l, out))?,
+                    attention_norm: LayerNorm::new(h, eps, l.pp(norm1))?,
+                    mlp,
+                    mlp_norm: LayerNorm::new(h, eps, l.pp(norm2))?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            words,
+            types,
+            norm: LayerNorm::new(h, eps, at(&vb, kind.embedding_norm()))?,
+            layers,
+            s,
+            heads: cfg.num_attention_heads,
+            hidden_dropout: Dropout::new(cfg.hidden_dropout_prob as f32)?,
+            attention_dropout: Dropout::new(cfg.attention_probs_dropout_prob as f32)?,
+            padding_idx: cfg.padding_idx(),
+        })
+    }
+
+    pub(super) fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub(super) fn dtype(&self) -> DType {
+        self.norm.dtype()
+    }
+
+    /// The sub-layer sites selective recompute can recompute.
+    pub(super) fn sites(&self) -> &'static [&'static str] {
+        &ROTARY_SITES
+    }
+
+    /// The chunk's rotary tables for positions `0..s` (the texts are padded on the right,
+    /// as these tokenizers pad).
+    pub(super) fn aux(&self, input: &TokenBatch, dtype: DType) -> Result<RotaryAux> {
+        let s = input.seq_len();
+        let device = input.input_ids.device();
+        let d = self.s.head_dim;
+        let (cos, sin) = self.s.rope.tables(s);
+        Ok(RotaryAux {
+            tables: (
+                Tensor::from_vec(cos, (s, d), device)?.to_dtype(dtype)?,
+                Tensor::from_vec(sin, (s, d), device)?.to_dtype(dtype)?,
+            ),
+        })
+    }
+
+    /// `dropout(LN(words[ids] + types[type_ids]))`, in the layers' dtype. The padding
+    /// index's row gets no gradient, as in PyTorch.
+    pub(super) fn embed(
+        &self,
+        input: &TokenBatch,
+        precision: Precision,
+        ctx: &Ctx,
+    ) -> Result<Tensor> {
+        let ids = &input.input_ids;
+        let (n, s) = ids.dims2()?;
+        let h = self.norm.weight().dim(0)?;
+        let words = match crate::nn::token_embeddings(ids, &self.words, None, self.padding_idx)? {
+            Some(x) => x,
+            None => {
+                let flat = ids.flatten_all()?;
+                let x = self.words.index_select(&flat, 0)?;
+                let x = match self.padding_idx {
+                    Some(pad) => {
+                        let frozen = self.words.detach().index_select(&flat, 0)?;
+                        let is_pad = flat.eq(pad)?.unsqueeze(1)?.broadcast_as(x.shape())?;
+                        is_pad.where_cond(&frozen, &x)?
+                    }
+                    None => x,
+                };
+                x.reshape((n, s, h))?
+            }
+        };
+        let x = match &self.types {
+            Some(types) => {
+                let flat = input.token_type_ids.flatten_all()?;
+                (words + types.index_select(&flat, 0)?.reshape((n, s, h))?)?
+            }
+            None => words,
+        };
+        let x = self.norm.forward(&x)?;
+        let x = match precision {
+            Precision::F32 => x,
+            half => x.to_dtype(half.dtype())?,
+        };
+        self.hidden_dropout.forward(&x, ctx, 0, site::EMBEDDINGS)
+    }
+
+    /// Layer `i` on `x` `[n, s, h]`, op by op (each op a fused node where they run).
+    pub(super) fn layer(
+        &self,
+        i: usize,
+        x: &Tensor,
+        key_bias: &Tensor,
+        aux: &RotaryAux,
+        ctx: &Ctx,
+    ) -> Result<Tensor> {
+        let layer = &self.layers[i];
+        let id = i as u32 + 1;
+        let (n, s, h) = x.dims3()?;
+        let d = self.s.head_dim;
+        let recompute = |site: usize| ctx.recompute.recomputes(site);
+        let at = |l: &Linear, p: u32| l.at(ctx.mask_seed(id, crate::nn::lora::site(p)));
+        let qkv = at(&layer.qkv, 0)
+            .forward(x)?
+            .reshape((n, s, 3, self.heads, d))?;
+        let part = |k: usize| -> Result<Tensor> {
+            Ok(qkv
+                .narrow(2, k, 1)?
+                .squeeze(2)?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let (cos, sin) = &aux.tables;
+        let (q, k) = (
+            crate::nn::rotary(&q, cos, sin)?,
+            crate::nn::rotary(&k, cos, sin)?,
+        );
+        let spec = AttentionSpec {
+            bias: key_bias.clone(),
+            scale: 1.0 / (d as f64).sqrt(),
+            dropout: self.attention_dropout.mask(ctx, id, site::ATTENTION_PROBS),
+            recompute: recompute(SITE_ATTENTION_PROBS),
+            window: None,
+        };
+        let attended = crate::nn::attention(&q, &k, &v, &spec)?
+            .transpose(1, 2)?
+            .reshape((n, s, h))?;
+        let out = at(&layer.out, 1).forward(&attended)?;
+        let add_norm = |y: &Tensor, residual: &Tensor, norm: &LayerNorm, site: u32, r: usize| {
+            let mask = self.hidden_dropout.mask(ctx, id, site);
+            if recompute(r) {
+                crate::nn::add_norm_recomputed(y, residual, norm, mask)
+            } else {
+                crate::nn::add_norm(y, residual, norm, mask)
+            }
+        };
+        let x = add_norm(
+            &out,
+            x,
+            &layer.attention_norm,
+            site::ATTENTION_OUTPUT,
+            SITE_ATTENTION_NORM,
+        )?;
+        let act = self.s.activation.fused();
+        let activation = recompute(SITE_ACTIVATION);
+        let m = match &layer.mlp {
+            Mlp::Split { up, gate, down } => {
+                let (up, gate) = (at(up, 2).forward(&x)?, at(gate, 3).forward(&x)?);
+                let pre = Tensor::cat(&[&gate, &up], D::Minus1)?;
+                gated_down(&pre, &at(down, 4), act, None, activation)?
+            }
+            Mlp::Fused { up_gate, down } => {
+                let both = at(up_gate, 2).forward(&x)?;
+                let w = both.dim(D::Minus1)? / 2;
+                let (up, gate) = (both.narrow(D::Minus1, 0, w)?, both.narrow(D::Minus1, w, w)?);
+                let pre = Tensor::cat(&[&gate, &up], D::Minus1)?;
+                let dropout = self.hidden_dropout.mask(ctx, id, site::GATED);
+                gated_down(&pre, &at(down, 4), act, dropout, activation)?
+            }
+            Mlp::Plain { fc1, fc2 } => {
+                crate::nn::feed_forward(&x, &at(fc1, 2), act, &at(fc2, 4), activation)?
+            }
+        };
+        add_norm(
+            &m,
+            &x,
+            &layer.mlp_norm,
+            site::FEED_FORWARD_OUTPUT,
+            SITE_MLP_NORM,
+        )
+    }
+}
+
+/// `down(dropout(act(gate) * up))` over `pre = [gate, up]`; with `recompute` one node
+/// keeping `pre` alone (the gated product, `[.., width]`, is recomputed in the backward
+/// pass, bit for bit), where `down` has a merged weight.
+fn gated_down(
+    pre: &Tensor,
+    down: &Linear,
+    act: crate::nn::Act,
+    dropout: Option<(u64, f32)>,
+    recompute: bool,
+) -> Result<Tensor> {
+    let unit = move |pre: &Tensor| -> Result<Tensor> {
+        let gated = crate::nn::glu(pre, act)?;
+        match dropout {
+            Some((seed, p)) => crate::nn::dropout(&gated, seed, p),
+            None => Ok(gated),
+        }
+    };
+    if !recompute || !down.merges() {
+        return down.forward(&unit(pre)?);
+    }
+    let weight = down.weight()?;
+    let mut inputs = vec![pre, &weight];
+    inputs.extend(down.bias());
+    crate::nn::recomputed("gradcache-gated-down-recomputed", &inputs, move |t| {
+        crate::nn::linear(&unit(&t[0])?, &t[1], t.get(2))
+    })
+}
