@@ -475,7 +475,12 @@ fn the_composed_ops_match_transformers_too() {
 }
 
 /// A copy of fixture `family` in `dir`, with `edit` applied to the JSON file `file`.
-fn edited(dir: &Path, family: &str, file: &str, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
+pub(crate) fn edited(
+    dir: &Path,
+    family: &str,
+    file: &str,
+    edit: impl Fn(&mut serde_json::Value),
+) -> PathBuf {
     let out = dir.join(format!("{family}-{}", file.replace('/', "-")));
     let src = fixture(family);
     for entry in walk(&src) {
@@ -504,7 +509,7 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-fn load_err(dir: &Path) -> String {
+pub(crate) fn load_err(dir: &Path) -> String {
     EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default())
         .err()
         .expect("refused")
