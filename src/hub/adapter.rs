@@ -27,6 +27,8 @@ pub struct PeftAdapter {
     prefix: String,
     /// The adapters' module paths in the file.
     modules: Vec<String>,
+    /// The family whose loaded names the file uses, read under the checkpoint's names.
+    rotary: Option<crate::models::bert::RotaryKind>,
 }
 
 /// Whether `dir` holds a PEFT adapter (its `adapter_config.json`).
@@ -147,7 +149,7 @@ impl PeftAdapter {
                 reason: "holds no `lora_A` weight".into(),
             });
         }
-        Ok(Self {
+        let adapter = Self {
             dir: dir.to_path_buf(),
             spec: LoraSpec {
                 rank: rank as usize,
@@ -162,12 +164,73 @@ impl PeftAdapter {
                 .map(String::from),
             prefix: prefix.into(),
             modules,
-        })
+            rotary: None,
+        };
+        // The base model's family where a config says it: the adapter directory's own
+        // (`gradcache export --adapter` writes one), else a local base's.
+        let config = [
+            Some(dir.to_path_buf()),
+            adapter.base.as_ref().map(PathBuf::from),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|d| d.join("config.json"))
+        .find(|c| c.is_file());
+        match config.and_then(|c| crate::models::bert::BertConfig::from_file(&c).ok()) {
+            Some(cfg) => match cfg.family(dir) {
+                Ok(family) => adapter.for_family(family),
+                Err(_) => Ok(adapter),
+            },
+            None => Ok(adapter),
+        }
     }
 
     /// The adapter weights, read under the base model's names.
     pub fn weight_file(&self) -> Result<WeightFile> {
-        WeightFile::open(&self.dir.join(ADAPTER_WEIGHTS), &self.prefix)
+        let path = self.dir.join(ADAPTER_WEIGHTS);
+        let file = WeightFile::open(&path, &self.prefix)?;
+        let Some(kind) = self.rotary else {
+            return Ok(file);
+        };
+        let adapters = file
+            .read_all()?
+            .into_iter()
+            .filter_map(|(n, t)| Some((n.strip_prefix(&self.prefix)?.to_string(), t)))
+            .collect();
+        let renamed =
+            crate::models::rotary_names::to_checkpoint_names(kind, &adapters).map_err(|e| {
+                Error::ModelFile {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                }
+            })?;
+        Ok(WeightFile::from_tensors(&path, renamed))
+    }
+
+    /// The adapter for a base model of `family`: for NomicBERT, GTE and Jina v3, whose
+    /// loaded modules PEFT names as transformers renames them, its tensors are read under
+    /// the checkpoint's names (fused projections joined; see
+    /// [`crate::models::rotary_names`]).
+    pub fn for_family(mut self, family: crate::models::bert::Family) -> Result<Self> {
+        let Some(kind) = crate::models::bert::RotaryKind::of(family) else {
+            return Ok(self);
+        };
+        if self.rotary.is_some() {
+            return Ok(self);
+        }
+        self.rotary = Some(kind);
+        let mut modules: Vec<String> = self
+            .weight_file()?
+            .names()
+            .iter()
+            .filter_map(|n| n.strip_suffix(".lora_A.weight"))
+            .map(String::from)
+            .collect();
+        modules.sort_unstable();
+        // The targets as this crate names the modules (PEFT's name the loaded ones).
+        self.spec.targets = modules.clone();
+        self.modules = modules;
+        Ok(self)
     }
 
     /// Every adapter a model built with [`Self::spec`] asked for (`params`, under the

@@ -167,7 +167,19 @@ pub fn export_bert(
     // A LoRA run exports the merged model, which loads as its base family's class, or
     // its adapters alone in PEFT's layout.
     let peft = match adapter {
-        Some((base, lora)) => Some(crate::nn::lora::peft_files(&weights, lora, base)?),
+        Some((base, lora)) => {
+            // PEFT adapts the loaded model, whose modules transformers names its own way
+            // for the families it renames on load (NomicBERT, GTE, Jina v3).
+            let rotary = cfg
+                .family(Path::new("config.json"))
+                .ok()
+                .and_then(crate::models::bert::RotaryKind::of);
+            let named = match rotary {
+                Some(kind) => crate::models::rotary_names::to_transformers_names(kind, &weights)?,
+                None => weights.clone(),
+            };
+            Some(crate::nn::lora::peft_files(&named, lora, base)?)
+        }
         None => {
             if let Some(lora) = &options.lora {
                 crate::nn::lora::merge_into(&mut weights, lora)?;

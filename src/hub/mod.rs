@@ -392,6 +392,8 @@ impl EmbeddingModel {
                     .into(),
             })?;
         let base_files = ModelFiles::resolve(&base, &HubSettings::from_env())?;
+        let family = BertConfig::from_file(&base_files.config)?.family(&base_files.config)?;
+        let adapter = adapter.for_family(family)?;
         let own_head = dir.join(export::MODULES).is_file();
         let tokenizer = dir.join("tokenizer.json");
         let files = ModelFiles {

@@ -21,6 +21,7 @@ mod modernbert;
 mod pooling;
 pub mod resnet;
 mod rotary_encoder;
+pub(crate) mod rotary_names;
 pub(crate) mod sparse;
 pub mod sparse_static;
 pub mod toy;

@@ -11,8 +11,14 @@ use crate::{Error, Result};
 /// A safetensors file opened for reading weights on request.
 pub struct WeightFile {
     path: PathBuf,
-    tensors: MmapedSafetensors,
+    tensors: Source,
     prefix: String,
+}
+
+/// Where the tensors are: the file mapped, or read and renamed in memory.
+enum Source {
+    Mapped(MmapedSafetensors),
+    Memory(std::collections::HashMap<String, Tensor>),
 }
 
 impl WeightFile {
@@ -43,19 +49,47 @@ impl WeightFile {
         };
         Ok(Self {
             path: path.to_path_buf(),
-            tensors,
+            tensors: Source::Mapped(tensors),
             prefix: prefix.to_string(),
         })
     }
 
+    /// Tensors read from `path` and held in memory under other names (a PEFT adapter's
+    /// renamed to the checkpoint's); `path` is named in errors.
+    pub fn from_tensors(path: &Path, tensors: std::collections::HashMap<String, Tensor>) -> Self {
+        Self {
+            path: path.to_path_buf(),
+            tensors: Source::Memory(tensors),
+            prefix: String::new(),
+        }
+    }
+
+    /// Every tensor of the file, with the file's names (its prefix included).
+    pub fn read_all(&self) -> Result<std::collections::HashMap<String, Tensor>> {
+        match &self.tensors {
+            Source::Mapped(m) => m
+                .tensors()
+                .into_iter()
+                .map(|(n, _)| Ok((n.clone(), m.load(&n, &Device::Cpu)?)))
+                .collect(),
+            Source::Memory(t) => Ok(t.clone()),
+        }
+    }
+
     /// The names of every tensor in the file (its prefix included).
     pub fn names(&self) -> Vec<String> {
-        self.tensors.tensors().into_iter().map(|(n, _)| n).collect()
+        match &self.tensors {
+            Source::Mapped(m) => m.tensors().into_iter().map(|(n, _)| n).collect(),
+            Source::Memory(t) => t.keys().cloned().collect(),
+        }
     }
 
     /// Whether the file holds a tensor named exactly `name`.
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.get(name).is_ok()
+        match &self.tensors {
+            Source::Mapped(m) => m.get(name).is_ok(),
+            Source::Memory(t) => t.contains_key(name),
+        }
     }
 
     /// Whether the file serves `name` (its prefix prepended).
@@ -96,19 +130,27 @@ impl WeightFile {
         device: &Device,
     ) -> Result<Tensor> {
         let full = self.stored_name(name);
-        let view = self.tensors.get(&full).map_err(|_| Error::MissingWeight {
+        let missing = || Error::MissingWeight {
             name: full.clone(),
             path: self.path.clone(),
-        })?;
-        if view.shape() != shape.dims() {
+        };
+        let found = match &self.tensors {
+            Source::Mapped(m) => m.get(&full).map_err(|_| missing())?.shape().to_vec(),
+            Source::Memory(t) => t.get(&full).ok_or_else(missing)?.dims().to_vec(),
+        };
+        if found != shape.dims() {
             return Err(Error::WeightShape {
                 name: full,
                 path: self.path.clone(),
-                found: view.shape().to_vec(),
+                found,
                 expected: shape.dims().to_vec(),
             });
         }
-        Ok(self.tensors.load(&full, device)?.to_dtype(dtype)?)
+        let t = match &self.tensors {
+            Source::Mapped(m) => m.load(&full, device)?,
+            Source::Memory(t) => t[&full].to_device(device)?,
+        };
+        Ok(t.to_dtype(dtype)?)
     }
 }
 

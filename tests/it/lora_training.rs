@@ -394,3 +394,137 @@ fn checkpoints_of_a_lora_run_merge_through_the_cli_with_the_runs_config() {
     let model = EmbeddingModel::load(&out_arg, &LoadOptions::default()).unwrap();
     assert!(model.embed(&["the lord is my shepherd"], 1).is_ok());
 }
+
+/// A LoRA run of 2 steps on the tiny `family` fixture (a rotary post-norm family).
+fn rotary_lora_run(dir: &Path, family: &str) -> PathBuf {
+    let data = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/quickstart/train.jsonl"),
+    )
+    .unwrap();
+    let rows: Vec<&str> = data.lines().take(24).collect();
+    fs::write(dir.join("pairs.jsonl"), rows.join("\n") + "\n").unwrap();
+    let config = format!(
+        r#"
+output_dir = "{out}"
+[data]
+train_file = "{dir}/pairs.jsonl"
+eval_pairs = 8
+[model]
+pretrained = "{model}"
+query_max_len = 16
+passage_max_len = 24
+[model.lora]
+rank = 2
+alpha = 4.0
+[train]
+steps = 2
+batch_size = 8
+query_chunk = 4
+passage_chunk = 4
+[optim]
+lr = 1e-2
+"#,
+        out = dir.join(format!("run-{family}")).display(),
+        dir = dir.display(),
+        model = crate::common::families::fixture(family).display(),
+    );
+    let path = dir.join(format!("{family}.toml"));
+    fs::write(&path, config).unwrap();
+    path
+}
+
+/// NomicBERT's, GTE's and Jina v3's adapters are written under the names transformers 5
+/// gives the loaded model (PEFT adapts it: `layers.{i}.self_attn.q_proj`, ..., a fused
+/// projection's adapter split by rows with its `A` on every part), read back fused to the
+/// same embeddings as the merged export, continued with `model.lora.from`; an adapter
+/// whose parts have their own `A` is refused naming them.
+#[test]
+fn a_rotary_familys_adapter_is_written_as_peft_names_the_loaded_model_and_read_back() {
+    for (family, parts) in [
+        ("nomic_bert", ["self_attn.q_proj", "mlp.gate_proj"]),
+        ("gte", ["self_attn.v_proj", "mlp.up_proj"]),
+        ("jina_embeddings_v3", ["self_attn.k_proj", "mlp.fc1"]),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = rotary_lora_run(dir.path(), family);
+        let cfg = load(&path, &[]);
+        Trainer::new(cfg.clone(), None)
+            .unwrap()
+            .run(&mut Quiet)
+            .unwrap();
+        let merged = dir.path().join("merged");
+        export_run(&cfg, None, &merged, Side::Query).unwrap();
+        let adapter = dir.path().join("adapter");
+        export_run_as(&cfg, None, &adapter, Side::Query, ExportLayout::Adapter).unwrap();
+        let tensors = weights(&adapter.join("adapter_model.safetensors"));
+        for part in parts {
+            let name = format!("base_model.model.layers.1.{part}.lora_A.weight");
+            assert!(tensors.contains_key(&name), "{family}: {name}");
+        }
+        assert!(
+            tensors
+                .keys()
+                .all(|n| !n.contains("Wqkv") && !n.contains("qkv_proj")),
+            "{family}: a fused name in {:?}",
+            tensors.keys()
+        );
+        let config: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(adapter.join("adapter_config.json")).unwrap())
+                .unwrap();
+        let targets = config["target_modules"].to_string();
+        assert!(targets.contains("self_attn.q_proj"), "{family}: {targets}");
+
+        let texts = [
+            "In the beginning God created the heaven and the earth.",
+            "Jesus wept.",
+        ];
+        let embed = |dir: &Path| {
+            EmbeddingModel::load(dir.to_str().unwrap(), &LoadOptions::default())
+                .unwrap()
+                .embed(&texts, 2)
+                .unwrap()
+        };
+        let err = max_diff(&embed(&adapter), &embed(&merged));
+        assert!(
+            err <= 1e-6,
+            "{family}: the adapter embeds {err:e} off the merged model"
+        );
+
+        // Continued: the run starts from the adapter's values.
+        let sets = [
+            format!("model.lora.from=\"{}\"", adapter.display()),
+            format!("output_dir=\"{}\"", dir.path().join("again").display()),
+        ];
+        let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+        let trainer = Trainer::new(load(&path, &sets), None).unwrap();
+        let name = match family {
+            "gte" => "encoder.layer.0.attention.qkv_proj.lora_B.weight",
+            "jina_embeddings_v3" => "encoder.layers.0.mixer.Wqkv.lora_B.weight",
+            _ => "encoder.layers.0.attn.Wqkv.lora_B.weight",
+        };
+        let b = trainer
+            .params()
+            .iter()
+            .find(|(n, _)| n.ends_with(name))
+            .map(|(_, v)| v.as_tensor().clone())
+            .unwrap_or_else(|| panic!("{family}: no {name}"));
+        assert!(
+            common::max_abs(&b) > 0.0,
+            "{family}: {name} starts from zero"
+        );
+
+        // Parts trained apart: no fused adapter of one rank equals them.
+        let mut edited = tensors.clone();
+        let k = "base_model.model.layers.0.self_attn.k_proj.lora_A.weight";
+        edited.insert(k.into(), (edited[k].clone() + 1.0).unwrap());
+        candle_core::safetensors::save(&edited, adapter.join("adapter_model.safetensors")).unwrap();
+        let err = EmbeddingModel::load(adapter.to_str().unwrap(), &LoadOptions::default())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("k_proj") && err.contains("lora_A"),
+            "{family}: {err}"
+        );
+    }
+}
