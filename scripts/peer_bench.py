@@ -16,7 +16,9 @@ process's peak RSS.
 
 make: a randomly initialised base-size model of FAMILY (bert, roberta, xlm-roberta,
 mpnet, modernbert: the sizes of bert-base / roberta-base / xlm-roberta-base /
-mpnet-base / ModernBERT-base; qwen3: four layers of Qwen3-Embedding-0.6B's shape) with the
+mpnet-base / ModernBERT-base; nomic_bert, gte, jina_embeddings_v3, eurobert: 768 wide, 12
+layers of 12 heads, feed-forward 3,072, as nomic-embed-text-v1.5, gte-base-en-v1.5 and
+EuroBERT-210m (Jina v3 at that base size, not its 1,024-wide release); qwen3: four layers of Qwen3-Embedding-0.6B's shape) with the
 tokenizer of its fixture in tests/fixtures/families (a vocabulary of a few hundred tokens
 on both sides), saved as a sentence-transformers directory (mean pooling; qwen3 last-token
 pooling and Normalize, left padding, as Qwen3-Embedding) that both sides load.
@@ -111,6 +113,10 @@ def make(family, out):
             cls_token_id=small.cls_token_id, sep_token_id=small.sep_token_id,
             global_attn_every_n_layers=3, **{k: v for k, v in base.items() if k != "layer_types"})
     else:
+        if family in ("nomic_bert", "eurobert"):
+            base["head_dim"] = 64  # the fixtures' explicit head width, at base size
+        if family == "eurobert":
+            base["num_key_value_heads"] = 12  # EuroBERT-210m's
         cfg = type(small)(**{**small.to_dict(), **base, "max_position_embeddings": small.max_position_embeddings + 512})
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(cfg)

@@ -433,6 +433,9 @@ impl RotaryEncoder {
         aux: &RotaryAux,
         ctx: &Ctx,
     ) -> Result<Tensor> {
+        if let Some(y) = self.whole_layer(i, x, key_bias, aux, ctx)? {
+            return Ok(y);
+        }
         let layer = &self.layers[i];
         let id = i as u32 + 1;
         let (n, s, h) = x.dims3()?;
@@ -508,6 +511,93 @@ impl RotaryEncoder {
             site::FEED_FORWARD_OUTPUT,
             SITE_MLP_NORM,
         )
+    }
+}
+
+impl RotaryEncoder {
+    /// Layer `i` as one node with its backward written out
+    /// ([`crate::nn::cpu::rotary_layer`]) where the fused kernels run: the arithmetic of
+    /// [`Self::layer`]'s ops on the packed real tokens. `None` elsewhere, and for a gated
+    /// unit whose two projections carry adapters (the node takes one up projection).
+    fn whole_layer(
+        &self,
+        i: usize,
+        x: &Tensor,
+        key_bias: &Tensor,
+        aux: &RotaryAux,
+        ctx: &Ctx,
+    ) -> Result<Option<Tensor>> {
+        use crate::nn::cpu::rotary_layer::{RotarySpec, RotaryWeights};
+        if !crate::nn::fused_kernels() || !x.device().is_cpu() {
+            return Ok(None);
+        }
+        let layer = &self.layers[i];
+        let id = i as u32 + 1;
+        let at = |l: &Linear, p: u32| l.at(ctx.mask_seed(id, crate::nn::lora::site(p)));
+        let (qkv, out) = (at(&layer.qkv, 0), at(&layer.out, 1));
+        // The up projection as the node takes it: the gate's rows first.
+        let (up, down, gated) = match &layer.mlp {
+            Mlp::Split { up, gate, down } => {
+                if up.lora_input().is_some() || gate.lora_input().is_some() {
+                    return Ok(None);
+                }
+                let w = Tensor::cat(&[gate.base_weight(), up.base_weight()], 0)?;
+                (Linear::from_weight(w, None), at(down, 4), true)
+            }
+            Mlp::Fused { up_gate, down } => {
+                if up_gate.lora_input().is_some() {
+                    return Ok(None);
+                }
+                let w = up_gate.base_weight();
+                let half = w.dim(0)? / 2;
+                let swapped = Tensor::cat(&[w.narrow(0, half, half)?, w.narrow(0, 0, half)?], 0)?;
+                (Linear::from_weight(swapped, None), at(down, 4), true)
+            }
+            Mlp::Plain { fc1, fc2 } => (at(fc1, 2), at(fc2, 4), false),
+        };
+        let projections = [&qkv, &out, &up, &down];
+        fn affine(l: &Linear) -> (&Tensor, Option<&Tensor>) {
+            (l.base_weight(), l.bias())
+        }
+        let weights = RotaryWeights {
+            qkv: affine(&qkv),
+            attention_output: affine(&out),
+            attention_norm: (layer.attention_norm.weight(), layer.attention_norm.bias()),
+            up: affine(&up),
+            down: affine(&down),
+            mlp_norm: (layer.mlp_norm.weight(), layer.mlp_norm.bias()),
+            lora: std::array::from_fn(|p| projections[p].lora_input()),
+        };
+        let recompute = |site: usize| ctx.recompute.recomputes(site);
+        let d = self.s.head_dim;
+        let (cos, sin) = &aux.tables;
+        let spec = RotarySpec {
+            heads: self.heads,
+            act: self.s.activation.fused(),
+            gated,
+            eps: layer.attention_norm.eps(),
+            attention: AttentionSpec {
+                bias: key_bias.clone(),
+                scale: 1.0 / (d as f64).sqrt(),
+                dropout: self.attention_dropout.mask(ctx, id, site::ATTENTION_PROBS),
+                recompute: recompute(SITE_ATTENTION_PROBS),
+                window: None,
+            },
+            rotary: (cos.clone(), sin.clone()),
+            attention_output_dropout: self.hidden_dropout.mask(ctx, id, site::ATTENTION_OUTPUT),
+            gated_dropout: match layer.mlp {
+                Mlp::Fused { .. } => self.hidden_dropout.mask(ctx, id, site::GATED),
+                _ => None,
+            },
+            output_dropout: self.hidden_dropout.mask(ctx, id, site::FEED_FORWARD_OUTPUT),
+            recompute_attention_norm: recompute(SITE_ATTENTION_NORM),
+            recompute_activation: recompute(SITE_ACTIVATION),
+            recompute_mlp_norm: recompute(SITE_MLP_NORM),
+        };
+        if layer.mlp_norm.eps() != spec.eps {
+            return Ok(None);
+        }
+        crate::nn::rotary_post_norm_layer(x, &weights, &spec)
     }
 }
 

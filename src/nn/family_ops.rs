@@ -163,6 +163,38 @@ pub fn prenorm_layer(
     Ok(None)
 }
 
+/// A whole post-norm rotary layer (NomicBERT's, GTE's, Jina v3's) as one node with its
+/// backward written out ([`super::cpu::rotary_layer::rotary_layer`]) where the fused
+/// kernels run; `None` elsewhere (the caller then runs the layer op by op).
+pub fn rotary_post_norm_layer(
+    x: &Tensor,
+    weights: &super::cpu::rotary_layer::RotaryWeights,
+    spec: &super::cpu::rotary_layer::RotarySpec,
+) -> Result<Option<Tensor>> {
+    let mut all = vec![
+        x,
+        &spec.attention.bias,
+        weights.attention_norm.0,
+        weights.attention_norm.1,
+        weights.mlp_norm.0,
+        weights.mlp_norm.1,
+    ];
+    let projections = [
+        weights.qkv,
+        weights.attention_output,
+        weights.up,
+        weights.down,
+    ];
+    all.extend(projections.iter().filter_map(|(_, b)| *b));
+    let bases: Vec<&Tensor> = projections.iter().map(|(w, _)| *w).collect();
+    if fused_ok(&all) && super::frozen_base_ok(x, &bases, &weights.lora) && x.rank() == 3 {
+        return Ok(Some(super::cpu::rotary_layer::rotary_layer(
+            x, weights, spec,
+        )?));
+    }
+    Ok(None)
+}
+
 /// A whole decoder layer as one node with its backward written out where one runs: the
 /// CPU's ([`super::cpu::decoder_layer::decoder_layer`]) where the fused kernels run, the
 /// GPU's ([`super::gpu::decoder_layer`](fn@super::gpu::decoder_layer), each token's rotary row at `positions` `[n s]`)

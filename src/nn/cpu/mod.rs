@@ -53,7 +53,9 @@ pub(crate) mod products;
 pub(crate) mod reference;
 
 // The public modules' paths from before the folders.
-pub use layers::{decoder_layer, embeddings, encoder_layer, pooling, prenorm_layer, splade};
+pub use layers::{
+    decoder_layer, embeddings, encoder_layer, pooling, prenorm_layer, rotary_layer, splade,
+};
 pub use losses::infonce;
 pub use products::panel_kernel;
 

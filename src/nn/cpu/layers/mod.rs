@@ -4,6 +4,7 @@
 //! - [`encoder_layer`] and `encoder_passes`: a post-norm encoder layer (BERT, RoBERTa, MPNet,
 //!   DistilBERT) and the arithmetic of its forward and backward;
 //! - [`prenorm_layer`]: a pre-norm encoder layer (ModernBERT);
+//! - [`rotary_layer`]: a post-norm rotary encoder layer (NomicBERT, GTE, Jina v3);
 //! - [`decoder_layer`] and `decoder_passes`: a decoder layer (Qwen3, Qwen2, Llama,
 //!   Mistral, Gemma3) and the arithmetic of its forward and backward;
 //! - [`embeddings`]: BERT's embeddings as one node;
@@ -23,4 +24,5 @@ mod encoder_passes;
 pub(crate) mod packing;
 pub mod pooling;
 pub mod prenorm_layer;
+pub mod rotary_layer;
 pub mod splade;
