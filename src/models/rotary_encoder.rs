@@ -535,25 +535,23 @@ impl RotaryEncoder {
         let id = i as u32 + 1;
         let at = |l: &Linear, p: u32| l.at(ctx.mask_seed(id, crate::nn::lora::site(p)));
         let (qkv, out) = (at(&layer.qkv, 0), at(&layer.out, 1));
-        // The up projection as the node takes it: the gate's rows first.
-        let (up, down, gated) = match &layer.mlp {
+        // The up projection as the node takes it: GTE's fused one (its gate second),
+        // NomicBERT's gate then input as two weights, Jina v3's plain one.
+        let (up, second, down, gated, gate_second) = match &layer.mlp {
             Mlp::Split { up, gate, down } => {
                 if up.lora_input().is_some() || gate.lora_input().is_some() {
                     return Ok(None);
                 }
-                let w = Tensor::cat(&[gate.base_weight(), up.base_weight()], 0)?;
-                (Linear::from_weight(w, None), at(down, 4), true)
+                (
+                    gate.clone(),
+                    Some(up.base_weight()),
+                    at(down, 4),
+                    true,
+                    false,
+                )
             }
-            Mlp::Fused { up_gate, down } => {
-                if up_gate.lora_input().is_some() {
-                    return Ok(None);
-                }
-                let w = up_gate.base_weight();
-                let half = w.dim(0)? / 2;
-                let swapped = Tensor::cat(&[w.narrow(0, half, half)?, w.narrow(0, 0, half)?], 0)?;
-                (Linear::from_weight(swapped, None), at(down, 4), true)
-            }
-            Mlp::Plain { fc1, fc2 } => (at(fc1, 2), at(fc2, 4), false),
+            Mlp::Fused { up_gate, down } => (at(up_gate, 2), None, at(down, 4), true, true),
+            Mlp::Plain { fc1, fc2 } => (at(fc1, 2), None, at(fc2, 4), false, false),
         };
         let projections = [&qkv, &out, &up, &down];
         fn affine(l: &Linear) -> (&Tensor, Option<&Tensor>) {
@@ -564,6 +562,7 @@ impl RotaryEncoder {
             attention_output: affine(&out),
             attention_norm: (layer.attention_norm.weight(), layer.attention_norm.bias()),
             up: affine(&up),
+            up_second: second,
             down: affine(&down),
             mlp_norm: (layer.mlp_norm.weight(), layer.mlp_norm.bias()),
             lora: std::array::from_fn(|p| projections[p].lora_input()),
@@ -575,6 +574,7 @@ impl RotaryEncoder {
             heads: self.heads,
             act: self.s.activation.fused(),
             gated,
+            gate_second,
             eps: layer.attention_norm.eps(),
             attention: AttentionSpec {
                 bias: key_bias.clone(),

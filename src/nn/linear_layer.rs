@@ -63,16 +63,6 @@ impl Linear {
         })
     }
 
-    /// A layer over a weight `[out, in]` (and bias) computed elsewhere, without an adapter
-    /// (e.g. two stored projections joined into one for a layer node).
-    pub fn from_weight(weight: Tensor, bias: Option<Tensor>) -> Self {
-        Self {
-            weight,
-            bias,
-            lora: None,
-        }
-    }
-
     /// A transformer projection `in -> out`, BERT's initialisation with or without a bias,
     /// with a LoRA adapter when `lora` targets it (the decoders' and ModernBERT's layers).
     pub fn projection(

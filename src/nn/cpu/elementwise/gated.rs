@@ -93,15 +93,22 @@ macro_rules! with_act {
     };
 }
 
-wide_fn! {
 /// `act(a) g` of the rows `[a, g]` of `x` (`[rows, 2w]` into `[rows, w]`).
 pub(in crate::nn) fn glu_rows<T: Float>(x: &[T], act: Act, w: usize) -> Vec<T> {
+    glu_rows_ordered(x, act, w, false)
+}
+
+wide_fn! {
+/// [`glu_rows`] with the halves in either order: `gate_second`, the rows are `[g, a]`
+/// (GTE's `up_gate_proj` puts the input first).
+pub(in crate::nn) fn glu_rows_ordered<T: Float>(x: &[T], act: Act, w: usize, gate_second: bool) -> Vec<T> {
     let mut y = vec![T::zero(); x.len() / 2];
     for_blocks(&mut y, w, |blk, chunk| {
         let first = blk * BLOCK_ROWS;
         for (r, out) in chunk.chunks_exact_mut(w).enumerate() {
             let row = &x[(first + r) * 2 * w..(first + r + 1) * 2 * w];
-            let (a, g) = row.split_at(w);
+            let (left, right) = row.split_at(w);
+            let (a, g) = if gate_second { (right, left) } else { (left, right) };
             with_act!(act, f => {
                 for ((o, &a), &g) in out.iter_mut().zip(a).zip(g) {
                     *o = f.value(a) * g;
@@ -113,17 +120,33 @@ pub(in crate::nn) fn glu_rows<T: Float>(x: &[T], act: Act, w: usize) -> Vec<T> {
 }
 }
 
-wide_fn! {
 /// The gradient `[rows, 2w]` of the rows of `x` from that of [`glu_rows`]'s output `dy`.
 pub(in crate::nn) fn glu_rows_backward<T: Float>(x: &[T], dy: &[T], act: Act, w: usize) -> Vec<T> {
+    glu_rows_backward_ordered(x, dy, act, w, false)
+}
+
+wide_fn! {
+/// [`glu_rows_backward`] with the halves in either order (see [`glu_rows_ordered`]).
+pub(in crate::nn) fn glu_rows_backward_ordered<T: Float>(
+    x: &[T],
+    dy: &[T],
+    act: Act,
+    w: usize,
+    gate_second: bool,
+) -> Vec<T> {
     let mut dx = vec![T::zero(); x.len()];
     for_blocks(&mut dx, 2 * w, |blk, chunk| {
         let first = blk * BLOCK_ROWS;
         for (r, d) in chunk.chunks_exact_mut(2 * w).enumerate() {
             let row = first + r;
-            let (a, g) = x[row * 2 * w..(row + 1) * 2 * w].split_at(w);
+            let (left, right) = x[row * 2 * w..(row + 1) * 2 * w].split_at(w);
             let gy = &dy[row * w..(row + 1) * w];
-            let (da, dg) = d.split_at_mut(w);
+            let (dleft, dright) = d.split_at_mut(w);
+            let (a, g, da, dg) = if gate_second {
+                (right, left, dright, dleft)
+            } else {
+                (left, right, dleft, dright)
+            };
             with_act!(act, f => {
                 for i in 0..w {
                     let (value, slope) = f.value_and_derivative(a[i]);

@@ -27,7 +27,9 @@ use crate::nn::cpu::attention::heads::{self as kernel, KeyMask};
 use crate::nn::cpu::attention::packed::{attend, attention_backward};
 use crate::nn::cpu::blocks::wide_fn;
 use crate::nn::cpu::blocks::{for_blocks, Float, BLOCK_ROWS};
-use crate::nn::cpu::elementwise::gated::{glu_rows, glu_rows_backward, rotate_head};
+use crate::nn::cpu::elementwise::gated::{
+    glu_rows_backward_ordered, glu_rows_ordered, rotate_head,
+};
 use crate::nn::cpu::elementwise::math::Act;
 use crate::nn::cpu::elementwise::rows::{
     activate, activate_with_slope, add_norm, dropped, norm, norm_backward, times_slope,
@@ -38,7 +40,7 @@ use crate::nn::cpu::products::lora_branch::{
     node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights,
 };
 use crate::nn::cpu::products::transposed::weight_rhs;
-use crate::nn::cpu::products::weight_products::linear;
+use crate::nn::cpu::products::weight_products::{linear, weight_product};
 use crate::nn::cpu::AttentionSpec;
 
 /// A weight and its bias, when the layer has one.
@@ -54,8 +56,12 @@ pub struct RotaryWeights<'a> {
     /// LayerNorm after the attention: scale and shift `[h]`.
     pub attention_norm: (&'a Tensor, &'a Tensor),
     /// The feed-forward's up projection: `[I, h]`, or a gated unit's gate and input
-    /// `[2I, h]` (the gate's rows first).
+    /// `[2I, h]` (in the order [`RotarySpec::gate_second`] says), or with
+    /// [`Self::up_second`] the first half `[I, h]` of those rows.
     pub up: Affine<'a>,
+    /// A gated unit's second half `[I, h]` as a weight of its own (NomicBERT keeps its
+    /// gate `fc12` and input `fc11` apart), without a bias and without an adapter.
+    pub up_second: Option<&'a Tensor>,
     /// The feed-forward down projection `[h, I]`.
     pub down: Affine<'a>,
     /// LayerNorm after the feed-forward: scale and shift `[h]`.
@@ -66,13 +72,15 @@ pub struct RotaryWeights<'a> {
     pub lora: [Option<LoraInput>; 4],
 }
 
-/// Slots of the weights: two per part (weight or scale, then bias or shift).
-const SLOTS: usize = 12;
+/// Slots of the weights: two per part (weight or scale, then bias or shift), then the
+/// second half of a split up projection.
+const SLOTS: usize = 13;
 mod slot {
     pub const WQKV: usize = 0;
     pub const WO: usize = 2;
     pub const WI: usize = 6;
     pub const WD: usize = 8;
+    pub const WI2: usize = 12;
 }
 
 impl<'a> RotaryWeights<'a> {
@@ -95,6 +103,7 @@ impl<'a> RotaryWeights<'a> {
             self.down.1,
             Some(self.mlp_norm.0),
             Some(self.mlp_norm.1),
+            self.up_second,
         ]
     }
 }
@@ -108,6 +117,9 @@ pub struct RotarySpec {
     pub act: Act,
     /// A gated unit (`up` holds the gate and the input), else a plain activation.
     pub gated: bool,
+    /// The gate is the second half of the gated unit's rows (GTE's `up_gate_proj`), else
+    /// the first.
+    pub gate_second: bool,
     /// LayerNorm epsilon (both norms).
     pub eps: f64,
     /// The self-attention: key mask, scale, dropout on the probabilities, recompute of
@@ -137,7 +149,11 @@ pub fn rotary_layer(
     spec: &RotarySpec,
 ) -> candle_core::Result<Tensor> {
     let (n, s, h) = x.dims3()?;
-    let (up, h2) = w.up.0.dims2()?;
+    let (first, h2) = w.up.0.dims2()?;
+    let up = match w.up_second {
+        Some(_) => 2 * first,
+        None => first,
+    };
     let inter = if spec.gated { up / 2 } else { up };
     let heads = spec.heads;
     let d = h.checked_div(heads).unwrap_or(0);
@@ -155,7 +171,10 @@ pub fn rotary_layer(
         && w.attention_norm.1.dims() == [h]
         && w.mlp_norm.0.dims() == [h]
         && w.mlp_norm.1.dims() == [h]
-        && vector(w.up.1, up)
+        && vector(w.up.1, first)
+        && w.up_second.is_none_or(|t| {
+            spec.gated && t.dims() == [first, h] && w.up.1.is_none() && w.lora[2].is_none()
+        })
         && w.down.0.dims() == [h, inter]
         && vector(w.down.1, h)
         && spec.rotary.0.dims() == [s, d]
@@ -239,6 +258,7 @@ impl<T: Float> Weights<T> {
             .map(|t| t.as_ref().map(View::new).transpose())
             .collect::<candle_core::Result<Vec<_>>>()?;
         let zeros = vec![T::zero(); (2 * dims.inter).max(3 * dims.h)];
+        let split = self.0.slots[slot::WI2].is_some();
         let mut v: Vec<&[T]> = Vec::with_capacity(SLOTS);
         for (slot, view) in views.iter().enumerate() {
             v.push(match view {
@@ -248,6 +268,7 @@ impl<T: Float> Weights<T> {
                     let width = match slot {
                         1 => 3 * dims.h,
                         7 => v[slot::WI].len() / dims.h,
+                        slot::WI2 => 0,
                         _ => dims.h,
                     };
                     &zeros[..width]
@@ -255,6 +276,7 @@ impl<T: Float> Weights<T> {
             });
         }
         let copies = self.0.transposed(lora::WEIGHT, &v);
+        let [second] = self.0.transposed([slot::WI2], &v);
         let w = W {
             wants: self.0.wants,
             wt: std::array::from_fn(|p| copies[p].as_deref().map(|c| &c[..])),
@@ -269,6 +291,7 @@ impl<T: Float> Weights<T> {
             wd: v[8],
             bd: v[9],
             n2: (v[10], v[11]),
+            wi2: split.then(|| (v[slot::WI2], second.as_deref().map(|c| &c[..]))),
         };
         f(&w)
     }
@@ -293,6 +316,8 @@ struct W<'a, T> {
     wd: &'a [T],
     bd: &'a [T],
     n2: (&'a [T], &'a [T]),
+    /// The second half of a split up projection, and its transposed copy.
+    wi2: Option<(&'a [T], Option<&'a [T]>)>,
 }
 
 /// What the forward keeps for the backward (`None`: recomputed there).
@@ -420,7 +445,7 @@ fn projected<T: Float>(
 fn activation<T: Float>(u: &[T], spec: &RotarySpec, dims: Shape, places: &[usize]) -> Vec<T> {
     let i = dims.inter;
     if spec.gated {
-        let g = glu_rows(u, spec.act, i);
+        let g = glu_rows_ordered(u, spec.act, i, spec.gate_second);
         match spec.gated_dropout {
             Some(_) => dropped(&g, spec.gated_dropout, i, Some(places)).into_owned(),
             None => g,
@@ -439,7 +464,26 @@ fn up_product<T: Float>(
     places: &[usize],
 ) -> Vec<T> {
     let width = dims.up(spec.gated);
-    let mut u = projected(y1, (w.wi, None, width), w, lora::UP, dims.h, places);
+    let mut u = match w.wi2 {
+        None => projected(y1, (w.wi, None, width), w, lora::UP, dims.h, places),
+        Some((wi2, wt2)) => {
+            // Each half's product into its columns of `u`.
+            let (rows, h, i) = (places.len(), dims.h, dims.inter);
+            let mut u = vec![T::zero(); rows * width];
+            let halves = [(w.wi, w.wt[lora::UP]), (wi2, wt2)];
+            for (half, (weight, copy)) in halves.into_iter().enumerate() {
+                let rhs = weight_rhs(weight, copy, rows, (i, h));
+                weight_product(
+                    (rows, i, h),
+                    (&mut u[half * i..], width),
+                    true,
+                    (y1, h, 1),
+                    rhs,
+                );
+            }
+            u
+        }
+    };
     if spec.gated {
         for row in u.chunks_exact_mut(width) {
             for (v, &b) in row.iter_mut().zip(w.bi) {
@@ -595,7 +639,7 @@ fn backward<T: Float>(
     drop((g, d_o));
     let (du, dbi) = if spec.gated {
         let dg = dropped(&dg, spec.gated_dropout, i, Some(places));
-        let du = glu_rows_backward(&u, &dg, spec.act, i);
+        let du = glu_rows_backward_ordered(&u, &dg, spec.act, i, spec.gate_second);
         let dbi = column_sums(&du, width);
         (du, dbi)
     } else {
@@ -604,17 +648,24 @@ fn backward<T: Float>(
         (dg, dbi)
     };
     drop(u);
-    let dwi = product_if(slot::WI, &|| {
-        product_new((width, h, rows), (&du, 1, width), (&y1, h, 1))
-    });
     let mut dy1 = dsum2;
-    product(
-        (rows, h, width),
-        (&mut dy1, h),
-        true,
-        (&du, width, 1),
-        (w.wi, h, 1),
-    );
+    // A split up projection: each half's columns of `du` against its own weight.
+    let halves = match w.wi2 {
+        None => vec![(w.wi, 0, width, slot::WI)],
+        Some((wi2, _)) => vec![(w.wi, 0, i, slot::WI), (wi2, i, i, slot::WI2)],
+    };
+    let (mut dwi, mut dwi2) = (Vec::new(), Vec::new());
+    for (weight, offset, out, which) in halves {
+        let dw = product_if(which, &|| {
+            product_new((out, h, rows), (&du[offset..], 1, width), (&y1, h, 1))
+        });
+        let lhs = (&du[offset..], width, 1);
+        product((rows, h, out), (&mut dy1, h), true, lhs, (weight, h, 1));
+        match which {
+            slot::WI => dwi = dw,
+            _ => dwi2 = dw,
+        }
+    }
     w.lora.backward(
         lora::UP,
         (&y1, h),
@@ -673,7 +724,7 @@ fn backward<T: Float>(
     Grads {
         dx,
         slots: [
-            dwqkv, dbqkv, dwo, dbo, dg1, db1, dwi, dbi, dwd, dbd, dg2, db2,
+            dwqkv, dbqkv, dwo, dbo, dg1, db1, dwi, dbi, dwd, dbd, dg2, db2, dwi2,
         ],
         lora: lora_grads,
     }
