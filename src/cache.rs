@@ -640,6 +640,23 @@ impl<Q: Encoder, P: Encoder, L: Loss> GradCache<Q, P, L> {
         passages: &P::Input,
         loss_scale: f64,
     ) -> Result<StepOutput> {
+        // The weights do not change inside a step, and every chunk's forward (the
+        // representation pass and the replay's) multiplies by each projection weight
+        // transposed: the CPU layer nodes read copies transposed in panels, made once per
+        // step ([`crate::nn::TransposedWeights`], at most its budget in bytes; the same
+        // bits), instead of packing the weight in every product. Dropped before the step
+        // returns, so the optimizer's phase (two moments per parameter) stays the peak.
+        crate::nn::TransposedWeights::new()
+            .run(|| self.cache_step_inner(step, queries, passages, loss_scale))
+    }
+
+    fn cache_step_inner(
+        &self,
+        step: u64,
+        queries: &Q::Input,
+        passages: &P::Input,
+        loss_scale: f64,
+    ) -> Result<StepOutput> {
         let _flush = crate::denormal::flush();
         let comm = &*self.comm;
         let mut meter = PhaseMeter::start();
