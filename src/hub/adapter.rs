@@ -209,8 +209,7 @@ impl PeftAdapter {
 
     /// The adapter for a base model of `family`: for NomicBERT, GTE and Jina v3, whose
     /// loaded modules PEFT names as transformers renames them, its tensors are read under
-    /// the checkpoint's names (fused projections joined; see
-    /// [`crate::models::rotary_names`]).
+    /// the checkpoint's names (fused projections joined, `src/models/rotary_names.rs`).
     pub fn for_family(mut self, family: crate::models::bert::Family) -> Result<Self> {
         let Some(kind) = crate::models::bert::RotaryKind::of(family) else {
             return Ok(self);

@@ -7,7 +7,7 @@ use std::path::Path;
 
 pub use super::decoder_config::{DecoderFields, DecoderKind, DecoderSettings};
 pub use super::family::{Activation, Family};
-pub use super::rotary_encoder::{RotaryKind, RotarySettings};
+pub use super::rotary_config::{RotaryKind, RotarySettings};
 use crate::{Error, Result};
 
 /// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).
@@ -439,7 +439,17 @@ impl BertConfig {
                 path: path.to_path_buf(),
             });
         };
-        RotarySettings::from_config(self, kind, path)
+        let fields = DecoderFields {
+            hidden_size: self.hidden_size,
+            num_attention_heads: self.num_attention_heads,
+            num_hidden_layers: self.num_hidden_layers,
+            intermediate_size: self.intermediate_size,
+            vocab_size: self.vocab_size,
+            hidden_act: &self.hidden_act,
+            max_position_embeddings: self.max_position_embeddings,
+            extra: &self.extra,
+        };
+        RotarySettings::from_config(&fields, self.activation(path)?, kind, path)
     }
 
     /// ModernBERT's settings, read from the config's fields beyond BERT's.

@@ -20,6 +20,7 @@ pub mod lstm;
 mod modernbert;
 mod pooling;
 pub mod resnet;
+mod rotary_config;
 mod rotary_encoder;
 pub(crate) mod rotary_names;
 pub(crate) mod sparse;

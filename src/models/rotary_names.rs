@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 
-use super::rotary_encoder::RotaryKind;
+use super::rotary_config::RotaryKind;
 use crate::{Error, Result};
 
 /// A module of the checkpoint under its loaded name(s): renamed, or split by rows into

@@ -3,7 +3,7 @@
 //! sentence-transformers encodes them; with dropout on (GTE's on the gated product too),
 //! selective recompute of every site gives keeping's step bit for bit, the cache and the
 //! full batch the same step, and the composed ops the fused nodes' step; configs whose
-//! arithmetic is not built refused by name.
+//! arithmetic is not built (rope types, Jina v3's task adapters) refused by name.
 
 use std::path::Path;
 
@@ -222,6 +222,15 @@ fn rotary_configs_whose_arithmetic_is_not_built_are_refused_by_name() {
     let dir = edited(t, "gte", "config.json", |c| c["hidden_act"] = "mish".into());
     let err = load_err(&dir);
     assert!(err.contains("hidden_act") && err.contains("mish"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let dir = edited(t, "jina_embeddings_v3", "config.json", |c| {
+        c["lora_adaptations"] = serde_json::json!(["retrieval.query", "retrieval.passage"])
+    });
+    let err = load_err(&dir);
+    assert!(
+        err.contains("lora_adaptations") && err.contains("retrieval.query"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
     let dir = edited(t, "gte", "config.json", |c| {
         c["hidden_dropout_prob"] = 1.0.into()
