@@ -402,6 +402,20 @@ impl BertConfig {
         }
     }
 
+    /// The fields a decoder's (and the rotary encoders') settings read.
+    fn decoder_fields(&self) -> DecoderFields<'_> {
+        DecoderFields {
+            hidden_size: self.hidden_size,
+            num_attention_heads: self.num_attention_heads,
+            num_hidden_layers: self.num_hidden_layers,
+            intermediate_size: self.intermediate_size,
+            vocab_size: self.vocab_size,
+            hidden_act: &self.hidden_act,
+            max_position_embeddings: self.max_position_embeddings,
+            extra: &self.extra,
+        }
+    }
+
     /// A decoder's settings, read from the config's fields beyond BERT's; an error for an
     /// encoder family.
     pub fn decoder(&self, path: &Path) -> Result<DecoderSettings> {
@@ -414,16 +428,7 @@ impl BertConfig {
                 path: path.to_path_buf(),
             });
         };
-        let fields = DecoderFields {
-            hidden_size: self.hidden_size,
-            num_attention_heads: self.num_attention_heads,
-            num_hidden_layers: self.num_hidden_layers,
-            intermediate_size: self.intermediate_size,
-            vocab_size: self.vocab_size,
-            hidden_act: &self.hidden_act,
-            max_position_embeddings: self.max_position_embeddings,
-            extra: &self.extra,
-        };
+        let fields = self.decoder_fields();
         DecoderSettings::from_config(&fields, kind, path)
     }
 
@@ -439,16 +444,7 @@ impl BertConfig {
                 path: path.to_path_buf(),
             });
         };
-        let fields = DecoderFields {
-            hidden_size: self.hidden_size,
-            num_attention_heads: self.num_attention_heads,
-            num_hidden_layers: self.num_hidden_layers,
-            intermediate_size: self.intermediate_size,
-            vocab_size: self.vocab_size,
-            hidden_act: &self.hidden_act,
-            max_position_embeddings: self.max_position_embeddings,
-            extra: &self.extra,
-        };
+        let fields = self.decoder_fields();
         RotarySettings::from_config(&fields, self.activation(path)?, kind, path)
     }
 

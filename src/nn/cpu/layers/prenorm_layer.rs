@@ -295,11 +295,31 @@ struct Kept<T> {
     up: Vec<T>,
 }
 
-/// The rotary tables' values and each packed row's place in its sequence.
-struct Rotary<T> {
+/// The rotary tables' values and each packed row's place in its sequence (the pre-norm
+/// and the post-norm rotary layer nodes').
+pub(super) struct Rotary<T> {
     cos: Vec<T>,
     sin: Vec<T>,
     positions: Vec<usize>,
+}
+
+impl<T: Float> Rotary<T> {
+    /// The tables `(cos, sin)` `[s, d]` in `dtype` (`T`'s), for the rows of `packing`.
+    pub(super) fn new(
+        (cos, sin): &(Tensor, Tensor),
+        packing: &Packing,
+        s: usize,
+        dtype: DType,
+    ) -> candle_core::Result<Self> {
+        let table = |t: &Tensor| -> candle_core::Result<Vec<T>> {
+            t.to_dtype(dtype)?.flatten_all()?.to_vec1()
+        };
+        Ok(Self {
+            cos: table(cos)?,
+            sin: table(sin)?,
+            positions: packing.padded.iter().map(|&r| r % s).collect(),
+        })
+    }
 }
 
 fn layer<T: Float>(
@@ -321,14 +341,7 @@ fn layer<T: Float>(
     }
     let mask = KeyMask::new(View::new(&bias)?.values::<T>()?, dims.n, dims.s);
     let packing = Packing::new(&mask, dims.n, dims.s);
-    let table = |t: &Tensor| -> candle_core::Result<Vec<T>> {
-        t.to_dtype(x.dtype())?.flatten_all()?.to_vec1()
-    };
-    let rotary = Rotary {
-        cos: table(&spec.rotary.0)?,
-        sin: table(&spec.rotary.1)?,
-        positions: packing.padded.iter().map(|&r| r % dims.s).collect(),
-    };
+    let rotary = Rotary::new(&spec.rotary, &packing, dims.s, x.dtype())?;
     // Read by the forward, then owned by the backward.
     let shared = std::sync::Arc::new((weights, mask, rotary, spec.clone()));
     let owned = std::sync::Arc::clone(&shared);
@@ -364,9 +377,8 @@ fn layer<T: Float>(
 wide_fn! {
 /// Rotates the query and key parts of the packed `[rows, 3h]` `qkv` in place, each head
 /// at its row's place (`transpose`: the backward's `R^T`), as
-/// [`crate::nn::cpu::elementwise::gated`]'s rotary.
-fn rotate_qk<T: Float>(qkv: &mut [T], rotary: &Rotary<T>, dims: Shape, transpose: bool) {
-    let (h, d) = (dims.h, dims.d);
+/// [`crate::nn::cpu::elementwise::gated`]'s rotary (`h` wide, heads of `d`).
+pub(super) fn rotate_qk<T: Float>(qkv: &mut [T], rotary: &Rotary<T>, (h, d): (usize, usize), transpose: bool) {
     for_blocks(qkv, 3 * h, |blk, chunk| {
         let first = blk * BLOCK_ROWS;
         for (r, row) in chunk.chunks_exact_mut(3 * h).enumerate() {
@@ -403,7 +415,7 @@ fn forward<T: Float>(
     let n1 = first_norm(x, w, spec.eps);
     let mut qkv = projected(&n1, (w.wqkv, w.bqkv), w, lora::QKV, h, places);
     drop(n1);
-    rotate_qk(&mut qkv, rotary, dims, false);
+    rotate_qk(&mut qkv, rotary, (dims.h, dims.d), false);
     let (ctx, probs) = attend(
         &qkv,
         (mask, &packing.rows),
@@ -576,7 +588,7 @@ fn backward<T: Float>(
         false,
     );
     drop(dctx);
-    rotate_qk(&mut dqkv, rotary, dims, true);
+    rotate_qk(&mut dqkv, rotary, (dims.h, dims.d), true);
     let dbqkv = column_sums(&dqkv, 3 * h);
     let n1 = first_norm(x, w, spec.eps);
     let dwqkv = product_if(slot::WQKV, &|| {

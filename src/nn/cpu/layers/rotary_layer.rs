@@ -25,16 +25,14 @@ use candle_core::{DType, Tensor};
 
 use crate::nn::cpu::attention::heads::{self as kernel, KeyMask};
 use crate::nn::cpu::attention::packed::{attend, attention_backward};
-use crate::nn::cpu::blocks::wide_fn;
-use crate::nn::cpu::blocks::{for_blocks, Float, BLOCK_ROWS};
-use crate::nn::cpu::elementwise::gated::{
-    glu_rows_backward_ordered, glu_rows_ordered, rotate_head,
-};
+use crate::nn::cpu::blocks::Float;
+use crate::nn::cpu::elementwise::gated::{glu_rows_backward_ordered, glu_rows_ordered};
 use crate::nn::cpu::elementwise::math::Act;
 use crate::nn::cpu::elementwise::rows::{
     activate, activate_with_slope, add_norm, dropped, norm, norm_backward, times_slope,
 };
 use crate::nn::cpu::layers::packing::{packed_layer, Packing, View};
+use crate::nn::cpu::layers::prenorm_layer::{rotate_qk, Rotary};
 use crate::nn::cpu::products::gemm::{column_sums, product, product_new};
 use crate::nn::cpu::products::lora_branch::{
     node_inputs, AdapterGrads, Branches, LoraInput, NodeWeights,
@@ -330,13 +328,6 @@ struct Kept<T> {
     sum2: Option<Vec<T>>,
 }
 
-/// The rotary tables' values and each packed row's place in its sequence.
-struct Rotary<T> {
-    cos: Vec<T>,
-    sin: Vec<T>,
-    positions: Vec<usize>,
-}
-
 fn layer<T: Float>(
     x: &Tensor,
     w: &RotaryWeights,
@@ -356,14 +347,7 @@ fn layer<T: Float>(
     }
     let mask = KeyMask::new(View::new(&bias)?.values::<T>()?, dims.n, dims.s);
     let packing = Packing::new(&mask, dims.n, dims.s);
-    let table = |t: &Tensor| -> candle_core::Result<Vec<T>> {
-        t.to_dtype(x.dtype())?.flatten_all()?.to_vec1()
-    };
-    let rotary = Rotary {
-        cos: table(&spec.rotary.0)?,
-        sin: table(&spec.rotary.1)?,
-        positions: packing.padded.iter().map(|&r| r % dims.s).collect(),
-    };
+    let rotary = Rotary::new(&spec.rotary, &packing, dims.s, x.dtype())?;
     // Read by the forward, then owned by the backward.
     let shared = std::sync::Arc::new((weights, mask, rotary, spec.clone()));
     let owned = std::sync::Arc::clone(&shared);
@@ -394,25 +378,6 @@ fn layer<T: Float>(
             })
         },
     )
-}
-
-wide_fn! {
-/// Rotates the query and key parts of the packed `[rows, 3h]` `qkv` in place, each head
-/// at its row's place (`transpose`: the backward's `R^T`).
-fn rotate_qk<T: Float>(qkv: &mut [T], rotary: &Rotary<T>, dims: Shape, transpose: bool) {
-    let (h, d) = (dims.h, dims.d);
-    for_blocks(qkv, 3 * h, |blk, chunk| {
-        let first = blk * BLOCK_ROWS;
-        for (r, row) in chunk.chunks_exact_mut(3 * h).enumerate() {
-            let t = rotary.positions[first + r];
-            let c = &rotary.cos[t * d..(t + 1) * d];
-            let sn = &rotary.sin[t * d..(t + 1) * d];
-            for x in row[..2 * h].chunks_exact_mut(d) {
-                rotate_head(x, c, sn, transpose);
-            }
-        }
-    });
-}
 }
 
 /// `x W^T` of the projection `lora` (an index of [`RotaryWeights::lora`]) with its
@@ -515,7 +480,7 @@ fn forward<T: Float>(
     let h = dims.h;
     let places = &packing.padded;
     let mut qkv = projected(x, (w.wqkv, Some(w.bqkv), 3 * h), w, lora::QKV, h, places);
-    rotate_qk(&mut qkv, rotary, dims, false);
+    rotate_qk(&mut qkv, rotary, (dims.h, dims.d), false);
     let (ctx, probs) = attend(
         &qkv,
         (mask, &packing.rows),
@@ -701,7 +666,7 @@ fn backward<T: Float>(
         false,
     );
     drop(dctx);
-    rotate_qk(&mut dqkv, rotary, dims, true);
+    rotate_qk(&mut dqkv, rotary, (dims.h, dims.d), true);
     let dbqkv = column_sums(&dqkv, 3 * h);
     let dwqkv = product_if(slot::WQKV, &|| {
         product_new((3 * h, h, rows), (&dqkv, 1, 3 * h), (x, h, 1))
