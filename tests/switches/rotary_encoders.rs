@@ -219,6 +219,15 @@ fn rotary_configs_whose_arithmetic_is_not_built_are_refused_by_name() {
     let err = load_err(&dir);
     assert!(err.contains("even head width"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
+    let dir = edited(t, "gte", "config.json", |c| {
+        c["num_attention_heads"] = 5.into()
+    });
+    let err = load_err(&dir);
+    assert!(
+        err.contains("num_attention_heads") && err.contains("divide"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
     let dir = edited(t, "gte", "config.json", |c| c["hidden_act"] = "mish".into());
     let err = load_err(&dir);
     assert!(err.contains("hidden_act") && err.contains("mish"), "{err}");
