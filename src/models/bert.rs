@@ -39,6 +39,7 @@ pub use super::bert_config::{
 };
 use super::classifier::ClassifierHead;
 pub use super::classifier::ClassifierSpec;
+use super::deberta::{Disentangled, RelativeAux};
 use super::decoder::{Decoder, DecoderAux};
 use super::dense::Dense;
 pub use super::dense::{DenseActivation, DenseSpec};
@@ -118,7 +119,8 @@ mod site {
 
 struct Embeddings {
     words: Embedding,
-    positions: Embedding,
+    /// Absolute positions (none in DeBERTa-v3: `position_biased_input: false`).
+    positions: Option<Embedding>,
     /// BERT and RoBERTa have token types; MPNet has none.
     token_types: Option<Embedding>,
     norm: LayerNorm,
@@ -154,6 +156,8 @@ pub struct Bert {
     /// NomicBERT's, GTE's or Jina v3's embeddings and layers, which then replace BERT's.
     rotary: Option<Box<RotaryEncoder>>,
     relative_bias: Option<RelativeBias>,
+    /// DeBERTa's disentangled attention (relative embeddings shared by every layer).
+    disentangled: Option<Disentangled>,
     heads: usize,
     /// The position of the first token (see [`BertConfig::first_position`]).
     first_position: usize,
@@ -196,6 +200,8 @@ pub struct BertAux {
     kept: Vec<(usize, usize)>,
     /// MPNet's relative position bucket of every (query, key) pair `[s s]`.
     buckets: Option<Tensor>,
+    /// DeBERTa's relative embedding row of every (query, key) pair.
+    relative: Option<RelativeAux>,
     /// A multi-vector batch: the kept tokens `[n, s]` (in the head's dtype) and the token
     /// vectors each row's output is padded to.
     vectors: Option<(Tensor, usize)>,
@@ -245,6 +251,19 @@ impl Bert {
         let at = |l: &Linear, p: u32| l.at(ctx.mask_seed(layer_id(i), crate::nn::lora::site(p)));
         let (q, k, v) = (at(&layer.query, 0), at(&layer.key, 1), at(&layer.value, 2));
         let projections = [&q, &k, &v];
+        if let (Some(d), Some(relative)) = (&self.disentangled, &aux.relative) {
+            let spec = crate::nn::AttentionSpec {
+                scale: d.scale(head_dim),
+                ..spec
+            };
+            return crate::nn::self_attention_scored(
+                x,
+                projections,
+                self.heads,
+                &spec,
+                |qh, kh| d.score_bias((i, layer_id(i)), (qh, kh), (&q, &k), relative, ctx),
+            );
+        }
         match (&self.relative_bias, &aux.buckets) {
             (Some(relative), Some(buckets)) => {
                 let bias = relative.scores_bias(buckets, x.dim(1)?)?;
@@ -293,6 +312,9 @@ impl Bert {
         aux: &BertAux,
         ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
+        if self.disentangled.is_some() {
+            return Ok(None);
+        }
         let layer = &self.layers[i];
         let (Some(bq), Some(bk), Some(bv), Some(bo), Some(bi), Some(bd)) = (
             layer.query.bias(),
@@ -495,7 +517,15 @@ impl LayerStack for Bert {
             Some(relative) => Some(relative.buckets(mask.dim(1)?)?),
             None => None,
         };
+        let relative = match &self.disentangled {
+            Some(d) => {
+                let (n, s) = mask.dims2()?;
+                Some(d.aux((n, self.heads, s), mask.device())?)
+            }
+            None => None,
+        };
         Ok(BertAux {
+            relative,
             bias,
             mask,
             last_token_only: decoder.is_some()
@@ -535,13 +565,15 @@ impl LayerStack for Bert {
             }
         };
         let dropout = self.hidden_dropout.mask(ctx, 0, site::EMBEDDINGS);
-        if let (Precision::F32, Some(types)) = (self.options.precision, &e.token_types) {
+        if let (Precision::F32, Some(types), Some(positions)) =
+            (self.options.precision, &e.token_types, &e.positions)
+        {
             let fused = crate::nn::embeddings(
                 [&input.input_ids, &input.token_type_ids],
                 [
                     e.words.embeddings(),
                     types.embeddings(),
-                    e.positions.embeddings(),
+                    positions.embeddings(),
                 ],
                 self.first_position,
                 &e.norm,
@@ -559,7 +591,10 @@ impl LayerStack for Bert {
             Some(types) => words.add(&types.forward(&input.token_type_ids)?)?,
             None => words,
         };
-        let x = words.broadcast_add(&e.positions.forward(&positions)?)?;
+        let x = match &e.positions {
+            Some(table) => words.broadcast_add(&table.forward(&positions)?)?,
+            None => words,
+        };
         let x = e.norm.forward(&x)?;
         // Mixed precision: the layers run in the half dtype (`F32` keeps the weights' own
         // dtype, so a model stored in half precision runs in it).

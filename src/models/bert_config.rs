@@ -5,6 +5,7 @@
 
 use std::path::Path;
 
+pub use super::deberta_config::DebertaSettings;
 pub use super::decoder_config::{DecoderFields, DecoderKind, DecoderSettings};
 pub use super::family::{Activation, Family};
 pub use super::rotary_config::{RotaryKind, RotarySettings};
@@ -196,7 +197,7 @@ pub struct ModernSettings {
 
 /// The `model_type`s [`Family`] accepts, for errors.
 pub const SUPPORTED_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, distilbert, \
-    modernbert, nomic_bert, gte, jina_embeddings_v3, eurobert (encoders); qwen3, qwen2, llama, mistral, gemma3_text (decoders)";
+    modernbert, nomic_bert, gte, jina_embeddings_v3, eurobert, deberta-v2 (encoders); qwen3, qwen2, llama, mistral, gemma3_text (decoders)";
 
 impl BertConfig {
     /// A BERT of the given size with Hugging Face's defaults for everything else (GELU,
@@ -335,6 +336,16 @@ impl BertConfig {
                 cfg.pad_token_id = Some(pad);
             }
         }
+        if let Ok(Family::DebertaV2) = cfg.family(path) {
+            // transformers' DebertaV2Config defaults where they differ from BERT's.
+            let missing = |key: &str| !cfg.keys.iter().any(|k| k == key);
+            if missing("type_vocab_size") {
+                cfg.type_vocab_size = 0;
+            }
+            if missing("layer_norm_eps") {
+                cfg.layer_norm_eps = 1e-7;
+            }
+        }
         cfg.validate(path)?;
         Ok(cfg)
     }
@@ -356,7 +367,7 @@ impl BertConfig {
         }
         let own_keys = self
             .family(Path::new("config"))
-            .is_ok_and(|f| f.is_decoder() || f.is_rotary_post_norm());
+            .is_ok_and(|f| f.is_decoder() || f.is_rotary_post_norm() || f == Family::DebertaV2);
         if own_keys && !self.keys.is_empty() {
             if let Some(map) = value.as_object_mut() {
                 map.retain(|k, _| self.keys.iter().any(|key| key == k));
@@ -382,6 +393,7 @@ impl BertConfig {
             Some("nomic_bert") => Ok(Family::NomicBert),
             Some("gte") => Ok(Family::Gte),
             Some("jina_embeddings_v3") => Ok(Family::JinaV3),
+            Some("deberta-v2") => Ok(Family::DebertaV2),
             Some(other) => Err(Error::UnsupportedConfig {
                 field: "model_type",
                 value: other.to_string(),
@@ -446,6 +458,19 @@ impl BertConfig {
         };
         let fields = self.decoder_fields();
         RotarySettings::from_config(&fields, self.activation(path)?, kind, path)
+    }
+
+    /// DeBERTa-v2/v3's settings, read from the config's fields beyond BERT's.
+    pub fn deberta(&self, path: &Path) -> Result<DebertaSettings> {
+        DebertaSettings::from_config(
+            &self.extra,
+            (
+                self.hidden_size,
+                self.num_attention_heads,
+                self.max_position_embeddings,
+            ),
+            path,
+        )
     }
 
     /// ModernBERT's settings, read from the config's fields beyond BERT's.
@@ -624,6 +649,10 @@ impl BertConfig {
                 });
             }
         }
+        let deberta = self.family(path)? == Family::DebertaV2;
+        if deberta {
+            self.deberta(path)?;
+        }
         if self.family(path)? == Family::MpNet && self.relative_attention_buckets() < 4 {
             return Err(Error::InvalidConfig {
                 field: "relative_attention_num_buckets",
@@ -651,7 +680,11 @@ impl BertConfig {
             ("num_attention_heads", self.num_attention_heads),
             ("intermediate_size", self.intermediate_size),
             ("max_position_embeddings", self.max_position_embeddings),
-            ("type_vocab_size", self.type_vocab_size),
+            // DeBERTa's default is none.
+            (
+                "type_vocab_size",
+                self.type_vocab_size.max(usize::from(deberta)),
+            ),
         ];
         if self.max_tokens() == 0 {
             return Err(Error::InvalidConfig {

@@ -7,6 +7,8 @@
 //! - RoBERTa, XLM-R, CamemBERT and MPNet: on the first token dropout,
 //!   `classifier.dense`, tanh, dropout, `classifier.out_proj`;
 //! - DistilBERT: `pre_classifier` on the first token, ReLU, dropout, `classifier`;
+//! - DeBERTa-v2/v3: on the first token dropout (`pooler_dropout`), `pooler.dense`, the
+//!   `pooler_hidden_act`, dropout (`cls_dropout`, else the hidden dropout), `classifier`;
 //! - ModernBERT: the first token or the mean of the real tokens (`classifier_pooling`),
 //!   `head.dense` (bias as `classifier_bias`), the `classifier_activation`, `head.norm`,
 //!   dropout, `classifier`;
@@ -60,7 +62,7 @@ pub enum HeadKind {
 
 /// The families with a classification head, for errors.
 pub const CLASSIFIER_FAMILIES: &str = "bert, roberta, xlm-roberta, camembert, mpnet, \
-                                       distilbert, modernbert, qwen3, qwen2, llama, mistral, \
+                                       distilbert, modernbert, deberta-v2, qwen3, qwen2, llama, mistral, \
                                        gemma3_text";
 
 /// Whether a decoder's language-model head is its word embeddings
@@ -79,6 +81,7 @@ pub fn head_modules(cfg: &BertConfig, family: Family, kind: HeadKind) -> &'stati
     match (family, kind) {
         (Family::Bert | Family::Roberta | Family::MpNet, _) => &["classifier"],
         (Family::DistilBert, _) => &["pre_classifier", "classifier"],
+        (Family::DebertaV2, _) => &["pooler", "classifier"],
         (Family::ModernBert, _) => &["head", "classifier"],
         (_, HeadKind::LogitScore { .. }) if ties_word_embeddings(cfg, family) => &[],
         (_, HeadKind::LogitScore { .. }) => &["lm_head"],
@@ -107,6 +110,12 @@ enum Layout {
     Roberta { dense: Linear },
     /// DistilBERT: pre_classifier, ReLU.
     DistilBert { pre: Linear },
+    /// DeBERTa: dropout, the pooler's dense and activation.
+    Deberta {
+        pooler: Linear,
+        act: Act,
+        dropout: Dropout,
+    },
     /// ModernBERT: dense, activation, norm.
     ModernBert {
         dense: Linear,
@@ -238,6 +247,41 @@ impl ClassifierHead {
                 Pooling::Cls,
                 num("seq_classif_dropout").unwrap_or(0.2),
             ),
+            Family::DebertaV2 => {
+                let act = match x.get("pooler_hidden_act").and_then(|v| v.as_str()) {
+                    None | Some("gelu") => Act::GeluErf,
+                    Some("gelu_new" | "gelu_pytorch_tanh") => Act::GeluTanh,
+                    Some("relu") => Act::Relu,
+                    Some("silu" | "swish") => Act::Silu,
+                    Some(other) => {
+                        return Err(Error::UnsupportedConfig {
+                            field: "pooler_hidden_act",
+                            value: other.to_string(),
+                            supported: "gelu, gelu_new, gelu_pytorch_tanh, relu, silu",
+                            path: path.to_path_buf(),
+                        })
+                    }
+                };
+                if let Some(w) = num("pooler_hidden_size").filter(|&w| w as usize != h) {
+                    return Err(Error::UnsupportedConfig {
+                        field: "pooler_hidden_size",
+                        value: w.to_string(),
+                        supported: "the hidden size",
+                        path: path.to_path_buf(),
+                    });
+                }
+                let pooler_dropout = Dropout::new(num("pooler_dropout").unwrap_or(0.0) as f32)?;
+                (
+                    Layout::Deberta {
+                        pooler: Linear::normal(h, h, std, at("pooler.dense"))?,
+                        act,
+                        dropout: pooler_dropout,
+                    },
+                    Linear::normal(h, spec.labels, std, at("classifier"))?,
+                    Pooling::Cls,
+                    num("cls_dropout").unwrap_or(cfg.hidden_dropout_prob),
+                )
+            }
             Family::ModernBert => {
                 let flag = |key: &str, default: bool| {
                     x.get(key).and_then(|v| v.as_bool()).unwrap_or(default)
@@ -328,6 +372,14 @@ impl ClassifierHead {
                 drop(&t, 1)?
             }
             Layout::DistilBert { pre } => drop(&pre.forward_activated(&pooled, Act::Relu)?, 0)?,
+            Layout::Deberta {
+                pooler,
+                act,
+                dropout,
+            } => {
+                let t = dropout.forward(&pooled, ctx, self.layer, 2)?;
+                drop(&pooler.forward_activated(&t, *act)?, 1)?
+            }
             Layout::ModernBert { dense, act, norm } => {
                 let t = norm.forward(&dense.forward_activated(&pooled, *act)?)?;
                 drop(&t, 0)?

@@ -51,6 +51,11 @@ pub enum Family {
     /// `eurobert`: an encoder on the Llama layer (RMSNorm, rotary positions, grouped KV
     /// heads, SwiGLU, a final norm) with bidirectional attention.
     EuroBert,
+    /// `deberta-v2` (DeBERTa-v2 and v3): BERT's post-norm layers with disentangled
+    /// attention (content-to-position and position-to-content terms over log-bucketed
+    /// relative positions), absolute positions only where the config adds them, token
+    /// types only where it has some.
+    DebertaV2,
 }
 
 impl Family {

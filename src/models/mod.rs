@@ -11,6 +11,8 @@
 pub mod bert;
 mod bert_config;
 pub mod classifier;
+mod deberta;
+mod deberta_config;
 mod decoder;
 mod decoder_config;
 mod dense;

@@ -117,8 +117,22 @@ pub fn self_attention_biased(
     spec: &cpu::AttentionSpec,
     score_bias: &Tensor,
 ) -> Result<Tensor> {
+    self_attention_scored(x, projections, heads, spec, |_, _| Ok(score_bias.clone()))
+}
+
+/// Self-attention whose scores get an additive bias computed from the heads' queries and
+/// keys `[n, heads, s, d]`: `softmax(scale q k^T + mask + score_bias(q, k))` (DeBERTa's
+/// disentangled terms), composed as [`self_attention_biased`].
+pub fn self_attention_scored(
+    x: &Tensor,
+    projections: [&Linear; 3],
+    heads: usize,
+    spec: &cpu::AttentionSpec,
+    score_bias: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
     multi_head(x, projections, heads, |q, k, v| {
-        let bias = cast(score_bias, q.dtype())?.broadcast_add(&cast(&spec.bias, q.dtype())?)?;
+        let score_bias = score_bias(q, k)?;
+        let bias = cast(&score_bias, q.dtype())?.broadcast_add(&cast(&spec.bias, q.dtype())?)?;
         let spec = cpu::AttentionSpec {
             bias,
             ..spec.clone()

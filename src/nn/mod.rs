@@ -40,7 +40,8 @@ pub use dispatch::{fused_kernels, run_gpu_nodes_on_cpu, set_fused_kernels, set_g
 pub use family_ops::{
     attention_with_bias, decoder_layer, glu, glu_composed, grouped_attention,
     grouped_attention_composed, pattern_bias, prenorm_layer, rms_norm, rotary, rotary_composed,
-    rotary_post_norm_layer, self_attention_biased, token_embeddings, window_bias,
+    rotary_post_norm_layer, self_attention_biased, self_attention_scored, token_embeddings,
+    window_bias,
 };
 pub use layer_norm::LayerNorm;
 pub use linear_layer::Linear;

@@ -46,6 +46,7 @@ fn architecture(cfg: &BertConfig, kind: HeadKind) -> Result<(String, &'static st
         (Family::Roberta, _) => (class("Roberta"), "roberta."),
         (Family::MpNet, _) => (class("MPNet"), "mpnet."),
         (Family::DistilBert, _) => (class("DistilBert"), "distilbert."),
+        (Family::DebertaV2, _) => (class("DebertaV2"), "deberta."),
         (Family::ModernBert, _) => (class("ModernBert"), "model."),
         (Family::Qwen3, _) => (class("Qwen3"), "model."),
         (Family::Qwen2, _) => (class("Qwen2"), "model."),

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 
 /// The encoder families of the fixtures.
-pub const ENCODERS: [&str; 10] = [
+pub const ENCODERS: [&str; 11] = [
     "bert",
     "roberta",
     "xlm-roberta",
@@ -20,6 +20,7 @@ pub const ENCODERS: [&str; 10] = [
     "nomic_bert",
     "gte",
     "jina_embeddings_v3",
+    "deberta-v2",
 ];
 
 /// The decoder families of the fixtures.

@@ -327,21 +327,6 @@ fn sentence_transformers_files_of_every_version_are_read() {
     }
 }
 
-/// DeBERTa-v2/v3, not built yet (issue 70), saved by sentence-transformers 6.3 with
-/// transformers 5.2x (`scripts/make_new_family_fixtures.py`), is refused by its
-/// `model_type`, naming the supported families, before any weight is read.
-#[test]
-fn deberta_is_refused_by_name() {
-    let _switches = crate::steady();
-    let kind = "deberta-v2";
-    let err = EmbeddingModel::load(fixture(kind).to_str().unwrap(), &LoadOptions::default())
-        .err()
-        .unwrap_or_else(|| panic!("{kind} loaded"))
-        .to_string();
-    assert!(err.contains(kind), "{err}");
-    assert!(err.contains("qwen3") && err.contains("nomic_bert"), "{err}");
-}
-
 #[test]
 fn another_model_type_is_refused_naming_the_supported_families() {
     let _switches = crate::steady();

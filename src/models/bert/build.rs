@@ -44,6 +44,19 @@ impl LayerNames {
                 attention_norm: "sa_layer_norm",
                 output_norm: "output_layer_norm",
             },
+            Family::DebertaV2 => Self {
+                layers: "encoder.layer",
+                projections: [
+                    "attention.self.query_proj",
+                    "attention.self.key_proj",
+                    "attention.self.value_proj",
+                    "attention.output.dense",
+                    "intermediate.dense",
+                    "output.dense",
+                ],
+                attention_norm: "attention.output.LayerNorm",
+                output_norm: "output.LayerNorm",
+            },
             _ => Self {
                 layers: "encoder.layer",
                 projections: [
@@ -134,6 +147,7 @@ impl Bert {
                 decoder: Some(Box::new(decoder)),
                 rotary: None,
                 relative_bias: None,
+                disentangled: None,
                 heads: cfg.num_attention_heads,
                 first_position: 0,
                 max_positions: cfg.max_tokens(),
@@ -157,6 +171,7 @@ impl Bert {
                 decoder: None,
                 rotary: Some(Box::new(rotary)),
                 relative_bias: None,
+                disentangled: None,
                 heads: cfg.num_attention_heads,
                 first_position: 0,
                 max_positions: cfg.max_tokens(),
@@ -179,6 +194,7 @@ impl Bert {
                 decoder: None,
                 rotary: None,
                 relative_bias: None,
+                disentangled: None,
                 heads: cfg.num_attention_heads,
                 first_position: 0,
                 max_positions: cfg.max_tokens(),
@@ -193,8 +209,13 @@ impl Bert {
             });
         }
         let e = vb.pp("embeddings");
+        let deberta = match family {
+            Family::DebertaV2 => Some(cfg.deberta(path)?),
+            _ => None,
+        };
         let token_types = match family {
             Family::MpNet | Family::DistilBert => None,
+            Family::DebertaV2 if cfg.type_vocab_size == 0 => None,
             _ => Some(embedding(
                 cfg.type_vocab_size,
                 h,
@@ -204,12 +225,15 @@ impl Bert {
         };
         let embeddings = Embeddings {
             words: embedding(cfg.vocab_size, h, std, e.pp("word_embeddings"))?,
-            positions: embedding(
-                cfg.max_position_embeddings,
-                h,
-                std,
-                e.pp("position_embeddings"),
-            )?,
+            positions: match &deberta {
+                Some(d) if !d.absolute_positions => None,
+                _ => Some(embedding(
+                    cfg.max_position_embeddings,
+                    h,
+                    std,
+                    e.pp("position_embeddings"),
+                )?),
+            },
             token_types,
             norm: LayerNorm::new(h, eps, e.pp("LayerNorm"))?,
         };
@@ -253,6 +277,21 @@ impl Bert {
             }
             _ => None,
         };
+        let disentangled = match deberta.and_then(|d| d.relative) {
+            Some(relative) => Some(Disentangled::new(
+                relative,
+                (
+                    cfg.num_hidden_layers,
+                    h,
+                    eps,
+                    std,
+                    cfg.hidden_dropout_prob as f32,
+                ),
+                lora,
+                &vb,
+            )?),
+            None => None,
+        };
         Ok(Self {
             embeddings: Some(embeddings),
             layers,
@@ -260,6 +299,7 @@ impl Bert {
             decoder: None,
             rotary: None,
             relative_bias,
+            disentangled,
             heads: cfg.num_attention_heads,
             first_position: cfg.first_position(),
             max_positions: cfg.max_tokens(),
@@ -377,6 +417,7 @@ pub fn with_model_weights(
         "roberta.",
         "mpnet.",
         "distilbert.",
+        "deberta.",
         "model.",
         "new.",
     ]
