@@ -48,7 +48,7 @@ fn glob(pattern: &[u8], text: &[u8]) -> bool {
 /// `Wi`), the decoders and EuroBERT (`q_proj` .. `down_proj`), NomicBERT and Jina v3
 /// (`Wqkv`, `out_proj`, `fc11` / `fc12` / `fc2`, `fc1` / `fc2`) and GTE (`qkv_proj`,
 /// `o_proj`, `up_gate_proj`, `down_proj`). The default targets.
-pub const DEFAULT_TARGETS: [&str; 31] = [
+pub const DEFAULT_TARGETS: [&str; 36] = [
     "query",
     "key",
     "value",
@@ -80,6 +80,11 @@ pub const DEFAULT_TARGETS: [&str; 31] = [
     "fc12",
     "fc1",
     "fc2",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "pos_query_proj",
+    "pos_key_proj",
 ];
 
 /// Whether PEFT's `target_modules` entry `target` names the module at `path`: the path

@@ -38,6 +38,15 @@ fn config(family: &str) -> BertConfig {
         "nomic_bert" | "gte" | "jina_embeddings_v3" => {
             set("rope_theta", 50.0.into());
         }
+        "deberta-v2" => {
+            // Disentangled attention with each layer's own position projections (the
+            // fixture shares the attention's), absolute positions and token types.
+            set("relative_attention", true.into());
+            set("position_buckets", 4.into());
+            set("max_relative_positions", 8.into());
+            set("pos_att_type", "p2c|c2p".into());
+            set("norm_rel_ebd", "layer_norm".into());
+        }
         "qwen3" => {
             set("head_dim", 6.into());
             set("num_key_value_heads", 1.into());
@@ -56,7 +65,7 @@ fn config(family: &str) -> BertConfig {
     cfg
 }
 
-const FAMILIES: [&str; 8] = [
+const FAMILIES: [&str; 9] = [
     "bert",
     "distilbert",
     "mpnet",
@@ -65,6 +74,7 @@ const FAMILIES: [&str; 8] = [
     "nomic_bert",
     "gte",
     "jina_embeddings_v3",
+    "deberta-v2",
 ];
 
 /// Rows of different lengths, right-padded.
@@ -148,6 +158,8 @@ fn adapters_alone_train_and_their_gradients_are_the_chain_rule_through_the_merge
             "qwen3" => 7,
             "nomic_bert" => 5,
             "modernbert" | "gte" | "jina_embeddings_v3" => 4,
+            // BERT's six and each layer's own position query and key projections.
+            "deberta-v2" => 8,
             _ => 6,
         };
         assert_eq!(projections, 3 * per_layer, "{family}: adapted projections");
