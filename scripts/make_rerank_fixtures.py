@@ -6,7 +6,8 @@ CI; the venv of scripts/peer-bench has what it needs):
     ~/.cache/gradcache/peer-venv/bin/python scripts/make_rerank_fixtures.py
                                                    # writes tests/fixtures/rerank/
 
-For each encoder family (bert, roberta, xlm-roberta, mpnet, distilbert, modernbert) the
+For each encoder family (bert, roberta, xlm-roberta, mpnet, distilbert, modernbert,
+deberta-v2) the
 tiny model of tests/fixtures/families/<family> gets its family's classification head
 (`AutoModelForSequenceClassification`, one label; ModernBERT's with mean pooling), every
 head weight drawn away from its initialisation, and is saved by `CrossEncoder.save` as
@@ -45,9 +46,10 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "tests", "fixtures", "rerank")
-FAMILIES = ["bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "modernbert"]
+FAMILIES = ["bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "modernbert",
+            "deberta-v2"]
 BASE = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "mpnet": "mpnet",
-        "distilbert": "distilbert", "modernbert": "model"}
+        "distilbert": "distilbert", "modernbert": "model", "deberta-v2": "deberta"}
 
 QUERIES = [
     "Who created the heaven and the earth?",

@@ -45,7 +45,7 @@ fn every_family_scores_pairs_as_sentence_transformers_cross_encoder() {
         .map(|(q, d)| (q.as_str(), d.as_str()))
         .collect();
     let families = meta["families"].as_object().unwrap();
-    assert_eq!(families.len(), 6);
+    assert_eq!(families.len(), 7);
     for (family, want) in families {
         let model = CrossEncoder::load(dir().join(family).to_str().unwrap(), None, &Device::Cpu)
             .unwrap_or_else(|e| panic!("{family}: {e}"));

@@ -348,3 +348,63 @@ fn the_shipped_reranker_config_learns() {
         / 5.0;
     assert!(last < first, "loss {first} -> {last}");
 }
+
+/// DeBERTa-v3 as a reranker's encoder (the base of most strong cross-encoders): a run of
+/// the fixture's `DebertaV2ForSequenceClassification` trains every parameter (its
+/// ContextPooler head, the relative embeddings and their norm included) and exports the
+/// family's head under transformers' names, which loads back and scores the trained
+/// model's pairs differently from the untrained one's.
+#[test]
+fn a_deberta_reranker_trains_every_parameter_and_exports_its_head() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config_for(
+        tmp.path(),
+        &fixture().join("deberta-v2"),
+        "[loss.reranker]\nkind = \"multiple_negatives\"\nnum_negatives = 2",
+    );
+    let mut trainer = RerankTrainer::reranker(cfg.clone(), None, single()).unwrap();
+    let snapshot = |t: &RerankTrainer| -> Vec<(String, Vec<f32>)> {
+        t.state()
+            .unwrap()
+            .iter()
+            .map(|(n, v)| {
+                let values = v.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+                (n.to_string(), values)
+            })
+            .collect()
+    };
+    let before = snapshot(&trainer);
+    for name in [
+        "encoder.rel_embeddings.weight",
+        "encoder.LayerNorm.weight",
+        "pooler.dense.weight",
+        "classifier.weight",
+    ] {
+        assert!(before.iter().any(|(n, _)| n == name), "no `{name}`");
+    }
+    trainer.run(&mut Losses::default()).unwrap();
+    let after = snapshot(&trainer);
+    for ((name, was), (_, now)) in before.iter().zip(&after) {
+        assert_ne!(was, now, "`{name}` did not train");
+    }
+    let model_dir = cfg.output_dir.join("model");
+    let exported: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(model_dir.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        exported["architectures"],
+        serde_json::json!(["DebertaV2ForSequenceClassification"])
+    );
+    assert_eq!(exported["model_type"], "deberta-v2");
+    let pairs = [("light", "Let there be light"), ("void", "the earth was void")];
+    let device = candle_core::Device::Cpu;
+    let trained = CrossEncoder::load(model_dir.to_str().unwrap(), None, &device).unwrap();
+    let untrained = fixture().join("deberta-v2");
+    let untrained = CrossEncoder::load(untrained.to_str().unwrap(), None, &device).unwrap();
+    let (a, b) = (
+        trained.logits(&pairs, 2).unwrap(),
+        untrained.logits(&pairs, 2).unwrap(),
+    );
+    assert!(a.iter().flatten().all(|v| v.is_finite()), "{a:?}");
+    assert_ne!(a, b, "the export scores as the untrained model");
+}
