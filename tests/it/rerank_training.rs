@@ -389,14 +389,16 @@ fn a_deberta_reranker_trains_every_parameter_and_exports_its_head() {
     }
     let model_dir = cfg.output_dir.join("model");
     let exported: serde_json::Value =
-        serde_json::from_str(&fs::read_to_string(model_dir.join("config.json")).unwrap())
-            .unwrap();
+        serde_json::from_str(&fs::read_to_string(model_dir.join("config.json")).unwrap()).unwrap();
     assert_eq!(
         exported["architectures"],
         serde_json::json!(["DebertaV2ForSequenceClassification"])
     );
     assert_eq!(exported["model_type"], "deberta-v2");
-    let pairs = [("light", "Let there be light"), ("void", "the earth was void")];
+    let pairs = [
+        ("light", "Let there be light"),
+        ("void", "the earth was void"),
+    ];
     let device = candle_core::Device::Cpu;
     let trained = CrossEncoder::load(model_dir.to_str().unwrap(), None, &device).unwrap();
     let untrained = fixture().join("deberta-v2");

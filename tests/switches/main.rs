@@ -13,8 +13,8 @@
 //! - `lora`: adapters inside the layer nodes;
 //! - `loss_directions`: the loss kernel's directions against sentence-transformers;
 //! - `multi_vector`: MaxSim and distillation on both paths;
-//! - `rotary_encoders`: NomicBERT, GTE, Jina v3 (and EuroBERT) under dropout, recompute
-//!   and the composed ops, their prompts and refusals.
+//! - `newer_encoders`: NomicBERT, GTE, Jina v3, EuroBERT and DeBERTa under dropout,
+//!   recompute and the composed ops, their prompts and refusals.
 
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -30,7 +30,7 @@ mod gpu_nodes;
 mod lora;
 mod loss_directions;
 mod multi_vector;
-mod rotary_encoders;
+mod newer_encoders;
 
 /// Taken for writing by a test that switches the kernels, for reading by every other.
 static SWITCHES: RwLock<()> = RwLock::new(());

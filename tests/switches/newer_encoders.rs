@@ -1,9 +1,10 @@
-//! The rotary post-norm encoders (NomicBERT, GTE, Jina v3) and EuroBERT beyond what
-//! `families` holds every family to: NomicBERT's query and document prompts as
-//! sentence-transformers encodes them; with dropout on (GTE's on the gated product too),
-//! selective recompute of every site gives keeping's step bit for bit, the cache and the
-//! full batch the same step, and the composed ops the fused nodes' step; configs whose
-//! arithmetic is not built (rope types, Jina v3's task adapters) refused by name.
+//! The rotary post-norm encoders (NomicBERT, GTE, Jina v3), EuroBERT and DeBERTa-v2/v3
+//! beyond what `families` holds every family to: NomicBERT's query and document prompts
+//! as sentence-transformers encodes them; with dropout on (GTE's on the gated product,
+//! DeBERTa's on the relative embeddings too), selective recompute of every site gives
+//! keeping's step bit for bit, the cache and the full batch the same step, and the
+//! composed ops the fused nodes' step; configs whose arithmetic is not built (rope types,
+//! Jina v3's task adapters, DeBERTa's convolution, ...) refused by name.
 
 use std::path::Path;
 
@@ -18,6 +19,11 @@ use crate::common::{max_abs, max_diff};
 use crate::families::{edited, load_err};
 
 const ROTARY: [&str; 3] = ["nomic_bert", "gte", "jina_embeddings_v3"];
+
+/// DeBERTa-v3's layout (the attention's own projections shared with the positions, no
+/// absolute positions, no token types) and DeBERTa-v2's (own position projections,
+/// absolute positions, token types, `pos_att_type` as a string).
+const DEBERTA: [&str; 2] = ["deberta-v3", "deberta-v2"];
 
 #[test]
 fn nomic_prompts_embed_as_sentence_transformers_encodes_them() {
@@ -49,6 +55,26 @@ fn config(family: &str) -> BertConfig {
     let mut cfg = BertConfig::new(60, 16, 2, 2, 24, 48);
     cfg.initializer_range = 0.2;
     cfg.model_type = Some(family.into());
+    if family.starts_with("deberta") {
+        cfg.model_type = Some("deberta-v2".into());
+        let v3 = family == "deberta-v3";
+        let mut set = |key: &str, value: serde_json::Value| {
+            cfg.extra.insert(key.into(), value);
+        };
+        set("relative_attention", true.into());
+        set("position_buckets", 4.into());
+        set("max_relative_positions", 8.into());
+        set("norm_rel_ebd", "layer_norm".into());
+        set("share_att_key", v3.into());
+        set("position_biased_input", (!v3).into());
+        match v3 {
+            true => set("pos_att_type", serde_json::json!(["p2c", "c2p"])),
+            false => set("pos_att_type", "c2p|p2c".into()),
+        }
+        if v3 {
+            cfg.type_vocab_size = 0;
+        }
+    }
     cfg.hidden_dropout_prob = 0.1;
     cfg.attention_probs_dropout_prob = 0.1;
     cfg.extra.insert("rope_theta".into(), 50.0.into());
@@ -128,7 +154,7 @@ fn gradient_error(got: &Gradients, want: &Gradients) -> f64 {
 #[test]
 fn selective_recompute_with_dropout_gives_keepings_step_bit_for_bit() {
     let _switches = crate::steady();
-    for family in ROTARY.into_iter().chain(["eurobert"]) {
+    for family in ROTARY.into_iter().chain(["eurobert"]).chain(DEBERTA) {
         let off = step(family, 3, Recompute::Off, true);
         assert!(off.grads.len() > 10, "{family}");
         let plain = step(family, 3, Recompute::Off, false);
@@ -139,6 +165,7 @@ fn selective_recompute_with_dropout_gives_keepings_step_bit_for_bit() {
         // inside segments of one layer.
         let keep = match family {
             "eurobert" => vec![],
+            f if f.starts_with("deberta") => vec!["attention.output.LayerNorm".into()],
             _ => vec!["post_attention_layernorm".into()],
         };
         let keep = Recompute::Selective {
@@ -154,7 +181,7 @@ fn selective_recompute_with_dropout_gives_keepings_step_bit_for_bit() {
 #[test]
 fn the_cache_with_recompute_gives_the_full_batch_step() {
     let _switches = crate::steady();
-    for family in ROTARY {
+    for family in ROTARY.into_iter().chain(DEBERTA) {
         let full = step(family, 6, Recompute::Off, false);
         for (chunk, recompute) in [(1, Recompute::Attention), (4, Recompute::EveryLayer)] {
             let cached = step(family, chunk, recompute.clone(), false);
@@ -246,4 +273,51 @@ fn rotary_configs_whose_arithmetic_is_not_built_are_refused_by_name() {
     });
     let err = load_err(&dir);
     assert!(err.contains("hidden_dropout_prob"), "{err}");
+}
+
+#[test]
+fn deberta_configs_whose_arithmetic_is_not_built_are_refused_by_name() {
+    let _switches = crate::steady();
+    let tmp = tempfile::tempdir().unwrap();
+    let t: &Path = tmp.path();
+    let cases: [(&str, serde_json::Value, &str); 6] = [
+        ("conv_kernel_size", 3.into(), "conv_kernel_size"),
+        ("embedding_size", 16.into(), "embedding_size"),
+        ("attention_head_size", 4.into(), "attention_head_size"),
+        ("pos_att_type", serde_json::json!(["c2p", "p2p"]), "p2p"),
+        ("norm_rel_ebd", "batch_norm".into(), "batch_norm"),
+        ("position_buckets", 2.into(), "position_buckets"),
+    ];
+    for (key, value, named) in cases {
+        let dir = edited(t, "deberta-v2", "config.json", |c| c[key] = value.clone());
+        let err = load_err(&dir);
+        assert!(err.contains(named), "{key}: {err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    // The classification head's activation, on the reranker fixture.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let reranker = t.join("reranker");
+    common::copy_dir(&root.join("tests/fixtures/rerank/deberta-v2"), &reranker);
+    let path = reranker.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    c["pooler_hidden_act"] = "mish".into();
+    std::fs::write(&path, c.to_string()).unwrap();
+    let err = gradcache::rerank::CrossEncoder::load(reranker.to_str().unwrap(), None, &Device::Cpu)
+        .err()
+        .expect("a head of an unknown activation loaded")
+        .to_string();
+    assert!(
+        err.contains("pooler_hidden_act") && err.contains("mish"),
+        "{err}"
+    );
+    // DeBERTa v1 (`deberta`) is another model type.
+    let dir = edited(t, "deberta-v2", "config.json", |c| {
+        c["model_type"] = "deberta".into()
+    });
+    let err = load_err(&dir);
+    assert!(
+        err.contains("deberta-v2") && err.contains("model_type"),
+        "{err}"
+    );
 }
