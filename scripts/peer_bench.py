@@ -16,9 +16,10 @@ process's peak RSS.
 
 make: a randomly initialised base-size model of FAMILY (bert, roberta, xlm-roberta,
 mpnet, modernbert: the sizes of bert-base / roberta-base / xlm-roberta-base /
-mpnet-base / ModernBERT-base; nomic_bert, gte, jina_embeddings_v3, eurobert: 768 wide, 12
-layers of 12 heads, feed-forward 3,072, as nomic-embed-text-v1.5, gte-base-en-v1.5 and
-EuroBERT-210m (Jina v3 at that base size, not its 1,024-wide release); qwen3: four layers of Qwen3-Embedding-0.6B's shape) with the
+mpnet-base / ModernBERT-base; nomic_bert, gte, jina_embeddings_v3, eurobert, deberta-v2:
+768 wide, 12 layers of 12 heads, feed-forward 3,072, as nomic-embed-text-v1.5,
+gte-base-en-v1.5, EuroBERT-210m and DeBERTa-v3-base (256 position buckets) (Jina v3 at that
+base size, not its 1,024-wide release); qwen3: four layers of Qwen3-Embedding-0.6B's shape) with the
 tokenizer of its fixture in tests/fixtures/families (a vocabulary of a few hundred tokens
 on both sides), saved as a sentence-transformers directory (mean pooling; qwen3 last-token
 pooling and Normalize, left padding, as Qwen3-Embedding) that both sides load.
@@ -117,6 +118,8 @@ def make(family, out):
             base["head_dim"] = 64  # the fixtures' explicit head width, at base size
         if family == "eurobert":
             base["num_key_value_heads"] = 12  # EuroBERT-210m's
+        if family == "deberta-v2":
+            base["position_buckets"] = 256  # DeBERTa-v3-base's
         cfg = type(small)(**{**small.to_dict(), **base, "max_position_embeddings": small.max_position_embeddings + 512})
     torch.manual_seed(0)
     model = transformers.AutoModel.from_config(cfg)

@@ -312,9 +312,6 @@ impl Bert {
         aux: &BertAux,
         ctx: &Ctx,
     ) -> Result<Option<Tensor>> {
-        if self.disentangled.is_some() {
-            return Ok(None);
-        }
         let layer = &self.layers[i];
         let (Some(bq), Some(bk), Some(bv), Some(bo), Some(bi), Some(bd)) = (
             layer.query.bias(),
@@ -361,7 +358,10 @@ impl Bert {
             eps: layer.attention_norm.eps(),
             attention: crate::nn::AttentionSpec {
                 bias: aux.bias.clone(),
-                scale: 1.0 / (head_dim as f64).sqrt(),
+                scale: match &self.disentangled {
+                    Some(d) => d.scale(head_dim),
+                    None => 1.0 / (head_dim as f64).sqrt(),
+                },
                 dropout: self.attention_dropout.mask(ctx, id, site::ATTENTION_PROBS),
                 recompute: recompute(SITE_ATTENTION_PROBS),
                 window: None,
@@ -377,6 +377,19 @@ impl Bert {
             recompute_output_norm: recompute(SITE_OUTPUT_NORM),
             score_bias: match (&self.relative_bias, &aux.buckets) {
                 (Some(relative), Some(buckets)) => Some(relative.scores_bias(buckets, x.dim(1)?)?),
+                _ => None,
+            },
+            relative: match (&self.disentangled, &aux.relative) {
+                (Some(d), Some(relative)) => {
+                    let at = |l: &Linear, p: u32| l.at(ctx.mask_seed(id, crate::nn::lora::site(p)));
+                    let (query, key) = (at(&layer.query, 0), at(&layer.key, 1));
+                    let (key, query) = d.positions((i, id), (&query, &key), x.dtype(), ctx)?;
+                    Some(crate::nn::cpu::encoder_layer::RelativeSpec {
+                        key,
+                        query,
+                        index: Disentangled::index_rows(relative),
+                    })
+                }
                 _ => None,
             },
         };
@@ -517,13 +530,10 @@ impl LayerStack for Bert {
             Some(relative) => Some(relative.buckets(mask.dim(1)?)?),
             None => None,
         };
-        let relative = match &self.disentangled {
-            Some(d) => {
-                let (n, s) = mask.dims2()?;
-                Some(d.aux((n, self.heads, s), mask.device())?)
-            }
-            None => None,
-        };
+        let relative = self
+            .disentangled
+            .as_ref()
+            .map(|d| d.aux(input.input_ids.dims2().map_or(0, |(_, s)| s)));
         Ok(BertAux {
             relative,
             bias,

@@ -41,10 +41,10 @@ pub struct Disentangled {
 }
 
 /// The per-chunk index of the relative embeddings' row each (query, key) pair reads,
-/// broadcast to the scores' shape `[n, heads, s, s]` (and its transpose for p2c).
+/// `[s, s]` row-major.
 pub struct RelativeAux {
-    index: Tensor,
-    transposed: Tensor,
+    index: std::sync::Arc<Vec<u32>>,
+    s: usize,
 }
 
 impl Disentangled {
@@ -107,20 +107,62 @@ impl Disentangled {
         self.settings.scale(head_dim)
     }
 
-    /// The relative index of a chunk of `n` sequences of `s` tokens under `heads` heads.
-    pub fn aux(
-        &self,
-        (n, heads, s): (usize, usize, usize),
-        device: &candle_core::Device,
-    ) -> Result<RelativeAux> {
+    /// The relative index of a chunk of sequences of `s` tokens.
+    pub fn aux(&self, s: usize) -> RelativeAux {
         let index = super::deberta_config::relative_index(&self.settings, s);
-        let index = Tensor::from_vec(index, (1, 1, s, s), device)?;
-        let expand =
-            |t: &Tensor| -> Result<Tensor> { Ok(t.broadcast_as((n, heads, s, s))?.contiguous()?) };
-        Ok(RelativeAux {
-            transposed: expand(&index.t()?.contiguous()?)?,
-            index: expand(&index)?,
-        })
+        RelativeAux {
+            index: std::sync::Arc::new(index),
+            s,
+        }
+    }
+
+    /// The row index each (query, key) pair reads (the layer node's input).
+    pub fn index_rows(aux: &RelativeAux) -> std::sync::Arc<Vec<u32>> {
+        aux.index.clone()
+    }
+
+    /// The index of `aux` (or its transpose) broadcast to the scores' shape `[n, heads,
+    /// s, s]`, as `gather` reads it.
+    fn index(
+        aux: &RelativeAux,
+        (n, heads): (usize, usize),
+        transposed: bool,
+        device: &candle_core::Device,
+    ) -> Result<Tensor> {
+        let s = aux.s;
+        let index = Tensor::from_vec(aux.index.to_vec(), (s, s), device)?;
+        let index = match transposed {
+            true => index.t()?,
+            false => index,
+        };
+        Ok(index.broadcast_as((n, heads, s, s))?.contiguous()?)
+    }
+
+    /// The relative embeddings of layer `layer` (dropout id `id`) through the key and the
+    /// query projections, `Kr` (c2p) and `Qr` (p2c) `[2 span, h]` in `dtype`, for the
+    /// terms the model has; `query` and `key` are the layer's own projections (the
+    /// positions' under `share_att_key`).
+    pub fn positions(
+        &self,
+        (layer, id): (usize, u32),
+        (query, key): (&Linear, &Linear),
+        dtype: candle_core::DType,
+        ctx: &Ctx,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let rel = self.relative_embeddings()?.to_dtype(dtype)?;
+        let rel = self
+            .dropout
+            .forward(&rel, ctx, id, SITE_RELATIVE_EMBEDDINGS)?;
+        let (own_query, own_key) = &self.own[layer];
+        let key = match self.settings.c2p {
+            true => Some(own_key.as_ref().unwrap_or(key).forward(&rel)?),
+            false => None,
+        };
+        let query = match self.settings.p2c {
+            true => Some(own_query.as_ref().unwrap_or(query).forward(&rel)?),
+            false => None,
+        };
+        Ok((key, query))
     }
 
     /// The relative embeddings as every layer reads them (normalised when the config says).
@@ -136,25 +178,21 @@ impl Disentangled {
     /// and `key` are the layer's own projections (the positions' under `share_att_key`).
     pub fn score_bias(
         &self,
-        (layer, id): (usize, u32),
+        layer: (usize, u32),
         (q, k): (&Tensor, &Tensor),
-        (query, key): (&Linear, &Linear),
+        projections: (&Linear, &Linear),
         aux: &RelativeAux,
         ctx: &Ctx,
     ) -> Result<Tensor> {
-        let (_, heads, _, d) = q.dims4()?;
-        let rel = self.relative_embeddings()?.to_dtype(q.dtype())?;
-        let rel = self
-            .dropout
-            .forward(&rel, ctx, id, SITE_RELATIVE_EMBEDDINGS)?;
-        let rows = rel.dim(0)?;
+        let (n, heads, _, d) = q.dims4()?;
+        let (kr, qr) = self.positions(layer, projections, q.dtype(), ctx)?;
         // [2 span, h] -> [1, heads, 2 span, d].
         let split = |t: Tensor| -> Result<Tensor> {
+            let rows = t.dim(0)?;
             Ok(t.reshape((1, rows, heads, d))?
                 .transpose(1, 2)?
                 .contiguous()?)
         };
-        let (own_query, own_key) = &self.own[layer];
         let scale = self.scale(d);
         let mut total: Option<Tensor> = None;
         let mut add = |t: Tensor| -> Result<()> {
@@ -164,17 +202,17 @@ impl Disentangled {
             });
             Ok(())
         };
-        if self.settings.c2p {
-            let positions = split(own_key.as_ref().unwrap_or(key).forward(&rel)?)?;
+        if let Some(kr) = kr {
             // [n, heads, s, 2 span]: each query against every relative position's key.
-            let all = q.broadcast_matmul(&positions.t()?)?;
-            add(all.contiguous()?.gather(&aux.index, D::Minus1)?)?;
+            let all = q.broadcast_matmul(&split(kr)?.t()?)?;
+            let index = Self::index(aux, (n, heads), false, q.device())?;
+            add(all.contiguous()?.gather(&index, D::Minus1)?)?;
         }
-        if self.settings.p2c {
-            let positions = split(own_query.as_ref().unwrap_or(query).forward(&rel)?)?;
+        if let Some(qr) = qr {
             // [n, heads, s (key), 2 span]: each key against every relative position's query.
-            let all = k.broadcast_matmul(&positions.t()?)?;
-            add(all.contiguous()?.gather(&aux.transposed, D::Minus1)?.t()?)?;
+            let all = k.broadcast_matmul(&split(qr)?.t()?)?;
+            let index = Self::index(aux, (n, heads), true, q.device())?;
+            add(all.contiguous()?.gather(&index, D::Minus1)?.t()?)?;
         }
         match total {
             Some(t) => Ok((t * scale)?),

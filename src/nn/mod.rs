@@ -194,10 +194,14 @@ pub fn encoder_layer(
         weights.intermediate.0,
         weights.output.0,
     ];
+    if let Some(rel) = &spec.relative {
+        all.extend(rel.key.iter().chain(&rel.query));
+    }
     if fused_ok(&all) && frozen_base_ok(x, &bases, &weights.lora) && x.rank() == 3 {
         return Ok(Some(cpu::encoder_layer::encoder_layer(x, weights, spec)?));
     }
-    if gpu_node_ok(x) && spec.attention.window.is_none() {
+    // The GPU node has no disentangled attention (DeBERTa runs op by op there).
+    if gpu_node_ok(x) && spec.attention.window.is_none() && spec.relative.is_none() {
         return Ok(Some(gpu::encoder_layer(x, weights, spec)?));
     }
     Ok(None)

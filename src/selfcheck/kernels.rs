@@ -615,6 +615,7 @@ fn layer_step(
         recompute_intermediate: false,
         recompute_output_norm: false,
         score_bias: None,
+        relative: None,
     };
     let y = match crate::nn::encoder_layer(x.as_tensor(), &weights, &spec)? {
         Some(y) => y,

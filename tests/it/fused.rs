@@ -868,6 +868,7 @@ fn layer_nodes_refuse_what_does_not_fit() {
         recompute_intermediate: false,
         recompute_output_norm: false,
         score_bias: Some(z(&[1, heads, s - 1, s - 1])),
+        relative: None,
     };
     let err = encoder_layer(&x, &w, &spec).unwrap_err().to_string();
     assert!(err.contains("score bias"), "{err}");

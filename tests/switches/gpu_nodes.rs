@@ -181,6 +181,7 @@ fn every_gradient_of_the_node_matches_finite_differences() {
         recompute_intermediate: false,
         recompute_output_norm: false,
         score_bias: Some(score_bias.as_tensor().clone()),
+        relative: None,
     };
     let loss = |x: &Tensor, w: &[&Tensor], sb: &Tensor| -> f64 {
         let weights = LayerWeights {

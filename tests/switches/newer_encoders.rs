@@ -203,7 +203,7 @@ fn the_cache_with_recompute_gives_the_full_batch_step() {
 fn the_composed_ops_give_the_fused_step_with_dropout() {
     let _switches = crate::switching();
     let result = std::panic::catch_unwind(|| {
-        for family in ROTARY {
+        for family in ROTARY.into_iter().chain(DEBERTA) {
             for recompute in [Recompute::Off, Recompute::Attention] {
                 gradcache::nn::set_fused_kernels(true);
                 let fused = step(family, 3, recompute.clone(), true);

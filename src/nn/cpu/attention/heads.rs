@@ -280,7 +280,7 @@ unsafe fn probabilities<T: Float>(
     if let Some(scores) = &mask.scores {
         // The scores scaled here, the per-head bias added; the softmax then scales by 1.
         for (i, row) in p.chunks_exact_mut(l).enumerate() {
-            let at = (h * s + i) * s;
+            let at = mask.scores_at(b) + (h * s + i) * s;
             for (v, &c) in row.iter_mut().zip(&scores[at..at + l]) {
                 *v = *v * scale + c;
             }

@@ -123,8 +123,11 @@ pub struct KeyMask<T> {
     pub(in crate::nn) bias: Vec<T>,
     lengths: Vec<usize>,
     pub(in crate::nn) masking: Vec<bool>,
-    /// A bias per head and (query, key) pair, `[heads, s, s]`, shared by the sequences.
+    /// A bias per head and (query, key) pair, `[heads, s, s]`, shared by the sequences,
+    /// or one per sequence, `[n, heads, s, s]` (see [`Self::scores_at`]).
     pub(in crate::nn) scores: Option<Vec<T>>,
+    /// The scores' stride between sequences: 0 when shared.
+    scores_stride: usize,
 }
 
 impl<T: Float> KeyMask<T> {
@@ -151,6 +154,7 @@ impl<T: Float> KeyMask<T> {
             lengths,
             masking,
             scores: None,
+            scores_stride: 0,
         }
     }
 
@@ -159,7 +163,22 @@ impl<T: Float> KeyMask<T> {
     /// scores[h] + bias)`.
     pub fn with_scores(mut self, scores: &[T]) -> Self {
         self.scores = Some(scores.to_vec());
+        self.scores_stride = 0;
         self
+    }
+
+    /// The mask with a bias of each sequence's own, `scores` `[n, heads, s, s]` (DeBERTa's
+    /// disentangled terms), added as [`Self::with_scores`] adds a shared one.
+    pub(in crate::nn) fn with_sequence_scores(mut self, scores: Vec<T>, heads: usize) -> Self {
+        let s = self.bias.len() / self.lengths.len().max(1);
+        self.scores_stride = heads * s * s;
+        self.scores = Some(scores);
+        self
+    }
+
+    /// Where the score bias of sequence `b` starts.
+    pub(in crate::nn) fn scores_at(&self, b: usize) -> usize {
+        b * self.scores_stride
     }
 
     /// Keys computed for sequence `b`.

@@ -3,6 +3,8 @@
 //!
 //! - [`heads`]: the per-head kernel (scores, masked softmax, context, and the backward),
 //!   the one every encoder family's layer node runs;
+//! - `disentangled`: DeBERTa's content-to-position and position-to-content terms of the
+//!   scores on a layer node's packed buffer, and their backward;
 //! - `grouped`: grouped key-value heads under a causal or windowed pattern, on a decoder
 //!   layer's packed tokens;
 //! - `layout`: where the kernels read and write, which rows they compute, the key mask;
@@ -14,6 +16,7 @@
 //! The CUDA twin: the GPU layer nodes' attention (`crate::nn::gpu`, batched products and
 //! the softmax and rotary kernels of `crate::nn::cuda`'s `attention.cu`).
 
+pub(crate) mod disentangled;
 pub(crate) mod grouped;
 pub mod heads;
 pub(crate) mod layout;

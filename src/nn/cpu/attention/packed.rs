@@ -49,8 +49,19 @@ pub(in crate::nn) fn attend<T: Float>(
     (ctx, probs)
 }
 
-/// `dqkv` `[rows, 3h]` from `dctx` `[rows, h]` (the backward of [`attend`]), and with
-/// `scores` the gradient of the mask's score bias `[heads, s, s]`.
+/// Which gradient of the mask's score bias the backward of [`attend`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::nn) enum ScoreGrad {
+    /// None (the mask has no score bias, or it takes no gradient).
+    None,
+    /// A shared bias's, `[heads, s, s]`, summed over the sequences.
+    Summed,
+    /// Each sequence's, `[n, heads, s, s]`.
+    PerSequence,
+}
+
+/// `dqkv` `[rows, 3h]` from `dctx` `[rows, h]` (the backward of [`attend`]), and the
+/// gradient of the mask's score bias that `scores` asks for.
 pub(in crate::nn) fn attention_backward<T: Float>(
     qkv: &[T],
     probs: Option<&[T]>,
@@ -58,14 +69,14 @@ pub(in crate::nn) fn attention_backward<T: Float>(
     (mask, rows): (&KeyMask<T>, &Rows),
     attention: &AttentionSpec,
     kdims: kernel::Dims,
-    scores: bool,
+    scores: ScoreGrad,
 ) -> (Vec<T>, Option<Vec<T>>) {
     let (d, s) = (kdims.d, kdims.s);
     let h = kdims.heads * d;
     let total: usize = rows.queries.iter().sum();
     let mut dqkv = vec![T::zero(); total * 3 * h];
     let block = kdims.heads * s * s;
-    let mut dscores = scores.then(|| vec![T::zero(); kdims.n * block]);
+    let mut dscores = (scores != ScoreGrad::None).then(|| vec![T::zero(); kdims.n * block]);
     let params = params(attention);
     let packed = |part: usize| HeadLayout::in_rows(3 * h, d, part * h);
     let (p, g) = (qkv.as_ptr(), dqkv.as_mut_ptr());
@@ -86,6 +97,9 @@ pub(in crate::nn) fn attention_backward<T: Float>(
             (g, packed(2)),
             dscores.as_mut().map(|b| b.as_mut_ptr()),
         );
+    }
+    if scores == ScoreGrad::PerSequence {
+        return (dqkv, dscores);
     }
     // The score bias is shared: its gradient sums the sequences', in their order.
     let dscores = dscores.map(|per_sequence| {

@@ -41,8 +41,8 @@ use crate::nn::cpu::attention::heads::KeyMask;
 use crate::nn::cpu::blocks::Float;
 // The node's settings are the passes' (defined there, so that the passes import nothing
 // from here).
-pub use crate::nn::cpu::layers::encoder_passes::LayerSpec;
 use crate::nn::cpu::layers::encoder_passes::{backward, forward, lora, Shape, W};
+pub use crate::nn::cpu::layers::encoder_passes::{LayerSpec, RelativeSpec};
 use crate::nn::cpu::layers::packing::{Packing, View};
 use crate::nn::cpu::products::lora_branch::{node_inputs, LoraInput, NodeWeights};
 use crate::nn::node::node_n_owned;
@@ -155,13 +155,32 @@ pub fn encoder_layer(
             );
         }
     }
+    if let Some(rel) = &spec.relative {
+        let tables: Vec<&Tensor> = rel.key.iter().chain(&rel.query).collect();
+        let rows = tables.first().map_or(Ok(0), |t| t.dim(0))?;
+        let fits = rows > 0
+            && tables.iter().all(|t| t.dims() == [rows, h])
+            && rel.index.len() == s * s
+            && rel.index.iter().all(|&r| (r as usize) < rows);
+        if !fits {
+            candle_core::bail!(
+                "encoder layer: relative positions {:?} do not fit width {h} and {s} tokens",
+                tables.iter().map(|t| t.dims().to_vec()).collect::<Vec<_>>()
+            );
+        }
+    }
     let tracked = x.track_op()
         || w.all().iter().any(|t| t.track_op())
         || w.lora
             .iter()
             .flatten()
             .any(|l| l.a.track_op() || l.b.track_op())
-        || spec.score_bias.as_ref().is_some_and(|t| t.track_op());
+        || spec.score_bias.as_ref().is_some_and(|t| t.track_op())
+        || spec
+            .relative
+            .iter()
+            .flat_map(|r| r.key.iter().chain(&r.query))
+            .any(|t| t.track_op());
     match x.dtype() {
         DType::F32 => layer::<f32>(x, w, spec, dims, tracked),
         DType::F64 => layer::<f64>(x, w, spec, dims, tracked),
@@ -172,13 +191,69 @@ pub fn encoder_layer(
 /// The sixteen weights and the adapters, held by the node.
 struct Weights<T>(NodeWeights<T, 16, 6>);
 
+/// DeBERTa's relative positions' inputs, detached and contiguous in the layer's dtype.
+struct RelativeInputs {
+    key: Option<Tensor>,
+    query: Option<Tensor>,
+    index: std::sync::Arc<Vec<u32>>,
+    positions: usize,
+    scale: f64,
+}
+
+impl RelativeInputs {
+    fn new(spec: &LayerSpec, dtype: DType) -> candle_core::Result<Option<Self>> {
+        let Some(rel) = &spec.relative else {
+            return Ok(None);
+        };
+        let own = |t: &Option<Tensor>| -> candle_core::Result<Option<Tensor>> {
+            t.as_ref()
+                .map(|t| t.detach().to_dtype(dtype)?.contiguous())
+                .transpose()
+        };
+        let (key, query) = (own(&rel.key)?, own(&rel.query)?);
+        let positions = match key.as_ref().or(query.as_ref()) {
+            Some(t) => t.dim(0)?,
+            None => 0,
+        };
+        Ok(Some(Self {
+            key,
+            query,
+            index: rel.index.clone(),
+            positions,
+            scale: spec.attention.scale,
+        }))
+    }
+}
+
 impl<T: Float> Weights<T> {
     fn new(w: &LayerWeights) -> candle_core::Result<Self> {
         Ok(Self(NodeWeights::new(w.all().map(Some), &w.lora)?))
     }
 
-    /// Runs `f` on the weights' values.
-    fn read<R>(&self, f: impl FnOnce(&W<T>) -> candle_core::Result<R>) -> candle_core::Result<R> {
+    /// Runs `f` on the weights' values (and the relative positions', when the layer has
+    /// them).
+    fn read<R>(
+        &self,
+        relative: Option<&RelativeInputs>,
+        f: impl FnOnce(&W<T>) -> candle_core::Result<R>,
+    ) -> candle_core::Result<R> {
+        let relative_views = match relative {
+            Some(r) => Some((
+                r.key.as_ref().map(View::new).transpose()?,
+                r.query.as_ref().map(View::new).transpose()?,
+            )),
+            None => None,
+        };
+        let relative = match (relative, &relative_views) {
+            (Some(r), Some((k, q))) => Some(crate::nn::cpu::attention::disentangled::Relative {
+                key: k.as_ref().map(|v| v.values::<T>()).transpose()?,
+                query: q.as_ref().map(|v| v.values::<T>()).transpose()?,
+                index: &r.index,
+                positions: r.positions,
+                scale: r.scale,
+            }),
+            _ => None,
+        };
         let views = self
             .0
             .slots
@@ -203,6 +278,7 @@ impl<T: Float> Weights<T> {
             wd: v(12)?,
             bd: v(13)?,
             n2: (v(14)?, v(15)?),
+            relative,
         };
         f(&w)
     }
@@ -237,7 +313,8 @@ fn layer<T: Float>(
         ..dims
     };
     let padded_rows = dims.n * dims.s;
-    let (out, kept) = weights.read(|wv| {
+    let relative = RelativeInputs::new(spec, x.dtype())?;
+    let (out, kept) = weights.read(relative.as_ref(), |wv| {
         let xv = View::new(&xd)?;
         let xp = packing.gather(xv.values::<T>()?, dims.h);
         forward(&xp, wv, &mask, &packing, spec, dims, tracked)
@@ -257,6 +334,14 @@ fn layer<T: Float>(
     if let Some(scores) = &spec.score_bias {
         inputs.push(scores);
     }
+    let tables: Vec<Tensor> = spec
+        .relative
+        .iter()
+        .flat_map(|r| r.key.iter().chain(&r.query))
+        .cloned()
+        .collect();
+    inputs.extend(&tables);
+    let tables_of_grads = tables.clone();
     inputs.extend(node_inputs(&[], &w.lora).into_iter().flatten());
     let score_bias = spec.score_bias.clone();
     let spec = spec.clone();
@@ -267,7 +352,7 @@ fn layer<T: Float>(
         shape.into(),
         Box::new(move |dy| {
             let dy = dy.contiguous()?;
-            let grads = weights.read(|wv| {
+            let grads = weights.read(relative.as_ref(), |wv| {
                 let (xv, dyv) = (View::new(&xd)?, View::new(&dy)?);
                 let xp = packing.gather(xv.values::<T>()?, dims.h);
                 let dyp = packing.gather(dyv.values::<T>()?, dims.h);
@@ -307,6 +392,15 @@ fn layer<T: Float>(
                 // Not a variable: the gradient goes back through the graph that made it.
                 let g = Tensor::from_vec(g, scores.shape(), &candle_core::Device::Cpu)?;
                 out.push(Some(g.to_dtype(scores.dtype())?));
+            }
+            // The relative positions' projections, as their inputs' order.
+            if let Some(d) = grads.drelative {
+                let mut tables = tables_of_grads.iter();
+                for g in [d.key, d.query].into_iter().flatten() {
+                    let table = tables.next().expect("one input per gradient");
+                    let g = Tensor::from_vec(g, table.shape(), &candle_core::Device::Cpu)?;
+                    out.push(Some(g.to_dtype(table.dtype())?));
+                }
             }
             for (param, g) in adapters.iter().zip(grads.lora.flat()) {
                 if let Some(param) = param {

@@ -5,8 +5,9 @@
 
 use candle_core::Tensor;
 
+use crate::nn::cpu::attention::disentangled::{self, Relative, RelativeGrads};
 use crate::nn::cpu::attention::heads::{self as kernel, KeyMask};
-use crate::nn::cpu::attention::packed::{attend, attention_backward};
+use crate::nn::cpu::attention::packed::{attend, attention_backward, ScoreGrad};
 use crate::nn::cpu::blocks::Float;
 use crate::nn::cpu::elementwise::math::Act;
 use crate::nn::cpu::elementwise::rows::{
@@ -46,6 +47,23 @@ pub struct LayerSpec {
     /// (`[1, heads, s, s]`; MPNet's relative position bias): an input of the node, which
     /// gives it its gradient (summed over the sequences).
     pub score_bias: Option<Tensor>,
+    /// DeBERTa's disentangled attention terms, added to each sequence's scores.
+    pub relative: Option<RelativeSpec>,
+}
+
+/// DeBERTa's disentangled attention in a layer node
+/// ([`crate::nn::cpu::attention::disentangled`]): the relative embeddings through the
+/// key and query projections (inputs of the node, which give them their gradients) and
+/// the relative position row of every (query, key) pair; the terms are scaled by the
+/// attention's scale.
+#[derive(Debug, Clone)]
+pub struct RelativeSpec {
+    /// `Kr` `[R, h]` (content-to-position), if the model has the term.
+    pub key: Option<Tensor>,
+    /// `Qr` `[R, h]` (position-to-content), if the model has the term.
+    pub query: Option<Tensor>,
+    /// The row of every (query, key) pair of a sequence, `[s, s]` row-major.
+    pub index: std::sync::Arc<Vec<u32>>,
 }
 
 /// The sizes of a layer applied to a batch.
@@ -105,6 +123,22 @@ pub(super) struct W<'a, T> {
     pub(super) wd: &'a [T],
     pub(super) bd: &'a [T],
     pub(super) n2: (&'a [T], &'a [T]),
+    /// DeBERTa's relative positions' values.
+    pub(super) relative: Option<Relative<'a, T>>,
+}
+
+/// `mask` with the disentangled terms of `qkv` added to each sequence's scores, when the
+/// layer has them.
+fn with_relative<T: Float>(
+    mask: &KeyMask<T>,
+    qkv: &[T],
+    w: &W<T>,
+    packing: &Packing,
+    dims: Shape,
+) -> Option<KeyMask<T>> {
+    let rel = w.relative.as_ref()?;
+    let scores = disentangled::scores(qkv, rel, (dims.kernel(), &packing.rows), mask);
+    Some(mask.clone().with_sequence_scores(scores, dims.heads))
 }
 
 /// What the forward keeps for the backward (`None`: recomputed there).
@@ -195,9 +229,10 @@ pub(super) fn forward<T: Float>(
     let (rows, h) = (dims.rows(), dims.h);
     let places = &packing.padded;
     let qkv = qkv(x, w, rows, h, places);
+    let relative = with_relative(mask, &qkv, w, packing, dims);
     let (ctx, probs) = attend(
         &qkv,
-        (mask, &packing.rows),
+        (relative.as_ref().unwrap_or(mask), &packing.rows),
         &spec.attention,
         dims.kernel(),
         keep,
@@ -261,6 +296,8 @@ pub(super) struct Grads<T> {
     pub(super) db2: Vec<T>,
     /// The score bias's, `[heads, s, s]`, when the layer has one.
     pub(super) dscores: Option<Vec<T>>,
+    /// The relative positions' projections', when the layer has them.
+    pub(super) drelative: Option<RelativeGrads<T>>,
     /// The adapters' `(dA, dB)`, in the order of [`LayerWeights::lora`].
     pub(super) lora: AdapterGrads<T, 6>,
 }
@@ -365,17 +402,34 @@ pub(super) fn backward<T: Float>(
         &mut lora_grads,
     );
     drop(d_a);
-    // Attention.
-    let (dqkv, dscores) = attention_backward(
+    // Attention (the disentangled terms recomputed with the forward's arithmetic).
+    let relative = with_relative(mask, &kept.qkv, w, packing, dims);
+    let wanted = match (&w.relative, &spec.score_bias) {
+        (Some(_), _) => ScoreGrad::PerSequence,
+        (None, Some(_)) => ScoreGrad::Summed,
+        (None, None) => ScoreGrad::None,
+    };
+    let (mut dqkv, mut dscores) = attention_backward(
         &kept.qkv,
         kept.probs.as_deref(),
         &dctx,
-        (mask, &packing.rows),
+        (relative.as_ref().unwrap_or(mask), &packing.rows),
         &spec.attention,
         dims.kernel(),
-        spec.score_bias.is_some(),
+        wanted,
     );
     drop(dctx);
+    let drelative = match (&w.relative, dscores.take_if(|_| w.relative.is_some())) {
+        (Some(rel), Some(per_sequence)) => Some(disentangled::backward(
+            &kept.qkv,
+            &per_sequence,
+            rel,
+            (dims.kernel(), &packing.rows),
+            mask,
+            &mut dqkv,
+        )),
+        _ => None,
+    };
     let sums = column_sums(&dqkv, 3 * h);
     let dbqkv = [0, 1, 2].map(|p| sums[p * h..(p + 1) * h].to_vec());
     // dW_p [h, h] = dqkv_p^T x ; dx = dsum1 + sum_p dqkv_p W_p
@@ -414,6 +468,7 @@ pub(super) fn backward<T: Float>(
         dg2,
         db2,
         dscores,
+        drelative,
         lora: lora_grads,
     })
 }

@@ -22,7 +22,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::nn::cpu::attention::heads::{self as kernel, KeyMask};
-use crate::nn::cpu::attention::packed::{attend, attention_backward};
+use crate::nn::cpu::attention::packed::{attend, attention_backward, ScoreGrad};
 use crate::nn::cpu::blocks::wide_fn;
 use crate::nn::cpu::blocks::{for_blocks, Float, BLOCK_ROWS};
 use crate::nn::cpu::elementwise::gated::{glu_rows, glu_rows_backward, rotate_head};
@@ -585,7 +585,7 @@ fn backward<T: Float>(
         (mask, &packing.rows),
         &spec.attention,
         dims.kernel(),
-        false,
+        ScoreGrad::None,
     );
     drop(dctx);
     rotate_qk(&mut dqkv, rotary, (dims.h, dims.d), true);

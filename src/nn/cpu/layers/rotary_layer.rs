@@ -24,7 +24,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::nn::cpu::attention::heads::{self as kernel, KeyMask};
-use crate::nn::cpu::attention::packed::{attend, attention_backward};
+use crate::nn::cpu::attention::packed::{attend, attention_backward, ScoreGrad};
 use crate::nn::cpu::blocks::Float;
 use crate::nn::cpu::elementwise::gated::{glu_rows_backward_ordered, glu_rows_ordered};
 use crate::nn::cpu::elementwise::math::Act;
@@ -663,7 +663,7 @@ fn backward<T: Float>(
         (mask, &packing.rows),
         &spec.attention,
         dims.kernel(),
-        false,
+        ScoreGrad::None,
     );
     drop(dctx);
     rotate_qk(&mut dqkv, rotary, (dims.h, dims.d), true);
