@@ -383,7 +383,8 @@ impl Bert {
                 (Some(d), Some(relative)) => {
                     let at = |l: &Linear, p: u32| l.at(ctx.mask_seed(id, crate::nn::lora::site(p)));
                     let (query, key) = (at(&layer.query, 0), at(&layer.key, 1));
-                    let (key, query) = d.positions((i, id), (&query, &key), x.dtype(), ctx)?;
+                    let (key, query) =
+                        d.positions((i, id), (&query, &key), (x.dtype(), relative), ctx)?;
                     Some(crate::nn::cpu::encoder_layer::RelativeSpec {
                         key,
                         query,

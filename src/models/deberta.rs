@@ -41,10 +41,14 @@ pub struct Disentangled {
 }
 
 /// The per-chunk index of the relative embeddings' row each (query, key) pair reads,
-/// `[s, s]` row-major.
+/// `[s, s]` row-major, counted from the first row a pair of the chunk reads: only the
+/// rows `first .. first + rows` of the relative embeddings are projected (a chunk of `s`
+/// tokens reads at most `2 s - 1` of them; transformers projects all `2 span`).
 pub struct RelativeAux {
     index: std::sync::Arc<Vec<u32>>,
     s: usize,
+    first: usize,
+    rows: usize,
 }
 
 impl Disentangled {
@@ -109,10 +113,17 @@ impl Disentangled {
 
     /// The relative index of a chunk of sequences of `s` tokens.
     pub fn aux(&self, s: usize) -> RelativeAux {
-        let index = super::deberta_config::relative_index(&self.settings, s);
+        let mut index = super::deberta_config::relative_index(&self.settings, s);
+        let first = index.iter().copied().min().unwrap_or(0);
+        let last = index.iter().copied().max().unwrap_or(0);
+        for i in index.iter_mut() {
+            *i -= first;
+        }
         RelativeAux {
             index: std::sync::Arc::new(index),
             s,
+            first: first as usize,
+            rows: (last - first) as usize + 1,
         }
     }
 
@@ -138,18 +149,19 @@ impl Disentangled {
         Ok(index.broadcast_as((n, heads, s, s))?.contiguous()?)
     }
 
-    /// The relative embeddings of layer `layer` (dropout id `id`) through the key and the
-    /// query projections, `Kr` (c2p) and `Qr` (p2c) `[2 span, h]` in `dtype`, for the
-    /// terms the model has; `query` and `key` are the layer's own projections (the
+    /// The relative embeddings `aux` reads of layer `layer` (dropout id `id`) through the
+    /// key and the query projections, `Kr` (c2p) and `Qr` (p2c) `[rows, h]` in `dtype`,
+    /// for the terms the model has; `query` and `key` are the layer's own projections (the
     /// positions' under `share_att_key`).
     pub fn positions(
         &self,
         (layer, id): (usize, u32),
         (query, key): (&Linear, &Linear),
-        dtype: candle_core::DType,
+        (dtype, aux): (candle_core::DType, &RelativeAux),
         ctx: &Ctx,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let rel = self.relative_embeddings()?.to_dtype(dtype)?;
+        let rel = rel.narrow(0, aux.first, aux.rows)?;
         let rel = self
             .dropout
             .forward(&rel, ctx, id, SITE_RELATIVE_EMBEDDINGS)?;
@@ -185,7 +197,7 @@ impl Disentangled {
         ctx: &Ctx,
     ) -> Result<Tensor> {
         let (n, heads, _, d) = q.dims4()?;
-        let (kr, qr) = self.positions(layer, projections, q.dtype(), ctx)?;
+        let (kr, qr) = self.positions(layer, projections, (q.dtype(), aux), ctx)?;
         // [2 span, h] -> [1, heads, 2 span, d].
         let split = |t: Tensor| -> Result<Tensor> {
             let rows = t.dim(0)?;
