@@ -52,7 +52,7 @@ pub struct LayerSpec {
 }
 
 /// DeBERTa's disentangled attention in a layer node
-/// ([`crate::nn::cpu::attention::disentangled`]): the relative embeddings through the
+/// (`crate::nn::cpu::attention::disentangled`): the relative embeddings through the
 /// key and query projections (inputs of the node, which give them their gradients) and
 /// the relative position row of every (query, key) pair; the terms are scaled by the
 /// attention's scale.
