@@ -103,6 +103,27 @@ pub fn head_weight(cfg: &BertConfig, family: Family, kind: HeadKind) -> Option<&
     }
 }
 
+/// A head's activation named by the config's `key` (GELU when absent), refused by name
+/// when unknown.
+fn head_activation(
+    x: &serde_json::Map<String, serde_json::Value>,
+    key: &'static str,
+    path: &std::path::Path,
+) -> Result<Act> {
+    match x.get(key).and_then(|v| v.as_str()) {
+        None | Some("gelu") => Ok(Act::GeluErf),
+        Some("gelu_new" | "gelu_pytorch_tanh") => Ok(Act::GeluTanh),
+        Some("relu") => Ok(Act::Relu),
+        Some("silu" | "swish") => Ok(Act::Silu),
+        Some(other) => Err(Error::UnsupportedConfig {
+            field: key,
+            value: other.to_string(),
+            supported: "gelu, gelu_new, gelu_pytorch_tanh, relu, silu",
+            path: path.to_path_buf(),
+        }),
+    }
+}
+
 enum Layout {
     /// BERT: tanh(pooler) then the classifier.
     Bert { pooler: Linear },
@@ -248,20 +269,7 @@ impl ClassifierHead {
                 num("seq_classif_dropout").unwrap_or(0.2),
             ),
             Family::DebertaV2 => {
-                let act = match x.get("pooler_hidden_act").and_then(|v| v.as_str()) {
-                    None | Some("gelu") => Act::GeluErf,
-                    Some("gelu_new" | "gelu_pytorch_tanh") => Act::GeluTanh,
-                    Some("relu") => Act::Relu,
-                    Some("silu" | "swish") => Act::Silu,
-                    Some(other) => {
-                        return Err(Error::UnsupportedConfig {
-                            field: "pooler_hidden_act",
-                            value: other.to_string(),
-                            supported: "gelu, gelu_new, gelu_pytorch_tanh, relu, silu",
-                            path: path.to_path_buf(),
-                        })
-                    }
-                };
+                let act = head_activation(x, "pooler_hidden_act", path)?;
                 if let Some(w) = num("pooler_hidden_size").filter(|&w| w as usize != h) {
                     return Err(Error::UnsupportedConfig {
                         field: "pooler_hidden_size",
@@ -298,20 +306,7 @@ impl ClassifierHead {
                         })
                     }
                 };
-                let act = match x.get("classifier_activation").and_then(|v| v.as_str()) {
-                    None | Some("gelu") => Act::GeluErf,
-                    Some("gelu_new" | "gelu_pytorch_tanh") => Act::GeluTanh,
-                    Some("relu") => Act::Relu,
-                    Some("silu" | "swish") => Act::Silu,
-                    Some(other) => {
-                        return Err(Error::UnsupportedConfig {
-                            field: "classifier_activation",
-                            value: other.to_string(),
-                            supported: "gelu, gelu_new, gelu_pytorch_tanh, relu, silu",
-                            path: path.to_path_buf(),
-                        })
-                    }
-                };
+                let act = head_activation(x, "classifier_activation", path)?;
                 let eps = num("norm_eps").unwrap_or(1e-5);
                 let dense = if flag("classifier_bias", false) {
                     Linear::normal(h, h, std, at("head.dense"))?

@@ -228,7 +228,10 @@ impl Disentangled {
         }
         match total {
             Some(t) => Ok((t * scale)?),
-            None => Ok(q.matmul(&k.t()?)?.zeros_like()?),
+            None => {
+                let s = q.dim(2)?;
+                Ok(Tensor::zeros((n, heads, s, s), q.dtype(), q.device())?)
+            }
         }
     }
 }
