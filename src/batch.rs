@@ -140,6 +140,9 @@ pub struct TokenBatch {
     /// attended to): the special token and prompt of a model whose pooling has
     /// `include_prompt = false`, as sentence-transformers does. 0: pool every real token.
     pub pool_from: usize,
+    /// The task adapter the rows are encoded with (Jina v3's `lora_adaptations`, by
+    /// index), `None`: the base weights alone.
+    pub task: Option<usize>,
     /// A multi-vector (late-interaction) batch: which token vectors are kept and how
     /// many the output is padded to. `None` for a pooled (single-vector) batch.
     pub vectors: Option<TokenVectors>,
@@ -188,6 +191,7 @@ impl TokenBatch {
             attention_mask,
             token_type_ids,
             pool_from: 0,
+            task: None,
             vectors: None,
             host_mask: None,
         })
@@ -263,6 +267,7 @@ impl TokenBatch {
             attention_mask: pick(&self.attention_mask)?,
             token_type_ids: pick(&self.token_type_ids)?,
             pool_from: self.pool_from,
+            task: self.task,
             vectors: match &self.vectors {
                 Some(v) => Some(TokenVectors {
                     keep: pick(&v.keep)?,
@@ -285,6 +290,12 @@ impl TokenBatch {
     /// The same batch with the first `positions` left out of the pooling.
     pub fn with_pool_from(mut self, positions: usize) -> Self {
         self.pool_from = positions;
+        self
+    }
+
+    /// The same batch encoded with task adapter `task` (`None`: none).
+    pub fn with_task(mut self, task: Option<usize>) -> Self {
+        self.task = task;
         self
     }
 
@@ -326,6 +337,7 @@ impl TokenBatch {
             attention_mask: self.attention_mask.narrow(1, start, len)?,
             token_type_ids: self.token_type_ids.narrow(1, start, len)?,
             pool_from: self.pool_from,
+            task: self.task,
             vectors: match &self.vectors {
                 Some(v) => Some(TokenVectors {
                     keep: v.keep.narrow(1, start, len)?,
@@ -370,6 +382,7 @@ impl TokenBatch {
             attention_mask: side(&self.attention_mask)?,
             token_type_ids: side(&self.token_type_ids)?,
             pool_from: self.pool_from,
+            task: self.task,
             vectors: match &self.vectors {
                 Some(v) => Some(TokenVectors {
                     keep: side(&v.keep)?,
@@ -421,6 +434,7 @@ impl Batch for TokenBatch {
             attention_mask: self.attention_mask.narrow(0, start, len)?,
             token_type_ids: self.token_type_ids.narrow(0, start, len)?,
             pool_from: self.pool_from,
+            task: self.task,
             vectors: match &self.vectors {
                 Some(v) => Some(TokenVectors {
                     keep: v.keep.narrow(0, start, len)?,
@@ -457,6 +471,11 @@ impl Batch for TokenBatch {
                 "token batches that pool from different positions (different prompts)".into(),
             ));
         }
+        if padded.iter().any(|p| p.task != padded[0].task) {
+            return Err(Error::Concat(
+                "token batches of different task adapters (one batch is encoded with one)".into(),
+            ));
+        }
         let vectors = match padded
             .iter()
             .map(|p| p.vectors.as_ref())
@@ -487,6 +506,7 @@ impl Batch for TokenBatch {
             attention_mask: field(|b| &b.attention_mask)?,
             token_type_ids: field(|b| &b.token_type_ids)?,
             pool_from: padded[0].pool_from,
+            task: padded[0].task,
             vectors,
             host_mask,
         })

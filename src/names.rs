@@ -100,6 +100,23 @@ pub fn target_matches(target: &str, path: &str) -> bool {
             .is_some_and(|head| head.ends_with('.'))
 }
 
+/// The name of task `t`'s adapter on the module `m` (Jina v3's task adapters, one
+/// variable per task and factor): `<m>.lora_A.task<t>` / `<m>.lora_B.task<t>`.
+pub fn task_adapter(module: &str, factor: &str, task: usize) -> String {
+    format!("{module}.{factor}.task{task}")
+}
+
+/// `(module, factor, task)` of a name [`task_adapter`] makes; `None` for another name.
+pub fn task_adapter_name(name: &str) -> Option<(&str, &str, usize)> {
+    let (rest, task) = name.rsplit_once(".task")?;
+    let task = task
+        .parse()
+        .ok()
+        .filter(|_| task.bytes().all(|b| b.is_ascii_digit()))?;
+    let (module, factor) = rest.rsplit_once('.')?;
+    matches!(factor, "lora_A" | "lora_B").then_some((module, factor, task))
+}
+
 /// Whether the parameter `name` belongs to a LoRA adapter.
 pub fn is_adapter(name: &str) -> bool {
     name.contains(".lora_A.") || name.contains(".lora_B.") || name.starts_with("lora_")

@@ -295,6 +295,9 @@ pub struct LoadOptions {
     /// For a PEFT adapter directory: the base model it adapts (default: the adapter
     /// config's `base_model_name_or_path`).
     pub base: Option<String>,
+    /// Encode with this task adapter of the model (Jina v3's `lora_adaptations`), its
+    /// instruction put before every text unless a prompt is given.
+    pub task: Option<String>,
 }
 
 impl Default for LoadOptions {
@@ -308,6 +311,7 @@ impl Default for LoadOptions {
             query_prompt: None,
             passage_prompt: None,
             base: None,
+            task: None,
         }
     }
 }
@@ -536,6 +540,35 @@ impl EmbeddingModel {
             )
         };
         let from_files = head.as_ref().map(|h| h.prompts.clone()).unwrap_or_default();
+        // A task adapter's instruction is the prompt of either side.
+        let task = match &options.task {
+            Some(name) => {
+                let config = BertConfig::from_file(&files.config)?;
+                let tasks =
+                    config
+                        .task_adapters(&files.config)?
+                        .ok_or_else(|| Error::InvalidArgument {
+                            what: "--task",
+                            value: name.clone(),
+                            reason: "the model has no task adapters (its config.json names no \
+                                 lora_adaptations): only Jina v3's release carries them",
+                        })?;
+                let index = tasks.index(name, "task")?;
+                Some((index, tasks.instructions[index].clone()))
+            }
+            None => None,
+        };
+        let (from_files, default_prompt) = match &task {
+            Some((_, instruction)) => (
+                Prompts {
+                    query: instruction.clone(),
+                    passage: instruction.clone(),
+                    ..Default::default()
+                },
+                instruction.clone(),
+            ),
+            None => (from_files, String::new()),
+        };
         let prompts = Prompts {
             query: options.query_prompt.clone().unwrap_or(from_files.query),
             passage: options.passage_prompt.clone().unwrap_or(from_files.passage),
@@ -552,6 +585,9 @@ impl EmbeddingModel {
             if !prompt.is_empty() {
                 settings += &format!("; {side} prompt {prompt:?}");
             }
+        }
+        if let (Some(name), Some((index, _))) = (&options.task, &task) {
+            settings += &format!("; task adapter {name:?} (number {index} of the model's)");
         }
         if !prompts.is_empty() && !prompt_pooled {
             settings += " (left out of the pooling: include_prompt false)";
@@ -600,7 +636,9 @@ impl EmbeddingModel {
                 limit
             }
         };
-        let tokenizer = Tokenizer::new(inner, max_len)?.with_config(tokenizer_config);
+        let tokenizer = Tokenizer::new(inner, max_len)?
+            .with_config(tokenizer_config)
+            .with_task(task.as_ref().map(|(index, _)| *index));
         Ok(Self {
             encoder,
             dense,
@@ -612,7 +650,8 @@ impl EmbeddingModel {
                 .clone()
                 .with_prompt(&prompts.passage)
                 .with_prompt_pooled(prompt_pooled),
-            tokenizer,
+            // A task's texts are put after its instruction whichever side they are.
+            tokenizer: tokenizer.with_prompt(&default_prompt),
             prompts,
             config,
             options: bert_options,

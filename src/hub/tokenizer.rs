@@ -46,6 +46,9 @@ pub struct Tokenizer {
     /// A decoder reranker's chat template: pairs are rendered by it (see
     /// [`super::chat`]), the prompt their instruction.
     chat: Option<std::sync::Arc<super::chat::ChatTemplate>>,
+    /// The task adapter its texts are encoded with (Jina v3's, by index; see
+    /// [`TokenBatch::task`]).
+    task: Option<usize>,
 }
 
 /// What a multi-vector (ColBERT) tokenizer does to one side's batches.
@@ -111,7 +114,20 @@ impl Tokenizer {
             vectors: None,
             special_tokens: true,
             chat: None,
+            task: None,
         })
+    }
+
+    /// The same tokenizer marking its text batches for task adapter `task` (Jina v3's, by
+    /// index; `None`: the base weights).
+    pub fn with_task(mut self, task: Option<usize>) -> Self {
+        self.task = task;
+        self
+    }
+
+    /// The task adapter its text batches are marked for.
+    pub fn task(&self) -> Option<usize> {
+        self.task
     }
 
     /// The same tokenizer adding no special tokens (`add_special_tokens=False`, as
@@ -346,12 +362,16 @@ impl Tokenizer {
                 tensor(types, len)?,
             )?
             .with_host_mask(host_mask)?
-            .with_pool_from(pool_from));
+            .with_pool_from(pool_from)
+            .with_task(if texts { self.task } else { None }));
         };
         let (ids, mask, types, keep, len) =
             vector_rows(side, [ids, mask, types], len, self.max_len);
-        TokenBatch::new(tensor(ids, len)?, tensor(mask, len)?, tensor(types, len)?)?
-            .with_vectors(tensor(keep, len)?, self.max_len)
+        Ok(
+            TokenBatch::new(tensor(ids, len)?, tensor(mask, len)?, tensor(types, len)?)?
+                .with_vectors(tensor(keep, len)?, self.max_len)?
+                .with_task(self.task),
+        )
     }
 }
 

@@ -35,7 +35,7 @@ use crate::{Error, Result};
 
 pub use super::bert_config::{
     Activation, BertConfig, DecoderKind, DecoderSettings, Family, RotaryKind, RotarySettings,
-    SUPPORTED_FAMILIES,
+    TaskAdapters, SUPPORTED_FAMILIES,
 };
 use super::classifier::ClassifierHead;
 pub use super::classifier::ClassifierSpec;

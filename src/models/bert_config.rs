@@ -8,7 +8,7 @@ use std::path::Path;
 pub use super::deberta_config::DebertaSettings;
 pub use super::decoder_config::{DecoderFields, DecoderKind, DecoderSettings};
 pub use super::family::{Activation, Family};
-pub use super::rotary_config::{RotaryKind, RotarySettings};
+pub use super::rotary_config::{RotaryKind, RotarySettings, TaskAdapters};
 use crate::{Error, Result};
 
 /// The fields of a Hugging Face BERT `config.json` this encoder reads (others are ignored).
@@ -380,6 +380,8 @@ impl BertConfig {
     pub fn family(&self, path: &Path) -> Result<Family> {
         match self.model_type.as_deref() {
             None | Some("bert") => Ok(Family::Bert),
+            // Jina v3's release: XLM-R's type over rotary layers (its remote code).
+            Some("xlm-roberta") if self.position_embedding_type == "rotary" => Ok(Family::JinaV3),
             Some("roberta" | "xlm-roberta" | "camembert") => Ok(Family::Roberta),
             Some("mpnet") => Ok(Family::MpNet),
             Some("distilbert") => Ok(Family::DistilBert),
@@ -458,6 +460,15 @@ impl BertConfig {
         };
         let fields = self.decoder_fields();
         RotarySettings::from_config(&fields, self.activation(path)?, kind, path)
+    }
+
+    /// The task adapters the model carries (Jina v3's `lora_adaptations`); `None` for a
+    /// model without them, of any family.
+    pub fn task_adapters(&self, path: &Path) -> Result<Option<TaskAdapters>> {
+        if !self.family(path)?.is_rotary_post_norm() {
+            return Ok(None);
+        }
+        Ok(self.rotary(path)?.tasks)
     }
 
     /// DeBERTa-v2/v3's settings, read from the config's fields beyond BERT's.

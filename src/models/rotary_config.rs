@@ -55,7 +55,7 @@ impl RotaryKind {
         match self {
             Self::Nomic => 1_000.0,
             Self::Gte => 160_000.0,
-            Self::Jina => 10_000.0,
+            Self::Jina => 20_000.0,
         }
     }
 
@@ -116,6 +116,124 @@ pub struct RotarySettings {
     pub rope: Rope,
     /// The feed-forward activation (`hidden_act`).
     pub activation: Activation,
+    /// Jina v3's task adapters, where the checkpoint carries them.
+    pub tasks: Option<TaskAdapters>,
+}
+
+/// Jina v3's task adapters as its release carries them (`lora_adaptations`): every
+/// embedding table and linear projection of the model gains, per task, a low-rank update
+/// of its weight (PyTorch parametrizations of the weight), which the task's inputs are
+/// encoded with:
+///
+/// ```text
+/// linear     W' = W + s B[t] A[t]     A [tasks, r, in], B [tasks, out, r]
+/// embedding  E' = E + s A[t] B[t]     A [tasks, rows, r], B [tasks, r, dim]
+/// s = lora_alpha / lora_rank
+/// ```
+///
+/// No task: the base weights alone. A task's text is put after its instruction
+/// (`task_instructions`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskAdapters {
+    /// The tasks, in the order of the adapters' first dimension (`lora_adaptations`).
+    pub names: Vec<String>,
+    /// `lora_rank`.
+    pub rank: usize,
+    /// `lora_alpha`.
+    pub alpha: f64,
+    /// `lora_dropout_p`: dropout on the adapters' input features in training.
+    pub dropout: f64,
+    /// Each task's instruction (`task_instructions`; empty where it names none).
+    pub instructions: Vec<String>,
+}
+
+impl TaskAdapters {
+    /// The scale `s = alpha / r` of every update.
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+
+    /// The index of `task`, or an error naming the tasks the model has (`field`: the
+    /// setting that asked for it).
+    pub fn index(&self, task: &str, field: &'static str) -> Result<usize> {
+        self.names
+            .iter()
+            .position(|n| n == task)
+            .ok_or_else(|| Error::InvalidConfig {
+                field,
+                value: format!("{task:?} (the model's tasks: {})", self.names.join(", ")),
+                reason: "is not one of the model's task adapters",
+            })
+    }
+
+    /// The adapters a config declares (`None` without `lora_adaptations`): Jina v3's
+    /// alone; a list that is empty or names a task twice, a rank of 0, or another
+    /// family's, refused naming the field.
+    fn from_config(cfg: &DecoderFields, kind: RotaryKind, path: &Path) -> Result<Option<Self>> {
+        let x = &cfg.extra;
+        let Some(list) = x.get("lora_adaptations").filter(|v| !v.is_null()) else {
+            return Ok(None);
+        };
+        let bad = |field: &str, reason: String| Error::ModelConfig {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            reason,
+        };
+        if kind != RotaryKind::Jina {
+            return Err(bad(
+                "lora_adaptations",
+                "task adapters are Jina v3's (jina_embeddings_v3); this family has none".into(),
+            ));
+        }
+        let names: Vec<String> = list
+            .as_array()
+            .and_then(|a| a.iter().map(|v| v.as_str().map(String::from)).collect())
+            .ok_or_else(|| {
+                bad(
+                    "lora_adaptations",
+                    format!("= {list}: not a list of task names"),
+                )
+            })?;
+        let mut seen = std::collections::HashSet::new();
+        if names.is_empty() || !names.iter().all(|n| !n.is_empty() && seen.insert(n)) {
+            return Err(bad(
+                "lora_adaptations",
+                format!("= {list}: needs at least one task, each named once"),
+            ));
+        }
+        let rank = x.get("lora_rank").and_then(|v| v.as_u64()).unwrap_or(4) as usize;
+        if rank == 0 {
+            return Err(bad(
+                "lora_rank",
+                "= 0: an adapter needs a rank of at least 1".into(),
+            ));
+        }
+        let alpha = x.get("lora_alpha").and_then(|v| v.as_f64()).unwrap_or(1.0);
+        let dropout = x
+            .get("lora_dropout_p")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(0.0);
+        if !(0.0..1.0).contains(&dropout) {
+            return Err(bad("lora_dropout_p", format!("= {dropout}: not in [0, 1)")));
+        }
+        let own = x.get("task_instructions").and_then(|v| v.as_object());
+        let instructions = names
+            .iter()
+            .map(|n| {
+                own.and_then(|m| m.get(n))
+                    .and_then(|v| v.as_str())
+                    .unwrap_or("")
+                    .to_string()
+            })
+            .collect();
+        Ok(Some(Self {
+            names,
+            rank,
+            alpha,
+            dropout,
+            instructions,
+        }))
+    }
 }
 
 impl RotarySettings {
@@ -160,23 +278,19 @@ impl RotarySettings {
                 format!("= {heads}: rotary embeddings need an even head width, not {head_dim}"),
             ));
         }
-        // Jina v3's task adapters (the original release's LoRA weights beside the base)
-        // change every projection's arithmetic: not built, refused rather than ignored.
-        if let Some(tasks) = cfg.extra.get("lora_adaptations").filter(|v| !v.is_null()) {
-            return Err(Error::UnsupportedConfig {
-                field: "lora_adaptations",
-                value: tasks.to_string(),
-                supported: "none (Jina v3's task adapters are not built yet: load a \
-                            checkpoint without them)",
-                path: path.to_path_buf(),
-            });
-        }
-        let rope = super::decoder_config::single_rope(cfg, head_dim, kind.default_theta(), path)?;
+        let tasks = TaskAdapters::from_config(cfg, kind, path)?;
+        // The release's config names the rotary base `rotary_emb_base`.
+        let theta = match cfg.extra.get("rotary_emb_base").and_then(|v| v.as_f64()) {
+            Some(base) if kind == RotaryKind::Jina => base,
+            _ => kind.default_theta(),
+        };
+        let rope = super::decoder_config::single_rope(cfg, head_dim, theta, path)?;
         Ok(Self {
             kind,
             head_dim,
             rope,
             activation,
+            tasks,
         })
     }
 }

@@ -40,6 +40,7 @@ use crate::Result;
 
 use super::bert_config::BertConfig;
 pub use super::rotary_config::{RotaryKind, RotarySettings};
+use super::task_adapters::TaskSet;
 
 /// Dropout sites of a layer (the `site` of a mask seed), as BERT's.
 mod site {
@@ -104,12 +105,16 @@ pub(super) struct RotaryEncoder {
     attention_dropout: Dropout,
     /// The token row PyTorch's `padding_idx` leaves untrained.
     padding_idx: Option<u32>,
+    /// Jina v3's task adapters, one set per task (empty: none).
+    tasks: Vec<TaskSet>,
 }
 
 /// Per-chunk data of the layers: the rotary tables `(cos, sin)` `[s, head_dim]` in the
 /// layers' dtype.
 pub(super) struct RotaryAux {
     tables: (Tensor, Tensor),
+    /// The chunk's task adapter (by index), if any.
+    task: Option<usize>,
 }
 
 impl RotaryEncoder {
@@ -172,6 +177,49 @@ impl RotaryEncoder {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
+        let tasks = match &s.tasks {
+            Some(t) if lora.is_some() => {
+                return Err(crate::Error::InvalidConfig {
+                    field: "model.lora",
+                    value: format!("with task adapters ({})", t.names.join(", ")),
+                    reason: "the model carries Jina v3's task adapters: train them (model.task, \
+                             model.query_task, model.passage_task) rather than new LoRA \
+                             adapters beside them",
+                })
+            }
+            Some(t) => {
+                let projections: Vec<[(VarBuilder, &Linear); 4]> = layers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, layer)| {
+                        let l = at(&vb, &format!("{list}.{i}"));
+                        let Mlp::Plain { fc1, fc2 } = &layer.mlp else {
+                            unreachable!("task adapters are Jina v3's, whose feed-forward is plain")
+                        };
+                        [
+                            (at(&l, qkv), &layer.qkv),
+                            (at(&l, out), &layer.out),
+                            (l.pp("mlp").pp("fc1"), fc1),
+                            (l.pp("mlp").pp("fc2"), fc2),
+                        ]
+                    })
+                    .collect();
+                let type_shape = types.as_ref().map(|t| t.dims2()).transpose()?;
+                let (word_vb, type_vb) = (e.pp("word_embeddings"), e.pp("token_type_embeddings"));
+                (0..t.names.len())
+                    .map(|task| {
+                        TaskSet::new(
+                            task,
+                            t,
+                            (&word_vb, words.dims2()?),
+                            type_shape.map(|shape| (&type_vb, shape)),
+                            &projections,
+                        )
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+            None => Vec::new(),
+        };
         Ok(Self {
             words,
             types,
@@ -182,6 +230,7 @@ impl RotaryEncoder {
             hidden_dropout: Dropout::new(cfg.hidden_dropout_prob as f32)?,
             attention_dropout: Dropout::new(cfg.attention_probs_dropout_prob as f32)?,
             padding_idx: cfg.padding_idx(),
+            tasks,
         })
     }
 
@@ -210,7 +259,47 @@ impl RotaryEncoder {
                 Tensor::from_vec(cos, (s, d), device)?.to_dtype(dtype)?,
                 Tensor::from_vec(sin, (s, d), device)?.to_dtype(dtype)?,
             ),
+            task: self.task_of(input)?,
         })
+    }
+
+    /// The task adapter `input` is encoded with: checked to be one the model has.
+    fn task_of(&self, input: &TokenBatch) -> Result<Option<usize>> {
+        match input.task {
+            Some(t) if t >= self.tasks.len() => Err(crate::Error::InvalidArgument {
+                what: "task adapter",
+                value: t.to_string(),
+                reason: if self.tasks.is_empty() {
+                    "asked of a model without task adapters (no lora_adaptations in its \
+                     config.json)"
+                } else {
+                    "is not one of the model's task adapters"
+                },
+            }),
+            t => Ok(t),
+        }
+    }
+
+    /// Layer `i`'s projection `l` (the `p`-th of [`crate::nn::lora::site`]'s order) for
+    /// one forward of a chunk: with the chunk's task adapter, its dropout mask of `seed`.
+    fn projection(
+        &self,
+        l: &Linear,
+        (i, p): (usize, u32),
+        aux: &RotaryAux,
+        seed: Option<u64>,
+    ) -> Linear {
+        let slot = match p {
+            0 => Some(0),
+            1 => Some(1),
+            2 => Some(2),
+            4 => Some(3),
+            _ => None,
+        };
+        match (aux.task, slot) {
+            (Some(t), Some(k)) => l.with_adapter(&self.tasks[t].layers[i][k]).at(seed),
+            _ => l.at(seed),
+        }
     }
 
     /// `dropout(LN(words[ids] + types[type_ids]))`, in the layers' dtype. The padding
@@ -240,10 +329,23 @@ impl RotaryEncoder {
                 x.reshape((n, s, h))?
             }
         };
+        let task = self.task_of(input)?.map(|t| &self.tasks[t]);
+        let words = match task {
+            Some(set) => {
+                let flat = ids.flatten_all()?;
+                let update = set.words.rows(&flat, self.padding_idx, words.dtype())?;
+                (words + update.reshape((n, s, h))?)?
+            }
+            None => words,
+        };
         let x = match &self.types {
             Some(types) => {
                 let flat = input.token_type_ids.flatten_all()?;
-                (words + types.index_select(&flat, 0)?.reshape((n, s, h))?)?
+                let mut rows = types.index_select(&flat, 0)?;
+                if let Some(update) = task.and_then(|set| set.types.as_ref()) {
+                    rows = (rows + update.rows(&flat, None, types.dtype())?)?;
+                }
+                (words + rows.reshape((n, s, h))?)?
             }
             None => words,
         };
@@ -272,7 +374,9 @@ impl RotaryEncoder {
         let (n, s, h) = x.dims3()?;
         let d = self.s.head_dim;
         let recompute = |site: usize| ctx.recompute.recomputes(site);
-        let at = |l: &Linear, p: u32| l.at(ctx.mask_seed(id, crate::nn::lora::site(p)));
+        let at = |l: &Linear, p: u32| {
+            self.projection(l, (i, p), aux, ctx.mask_seed(id, crate::nn::lora::site(p)))
+        };
         let qkv = at(&layer.qkv, 0)
             .forward(x)?
             .reshape((n, s, 3, self.heads, d))?;
@@ -364,7 +468,9 @@ impl RotaryEncoder {
         }
         let layer = &self.layers[i];
         let id = i as u32 + 1;
-        let at = |l: &Linear, p: u32| l.at(ctx.mask_seed(id, crate::nn::lora::site(p)));
+        let at = |l: &Linear, p: u32| {
+            self.projection(l, (i, p), aux, ctx.mask_seed(id, crate::nn::lora::site(p)))
+        };
         let (qkv, out) = (at(&layer.qkv, 0), at(&layer.out, 1));
         // The up projection as the node takes it: GTE's fused one (its gate second),
         // NomicBERT's gate then input as two weights, Jina v3's plain one.

@@ -91,6 +91,15 @@ impl Linear {
         Ok(self)
     }
 
+    /// The same layer with `adapter` in place of its own (a task adapter chosen per
+    /// batch).
+    pub fn with_adapter(&self, adapter: &super::lora::Adapter) -> Self {
+        Self {
+            lora: Some(adapter.clone()),
+            ..self.clone()
+        }
+    }
+
     /// This layer for one forward of a chunk: its adapter (if any) with the dropout mask
     /// of `seed` on its input (the chunk's seed at the layer and the adapter's
     /// [`super::lora::site`], `None` in evaluation).

@@ -138,6 +138,20 @@ impl Adapter {
         }))
     }
 
+    /// An adapter of the factors `a` `[r, in]` and `b` `[out, r]` (variables of the
+    /// store, or views of them), scaled by `scale`, without dropout: a task adapter of
+    /// Jina v3 (see [`crate::models::bert::TaskAdapters`]), whose update `s B A` is
+    /// PEFT's.
+    pub fn from_factors(a: Tensor, b: Tensor, scale: f64) -> Self {
+        Self {
+            a,
+            b,
+            scale,
+            dropout: 0.0,
+            mask: None,
+        }
+    }
+
     /// This adapter with the dropout mask of `seed` (the chunk's seed of its layer and
     /// [`site`]; `None` in evaluation: no mask).
     pub fn at(&self, seed: Option<u64>) -> Self {

@@ -94,26 +94,46 @@ impl WeightFile {
 
     /// Whether the file serves `name` (its prefix prepended).
     pub(super) fn holds(&self, name: &str) -> bool {
-        self.contains(&self.stored_name(name))
+        self.contains(&self.stored_name(name).0)
     }
 
-    /// The name `name` is stored under: its prefix prepended, and a LayerNorm's
-    /// `weight` / `bias` under the older `gamma` / `beta` where only those are there (as
-    /// older BERT checkpoints and PyLate's saves have them; transformers reads both).
-    fn stored_name(&self, name: &str) -> String {
+    /// The name `name` is stored under, and the index along its first dimension where
+    /// `name` is one slice of it: its prefix prepended; a LayerNorm's `weight` / `bias`
+    /// under the older `gamma` / `beta` where only those are there (as older BERT
+    /// checkpoints and PyLate's saves have them; transformers reads both); a weight
+    /// PyTorch parametrized (Jina v3's release: `<m>.parametrizations.weight.original`)
+    /// under that name; and task `t`'s adapter of such a module (`<m>.lora_A.task{t}`)
+    /// as slice `t` of the stack of every task's (`<m>.parametrizations.weight.0.lora_A`,
+    /// `[tasks, ..]`).
+    fn stored_name(&self, name: &str) -> (String, Option<usize>) {
         let full = format!("{}{name}", self.prefix);
-        if self.contains(&full) || !full.contains("LayerNorm.") {
-            return full;
+        if self.contains(&full) {
+            return (full, None);
+        }
+        if let Some((module, leaf, task)) = crate::names::task_adapter_name(&full) {
+            return (
+                format!("{module}.parametrizations.weight.0.{leaf}"),
+                Some(task),
+            );
+        }
+        if let Some(module) = full.strip_suffix(".weight") {
+            let original = format!("{module}.parametrizations.weight.original");
+            if self.contains(&original) {
+                return (original, None);
+            }
+        }
+        if !full.contains("LayerNorm.") {
+            return (full, None);
         }
         let legacy = match full.rsplit_once('.') {
             Some((module, "weight")) => format!("{module}.gamma"),
             Some((module, "bias")) => format!("{module}.beta"),
-            _ => return full,
+            _ => return (full, None),
         };
         if self.contains(&legacy) {
-            legacy
+            (legacy, None)
         } else {
-            full
+            (full, None)
         }
     }
 
@@ -129,14 +149,29 @@ impl WeightFile {
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
-        let full = self.stored_name(name);
+        let (full, slice) = self.stored_name(name);
         let missing = || Error::MissingWeight {
             name: full.clone(),
             path: self.path.clone(),
         };
-        let found = match &self.tensors {
+        let stored = match &self.tensors {
             Source::Mapped(m) => m.get(&full).map_err(|_| missing())?.shape().to_vec(),
             Source::Memory(t) => t.get(&full).ok_or_else(missing)?.dims().to_vec(),
+        };
+        // A task's slice of a stack: its shape without the first dimension, whose length
+        // is the number of tasks.
+        let found = match slice {
+            Some(t) if stored.first().is_some_and(|&n| t < n) => stored[1..].to_vec(),
+            Some(t) => {
+                return Err(Error::ModelFile {
+                    path: self.path.clone(),
+                    reason: format!(
+                        "`{full}` {stored:?} holds no adapter of task {t} (its first \
+                         dimension counts the tasks)"
+                    ),
+                })
+            }
+            None => stored,
         };
         if found != shape.dims() {
             return Err(Error::WeightShape {
@@ -149,6 +184,10 @@ impl WeightFile {
         let t = match &self.tensors {
             Source::Mapped(m) => m.load(&full, device)?,
             Source::Memory(t) => t[&full].to_device(device)?,
+        };
+        let t = match slice {
+            Some(i) => t.narrow(0, i, 1)?.squeeze(0)?.contiguous()?,
+            None => t,
         };
         Ok(t.to_dtype(dtype)?)
     }

@@ -27,6 +27,7 @@ mod fused_bert;
 mod fused_decoder;
 mod fused_resnet;
 mod gpu_nodes;
+mod jina_tasks;
 mod lora;
 mod loss_directions;
 mod multi_vector;

@@ -76,6 +76,12 @@ struct HeadArgs {
     /// (default: its adapter_config.json's base_model_name_or_path).
     #[arg(long)]
     base: Option<String>,
+    /// Encode with this task adapter of a model that carries them (Jina v3:
+    /// retrieval.query, retrieval.passage, separation, classification, text-matching),
+    /// the task's instruction before every text unless a prompt is given (default: none,
+    /// the base weights).
+    #[arg(long)]
+    task: Option<String>,
 }
 
 /// How a corpus is searched.
@@ -301,6 +307,7 @@ impl HeadArgs {
             query_prompt: self.query_prompt.clone(),
             passage_prompt: self.passage_prompt.clone(),
             base: self.base.clone(),
+            task: self.task.clone(),
         })
     }
 }
@@ -737,6 +744,7 @@ fn refuse_single_vector_options(model: &str, options: &LoadOptions) -> Result<()
         ("--query-prompt", options.query_prompt.is_some()),
         ("--passage-prompt", options.passage_prompt.is_some()),
         ("--base", options.base.is_some()),
+        ("--task", options.task.is_some()),
     ];
     if let Some((flag, _)) = refused.iter().find(|(_, given)| *given) {
         bail!(

@@ -429,7 +429,11 @@ pub fn with_model_weights(
             "embed_tokens.weight",
         ]
         .iter()
-        .any(|t| probe.contains(&format!("{p}{t}")))
+        .any(|t| {
+            // Jina v3's release keeps its tables parametrized (the task adapters').
+            let parametrized = t.replace(".weight", ".parametrizations.weight.original");
+            probe.contains(&format!("{p}{t}")) || probe.contains(&format!("{p}{parametrized}"))
+        })
     })
     .unwrap_or("");
     let add = |store: ParamStore, prefix: &str, file: WeightFile| match fallback {

@@ -1,0 +1,144 @@
+//! Jina v3's task adapters as the layers run them ([`TaskAdapters`] reads what the config
+//! declares): each task's low-rank updates of the two embedding tables and of every
+//! layer's four projections, held as one variable per task and factor
+//! (`<m>.lora_A.task<t>`, read from slice `t` of the release's
+//! `<m>.parametrizations.weight.0.lora_A`), so a run trains the tasks it encodes with and
+//! leaves the others' values, and their optimizer state, untouched.
+//!
+//! A batch names its task ([`crate::batch::TokenBatch::task`]); its projections run with
+//! that task's adapters through [`Linear::with_adapter`] (the layer nodes take them as
+//! they take a LoRA adapter: the update `s B A` is PEFT's), its embedding rows gain
+//! `s A[ids] B` (the rows of `E + s A B`).
+
+use candle_core::{DType, Tensor};
+use candle_nn::{Init, VarBuilder};
+
+use crate::names::task_adapter;
+use crate::nn::lora::Adapter;
+use crate::nn::Linear;
+use crate::{Error, Result};
+
+pub use super::rotary_config::TaskAdapters;
+
+/// An embedding table's update of one task: `E' = E + s A B`, `A` `[rows, r]`, `B`
+/// `[r, dim]`.
+pub(super) struct TableUpdate {
+    a: Tensor,
+    b: Tensor,
+    scale: f64,
+}
+
+impl TableUpdate {
+    /// The table's update under `vb` (`[rows, dim]`) for task `t`: the release's
+    /// initialisation where the file has none (`A` zeros, `B` standard normal).
+    fn new(
+        vb: &VarBuilder,
+        (rows, dim): (usize, usize),
+        t: usize,
+        s: &TaskAdapters,
+    ) -> Result<Self> {
+        let module = vb.prefix();
+        let get = |shape: (usize, usize), factor: &str, init: Init| {
+            vb.get_with_hints_dtype(shape, &leaf(&module, factor, t), init, DType::F32)
+        };
+        Ok(Self {
+            a: get((rows, s.rank), "lora_A", candle_nn::init::ZERO)?,
+            b: get(
+                (s.rank, dim),
+                "lora_B",
+                Init::Randn {
+                    mean: 0.0,
+                    stdev: 1.0,
+                },
+            )?,
+            scale: s.scale(),
+        })
+    }
+
+    /// `s A[ids] B` `[len(ids), dim]` for the flat `ids`, in `dtype`; rows of `padding`
+    /// carry no gradient (PyTorch's `padding_idx` on the updated table).
+    pub(super) fn rows(&self, ids: &Tensor, padding: Option<u32>, dtype: DType) -> Result<Tensor> {
+        let picked = self.a.index_select(ids, 0)?;
+        let picked = match padding {
+            Some(pad) => {
+                let frozen = self.a.detach().index_select(ids, 0)?;
+                let is_pad = ids.eq(pad)?.unsqueeze(1)?.broadcast_as(picked.shape())?;
+                is_pad.where_cond(&frozen, &picked)?
+            }
+            None => picked,
+        };
+        let update = picked.matmul(&self.b)?.affine(self.scale, 0.0)?;
+        Ok(update.to_dtype(dtype)?)
+    }
+}
+
+/// The name of a task's factor under a module, relative to the module's builder.
+fn leaf(module: &str, factor: &str, t: usize) -> String {
+    let full = task_adapter(module, factor, t);
+    full[module.len()..].trim_start_matches('.').to_string()
+}
+
+/// One task's adapters.
+pub(super) struct TaskSet {
+    /// Each layer's, on its projections in order (qkv, attention output, fc1, fc2).
+    pub(super) layers: Vec<[Adapter; 4]>,
+    pub(super) words: TableUpdate,
+    pub(super) types: Option<TableUpdate>,
+}
+
+/// The adapter of task `t` on the projection `layer` (under `vb`): the release's
+/// initialisation where the file has none (`A` Kaiming-uniform, `B` zeros).
+fn projection(vb: &VarBuilder, layer: &Linear, t: usize, s: &TaskAdapters) -> Result<Adapter> {
+    let module = vb.prefix();
+    let (out, input) = layer.base_weight().dims2()?;
+    let bound = 1.0 / (input as f64).sqrt();
+    let a = vb.get_with_hints_dtype(
+        (s.rank, input),
+        &leaf(&module, "lora_A", t),
+        Init::Uniform {
+            lo: -bound,
+            up: bound,
+        },
+        DType::F32,
+    )?;
+    let b = vb.get_with_hints_dtype(
+        (out, s.rank),
+        &leaf(&module, "lora_B", t),
+        candle_nn::init::ZERO,
+        DType::F32,
+    )?;
+    Ok(Adapter::from_factors(a, b, s.scale()))
+}
+
+impl TaskSet {
+    /// Task `t`'s adapters: the tables under `words` and `types` (`[rows, dim]` each), each
+    /// layer's projections `(builder, layer)` in order.
+    pub(super) fn new(
+        t: usize,
+        s: &TaskAdapters,
+        words: (&VarBuilder, (usize, usize)),
+        types: Option<(&VarBuilder, (usize, usize))>,
+        layers: &[[(VarBuilder, &Linear); 4]],
+    ) -> Result<Self> {
+        if s.rank > words.1 .1 {
+            return Err(Error::InvalidArgument {
+                what: "lora_rank",
+                value: s.rank.to_string(),
+                reason: "exceeds the model's hidden size",
+            });
+        }
+        Ok(Self {
+            layers: layers
+                .iter()
+                .map(|ps| {
+                    let a = |k: usize| projection(&ps[k].0, ps[k].1, t, s);
+                    Ok([a(0)?, a(1)?, a(2)?, a(3)?])
+                })
+                .collect::<Result<Vec<_>>>()?,
+            words: TableUpdate::new(words.0, words.1, t, s)?,
+            types: types
+                .map(|(vb, shape)| TableUpdate::new(vb, shape, t, s))
+                .transpose()?,
+        })
+    }
+}
