@@ -115,7 +115,12 @@ fn write_model_files(
         (true, _) => "BertForMaskedLM",
         (false, a) => a,
     };
-    config["architectures"] = json!([architecture]);
+    // Jina v3's release keeps its own classes (its remote code reads the adapters).
+    let release = cfg.task_adapters(&config_path).ok().flatten().is_some()
+        && config.get("architectures").is_some_and(|a| !a.is_null());
+    if !release {
+        config["architectures"] = json!([architecture]);
+    }
     config["model_type"] = json!(model_type);
     write_json(&config_path, &config)?;
     write_weights(weights, &dir.join("model.safetensors"), &config_path)
@@ -203,6 +208,11 @@ pub fn export_bert(
             }
         }
         dense_weights.push(own);
+    }
+    // A model with task adapters is written in its release's layout (the adapters
+    // stacked over the tasks as parametrizations of their weights).
+    if let Some(tasks) = cfg.task_adapters(Path::new("config.json"))? {
+        weights = crate::models::task_adapters::release_layout(weights, tasks.names.len())?;
     }
     // A sparse model's file is its `*ForMaskedLM`'s: the base model under the family's
     // prefix, the head under its own names beside it.

@@ -27,6 +27,6 @@ mod rotary_encoder;
 pub(crate) mod rotary_names;
 pub(crate) mod sparse;
 pub mod sparse_static;
-mod task_adapters;
+pub mod task_adapters;
 pub mod toy;
 pub mod vnet;

@@ -142,3 +142,55 @@ impl TaskSet {
         })
     }
 }
+
+/// `weights` (a run's names: `<m>.weight`, `<m>.lora_A.task<t>`, ...) in the release's
+/// layout, as Jina v3's `XLMRobertaLoRA` saves it: under `roberta.`, every adapted
+/// module's weight as `<m>.parametrizations.weight.original` and its adapters stacked
+/// over the `tasks` as `<m>.parametrizations.weight.0.lora_A` / `lora_B`. A module
+/// missing a task's adapter is refused naming it.
+pub fn release_layout(
+    mut weights: std::collections::HashMap<String, Tensor>,
+    tasks: usize,
+) -> Result<std::collections::HashMap<String, Tensor>> {
+    let modules: std::collections::BTreeSet<String> = weights
+        .keys()
+        .filter_map(|n| crate::names::task_adapter_name(n).map(|(m, _, _)| m.to_string()))
+        .collect();
+    let mut out = std::collections::HashMap::new();
+    for module in &modules {
+        for factor in ["lora_A", "lora_B"] {
+            let parts = (0..tasks)
+                .map(|t| {
+                    let name = task_adapter(module, factor, t);
+                    weights.remove(&name).ok_or_else(|| Error::InvalidArgument {
+                        what: "task adapter",
+                        value: name,
+                        reason: "is missing: every adapted module carries every task's",
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            out.insert(
+                format!("roberta.{module}.parametrizations.weight.0.{factor}"),
+                Tensor::stack(&parts, 0)?,
+            );
+        }
+        let weight = format!("{module}.weight");
+        let base = weights
+            .remove(&weight)
+            .ok_or_else(|| Error::InvalidArgument {
+                what: "task adapter",
+                value: weight.clone(),
+                reason: "adapts a module the model has no weight of",
+            })?;
+        out.insert(
+            format!("roberta.{module}.parametrizations.weight.original"),
+            base,
+        );
+    }
+    out.extend(
+        weights
+            .into_iter()
+            .map(|(n, t)| (format!("roberta.{n}"), t)),
+    );
+    Ok(out)
+}

@@ -138,6 +138,18 @@ pub struct ModelConfig {
     /// Put before every passage (e.g. `"passage: "`); unset: the pretrained model's own.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub passage_prompt: Option<String>,
+    /// Encode queries and passages with this task adapter of a model that carries them
+    /// (Jina v3's release: `retrieval.query`, `retrieval.passage`, `separation`,
+    /// `classification`, `text-matching`), its instruction as the prompt unless one is
+    /// set; the adapters of the tasks in use train, the base and the other tasks stay.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
+    /// The queries' task adapter (over `task`), e.g. `retrieval.query`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub query_task: Option<String>,
+    /// The passages' task adapter (over `task`), e.g. `retrieval.passage`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub passage_task: Option<String>,
     /// Pool the prompts' tokens with the text (sentence-transformers' `include_prompt`);
     /// `false` leaves the prompt and the special token before it out of the pooling (they
     /// still attend). Unset: the pretrained model's pooling config, else true.
@@ -197,6 +209,9 @@ impl Default for ModelConfig {
             passage_max_len: None,
             query_prompt: None,
             passage_prompt: None,
+            task: None,
+            query_task: None,
+            passage_task: None,
             include_prompt: None,
             recompute: Recompute::Off,
             dropout: true,

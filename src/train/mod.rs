@@ -40,6 +40,7 @@ pub mod shapes;
 pub mod sources;
 mod sparse_config;
 pub mod stream;
+mod tasks;
 mod text_data;
 mod text_loss;
 mod text_towers;

@@ -70,6 +70,8 @@ pub(super) struct Model {
     /// An inference-free sparse run's query side: a weight per vocabulary entry (`query`
     /// is then the document model).
     pub(super) static_query: Option<StaticSparseEncoder>,
+    /// The task adapters queries and passages are encoded with (Jina v3's).
+    pub(super) tasks: Option<super::tasks::RunTasks>,
     pub(super) store: ParamStore,
 }
 
@@ -213,6 +215,17 @@ pub(super) fn build_model(
         dist::agree(comm, pretrained_model(cfg, store))
     }?;
     check_freeze_and_targets(cfg, &model.store)?;
+    let mut model = model;
+    // A task's instruction is its side's prompt unless the run sets one.
+    if let Some(tasks) = super::tasks::run_tasks(cfg)? {
+        if cfg.model.query_prompt.is_none() && tasks.query.is_some() {
+            model.prompts.query = tasks.instruction(tasks.query).to_string();
+        }
+        if cfg.model.passage_prompt.is_none() && tasks.passage.is_some() {
+            model.prompts.passage = tasks.instruction(tasks.passage).to_string();
+        }
+        model.tasks = Some(tasks);
+    }
     Ok(model)
 }
 
@@ -224,11 +237,19 @@ pub(super) fn freeze(cfg: &Config) -> Result<Freeze> {
     if query_weights_frozen(cfg)? {
         patterns.push(static_weight_name());
     }
+    // Task adapters: those of the tasks in use train, and nothing else when one is.
+    let mut trains_adapters_alone = false;
+    if let Some(tasks) = super::tasks::run_tasks(cfg)? {
+        let (unused, alone) = super::tasks::frozen(&tasks);
+        patterns.extend(unused);
+        trains_adapters_alone = alone;
+    }
     let freeze = Freeze::patterns(&patterns);
     Ok(match &cfg.model.lora {
         Some(lora) => freeze
             .all_but_adapters()
             .narrowing(cfg.model.base_dtype.dtype(), &lora.spec()?.0.targets),
+        None if trains_adapters_alone => freeze.all_but_adapters(),
         None => freeze,
     })
 }
@@ -454,6 +475,7 @@ fn fresh_model(cfg: &Config, tokenizer: tokenizers::Tokenizer, store: ParamStore
         prompt_pooled: prompts.1,
         multi_vector,
         static_query,
+        tasks: None,
         store,
     })
 }
@@ -615,6 +637,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             prompt_pooled,
             multi_vector: multi_vector.clone(),
             static_query: queries,
+            tasks: None,
             store,
         })
     } else {
@@ -637,6 +660,7 @@ fn pretrained_model(cfg: &Config, store: ParamStore) -> Result<Model> {
             prompt_pooled,
             multi_vector: multi_vector.clone(),
             static_query: None,
+            tasks: None,
             store,
         })
     }

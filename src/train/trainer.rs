@@ -488,11 +488,13 @@ impl Run<TextPairs> {
                 Tokenizer::new(model.tokenizer.clone(), model.query_max_len)?
                     .with_prompt(&model.prompts.query)
                     .with_prompt_pooled(model.prompt_pooled)
-                    .with_config(model.tokenizer_config.clone()),
+                    .with_config(model.tokenizer_config.clone())
+                    .with_task(model.tasks.as_ref().and_then(|t| t.query)),
                 Tokenizer::new(model.tokenizer.clone(), model.passage_max_len)?
                     .with_prompt(&model.prompts.passage)
                     .with_prompt_pooled(model.prompt_pooled)
-                    .with_config(model.tokenizer_config.clone()),
+                    .with_config(model.tokenizer_config.clone())
+                    .with_task(model.tasks.as_ref().and_then(|t| t.passage)),
             ),
         };
         let export_tokenizer = Tokenizer::new(model.tokenizer.clone(), model.limit)?

@@ -42,6 +42,7 @@ mod functional;
 mod fused;
 mod fuzz_readers;
 mod image_text;
+mod jina_task_training;
 mod loading;
 mod lora_peft;
 mod lora_training;
