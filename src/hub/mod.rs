@@ -553,7 +553,7 @@ impl EmbeddingModel {
                             reason: "the model has no task adapters (its config.json names no \
                                  lora_adaptations): only Jina v3's release carries them",
                         })?;
-                let index = tasks.index(name, "task")?;
+                let index = tasks.index(name, "--task")?;
                 Some((index, tasks.instructions[index].clone()))
             }
             None => None,

@@ -259,15 +259,28 @@ fn rotary_configs_whose_arithmetic_is_not_built_are_refused_by_name() {
     let err = load_err(&dir);
     assert!(err.contains("hidden_act") && err.contains("mish"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
-    let dir = edited(t, "jina_embeddings_v3", "config.json", |c| {
-        c["lora_adaptations"] = serde_json::json!(["retrieval.query", "retrieval.passage"])
-    });
-    let err = load_err(&dir);
-    assert!(
-        err.contains("lora_adaptations") && err.contains("retrieval.query"),
-        "{err}"
-    );
-    std::fs::remove_dir_all(&dir).unwrap();
+    // Task adapters: Jina v3's alone, each task named once, a rank of at least 1.
+    let tasks = serde_json::json!(["retrieval.query", "retrieval.passage"]);
+    let twice = serde_json::json!(["retrieval.query", "retrieval.query"]);
+    for (family, key, value, named) in [
+        ("gte", "lora_adaptations", tasks.clone(), "Jina v3"),
+        ("jina_embeddings_v3", "lora_adaptations", twice, "once"),
+        ("jina_embeddings_v3", "lora_rank", 0.into(), "lora_rank"),
+        (
+            "jina_embeddings_v3",
+            "lora_dropout_p",
+            1.0.into(),
+            "lora_dropout_p",
+        ),
+    ] {
+        let dir = edited(t, family, "config.json", |c| {
+            c["lora_adaptations"] = tasks.clone();
+            c[key] = value.clone();
+        });
+        let err = load_err(&dir);
+        assert!(err.contains(key) && err.contains(named), "{key}: {err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
     let dir = edited(t, "gte", "config.json", |c| {
         c["hidden_dropout_prob"] = 1.0.into()
     });
