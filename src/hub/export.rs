@@ -55,6 +55,10 @@ pub struct ExportNotes {
     /// projections, `model_type: ColBERT` with these settings; sentence-transformers 6
     /// reads it too), with no pooling.
     pub multi_vector: Option<crate::hub::multi_vector::MultiVectorHead>,
+    /// A model with task adapters (Jina v3's): write it with this task's merged into the
+    /// base and no adapters, a plain model of its family (transformers' and
+    /// sentence-transformers' own classes load it); `None`: the release's layout.
+    pub merge_task: Option<usize>,
     /// An inference-free sparse model's query side: its static weights `[vocab]` and
     /// whether they are frozen. The export is then a sentence-transformers `Router`
     /// ([`crate::hub::router`]): the sparse model in `document_0_Transformer` and
@@ -85,10 +89,16 @@ fn write_model_files(
     dir: &Path,
     cfg: &BertConfig,
     weights: &HashMap<String, Tensor>,
-    masked_lm: bool,
+    (masked_lm, merged_task): (bool, bool),
 ) -> Result<fs::Permissions> {
     let config_path = dir.join("config.json");
     let mut config = cfg.to_json();
+    if merged_task {
+        crate::models::task_adapters::plain_config(&mut config);
+        config["architectures"] = json!(["JinaEmbeddingsV3Model"]);
+        write_json(&config_path, &config)?;
+        return write_weights(weights, &dir.join("model.safetensors"), &config_path);
+    }
     let model_type = cfg.model_type.clone().unwrap_or_else(|| "bert".into());
     let decoder = cfg
         .family(&config_path)
@@ -210,10 +220,27 @@ pub fn export_bert(
         dense_weights.push(own);
     }
     // A model with task adapters is written in its release's layout (the adapters
-    // stacked over the tasks as parametrizations of their weights).
-    if let Some(tasks) = cfg.task_adapters(Path::new("config.json"))? {
-        weights = crate::models::task_adapters::release_layout(weights, tasks.names.len())?;
-    }
+    // stacked over the tasks as parametrizations of their weights), or with one task
+    // merged as a plain model.
+    let tasks = cfg.task_adapters(Path::new("config.json"))?;
+    let merged_task = match (&tasks, notes.merge_task) {
+        (Some(tasks), Some(t)) => {
+            weights = crate::models::task_adapters::merge_task(weights, t, tasks)?;
+            true
+        }
+        (Some(tasks), None) => {
+            weights = crate::models::task_adapters::release_layout(weights, tasks.names.len())?;
+            false
+        }
+        (None, Some(t)) => {
+            return Err(Error::InvalidArgument {
+                what: "--task",
+                value: t.to_string(),
+                reason: "the model has no task adapters to merge",
+            })
+        }
+        (None, None) => false,
+    };
     // A sparse model's file is its `*ForMaskedLM`'s: the base model under the family's
     // prefix, the head under its own names beside it.
     let sparse = options.sparse;
@@ -271,7 +298,7 @@ pub fn export_bert(
             write_json(&config_path, adapter_config)?;
             write_weights(adapters, &tmp.join("adapter_model.safetensors"), &config_path)?
         }
-        None => write_model_files(&model_dir, cfg, &weights, sparse.is_some())?,
+        None => write_model_files(&model_dir, cfg, &weights, (sparse.is_some(), merged_task))?,
     };
 
     write_tokenizer_files(&model_dir, tokenizer)?;

@@ -194,3 +194,88 @@ pub fn release_layout(
     );
     Ok(out)
 }
+
+/// `weights` (a run's names) with task `task`'s updates merged into their weights and
+/// every task's adapters dropped: the base model the task encodes with, a plain Jina v3
+/// model (its tables `E + s A B`, its projections `W + s B A`).
+pub fn merge_task(
+    mut weights: std::collections::HashMap<String, Tensor>,
+    task: usize,
+    tasks: &TaskAdapters,
+) -> Result<std::collections::HashMap<String, Tensor>> {
+    let modules: std::collections::BTreeSet<String> = weights
+        .keys()
+        .filter_map(|n| crate::names::task_adapter_name(n).map(|(m, _, _)| m.to_string()))
+        .collect();
+    for module in &modules {
+        let factor = |f: &str| {
+            let name = task_adapter(module, f, task);
+            weights
+                .get(&name)
+                .cloned()
+                .ok_or_else(|| Error::InvalidArgument {
+                    what: "task adapter",
+                    value: name,
+                    reason: "is missing: every adapted module carries every task's",
+                })
+        };
+        let (a, b) = (factor("lora_A")?, factor("lora_B")?);
+        let weight = format!("{module}.weight");
+        let base = weights.get(&weight).ok_or_else(|| Error::InvalidArgument {
+            what: "task adapter",
+            value: weight.clone(),
+            reason: "adapts a module the model has no weight of",
+        })?;
+        // The tables' update is A B ([rows, r] [r, dim]), the projections' B A.
+        let update = if module.starts_with("embeddings.") {
+            a.matmul(&b)?
+        } else {
+            b.matmul(&a)?
+        };
+        let merged = (base.to_dtype(DType::F32)? + update.affine(tasks.scale(), 0.0)?)?
+            .to_dtype(base.dtype())?;
+        weights.insert(weight, merged);
+    }
+    weights.retain(|n, _| crate::names::task_adapter_name(n).is_none());
+    Ok(weights)
+}
+
+/// A release config (`config`, as read) as transformers 5's `jina_embeddings_v3` writes
+/// one, for a model with one task merged: the task adapters' keys and the release's own
+/// (its classes, remote code, rotary base) dropped, the rotary base as `rope_parameters`.
+pub fn plain_config(config: &mut serde_json::Value) {
+    let Some(map) = config.as_object_mut() else {
+        return;
+    };
+    let theta = map
+        .get("rotary_emb_base")
+        .and_then(|v| v.as_f64())
+        .or_else(|| {
+            map.get("rope_parameters")
+                .and_then(|p| p.get("rope_theta"))
+                .and_then(|v| v.as_f64())
+        })
+        .unwrap_or(20_000.0);
+    for key in [
+        "lora_adaptations",
+        "lora_rank",
+        "lora_alpha",
+        "lora_dropout_p",
+        "lora_main_params_trainable",
+        "load_trained_adapters",
+        "task_instructions",
+        "auto_map",
+        "architectures",
+        "position_embedding_type",
+        "rotary_emb_base",
+        "use_flash_attn",
+        "emb_pooler",
+    ] {
+        map.remove(key);
+    }
+    map.insert(
+        "rope_parameters".into(),
+        serde_json::json!({"rope_type": "default", "rope_theta": theta}),
+    );
+    map.insert("model_type".into(), "jina_embeddings_v3".into());
+}

@@ -139,7 +139,7 @@ pub fn export_run(
 }
 
 /// What an export of a LoRA run writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExportLayout {
     /// The whole model, adapters merged into their projections (any run).
     Merged,
@@ -147,6 +147,9 @@ pub enum ExportLayout {
     /// `adapter_model.safetensors`) over the run's pretrained model, with the
     /// sentence-transformers files beside them.
     Adapter,
+    /// A model with task adapters (Jina v3's) with this task's merged into the base: a
+    /// plain model of its family, the task's instruction as its prompts.
+    Task(String),
 }
 
 /// [`export_run`] writing `layout`.
@@ -178,6 +181,7 @@ pub fn export_run_as(
             })
         }
         ExportLayout::Adapter => Some(cfg.model.pretrained.clone()),
+        ExportLayout::Task(_) => None,
     };
     let root = cfg.output_dir.join("checkpoints");
     let found = checkpoint::resolve(checkpoint.unwrap_or(&root))?;
@@ -279,6 +283,25 @@ pub fn export_run_as(
         store = with_model_weights(&files, prefix, &options, store, true)?;
     }
     let encoder = BertEncoder::build(&store, prefix, &bert, &options)?;
+    // One task merged: its instruction is the prompt of either side.
+    let merge_task = match &layout {
+        ExportLayout::Task(name) => {
+            let tasks = bert
+                .task_adapters(Path::new("config.json"))?
+                .ok_or_else(|| Error::InvalidArgument {
+                    what: "--task",
+                    value: name.clone(),
+                    reason: "the run's model has no task adapters (only Jina v3's release \
+                             carries them)",
+                })?;
+            let t = tasks.index(name, "--task")?;
+            let instruction = tasks.instructions[t].clone();
+            prompts.query = instruction.clone();
+            prompts.passage = instruction;
+            Some(t)
+        }
+        _ => None,
+    };
     export_bert(
         output,
         &bert,
@@ -294,6 +317,7 @@ pub fn export_run_as(
             adapter_of,
             multi_vector,
             static_query,
+            merge_task,
         },
     )?;
     Ok(found)

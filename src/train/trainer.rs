@@ -712,6 +712,7 @@ impl Run<TextPairs> {
                 adapter_of: None,
                 multi_vector: t.multi_vector.clone(),
                 static_query,
+                merge_task: None,
             },
         )
     }

@@ -210,6 +210,7 @@ fn prompts_round_trip_and_are_put_before_the_texts() {
             adapter_of: None,
             multi_vector: None,
             static_query: None,
+            merge_task: None,
         },
     )
     .unwrap();

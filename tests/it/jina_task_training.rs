@@ -3,13 +3,13 @@
 //! `retrieval.query` and passages under `retrieval.passage` train those two tasks'
 //! adapters alone (the base and the third task stay the file's, bit for bit), resume
 //! exactly, and export in the release's layout, which loads back with the same task
-//! selection; bad task settings are refused before anything is written.
+//! selection, or with one task merged as a plain model; bad task settings are refused before anything is written.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use gradcache::hub::{EmbeddingModel, LoadOptions};
-use gradcache::train::{export_run, Config, Quiet, Trainer};
+use gradcache::train::{export_run, export_run_as, Config, ExportLayout, Quiet, Trainer};
 use gradcache::{Error, Side};
 
 use crate::common::{bits, max_diff, vocab_pairs};
@@ -157,6 +157,48 @@ fn a_run_trains_its_tasks_adapters_alone_resumes_exactly_and_exports_the_release
         let moved = max_diff(&embed(&out, Some(task)), &embed(&fixture(), Some(task)));
         assert!(moved > 1e-4, "{task}: {moved:e}");
     }
+
+    // One task merged: a plain Jina v3 (no adapters, transformers 5's config) whose
+    // queries (the task's instruction as their prompt) embed as the task did.
+    let plain = dir.path().join("plain");
+    export_run_as(
+        &cfg,
+        None,
+        &plain,
+        Side::Query,
+        ExportLayout::Task("retrieval.query".into()),
+    )
+    .unwrap();
+    let written = weights(&plain.join("model.safetensors"));
+    assert!(
+        written
+            .keys()
+            .all(|n| !n.contains("lora_") && !n.contains("parametrizations")),
+        "{:?}",
+        written.keys().collect::<Vec<_>>()
+    );
+    let config: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(plain.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "jina_embeddings_v3");
+    assert!(config.get("lora_adaptations").is_none());
+    let texts = ["the lord is my shepherd", "light", "my lords, the light"];
+    let queries = EmbeddingModel::load(&plain.display().to_string(), &LoadOptions::default())
+        .unwrap()
+        .embed_queries(&texts, 2)
+        .unwrap();
+    let err = max_diff(&queries, &embed(&out, Some("retrieval.query")));
+    assert!(err <= 1e-5, "merged task: {err:e}");
+    let other = export_run_as(
+        &cfg,
+        None,
+        &dir.path().join("none"),
+        Side::Query,
+        ExportLayout::Task("classification".into()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(other.contains("classification"), "{other}");
+    assert!(!dir.path().join("none").exists());
 }
 
 #[test]

@@ -183,6 +183,7 @@ fn an_export_loads_back_to_the_same_embeddings_and_family() {
                 adapter_of: None,
                 multi_vector: None,
                 static_query: None,
+                merge_task: None,
             },
         )
         .unwrap();

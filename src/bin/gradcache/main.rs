@@ -246,6 +246,12 @@ enum Command {
         /// instead of the merged model.
         #[arg(long)]
         adapter: bool,
+        /// A run of a model with task adapters (Jina v3's): write a plain model with this
+        /// task's adapters merged into the base (transformers and sentence-transformers
+        /// load it without remote code; the task's instruction as its prompts) instead
+        /// of the release's layout with every task.
+        #[arg(long, conflicts_with = "adapter")]
+        task: Option<String>,
     },
     /// Merge trained models of one architecture into one: the weighted average of their
     /// weights (`--method linear`) or the spherical interpolation of two (`slerp`). Writes
@@ -474,6 +480,7 @@ fn run(command: Command) -> Result<()> {
             output,
             tower,
             adapter,
+            task,
         } => {
             let table = gradcache::train::config::read_table(&config)?;
             if ImageTextConfig::is_image_text(&table) {
@@ -508,9 +515,10 @@ fn run(command: Command) -> Result<()> {
                 TowerArg::Query => Side::Query,
                 TowerArg::Passage => Side::Passage,
             };
-            let layout = match adapter {
-                true => ExportLayout::Adapter,
-                false => ExportLayout::Merged,
+            let layout = match (adapter, task) {
+                (true, _) => ExportLayout::Adapter,
+                (false, Some(task)) => ExportLayout::Task(task),
+                (false, None) => ExportLayout::Merged,
             };
             let found = export_run_as(&cfg, checkpoint.as_deref(), &output, side, layout)?;
             for skipped in &found.skipped {
