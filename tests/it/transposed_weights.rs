@@ -180,3 +180,30 @@ fn wide_layers_encode_the_same_bits_from_panels() {
         }
     }
 }
+
+#[test]
+fn a_training_steps_two_passes_read_one_copy_of_each_weight() {
+    // A cache step's representation pass runs the model built on detached views of the
+    // variables, its replay the one on the variables themselves: two tensors per weight,
+    // one storage. Both read one copy of it (found by where its values are), so the
+    // copies stay one model's size, inside their budget for a model half of it.
+    let store = ParamStore::new(5, DType::F32, &Device::Cpu);
+    let options = BertOptions {
+        pooling: Pooling::Mean,
+        normalize: false,
+        ..Default::default()
+    };
+    let cfg = common::encoders::config("bert");
+    let encoder = BertEncoder::build(&store, "tower", &cfg, &options).unwrap();
+    let batch = rows(40, 16);
+    let copies = TransposedWeights::new();
+    let represented = copies.run(|| encoder.encode(&batch, &Ctx::eval())).unwrap();
+    let (bytes, reads) = (copies.bytes(), copies.reads());
+    assert!(bytes > 0 && reads > 0);
+    let replayed = copies
+        .run(|| encoder.forward(&batch, &Ctx::eval()))
+        .unwrap();
+    assert_eq!(copies.bytes(), bytes, "the replay made copies of its own");
+    assert_eq!(copies.reads(), 2 * reads);
+    assert_eq!(bits(&replayed), bits(&represented));
+}

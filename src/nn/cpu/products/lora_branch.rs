@@ -186,9 +186,10 @@ impl<T: Float> Branch<'_, T> {
 pub(in crate::nn) struct NodeWeights<T, const S: usize, const P: usize> {
     pub(in crate::nn) slots: [Option<Tensor>; S],
     /// The ids of the tensors the slots were given (a variable's own, which its detached
-    /// view does not keep): what a transposed copy is found by
+    /// view does not keep) and whether the slot holds their values in place (no
+    /// conversion): what a transposed copy is found by
     /// ([`crate::nn::cpu::products::transposed`]).
-    pub(in crate::nn) ids: [Option<candle_core::TensorId>; S],
+    pub(in crate::nn) ids: [Option<(candle_core::TensorId, bool)>; S],
     pub(in crate::nn) wants: [bool; S],
     lora: [Option<Held<T>>; P],
 }
@@ -210,7 +211,7 @@ impl<T: Float, const S: usize, const P: usize> NodeWeights<T, S, P> {
         }
         Ok(Self {
             slots: held,
-            ids: slots.map(|t| t.map(Tensor::id)),
+            ids: slots.map(|t| t.map(|t| (t.id(), t.dtype() == T::DTYPE && t.is_contiguous()))),
             wants: slots.map(|t| t.is_some_and(crate::sink::wants)),
             lora: adapters,
         })
@@ -225,8 +226,9 @@ impl<T: Float, const S: usize, const P: usize> NodeWeights<T, S, P> {
         values: &[&[T]],
     ) -> [Option<std::sync::Arc<crate::nn::cpu::products::transposed::PanelCopy<T>>>; N] {
         slots.map(|i| {
-            let (id, t) = (self.ids[i]?, self.slots[i].as_ref()?);
-            crate::nn::cpu::products::transposed::transposed(id, values[i], t.dims2().ok()?)
+            let ((id, in_place), t) = (self.ids[i]?, self.slots[i].as_ref()?);
+            let source = if in_place { Ok(t) } else { Err(id) };
+            crate::nn::cpu::products::transposed::transposed(source, values[i], t.dims2().ok()?)
         })
     }
 

@@ -34,8 +34,25 @@ use crate::nn::cpu::products::weight_products::{panel_spans, WeightRhs};
 /// The most bytes one [`TransposedWeights`] holds in copies.
 pub const TRANSPOSED_BUDGET: usize = 512 << 20;
 
-/// One copy: the weight it is of, the element type, the values (a [`PanelCopy`]).
-type Copy = (TensorId, TypeId, Arc<dyn Any + Send + Sync>);
+/// What a copy is found by: where the weight's values are (a weight read in place, the
+/// copy holding its tensor so that no other values take that place while the copies
+/// live), or the id of the tensor a weight read converted came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::nn) enum CopyKey {
+    /// The address of the first value and the number of values.
+    Values(usize, usize),
+    /// The tensor the values were converted from.
+    Tensor(TensorId),
+}
+
+/// One copy: what it is found by, the element type, the values (a [`PanelCopy`]), and
+/// the weight read in place, held.
+type Copy = (
+    CopyKey,
+    TypeId,
+    Arc<dyn Any + Send + Sync>,
+    Option<candle_core::Tensor>,
+);
 
 /// Bytes to which a copy's first value is aligned: a cache line, and an AVX-512 vector.
 pub(in crate::nn) const COPY_ALIGN: usize = 64;
@@ -135,13 +152,13 @@ impl TransposedWeights {
 
     fn get<T: Float>(
         &self,
-        id: TensorId,
+        (key, held): (CopyKey, Option<&candle_core::Tensor>),
         w: &[T],
         (out, input): (usize, usize),
     ) -> Option<Arc<PanelCopy<T>>> {
         let mut c = self.lock();
         let ty = TypeId::of::<T>();
-        if let Some((_, _, copy)) = c.copies.iter().find(|(i, t, _)| *i == id && *t == ty) {
+        if let Some((_, _, copy, _)) = c.copies.iter().find(|(k, t, ..)| *k == key && *t == ty) {
             return copy.clone().downcast::<PanelCopy<T>>().ok();
         }
         let bytes = std::mem::size_of_val(w);
@@ -152,24 +169,31 @@ impl TransposedWeights {
         // than making its own (once per weight).
         let copy = Arc::new(panels(w, out, input));
         c.bytes += bytes;
-        c.copies.push((id, ty, copy.clone()));
+        c.copies.push((key, ty, copy.clone(), held.cloned()));
         Some(copy)
     }
 }
 
-/// The copy of weight `id` (`w`, `[out, input]`; the copy `[input, out]` in panels) from
-/// the copies this thread runs inside, made on first use; `None` outside
-/// [`TransposedWeights::run`] or past the budget.
+/// The copy of a weight (`w`, `[out, input]`; the copy `[input, out]` in panels) from the
+/// copies this thread runs inside, made on first use; `None` outside
+/// [`TransposedWeights::run`] or past the budget. `source`: the weight's tensor where
+/// `w` are its values in place (found by their address: one copy for a variable and
+/// every view of it, as the representation pass's detached model and the replay's
+/// tracked one read it), else the id of the tensor `w` was converted from.
 pub(in crate::nn) fn transposed<T: Float>(
-    id: TensorId,
+    source: Result<&candle_core::Tensor, TensorId>,
     w: &[T],
     (out, input): (usize, usize),
 ) -> Option<Arc<PanelCopy<T>>> {
     if w.len() != out * input {
         return None;
     }
+    let key = match source {
+        Ok(held) => (CopyKey::Values(w.as_ptr() as usize, w.len()), Some(held)),
+        Err(id) => (CopyKey::Tensor(id), None),
+    };
     let active = ACTIVE.with(|a| a.borrow().clone())?;
-    active.get(id, w, (out, input))
+    active.get(key, w, (out, input))
 }
 
 /// `w [out, input]` transposed in panels: the panel of outputs `first..first + width` is
@@ -246,7 +270,7 @@ mod tests {
     #[test]
     fn copies_are_read_only_inside_run_and_transpose() {
         let w: Vec<f32> = (0..6).map(|i| i as f32).collect();
-        let key = id();
+        let key = Err(id());
         let copies = TransposedWeights::new();
         assert!(transposed(key, &w, (2, 3)).is_none());
         let t = copies.run(|| {
@@ -271,6 +295,32 @@ mod tests {
                 assert!(Arc::ptr_eq(&t, &again));
             });
         });
+    }
+
+    #[test]
+    fn a_variable_and_its_views_share_one_copy_held_while_the_copies_live() {
+        use crate::nn::cpu::layers::packing::View;
+        let values: Vec<f32> = (0..6).map(|i| i as f32).collect();
+        let var = candle_core::Var::from_vec(values, (2, 3), &Device::Cpu).unwrap();
+        // The replay's tracked weight and the representation pass's detached view of it:
+        // two tensors (two ids), one storage.
+        let (tracked, detached) = (var.as_tensor().clone(), var.as_detached_tensor());
+        assert_ne!(tracked.id(), detached.id());
+        let copies = TransposedWeights::new();
+        copies.run(|| {
+            let read = |t: &Tensor| {
+                let view = View::new(t).unwrap();
+                transposed(Ok(t), view.values::<f32>().unwrap(), (2, 3)).unwrap()
+            };
+            let first = read(&tracked);
+            assert!(Arc::ptr_eq(&first, &read(&detached)));
+            assert_eq!(first[..], [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+        });
+        assert_eq!(copies.bytes(), 24, "one copy");
+        // The copy holds the weight: its storage outlives the tensors given.
+        let held = copies.lock().copies[0].3.clone().unwrap();
+        drop((tracked, detached, var));
+        assert_eq!(held.to_vec2::<f32>().unwrap()[1], [3.0, 4.0, 5.0]);
     }
 
     #[test]
