@@ -193,17 +193,22 @@ impl RotaryEncoder {
                     .enumerate()
                     .map(|(i, layer)| {
                         let l = at(&vb, &format!("{list}.{i}"));
+                        // Jina v3's feed-forward (the config refuses another family's).
                         let Mlp::Plain { fc1, fc2 } = &layer.mlp else {
-                            unreachable!("task adapters are Jina v3's, whose feed-forward is plain")
+                            return Err(crate::Error::InvalidArgument {
+                                what: "task adapters",
+                                value: t.names.join(", "),
+                                reason: "are Jina v3's, on its plain feed-forward",
+                            });
                         };
-                        [
+                        Ok([
                             (at(&l, qkv), &layer.qkv),
                             (at(&l, out), &layer.out),
                             (l.pp("mlp").pp("fc1"), fc1),
                             (l.pp("mlp").pp("fc2"), fc2),
-                        ]
+                        ])
                     })
-                    .collect();
+                    .collect::<Result<_>>()?;
                 let type_shape = types.as_ref().map(|t| t.dims2()).transpose()?;
                 let (word_vb, type_vb) = (e.pp("word_embeddings"), e.pp("token_type_embeddings"));
                 (0..t.names.len())
