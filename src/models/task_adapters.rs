@@ -37,9 +37,8 @@ impl TableUpdate {
         t: usize,
         s: &TaskAdapters,
     ) -> Result<Self> {
-        let module = vb.prefix();
         let get = |shape: (usize, usize), factor: &str, init: Init| {
-            vb.get_with_hints_dtype(shape, &leaf(&module, factor, t), init, DType::F32)
+            vb.get_with_hints_dtype(shape, &leaf(factor, t), init, DType::F32)
         };
         Ok(Self {
             a: get((rows, s.rank), "lora_A", candle_nn::init::ZERO)?,
@@ -72,10 +71,10 @@ impl TableUpdate {
     }
 }
 
-/// The name of a task's factor under a module, relative to the module's builder.
-fn leaf(module: &str, factor: &str, t: usize) -> String {
-    let full = task_adapter(module, factor, t);
-    full[module.len()..].trim_start_matches('.').to_string()
+/// The name of task `t`'s factor under a module's builder ([`task_adapter`] relative
+/// to the module).
+fn leaf(factor: &str, t: usize) -> String {
+    task_adapter("", factor, t)[1..].to_string()
 }
 
 /// One task's adapters.
@@ -89,12 +88,11 @@ pub(super) struct TaskSet {
 /// The adapter of task `t` on the projection `layer` (under `vb`): the release's
 /// initialisation where the file has none (`A` Kaiming-uniform, `B` zeros).
 fn projection(vb: &VarBuilder, layer: &Linear, t: usize, s: &TaskAdapters) -> Result<Adapter> {
-    let module = vb.prefix();
     let (out, input) = layer.base_weight().dims2()?;
     let bound = 1.0 / (input as f64).sqrt();
     let a = vb.get_with_hints_dtype(
         (s.rank, input),
-        &leaf(&module, "lora_A", t),
+        &leaf("lora_A", t),
         Init::Uniform {
             lo: -bound,
             up: bound,
@@ -103,7 +101,7 @@ fn projection(vb: &VarBuilder, layer: &Linear, t: usize, s: &TaskAdapters) -> Re
     )?;
     let b = vb.get_with_hints_dtype(
         (out, s.rank),
-        &leaf(&module, "lora_B", t),
+        &leaf("lora_B", t),
         candle_nn::init::ZERO,
         DType::F32,
     )?;
@@ -143,6 +141,16 @@ impl TaskSet {
     }
 }
 
+/// The modules `weights` hold task adapters of (a run's names, `<m>.lora_A.task<t>`).
+fn adapted_modules(
+    weights: &std::collections::HashMap<String, Tensor>,
+) -> std::collections::BTreeSet<String> {
+    weights
+        .keys()
+        .filter_map(|n| crate::names::task_adapter_name(n).map(|(m, _, _)| m.to_string()))
+        .collect()
+}
+
 /// `weights` (a run's names: `<m>.weight`, `<m>.lora_A.task<t>`, ...) in the release's
 /// layout, as Jina v3's `XLMRobertaLoRA` saves it: under `roberta.`, every adapted
 /// module's weight as `<m>.parametrizations.weight.original` and its adapters stacked
@@ -152,10 +160,7 @@ pub fn release_layout(
     mut weights: std::collections::HashMap<String, Tensor>,
     tasks: usize,
 ) -> Result<std::collections::HashMap<String, Tensor>> {
-    let modules: std::collections::BTreeSet<String> = weights
-        .keys()
-        .filter_map(|n| crate::names::task_adapter_name(n).map(|(m, _, _)| m.to_string()))
-        .collect();
+    let modules = adapted_modules(&weights);
     let mut out = std::collections::HashMap::new();
     for module in &modules {
         for factor in ["lora_A", "lora_B"] {
@@ -203,10 +208,7 @@ pub fn merge_task(
     task: usize,
     tasks: &TaskAdapters,
 ) -> Result<std::collections::HashMap<String, Tensor>> {
-    let modules: std::collections::BTreeSet<String> = weights
-        .keys()
-        .filter_map(|n| crate::names::task_adapter_name(n).map(|(m, _, _)| m.to_string()))
-        .collect();
+    let modules = adapted_modules(&weights);
     for module in &modules {
         let factor = |f: &str| {
             let name = task_adapter(module, f, task);

@@ -101,3 +101,34 @@ pub fn assert_step_matches(
     }
     seen
 }
+
+/// A copy of the model directory `src` at `out`, its `file` (JSON) edited by `edit`.
+pub fn edited_copy(
+    src: &Path,
+    out: &Path,
+    file: &str,
+    edit: impl Fn(&mut serde_json::Value),
+) -> PathBuf {
+    fn walk(dir: &Path) -> Vec<PathBuf> {
+        let mut found = Vec::new();
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            if e.path().is_dir() {
+                found.extend(walk(&e.path()));
+            } else {
+                found.push(e.path());
+            }
+        }
+        found
+    }
+    for entry in walk(src) {
+        let to = out.join(entry.strip_prefix(src).unwrap());
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(&entry, &to).unwrap();
+    }
+    let path = out.join(file);
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, v.to_string()).unwrap();
+    out.to_path_buf()
+}

@@ -12,13 +12,14 @@ use gradcache::hub::{EmbeddingModel, LoadOptions};
 use gradcache::train::{export_run, export_run_as, Config, ExportLayout, Quiet, Trainer};
 use gradcache::{Error, Side};
 
+use crate::common::families::edited_copy;
 use crate::common::{bits, max_diff, vocab_pairs};
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jina-tasks")
 }
 
-fn run_config(dir: &Path, tasks: &str) -> PathBuf {
+fn run_config(dir: &Path, model: &Path, tasks: &str) -> PathBuf {
     vocab_pairs(&dir.join("pairs.jsonl"));
     let config = format!(
         r#"
@@ -45,7 +46,7 @@ lr = 1e-2
 "#,
         out = dir.join("run").display(),
         dir = dir.display(),
-        model = fixture().display(),
+        model = model.display(),
     );
     let path = dir.join("tasks.toml");
     fs::write(&path, config).unwrap();
@@ -73,6 +74,7 @@ fn a_run_trains_its_tasks_adapters_alone_resumes_exactly_and_exports_the_release
     let dir = tempfile::tempdir().unwrap();
     let path = run_config(
         dir.path(),
+        &fixture(),
         "query_task = \"retrieval.query\"\npassage_task = \"retrieval.passage\"",
     );
     let cfg = Config::load(&path, &[]).unwrap();
@@ -205,8 +207,8 @@ fn a_run_trains_its_tasks_adapters_alone_resumes_exactly_and_exports_the_release
 fn bad_task_settings_are_refused_before_anything_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("run");
-    let refused = |tasks: &str| -> String {
-        let path = run_config(dir.path(), tasks);
+    let refused_on = |model: &Path, tasks: &str| -> String {
+        let path = run_config(dir.path(), model, tasks);
         let err: Error = match Config::load(&path, &[]) {
             Err(e) => e,
             Ok(cfg) => Trainer::new(cfg, None).err().expect("accepted"),
@@ -214,6 +216,7 @@ fn bad_task_settings_are_refused_before_anything_is_written() {
         assert!(!out.exists(), "{err}: the run directory was created");
         err.to_string()
     };
+    let refused = |tasks: &str| refused_on(&fixture(), tasks);
     let err = refused("task = \"classification\"");
     assert!(
         err.contains("classification") && err.contains("text-matching"),
@@ -223,4 +226,46 @@ fn bad_task_settings_are_refused_before_anything_is_written() {
     assert!(err.contains("model.lora"), "{err}");
     let err = refused("task = \"text-matching\"\nshared = false");
     assert!(err.contains("shared"), "{err}");
+    // A task of a model without adapters, named with the model.
+    let gte = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/gte");
+    let err = refused_on(&gte, "task = \"retrieval.query\"");
+    assert!(
+        err.contains("no task adapters") && err.contains("families/gte"),
+        "{err}"
+    );
+    // The release's adapter dropout, with dropout on (the default).
+    let dropped = edited_copy(
+        &fixture(),
+        &dir.path().join("dropped"),
+        "config.json",
+        |c| c["lora_dropout_p"] = 0.1.into(),
+    );
+    let err = refused_on(&dropped, "task = \"text-matching\"");
+    assert!(err.contains("lora_dropout_p"), "{err}");
+    // With dropout off the release's dropout never runs: accepted.
+    let path = run_config(
+        dir.path(),
+        &dropped,
+        "task = \"text-matching\"\ndropout = false",
+    );
+    Trainer::new(Config::load(&path, &[]).unwrap(), None).unwrap();
+    // A task merged out of a run whose model has none: refused, nothing written.
+    std::fs::remove_dir_all(&out).unwrap();
+    let cfg = Config::load(&run_config(dir.path(), &gte, ""), &[]).unwrap();
+    Trainer::new(cfg.clone(), None)
+        .unwrap()
+        .run(&mut Quiet)
+        .unwrap();
+    let merged = dir.path().join("merged");
+    let err = export_run_as(
+        &cfg,
+        None,
+        &merged,
+        Side::Query,
+        ExportLayout::Task("retrieval.query".into()),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("no task adapters"), "{err}");
+    assert!(!merged.exists());
 }

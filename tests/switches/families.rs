@@ -456,7 +456,7 @@ fn the_composed_ops_match_transformers_too() {
     result.unwrap();
 }
 
-/// A copy of fixture `family` in `dir`, with `edit` applied to the JSON file `file`.
+/// A copy of fixture `family` in `dir` with its `file` (JSON) edited by `edit`.
 pub(crate) fn edited(
     dir: &Path,
     family: &str,
@@ -464,31 +464,7 @@ pub(crate) fn edited(
     edit: impl Fn(&mut serde_json::Value),
 ) -> PathBuf {
     let out = dir.join(format!("{family}-{}", file.replace('/', "-")));
-    let src = fixture(family);
-    for entry in walk(&src) {
-        let rel = entry.strip_prefix(&src).unwrap();
-        let to = out.join(rel);
-        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
-        std::fs::copy(&entry, &to).unwrap();
-    }
-    let path = out.join(file);
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    edit(&mut v);
-    std::fs::write(&path, v.to_string()).unwrap();
-    out
-}
-
-fn walk(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap().flatten() {
-        if e.path().is_dir() {
-            out.extend(walk(&e.path()));
-        } else {
-            out.push(e.path());
-        }
-    }
-    out
+    crate::common::families::edited_copy(&fixture(family), &out, file, edit)
 }
 
 pub(crate) fn load_err(dir: &Path) -> String {
