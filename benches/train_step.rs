@@ -19,6 +19,7 @@
 //! cargo bench --bench train_step -- --layout        # one thread's encode products, by weight layout
 //! cargo bench --bench train_step -- --packing       # the same, by the gemm crate's packing thresholds
 //! cargo bench --bench train_step -- --panels        # an encoding's panel products: alignment, blocking
+//! cargo bench --bench train_step -- --backward      # a replay's backward products, by operand layout
 //! GRADCACHE_MINILM=/path/to/all-MiniLM-L6-v2 cargo bench --bench train_step
 //! GRADCACHE_BLAS=/path/to/libmkl_rt.so.2 cargo bench --bench train_step  # the steps through MKL
 //! ```
@@ -318,6 +319,132 @@ fn panel_products() {
     }
 }
 
+/// Best seconds of `repeats` runs of `f`.
+fn best_of(repeats: usize, mut f: impl FnMut()) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..repeats {
+        let t = Instant::now();
+        f();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    best
+}
+
+/// A replay's backward products at a training chunk's rows (8 texts: 320 and 512 tokens)
+/// and base-size shapes, on the threads of the pool (`RAYON_NUM_THREADS`), as the layer
+/// nodes run them and in the layouts a copy of the weight would allow. Prints `rows in
+/// out`, then GFLOP/s (best of 10) of: the forward `x W^T` from a copy in panels (what
+/// a step reads now), the input gradient `dy W` from the weight as stored (now) and from
+/// a copy of `W` in panels of 64 input columns (`[out, 64]` each, read in place), the
+/// weight gradient `dy^T x` (now, `[out, in]`), and the same sums as `x^T dy`
+/// (`[in, out]`, the gradient transposed).
+fn backward_products() {
+    use gradcache::nn::{panel_product, PanelKernel};
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads();
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    let value = |i: usize| ((i % 97) as f32 - 48.0) / 97.0;
+    // `dst [m, n] = lhs [m, k] rhs [k, n]`, operands as (values, row stride, col stride).
+    let product = |(m, n, k): (usize, usize, usize),
+                   dst: &mut [f32],
+                   (a, a_rs, a_cs): (&[f32], usize, usize),
+                   (b, b_rs, b_cs): (&[f32], usize, usize)| {
+        // SAFETY: every operand covers the extent its strides give; dst overlaps none.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                a.as_ptr(),
+                a_cs as isize,
+                a_rs as isize,
+                b.as_ptr(),
+                b_cs as isize,
+                b_rs as isize,
+                0f32,
+                1f32,
+                false,
+                false,
+                false,
+                par,
+            )
+        }
+    };
+    // Panels of 64 columns of `b [k, n]` (row-major), each `[k, 64]` contiguous.
+    let panels_of = |b: &[f32], k: usize, n: usize| -> Vec<f32> {
+        let mut out = Vec::with_capacity(b.len());
+        for first in (0..n).step_by(64) {
+            for r in 0..k {
+                out.extend_from_slice(&b[r * n + first..r * n + first + 64]);
+            }
+        }
+        out
+    };
+    // `dst [m, n] = a [m, k] B` from `B`'s panels, the panels shared out across the pool.
+    let from_panels =
+        |(m, n, k): (usize, usize, usize), dst: &mut [f32], a: &[f32], panels: &[f32]| {
+            let dst_ptr = dst.as_mut_ptr() as usize;
+            let len = dst.len();
+            (0..n / 64).into_par_iter().for_each(|p| {
+                // SAFETY: panel `p` writes columns `64 p .. 64 p + 64` of each row alone.
+                let dst = unsafe { std::slice::from_raw_parts_mut(dst_ptr as *mut f32, len) };
+                panel_product(
+                    PanelKernel::Gemm,
+                    (m, k),
+                    a,
+                    &panels[p * 64 * k..(p + 1) * 64 * k],
+                    (&mut dst[p * 64..], n),
+                );
+            });
+        };
+    println!("# rows in out | x W^T panels | dy W stored | dy W panels | dy^T x | x^T dy (GFLOP/s, {threads} threads)");
+    for rows in [320, 512] {
+        for (input, out) in [(768, 768), (768, 3072), (3072, 768)] {
+            let (w, wt) = weight_pair(input, out);
+            let x: Vec<f32> = (0..rows * input).map(value).collect();
+            let dy: Vec<f32> = (0..rows * out).map(|i| value(i + 3)).collect();
+            let flop = 2.0 * (rows * input * out) as f64;
+            let rate = |secs: f64| flop / secs / 1e9;
+            let forward_panels = panels_of(&wt, input, out);
+            let mut y = vec![0f32; rows * out];
+            let fwd = best_of(10, || {
+                from_panels((rows, out, input), &mut y, &x, &forward_panels)
+            });
+            let mut dx = vec![0f32; rows * input];
+            let dx_stored = best_of(10, || {
+                product((rows, input, out), &mut dx, (&dy, out, 1), (&w, input, 1))
+            });
+            let input_panels = panels_of(&w, out, input);
+            let dx_panels = best_of(10, || {
+                from_panels((rows, input, out), &mut dx, &dy, &input_panels)
+            });
+            let mut dw = vec![0f32; out * input];
+            let dw_now = best_of(10, || {
+                product((out, input, rows), &mut dw, (&dy, 1, out), (&x, input, 1))
+            });
+            let dw_t = best_of(10, || {
+                product((input, out, rows), &mut dw, (&x, 1, input), (&dy, out, 1))
+            });
+            println!(
+                "{rows} {input} {out} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1}",
+                rate(fwd),
+                rate(dx_stored),
+                rate(dx_panels),
+                rate(dw_now),
+                rate(dw_t)
+            );
+        }
+    }
+}
+
 fn row(label: &str, r: &StepReport, p: &PhaseTimes, peak: f64) {
     let secs = p.total_ms() / 1e3;
     let gflops = r.flops / secs / 1e9;
@@ -401,6 +528,10 @@ fn main() -> anyhow::Result<()> {
     }
     if std::env::args().any(|a| a == "--panels") {
         panel_products();
+        return Ok(());
+    }
+    if std::env::args().any(|a| a == "--backward") {
+        backward_products();
         return Ok(());
     }
     let peak = sgemm_peak(2048)?;
