@@ -24,12 +24,17 @@ fn fixture() -> PathBuf {
 }
 
 fn load(task: Option<&str>) -> gradcache::Result<EmbeddingModel> {
+    load_from(&fixture(), task)
+}
+
+/// The model in `dir` under `task` (none: the base).
+fn load_from(dir: &std::path::Path, task: Option<&str>) -> gradcache::Result<EmbeddingModel> {
     let options = LoadOptions {
         max_len: Some(MAX_LEN),
         task: task.map(String::from),
         ..Default::default()
     };
-    EmbeddingModel::load(fixture().to_str().unwrap(), &options)
+    EmbeddingModel::load(dir.to_str().unwrap(), &options)
 }
 
 #[test]
@@ -137,11 +142,7 @@ fn a_task_the_model_lacks_and_a_model_without_tasks_are_refused_by_name() {
         "{err}"
     );
     let plain = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/families/gte");
-    let options = LoadOptions {
-        task: Some("retrieval.query".into()),
-        ..Default::default()
-    };
-    let err = EmbeddingModel::load(plain.to_str().unwrap(), &options)
+    let err = load_from(&plain, Some("retrieval.query"))
         .err()
         .unwrap()
         .to_string();
@@ -172,10 +173,7 @@ fn a_task_the_model_lacks_and_a_model_without_tasks_are_refused_by_name() {
             .unwrap()
             .push("separation".into())
     });
-    let err = EmbeddingModel::load(more.to_str().unwrap(), &LoadOptions::default())
-        .err()
-        .unwrap()
-        .to_string();
+    let err = crate::families::load_err(&more);
     assert!(
         err.contains("parametrizations.weight.0.lora_") && err.contains("task 3"),
         "{err}"
